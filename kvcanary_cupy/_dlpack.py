@@ -1,0 +1,256 @@
+"""Zero-copy views of caller arrays, wherever they live.
+
+Every array argument of the public API may be a NumPy array, a CuPy array or any object speaking
+DLPack (PyTorch, JAX, numba device arrays...). This module turns each one into a *native* view —
+``numpy.ndarray`` for host memory, ``cupy.ndarray`` for device memory — over the caller's own bytes,
+so ops write into the caller's memory. Dtypes NumPy/CuPy cannot express (bfloat16, float8...) are
+read straight from the DLPack capsule and viewed as raw bytes, which is all the real-KV sources need.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+# DLPack device types (dlpack.h).
+_DL_CPU = 1
+_DL_CUDA = 2
+_DL_CUDA_HOST = 3
+_DL_CUDA_MANAGED = 13
+_HOST_DEVICE_TYPES = (_DL_CPU, _DL_CUDA_HOST)
+_CUDA_DEVICE_TYPES = (_DL_CUDA, _DL_CUDA_MANAGED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Where an array lives: ``Device("cpu")`` or ``Device("cuda", index)``."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+CPU = Device("cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_module():
+    """CuPy, or ``None`` when it is not installed or cannot initialise."""
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception:  # ImportError, or a CUDA library failing to load
+        return None
+    return cupy
+
+
+def cuda_device_count() -> int:
+    cupy = cupy_module()
+    if cupy is None:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device
+        return 0
+
+
+def parse_device(spec: Any) -> Device:
+    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N, or a :class:`Device`."""
+    if isinstance(spec, Device):
+        return spec
+    if isinstance(spec, bool):
+        raise TypeError(f"kv-canary: device must be 'cpu', 'cuda', 'cuda:N' or an int, got {spec!r}")
+    if isinstance(spec, (int, np.integer)):
+        if int(spec) < 0:
+            raise ValueError(f"kv-canary: device index must be non-negative, got {int(spec)}")
+        return Device("cuda", int(spec))
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "cpu":
+            return CPU
+        if text == "cuda":
+            return Device("cuda", _current_cuda_device())
+        if text.startswith("cuda:") and text[5:].isdigit():
+            return Device("cuda", int(text[5:]))
+        raise ValueError(f"kv-canary: device must be 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
+    raise TypeError(f"kv-canary: device must be 'cpu', 'cuda', 'cuda:N' or an int, got {spec!r}")
+
+
+def _current_cuda_device() -> int:
+    cupy = cupy_module()
+    if cupy is None:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDevice())
+    except Exception:
+        return 0
+
+
+def device_of(obj: Any, name: str) -> Device:
+    """The device an array-like argument lives on."""
+    if isinstance(obj, np.ndarray):
+        return CPU
+    cupy = cupy_module()
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return Device("cuda", int(obj.device.id))
+    probe = getattr(obj, "__dlpack_device__", None)
+    if probe is None:
+        raise TypeError(
+            f"kv-canary: {name} must be an array supporting DLPack (NumPy, CuPy, PyTorch, JAX...), "
+            f"got {type(obj).__name__}"
+        )
+    device_type, device_id = probe()
+    device_type = int(device_type)
+    if device_type in _HOST_DEVICE_TYPES:
+        return CPU
+    if device_type in _CUDA_DEVICE_TYPES:
+        return Device("cuda", int(device_id))
+    raise ValueError(
+        f"kv-canary: {name} lives on an unsupported DLPack device type {device_type}; "
+        "only host memory and CUDA devices are supported"
+    )
+
+
+def native_view(obj: Any, name: str, device: Device | None = None):
+    """A NumPy (host) or CuPy (CUDA) view of ``obj`` sharing its memory."""
+    device = device_of(obj, name) if device is None else device
+    if not device.is_cuda:
+        if isinstance(obj, np.ndarray):
+            return obj
+        try:
+            return np.from_dlpack(obj)
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            return raw_byte_view(obj, name)
+    cupy = require_cupy(name)
+    if isinstance(obj, cupy.ndarray):
+        return obj
+    try:
+        return cupy.from_dlpack(obj)
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return raw_byte_view(obj, name)
+
+
+def require_cupy(name: str):
+    cupy = cupy_module()
+    if cupy is None:
+        raise RuntimeError(
+            f"kv-canary: {name} lives on a CUDA device but CuPy is not available; "
+            "install kvcanary_cupy[cuda12] or kvcanary_cupy[cuda13]"
+        )
+    return cupy
+
+
+# --- raw DLPack, for dtypes NumPy and CuPy cannot express -------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_get_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_capsule_pointer.restype = ctypes.c_void_p
+_get_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+class _CapsuleKeeper:
+    """Holds the producer object and its capsule so the memory outlives our view."""
+
+    def __init__(self, producer: Any, capsule: Any):
+        self.producer = producer
+        self.capsule = capsule
+
+
+def raw_byte_view(obj: Any, name: str):
+    """A uint8 view with the same byte geometry as ``obj``: shape ``(*shape[:-1], shape[-1] * itemsize)``."""
+    capsule = obj.__dlpack__()
+    address = _get_capsule_pointer(capsule, b"dltensor")
+    tensor = _DLManagedTensor.from_address(address).dl_tensor
+    itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8
+    ndim = int(tensor.ndim)
+    if ndim == 0 or itemsize == 0:
+        raise TypeError(f"kv-canary: {name} must be an array with at least one dimension")
+    shape = [int(tensor.shape[i]) for i in range(ndim)]
+    if tensor.strides:
+        strides = [int(tensor.strides[i]) * itemsize for i in range(ndim)]
+    else:
+        strides = [itemsize] * ndim
+        for i in range(ndim - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+    if strides[-1] != itemsize and shape[-1] > 1:
+        raise ValueError(f"kv-canary: {name} must have a contiguous last dimension, got strides {strides}")
+    byte_shape = tuple(shape[:-1]) + (shape[-1] * itemsize,)
+    byte_strides = tuple(strides[:-1]) + (1,)
+    pointer = int(tensor.data or 0) + int(tensor.byte_offset)
+    span = 0 if 0 in byte_shape else 1 + sum((n - 1) * s for n, s in zip(byte_shape, byte_strides))
+    keeper = _CapsuleKeeper(obj, capsule)
+    if int(tensor.device.device_type) in _HOST_DEVICE_TYPES:
+        if span == 0:
+            return np.zeros(byte_shape, dtype=np.uint8)
+        buffer = (ctypes.c_uint8 * span).from_address(pointer)
+        buffer._kvcanary_keeper = keeper  # type: ignore[attr-defined]
+        flat = np.frombuffer(buffer, dtype=np.uint8)
+        return np.lib.stride_tricks.as_strided(flat, shape=byte_shape, strides=byte_strides)
+    cupy = require_cupy(name)
+    memory = cupy.cuda.UnownedMemory(pointer, span, keeper, int(tensor.device.device_id))
+    return cupy.ndarray(byte_shape, dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0),
+                        strides=byte_strides)
+
+
+def data_pointer(array) -> int:
+    """Address of the first element of a native array."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data)
+    return int(array.data.ptr)
+
+
+def to_host(array) -> np.ndarray:
+    """A host copy (or the array itself when it already is one)."""
+    if isinstance(array, np.ndarray):
+        return array
+    return array.get()
+
+
+def empty(shape, dtype, device: Device, fill: int = 0):
+    """A filled array on ``device``."""
+    if device.is_cuda:
+        cupy = require_cupy("device")
+        with cupy.cuda.Device(device.index):
+            return cupy.full(shape, fill, dtype=dtype)
+    return np.full(shape, fill, dtype=dtype)
+
+
+def from_host(array: np.ndarray, device: Device):
+    if not device.is_cuda:
+        return array
+    cupy = require_cupy("device")
+    with cupy.cuda.Device(device.index):
+        return cupy.asarray(array)

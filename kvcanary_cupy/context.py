@@ -1,0 +1,297 @@
+"""The canary's state (canary buffer, violation ring, counters) and the plans of one forward pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import _layout as L
+from . import validate as check
+from ._dlpack import CPU, Device, device_of, empty, from_host, native_view, parse_device, to_host
+from .sources import RealKvSource
+
+
+def _adopt(owner: Any, fields: dict[str, tuple[Any, str]]) -> dict[str, Device]:
+    """Replace each named field of a frozen dataclass by its native view; returns the devices."""
+    devices = {}
+    for attribute, (value, label) in fields.items():
+        device = device_of(value, label)
+        object.__setattr__(owner, attribute, native_view(value, label, device))
+        devices[label] = device
+    return devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One decoded row of the violation ring."""
+
+    kernel_kind: L.LaunchTag | int
+    slot_idx: int
+    position: int
+    stored_token: int
+    expected_token: int
+    stored_chain_hash: int
+    expected_aux: int
+    fail_reason: L.FailReason
+
+    @classmethod
+    def from_row(cls, row: Sequence[int]) -> "Violation":
+        kind = int(row[L.RING_COL_KERNEL_KIND])
+        try:
+            tag: L.LaunchTag | int = L.LaunchTag(kind)
+        except ValueError:
+            tag = kind
+        return cls(tag, *(int(v) for v in row[1:L.RING_COL_FAIL_BITS]),
+                   L.FailReason(int(row[L.RING_COL_FAIL_BITS]) & 0x7F))
+
+    def describe(self) -> str:
+        tag = self.kernel_kind.name if isinstance(self.kernel_kind, L.LaunchTag) else str(self.kernel_kind)
+        reasons = "|".join(flag.name for flag in L.FailReason if flag in self.fail_reason) or "none"
+        return (f"{tag}: slot {self.slot_idx} position {self.position} [{reasons}] "
+                f"token stored={self.stored_token} expected={self.expected_token} "
+                f"chain stored=0x{self.stored_chain_hash & L.U64_MASK:016x} aux=0x{self.expected_aux & L.U64_MASK:016x}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ViolationReport:
+    """What the ring holds: the kept rows, every violation ever counted, and how many were dropped."""
+
+    rows: tuple[Violation, ...]
+    total: int
+    dropped: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[Violation]:
+        return iter(self.rows)
+
+    def __getitem__(self, index: int) -> Violation:
+        return self.rows[index]
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryContext:
+    """The canary buffer, violation ring, counters and real-KV sources of one KV pool.
+
+    Build it with :meth:`allocate`, or from your own arrays (any DLPack objects, used in place).
+    """
+
+    canary_buf: Any
+    violation_ring: Any
+    violation_write_index: Any
+    slot_run_counter: Any
+    kernel_run_counter: Any
+    chain_position_assert: Any
+    real_kv_sources: Sequence[RealKvSource] = ()
+    hash_mode: L.HashMode = L.HashMode.NONE
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+    source_table: Any = dataclasses.field(init=False, repr=False, compare=False)
+    source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        devices = _adopt(self, {
+            "canary_buf": (self.canary_buf, "canary_buf"),
+            "violation_ring": (self.violation_ring, "violation_ring"),
+            "violation_write_index": (self.violation_write_index, "violation_write_index"),
+            "slot_run_counter": (self.slot_run_counter, "slot_run_counter"),
+            "kernel_run_counter": (self.kernel_run_counter, "kernel_run_counter"),
+            "chain_position_assert": (self.chain_position_assert, "chain_position_assert"),
+        })
+        sources = tuple(self.real_kv_sources)
+        for index, source in enumerate(sources):
+            if not isinstance(source, RealKvSource):
+                raise TypeError(f"{check.PREFIX}real_kv_sources[{index}] must be a RealKvSource, "
+                                f"got {type(source).__name__}")
+            devices[f"real_kv_sources[{index}].tensor"] = source.device
+        device = check.one_device(devices)
+        mode = check.one_of("hash_mode", self.hash_mode, list(L.HashMode), L.HashMode)
+
+        buf = self.canary_buf
+        check.dtype("canary_buf", buf, np.uint8)
+        check.ndim("canary_buf", buf, 2)
+        check.c_contiguous("canary_buf", buf)
+        if buf.shape[0] < 1:
+            raise ValueError(f"{check.PREFIX}canary_buf must have at least one slot, got shape {tuple(buf.shape)}")
+        stride = int(buf.shape[1])
+        if stride < L.MIN_SLOT_STRIDE_BYTES or stride % L.SLOT_WORD_BYTES:
+            raise ValueError(f"{check.PREFIX}canary_buf slot_stride_bytes (shape[1]) must be >= 32 and a multiple "
+                             f"of 8, got {stride}")
+        check.aligned("canary_buf", buf, L.SLOT_WORD_BYTES)
+        ring = self.violation_ring
+        check.dtype("violation_ring", ring, np.int64)
+        check.ndim("violation_ring", ring, 2)
+        check.c_contiguous("violation_ring", ring)
+        if ring.shape[1] != L.RING_COLUMNS:
+            raise ValueError(f"{check.PREFIX}violation_ring must have {L.RING_COLUMNS} columns, got shape "
+                             f"{tuple(ring.shape)}")
+        check.fits_int32("violation_ring capacity", int(ring.shape[0]))
+        check.fits_int32("canary_buf num_slots", int(buf.shape[0]) - 1)
+        check.scalar_cell("violation_write_index", self.violation_write_index, np.int32)
+        check.scalar_cell("slot_run_counter", self.slot_run_counter, np.int64)
+        check.scalar_cell("kernel_run_counter", self.kernel_run_counter, np.int64)
+        check.scalar_cell("chain_position_assert", self.chain_position_assert, np.int32)
+
+        hashed = sources if mode != L.HashMode.NONE else ()
+        descriptors = np.array([s.descriptor(mode) for s in hashed], dtype=np.int64).reshape(
+            len(hashed), L.SOURCE_DESCRIPTOR_WORDS)
+        words = tuple(s.host_words() for s in hashed) if not device.is_cuda else ()
+        for name, value in (("real_kv_sources", sources), ("hash_mode", mode), ("device", device),
+                            ("source_table", from_host(descriptors, device)), ("source_words", words)):
+            object.__setattr__(self, name, value)
+
+    # --- construction ---------------------------------------------------------------------------
+    @classmethod
+    def allocate(cls, num_slots: int, *, device: Any = "cpu", ring_capacity: int = 1024,
+                 slot_stride_bytes: int = L.MIN_SLOT_STRIDE_BYTES,
+                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.NONE,
+                 chain_position_assert: bool = False) -> "CanaryContext":
+        """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot)."""
+        num_slots = check.positive("num_slots", num_slots)
+        ring_capacity = check.non_negative("ring_capacity", ring_capacity)
+        slot_stride_bytes = check.at_least("slot_stride_bytes", slot_stride_bytes, L.MIN_SLOT_STRIDE_BYTES)
+        if slot_stride_bytes % L.SLOT_WORD_BYTES:
+            raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
+        assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
+        where = parse_device(device)
+        return cls(
+            canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
+            violation_ring=empty((ring_capacity, L.RING_COLUMNS), np.int64, where),
+            violation_write_index=empty((1,), np.int32, where),
+            slot_run_counter=empty((1,), np.int64, where),
+            kernel_run_counter=empty((1,), np.int64, where),
+            chain_position_assert=empty((1,), np.int32, where, fill=assert_flag),
+            real_kv_sources=tuple(real_kv_sources),
+            hash_mode=hash_mode,
+        )
+
+    # --- facts ----------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return int(self.canary_buf.shape[0])
+
+    @property
+    def slot_stride_bytes(self) -> int:
+        return int(self.canary_buf.shape[1])
+
+    @property
+    def ring_capacity(self) -> int:
+        return int(self.violation_ring.shape[0])
+
+    # --- host side (these synchronise) -----------------------------------------------------------
+    def violations(self) -> ViolationReport:
+        """Decode the ring on the host. On a GPU this waits for the work queued so far."""
+        total = int(to_host(self.violation_write_index)[0])
+        total = total if total >= 0 else total + (1 << 32)
+        kept = min(total, self.ring_capacity)
+        rows = to_host(self.violation_ring[:kept]) if kept else np.zeros((0, L.RING_COLUMNS), np.int64)
+        return ViolationReport(tuple(Violation.from_row(r) for r in rows.tolist()), total, total - kept)
+
+    def counters(self) -> dict[str, int]:
+        """``slot_run_counter``, ``kernel_run_counter`` and the violation count, on the host."""
+        return {
+            "slot_run_counter": int(to_host(self.slot_run_counter)[0]),
+            "kernel_run_counter": int(to_host(self.kernel_run_counter)[0]),
+            "violations": int(to_host(self.violation_write_index)[0]),
+        }
+
+    def clear_violations(self) -> None:
+        """Empty the ring (rows and write index); counters are kept."""
+        self.violation_ring[...] = 0
+        self.violation_write_index[...] = 0
+
+    def set_chain_position_assert(self, enabled: bool) -> None:
+        """Flip the device flag; CUDA graphs captured earlier see the new value."""
+        self.chain_position_assert[...] = 1 if check.boolean("enabled", enabled) else 0
+
+    def slot_fields(self, slot: int) -> dict[str, int]:
+        """The four stored fields of one slot, read on the host."""
+        slot = check.integer("slot", slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"{check.PREFIX}slot must be in [0, {self.num_slots}), got {slot}")
+        words = to_host(self.canary_buf[slot, :L.MIN_SLOT_STRIDE_BYTES]).view(np.int64)
+        return {"token": int(words[L.FIELD_TOKEN]), "position": int(words[L.FIELD_POSITION]),
+                "prev_hash": int(words[L.FIELD_PREV_HASH]), "real_kv_hash": int(words[L.FIELD_REAL_KV_HASH])}
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyPlan:
+    """Which slots a verify launch checks, and against what."""
+
+    slot_indices: Any
+    expected_tokens: Any
+    expected_positions: Any
+    prev_slot_indices: Any
+    num_valid: Any
+    enable: Any
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices", "num_valid", "enable")
+        devices = _adopt(self, {n: (getattr(self, n), f"VerifyPlan.{n}") for n in names})
+        object.__setattr__(self, "device", check.one_device(devices))
+        check.vector("VerifyPlan.slot_indices", self.slot_indices, np.int64)
+        capacity = int(self.slot_indices.shape[0])
+        check.fits_int32("VerifyPlan capacity", capacity)
+        for name in names[1:4]:
+            check.vector(f"VerifyPlan.{name}", getattr(self, name), np.int64, capacity,
+                         "the plan's capacity, as slot_indices")
+        check.scalar_cell("VerifyPlan.num_valid", self.num_valid, np.int32)
+        check.scalar_cell("VerifyPlan.enable", self.enable, np.int32)
+
+    @classmethod
+    def allocate(cls, capacity: int, *, device: Any = "cpu") -> "VerifyPlan":
+        capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", capacity))
+        where = parse_device(device)
+        return cls(*(empty((capacity,), np.int64, where) for _ in range(4)),
+                   num_valid=empty((1,), np.int32, where), enable=empty((1,), np.int32, where))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.slot_indices.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Per-request entry ranges and chain seeds of a write launch."""
+
+    offsets: Any
+    seed_slot_indices: Any
+    num_valid_reqs: Any
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = ("offsets", "seed_slot_indices", "num_valid_reqs")
+        devices = _adopt(self, {n: (getattr(self, n), f"WritePlan.{n}") for n in names})
+        object.__setattr__(self, "device", check.one_device(devices))
+        check.vector("WritePlan.seed_slot_indices", self.seed_slot_indices, np.int64)
+        capacity = int(self.seed_slot_indices.shape[0])
+        check.fits_int32("WritePlan capacity", capacity)
+        check.vector("WritePlan.offsets", self.offsets, np.int64, capacity + 1,
+                     "capacity + 1, one more than seed_slot_indices")
+        check.scalar_cell("WritePlan.num_valid_reqs", self.num_valid_reqs, np.int32)
+
+    @classmethod
+    def allocate(cls, req_capacity: int, *, device: Any = "cpu") -> "WritePlan":
+        capacity = check.fits_int32("write_req_capacity", check.non_negative("write_req_capacity", req_capacity))
+        where = parse_device(device)
+        return cls(offsets=empty((capacity + 1,), np.int64, where),
+                   seed_slot_indices=empty((capacity,), np.int64, where, fill=L.NO_PREDECESSOR),
+                   num_valid_reqs=empty((1,), np.int32, where))
+
+    @classmethod
+    def from_host(cls, *, offsets, seed_slot_indices, num_valid_reqs: int, device: Any = CPU) -> "WritePlan":
+        """A plan built on the host (tests, tools) and copied to ``device``."""
+        where = parse_device(device)
+        return cls(offsets=from_host(np.ascontiguousarray(offsets, dtype=np.int64), where),
+                   seed_slot_indices=from_host(np.ascontiguousarray(seed_slot_indices, dtype=np.int64), where),
+                   num_valid_reqs=from_host(np.array([num_valid_reqs], dtype=np.int32), where))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.seed_slot_indices.shape[0])

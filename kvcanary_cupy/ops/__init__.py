@@ -1,0 +1,8 @@
+"""The four ops, each validating on the host then dispatching to the backend of its arrays' device."""
+
+from .plan import plan
+from .scatter import scatter_req_token_ids
+from .verify import verify
+from .write import write
+
+__all__ = ["plan", "scatter_req_token_ids", "verify", "write"]

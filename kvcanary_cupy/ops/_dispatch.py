@@ -1,0 +1,47 @@
+"""The one place an op picks its backend and, on a GPU, its device and stream."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator, Mapping
+
+from .. import validate as check
+from .._dlpack import Device, require_cupy
+
+
+def backend_module(device: Device, op: str):
+    """``ops.backends._cpu.<op>`` or ``ops.backends._cuda.<op>``."""
+    package = "_cuda" if device.is_cuda else "_cpu"
+    return importlib.import_module(f"{__package__}.backends.{package}.{op}")
+
+
+def resolve_stream(stream: Any, device: Device):
+    """A CuPy stream object for ``stream`` (None, a CuPy stream, a raw handle, ``__cuda_stream__``)."""
+    cupy = require_cupy("stream")
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        handle = stream.__cuda_stream__()[1]
+    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        handle = stream.cuda_stream
+    elif isinstance(stream, int) and not isinstance(stream, bool):
+        handle = stream
+    else:
+        raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
+                        f"object with __cuda_stream__, got {type(stream).__name__}")
+    return cupy.cuda.ExternalStream(int(handle), device.index)
+
+
+@contextlib.contextmanager
+def launch_scope(devices: Mapping[str, Device], stream: Any) -> Iterator[tuple[Device, Any]]:
+    """Check the call's arrays share one device; on a GPU make it current and resolve the stream."""
+    device = check.one_device(devices)
+    if not device.is_cuda:
+        yield device, None
+        return
+    cupy = require_cupy("arrays")
+    with cupy.cuda.Device(device.index):
+        yield device, resolve_stream(stream, device)

@@ -1,0 +1,1 @@
+"""One module per op and backend: ``_cpu`` (numba) and ``_cuda`` (CuPy RawKernels)."""

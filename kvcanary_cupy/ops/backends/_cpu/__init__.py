@@ -1,0 +1,1 @@
+"""The numba CPU backend: host-memory KV tiers, machines without GPUs, and the GPU's oracle."""

@@ -1,0 +1,122 @@
+"""numba building blocks shared by the CPU ops: the hash, slot links, real-KV folds, ring records.
+
+All hashing is done on ``uint64`` values; the canary buffer and plans are ``int64`` and are
+reinterpreted, never converted, so every bit matches the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .... import _layout as L
+
+JIT = dict(cache=True, nogil=True)
+
+_MUL_1 = np.uint64(L.SPLITMIX_MUL_1)
+_MUL_2 = np.uint64(L.SPLITMIX_MUL_2)
+_SHIFT_1 = np.uint64(L.SPLITMIX_SHIFT_1)
+_SHIFT_2 = np.uint64(L.SPLITMIX_SHIFT_2)
+_SHIFT_3 = np.uint64(L.SPLITMIX_SHIFT_3)
+_ANCHOR = np.uint64(L.CHAIN_ANCHOR)
+_ZERO = np.uint64(0)
+
+F_TOKEN = L.FIELD_TOKEN
+F_POSITION = L.FIELD_POSITION
+F_PREV_HASH = L.FIELD_PREV_HASH
+F_REAL_KV_HASH = L.FIELD_REAL_KV_HASH
+_S_STRIDE = L.SRC_ROW_STRIDE_BYTES
+_S_ROWS = L.SRC_NUM_ROWS
+_S_PAGE = L.SRC_PAGE_SIZE
+_S_BPT = L.SRC_BYTES_PER_TOKEN
+_S_READ = L.SRC_READ_BYTES
+BIT_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
+
+
+@numba.njit(**JIT)
+def sm(x):
+    x = (x ^ (x >> _SHIFT_1)) * _MUL_1
+    x = (x ^ (x >> _SHIFT_2)) * _MUL_2
+    return x ^ (x >> _SHIFT_3)
+
+
+@numba.njit(**JIT)
+def mix3(a, b, c):
+    return sm(sm(sm(a) ^ b) ^ c)
+
+
+@numba.njit(**JIT)
+def as_u64(value):
+    return np.uint64(value)
+
+
+@numba.njit(**JIT)
+def as_i64(value):
+    return np.int64(value)
+
+
+@numba.njit(**JIT)
+def link(words, slot):
+    """Chain link of ``slot``; any negative slot is "no predecessor"."""
+    if slot < 0:
+        return sm(_ANCHOR)
+    return mix3(np.uint64(words[slot, F_PREV_HASH]), np.uint64(words[slot, F_TOKEN]),
+                np.uint64(words[slot, F_POSITION]))
+
+
+@numba.njit(**JIT)
+def real_kv_hash(sources, table, slot):
+    """``(hash, out_of_range)`` of ``slot`` (0 <= slot) over every source row of ``table``."""
+    acc = _ZERO
+    out_of_range = False
+    for j in range(table.shape[0]):
+        page = table[j, _S_PAGE]
+        row = slot // page
+        if row >= table[j, _S_ROWS]:
+            out_of_range = True
+            acc = sm(acc)
+            continue
+        words = sources[j]
+        first = (row * table[j, _S_STRIDE] + (slot - row * page) * table[j, _S_BPT]) // 8
+        folded = _ZERO
+        for w in range(table[j, _S_READ] // 8):
+            folded = sm(folded ^ words[first + w])
+        acc = sm(acc ^ folded)
+    return acc, out_of_range
+
+
+@numba.njit(**JIT)
+def record(ring, write_index, kind, slot, position, stored_token, expected_token, chain_hash, aux, bits):
+    """Claim the next ring row; store it only while the ring has room (fill-once)."""
+    index = write_index[0]
+    write_index[0] = index + 1
+    if 0 <= index < ring.shape[0]:
+        row = ring[index]
+        row[0] = kind
+        row[1] = slot
+        row[2] = position
+        row[3] = stored_token
+        row[4] = expected_token
+        row[5] = chain_hash
+        row[6] = aux
+        row[7] = bits
+
+
+_EMPTY_SOURCE = np.zeros(1, dtype=np.uint64)
+_EMPTY_SOURCE.flags.writeable = False
+
+
+def source_arguments(ctx):
+    """``(sources, table)`` for the jitted ops: a homogeneous tuple of read-only uint64 arrays
+    (one dummy when there is none, so the tuple type is stable) and the descriptor table."""
+    views = []
+    for words in ctx.source_words:
+        view = words.view()
+        view.flags.writeable = False
+        views.append(view)
+    return (tuple(views) if views else (_EMPTY_SOURCE,)), ctx.source_table
+
+
+def slot_words(ctx) -> np.ndarray:
+    """The canary buffer as ``int64 [num_slots, slot_stride_bytes // 8]``."""
+    return ctx.canary_buf.view(np.int64)

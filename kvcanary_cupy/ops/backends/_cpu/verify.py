@@ -1,0 +1,94 @@
+"""verify on the CPU: entries checked in parallel, violations recorded in entry order."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .... import _layout as L
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, link,
+                      real_kv_hash, record, slot_words, source_arguments)
+
+_PADDING = L.PADDING_SLOT
+_NO_TOKEN = L.NO_EXPECTED_TOKEN
+_BIT_CHAIN = int(L.FailReason.CHAIN_HASH)
+_BIT_POSITION = int(L.FailReason.POSITION)
+_BIT_KV = int(L.FailReason.REAL_KV_HASH)
+_BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
+# Below this many entries the thread pool costs more than it saves.
+PARALLEL_MIN_ENTRIES = 16384
+
+
+@numba.njit(**JIT)
+def check_entry(k, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token):
+    """The violation row of entry ``k`` as ``(bits, slot, position, token, expected_token, chain, aux)``;
+    ``bits == 0`` means the entry is clean."""
+    num_slots = words.shape[0]
+    slot = slots[k]
+    report_token = expected_tokens[k] if check_token else _NO_TOKEN
+    if slot == _PADDING:
+        return 0, slot, 0, 0, 0, 0, 0
+    if slot < 0 or slot >= num_slots:
+        return BIT_OUT_OF_RANGE, slot, expected_positions[k], 0, report_token, 0, 0
+    token = words[slot, F_TOKEN]
+    position = words[slot, F_POSITION]
+    prev_hash = words[slot, F_PREV_HASH]
+    bits = 0
+    prev = prev_slots[k]
+    expected_chain = prev_hash
+    if prev >= num_slots:
+        bits |= BIT_OUT_OF_RANGE
+    elif prev != _PADDING:
+        expected_chain = as_i64(link(words, prev))
+        if prev_hash != expected_chain:
+            bits |= _BIT_CHAIN
+    if check_token and expected_tokens[k] != _NO_TOKEN and token != expected_tokens[k]:
+        bits |= _BIT_TOKEN
+    if position != expected_positions[k]:
+        bits |= _BIT_POSITION
+    kv_hash, kv_out_of_range = real_kv_hash(sources, table, slot)
+    if kv_out_of_range:
+        bits |= BIT_OUT_OF_RANGE
+    if words[slot, F_REAL_KV_HASH] != as_i64(kv_hash):
+        bits |= _BIT_KV
+    return bits, slot, position, token, report_token, prev_hash, expected_chain
+
+
+def _entry_bits(active, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token,
+                bits_out):
+    for k in numba.prange(active):
+        bits_out[k] = check_entry(k, words, sources, table, slots, expected_tokens, expected_positions,
+                                  prev_slots, check_token)[0]
+
+
+_entry_bits_parallel = numba.njit(parallel=True, **JIT)(_entry_bits)
+
+
+@numba.njit(**JIT)
+def _verify(words, sources, table, slots, expected_tokens, expected_positions, prev_slots, num_valid, enable,
+            check_token, tag, ring, write_index, slot_run_counter, kernel_run_counter):
+    kernel_run_counter[0] += 1
+    if enable[0] == 0:
+        return
+    active = min(max(np.int64(num_valid[0]), 0), slots.shape[0])
+    slot_run_counter[0] += active
+    if active >= PARALLEL_MIN_ENTRIES:
+        bits = np.empty(active, dtype=np.uint8)
+        _entry_bits_parallel(active, words, sources, table, slots, expected_tokens, expected_positions,
+                             prev_slots, check_token, bits)
+    else:
+        bits = np.ones(active, dtype=np.uint8)
+    for k in range(active):
+        if bits[k] == 0:
+            continue
+        row = check_entry(k, words, sources, table, slots, expected_tokens, expected_positions, prev_slots,
+                          check_token)
+        if row[0] != 0:
+            record(ring, write_index, tag, row[1], row[2], row[3], row[4], row[5], row[6], row[0])
+
+
+def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> None:
+    sources, table = source_arguments(ctx)
+    _verify(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
+            vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
+            ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)

@@ -1,0 +1,142 @@
+"""Argument bundles of the ops: frozen, self-validating, holding zero-copy native views."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import _layout as L
+from .. import validate as check
+from .._dlpack import Device, device_of, native_view
+
+
+def _adopt_arrays(owner: Any, names: tuple[str, ...]) -> Device:
+    """Turn each non-None named field into a native view; all must share one device."""
+    devices = {}
+    for name in names:
+        value = getattr(owner, name)
+        if value is None:
+            continue
+        device = device_of(value, name)
+        object.__setattr__(owner, name, native_view(value, name, device))
+        devices[name] = device
+    device = check.one_device(devices)
+    object.__setattr__(owner, "device", device)
+    return device
+
+
+def launch_tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"{check.PREFIX}tag must be a LaunchTag, got {type(tag).__name__} {tag!r}")
+    try:
+        return int(L.LaunchTag(int(tag)))
+    except ValueError:
+        raise ValueError(f"{check.PREFIX}tag must be a LaunchTag value in [0, {len(L.LaunchTag) - 1}], "
+                         f"got {int(tag)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteBatch:
+    """The tokens one write launch stores: ids, positions and destination slots, entry-aligned."""
+
+    tag: int
+    input_ids: Any
+    positions: Any
+    out_cache_loc: Any
+    expected_input_tokens: Optional[Any] = None
+    expected_input_positions: Optional[Any] = None
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tag", launch_tag(self.tag))
+        check.both_or_neither(("expected_input_tokens", self.expected_input_tokens),
+                              ("expected_input_positions", self.expected_input_positions))
+        _adopt_arrays(self, ("input_ids", "positions", "out_cache_loc", "expected_input_tokens",
+                             "expected_input_positions"))
+        check.vector("input_ids", self.input_ids, np.int64)
+        count = int(self.input_ids.shape[0])
+        check.fits_int32("input_ids length", count)
+        for name in ("positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
+            value = getattr(self, name)
+            if value is not None:
+                check.vector(name, value, np.int64, count, "one per entry, as input_ids")
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def has_input_assert(self) -> bool:
+        return self.expected_input_tokens is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanBatch:
+    """Engine metadata of one forward batch, from which both plans are built."""
+
+    req_pool_indices: Any
+    prefix_lens: Any
+    extend_seq_lens: Any
+    req_to_token: Any
+    swa_window_size: int = 0
+    full_to_swa_index_mapping: Optional[Any] = None
+    req_to_verify_expected_tokens: Optional[Any] = None
+    req_to_verify_expected_tokens_valid_lens: Optional[Any] = None
+    kv_token_id_vs_position_offset: int = 0
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        window = check.non_negative("swa_window_size", self.swa_window_size)
+        object.__setattr__(self, "swa_window_size", window)
+        object.__setattr__(self, "kv_token_id_vs_position_offset",
+                           check.integer("kv_token_id_vs_position_offset", self.kv_token_id_vs_position_offset))
+        if window > 0 and self.full_to_swa_index_mapping is None:
+            raise ValueError(f"{check.PREFIX}full_to_swa_index_mapping is required when swa_window_size > 0, "
+                             f"got None with swa_window_size={window}")
+        if window == 0 and self.full_to_swa_index_mapping is not None:
+            raise ValueError(f"{check.PREFIX}full_to_swa_index_mapping is only used with swa_window_size > 0, "
+                             f"got a mapping with swa_window_size={window}")
+        check.both_or_neither(("req_to_verify_expected_tokens", self.req_to_verify_expected_tokens),
+                              ("req_to_verify_expected_tokens_valid_lens",
+                               self.req_to_verify_expected_tokens_valid_lens))
+        _adopt_arrays(self, ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
+                             "full_to_swa_index_mapping", "req_to_verify_expected_tokens",
+                             "req_to_verify_expected_tokens_valid_lens"))
+        check.vector("req_pool_indices", self.req_pool_indices, np.int64)
+        bs = self.batch_size
+        check.fits_int32("batch size (req_pool_indices length)", bs)
+        check.vector("prefix_lens", self.prefix_lens, np.int64, bs, "one per request, as req_pool_indices")
+        check.vector("extend_seq_lens", self.extend_seq_lens, np.int64, bs, "one per request, as req_pool_indices")
+        check.table("req_to_token", self.req_to_token, np.int32)
+        if self.full_to_swa_index_mapping is not None:
+            check.vector("full_to_swa_index_mapping", self.full_to_swa_index_mapping, np.int64)
+        if self.req_to_verify_expected_tokens is not None:
+            check.table("req_to_verify_expected_tokens", self.req_to_verify_expected_tokens, np.int32)
+            check.vector("req_to_verify_expected_tokens_valid_lens", self.req_to_verify_expected_tokens_valid_lens,
+                         np.int64, bs, "one per request, as req_pool_indices")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterBatch:
+    """Per-request token ids packed flat, and the pool rows they are copied into."""
+
+    flat_in: Any
+    offsets: Any
+    req_pool_indices: Any
+    pool_out: Any
+    device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _adopt_arrays(self, ("flat_in", "offsets", "req_pool_indices", "pool_out"))
+        check.vector("scatter_req_token_ids flat_in", self.flat_in, np.int64)
+        check.vector("scatter_req_token_ids req_pool_indices", self.req_pool_indices, np.int64)
+        bs = int(self.req_pool_indices.shape[0])
+        check.vector("scatter_req_token_ids offsets", self.offsets, np.int64, bs + 1,
+                     "batch size + 1, one more than req_pool_indices")
+        check.table("scatter_req_token_ids pool_out", self.pool_out, np.int32)

@@ -1,0 +1,28 @@
+"""verify: re-check the slots a batch is about to read (SPEC §3.2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import validate as check
+from ..context import CanaryContext, VerifyPlan
+from ._dispatch import backend_module, launch_scope
+from .batches import launch_tag
+
+
+def verify(ctx: CanaryContext, vplan: VerifyPlan, *, tag: int, check_expected_token: bool = False,
+           stream: Any = None) -> None:
+    """Check every planned slot's token, position, chain link and real-KV hash; record mismatches.
+
+    Reads the canary buffer only; writes the violation ring and counters. ``num_valid`` and
+    ``enable`` are read by the backend, never by the host.
+    """
+    if not isinstance(ctx, CanaryContext):
+        raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
+    if not isinstance(vplan, VerifyPlan):
+        raise TypeError(f"{check.PREFIX}vplan must be a VerifyPlan, got {type(vplan).__name__}")
+    tag = launch_tag(tag)
+    check_expected_token = check.boolean("check_expected_token", check_expected_token)
+    with launch_scope({"ctx": ctx.device, "vplan": vplan.device}, stream) as (device, resolved):
+        backend_module(device, "verify").verify(ctx, vplan, tag=tag, check_expected_token=check_expected_token,
+                                                stream=resolved)

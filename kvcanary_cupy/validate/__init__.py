@@ -1,0 +1,27 @@
+"""Host-side argument checks for every public entry point (SPEC §4).
+
+The dataclasses and ops call these before any backend runs, so a rejected call changes nothing.
+"""
+
+from .rules import (  # noqa: F401
+    PREFIX,
+    aligned,
+    at_least,
+    boolean,
+    both_or_neither,
+    c_contiguous,
+    dtype,
+    fits_int32,
+    integer,
+    length,
+    ndim,
+    non_negative,
+    one_device,
+    one_of,
+    positive,
+    positive_multiple,
+    rows_contiguous,
+    scalar_cell,
+    table,
+    vector,
+)

@@ -1,0 +1,151 @@
+"""The host-side rules, one function each.
+
+Every message starts with ``kv-canary: ``, names the argument, states the rule and shows the value
+received. ``TypeError`` is for a wrong type or dtype, ``ValueError`` for a wrong value or shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .._dlpack import Device, data_pointer
+
+PREFIX = "kv-canary: "
+INT32_MAX = (1 << 31) - 1
+
+
+def integer(name: str, value: Any) -> int:
+    """``value`` as a Python int; bools, floats and strings are refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{PREFIX}{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def positive(name: str, value: Any) -> int:
+    value = integer(name, value)
+    if value <= 0:
+        raise ValueError(f"{PREFIX}{name} must be positive, got {value}")
+    return value
+
+
+def non_negative(name: str, value: Any) -> int:
+    value = integer(name, value)
+    if value < 0:
+        raise ValueError(f"{PREFIX}{name} must be non-negative, got {value}")
+    return value
+
+
+def at_least(name: str, value: Any, minimum: int) -> int:
+    value = integer(name, value)
+    if value < minimum:
+        raise ValueError(f"{PREFIX}{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def fits_int32(name: str, value: int) -> int:
+    if value > INT32_MAX:
+        raise ValueError(f"{PREFIX}{name} must fit in int32 (<= {INT32_MAX}), got {value}")
+    return value
+
+
+def positive_multiple(name: str, value: Any, multiple: int) -> int:
+    value = integer(name, value)
+    if value <= 0 or value % multiple:
+        raise ValueError(f"{PREFIX}{name} must be a positive multiple of {multiple}, got {value}")
+    return value
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{PREFIX}{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def dtype(name: str, array, expected: np.dtype) -> None:
+    if np.dtype(array.dtype) != np.dtype(expected):
+        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {np.dtype(array.dtype).name}")
+
+
+def ndim(name: str, array, expected: int) -> None:
+    if array.ndim != expected:
+        raise ValueError(f"{PREFIX}{name} must be {expected}-D, got shape {tuple(array.shape)}")
+
+
+def length(name: str, array, expected: int, why: str) -> None:
+    if array.shape[0] != expected:
+        raise ValueError(f"{PREFIX}{name} must have length {expected} ({why}), got {array.shape[0]}")
+
+
+def c_contiguous(name: str, array) -> None:
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{PREFIX}{name} must be C-contiguous, got strides {tuple(array.strides)}")
+
+
+def rows_contiguous(name: str, array) -> None:
+    """Each row contiguous (last dimension unit-stride); rows may be strided."""
+    if array.ndim >= 2 and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
+        raise ValueError(
+            f"{PREFIX}{name} must have a contiguous last dimension, got strides {tuple(array.strides)}"
+        )
+    if array.ndim >= 2 and array.shape[0] > 1 and array.strides[0] < 0:
+        raise ValueError(f"{PREFIX}{name} must have a non-negative row stride, got {array.strides[0]}")
+
+
+def aligned(name: str, array, alignment: int) -> None:
+    address = data_pointer(array)
+    if array.size and address % alignment:
+        raise ValueError(f"{PREFIX}{name} must be {alignment}-byte aligned, got address 0x{address:x}")
+
+
+def vector(name: str, array, dtype_: np.dtype, expected_length: int | None = None, why: str = "") -> None:
+    """A 1-D C-contiguous array of ``dtype_`` (and of ``expected_length`` if given)."""
+    dtype(name, array, dtype_)
+    ndim(name, array, 1)
+    c_contiguous(name, array)
+    if expected_length is not None:
+        length(name, array, expected_length, why)
+
+
+def scalar_cell(name: str, array, dtype_: np.dtype) -> None:
+    """A one-element device/host cell such as ``num_valid`` or a counter."""
+    vector(name, array, dtype_, 1, "a single cell")
+
+
+def table(name: str, array, dtype_: np.dtype) -> None:
+    """A 2-D table whose rows are contiguous (``req_to_token``, ``pool_out``...)."""
+    dtype(name, array, dtype_)
+    ndim(name, array, 2)
+    rows_contiguous(name, array)
+    if array.shape[0] > 1 and array.strides[0] % array.itemsize:
+        raise ValueError(f"{PREFIX}{name} row stride must be a whole number of elements, got {array.strides[0]} bytes")
+
+
+def one_device(devices: Mapping[str, Device]) -> Device:
+    """All named arrays on one device; returns it."""
+    items = list(devices.items())
+    first_name, first = items[0]
+    for other_name, other in items[1:]:
+        if other != first:
+            raise ValueError(
+                f"{PREFIX}all arrays of one call must be on one device, got {first_name} on {first} "
+                f"and {other_name} on {other}"
+            )
+    return first
+
+
+def both_or_neither(first: tuple[str, Any], second: tuple[str, Any]) -> None:
+    (name_a, value_a), (name_b, value_b) = first, second
+    if (value_a is None) != (value_b is None):
+        given, missing = (name_a, name_b) if value_b is None else (name_b, name_a)
+        raise ValueError(f"{PREFIX}{given} requires {missing}: pass both or neither, got {missing}=None")
+
+
+def one_of(name: str, value: Any, allowed: Iterable[Any], kind: type) -> Any:
+    try:
+        converted = kind(value)
+    except (ValueError, TypeError):
+        allowed_text = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{PREFIX}{name} must be one of {allowed_text}, got {value!r}") from None
+    return converted

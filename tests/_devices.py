@@ -1,0 +1,28 @@
+"""Backends the test session can run on, and moving arrays between them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcanary_cupy._dlpack import cuda_device_count, cupy_module
+
+HAS_CUDA = cuda_device_count() > 0
+BACKENDS = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else [])
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+
+
+def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
+    """A copy of ``array`` on ``device``; ``keep_strides`` copies the parent memory so strided
+    views stay strided (used for real-KV sources with padded rows)."""
+    if device == "cpu":
+        return array
+    cupy = cupy_module()
+    if keep_strides and array.base is not None and not array.flags.c_contiguous:
+        parent = cupy.asarray(np.ascontiguousarray(array.base))
+        return parent[:, : array.shape[1]]
+    return cupy.asarray(array)
+
+
+def to_numpy(array) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.get()
