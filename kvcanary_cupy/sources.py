@@ -106,6 +106,8 @@ class RealKvSource:
 
 def _require_contiguous_rows(view) -> None:
     """Bytes inside a row must be contiguous: dims 1.. laid out C-order."""
+    if view.size == 0:
+        return
     expected = view.itemsize
     for size, stride in zip(reversed(view.shape[1:]), reversed(view.strides[1:])):
         if size > 1 and stride != expected:

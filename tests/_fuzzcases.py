@@ -1,0 +1,404 @@
+"""Random cases for differential runs of one backend against another (GPU against the CPU oracle).
+
+Each ``make_*_case(rng, max_entries)`` returns a dict of host arrays describing one call, covering
+valid engine traffic and the hostile corners: hash modes, 0–6 real-KV sources with strided rows and
+page sizes, SWA LUTs, expected tokens, capacity and ring overflow, corruptions and out-of-range
+indices. ``run_*`` executes a case on a device and returns every output as host arrays.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import _layout as L
+
+UNRESOLVED = L.UNRESOLVED_SLOT
+
+
+LARGE_CASE = 100_000
+
+
+def _log_uniform(rng: np.random.Generator, high: int) -> int:
+    """A size up to ``high``: log-uniform from 1, or from ``high / 8`` when ``high`` is a large cap."""
+    if high <= 0:
+        return 0
+    low = np.log(high / 8) if high >= LARGE_CASE else 0.0
+    return int(np.exp(rng.uniform(low, np.log(high + 1))))
+
+
+def _to(array: np.ndarray, device: str):
+    if device == "cpu":
+        return array.copy()
+    import cupy  # noqa: PLC0415
+
+    return cupy.asarray(array)
+
+
+def _host(array) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+# --- pools ---------------------------------------------------------------------------------------
+
+
+def make_pool(rng: np.random.Generator, num_slots: int) -> dict:
+    """A canary pool: random buffer stride, 0–6 real-KV sources, a hash mode and a ring size."""
+    stride = int(rng.choice([32, 32, 40, 64]))
+    sources = []
+    for _ in range(int(rng.choice([0, 1, 1, 2, 3, 4, 6]))):
+        page = int(rng.choice([1, 1, 2, 4, 16]))
+        bytes_per_token = 16 * int(rng.integers(1, 5))
+        read = 16 * int(rng.integers(1, bytes_per_token // 16 + 1))
+        pad = 16 * int(rng.choice([0, 0, 1, 3]))
+        rows = (num_slots + page - 1) // page
+        if rng.random() < 0.15:  # too few rows: the last slots read past the source
+            rows = max(0, rows - int(rng.integers(1, 4)))
+        data = rng.integers(0, 256, size=(rows, page * bytes_per_token + pad), dtype=np.uint8)
+        sources.append({"data": data, "row_bytes": page * bytes_per_token, "page_size": page,
+                        "num_bytes_per_token": bytes_per_token, "read_bytes": read})
+    return {
+        "num_slots": num_slots,
+        "canary": rng.integers(0, 256, size=(num_slots, stride), dtype=np.uint8),
+        "sources": sources,
+        "hash_mode": int(rng.integers(0, 3)),
+        "ring_capacity": int(rng.choice([0, 1, 4, 64, 4096])),
+        "chain_position_assert": int(rng.integers(0, 2)),
+    }
+
+
+def build_context(pool: dict, device: str) -> kc.CanaryContext:
+    sources = []
+    for src in pool["sources"]:
+        parent = _to(src["data"], device)
+        sources.append(kc.RealKvSource(tensor=parent[:, : src["row_bytes"]], page_size=src["page_size"],
+                                       num_bytes_per_token=src["num_bytes_per_token"], read_bytes=src["read_bytes"]))
+    return kc.CanaryContext(
+        canary_buf=_to(pool["canary"], device),
+        violation_ring=_to(np.zeros((pool["ring_capacity"], 8), np.int64), device),
+        violation_write_index=_to(np.zeros(1, np.int32), device),
+        slot_run_counter=_to(np.zeros(1, np.int64), device),
+        kernel_run_counter=_to(np.zeros(1, np.int64), device),
+        chain_position_assert=_to(np.array([pool["chain_position_assert"]], np.int32), device),
+        real_kv_sources=tuple(sources),
+        hash_mode=kc.HashMode(pool["hash_mode"]),
+    )
+
+
+def _chains(rng: np.random.Generator, num_slots: int, total: int) -> list[np.ndarray]:
+    """Requests' slot lists, distinct slots drawn from [1, num_slots)."""
+    total = min(total, num_slots - 1)
+    if total <= 0:
+        return []
+    slots = rng.permutation(num_slots - 1)[:total] + 1
+    cuts = np.sort(rng.choice(np.arange(1, total), size=min(int(rng.integers(0, 8)), total - 1),
+                              replace=False)) if total > 1 else np.array([], dtype=np.int64)
+    return [np.asarray(c, dtype=np.int64) for c in np.split(slots, cuts)]
+
+
+def _seed_valid_chains(pool: dict, chains: list[np.ndarray], rng: np.random.Generator) -> list[tuple]:
+    """Write each chain with the CPU backend so most verify entries start out consistent."""
+    ctx = build_context(pool, "cpu")
+    entries = []
+    for chain in chains:
+        n = len(chain)
+        ids = rng.integers(0, 150_000, size=n, dtype=np.int64)
+        pos = np.arange(n, dtype=np.int64)
+        plan = kc.WritePlan.from_host(offsets=[0, n], seed_slot_indices=[-1], num_valid_reqs=1)
+        kc.write(ctx, plan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=ids, positions=pos, out_cache_loc=chain)
+        entries.append((chain, ids, pos))
+    pool["canary"] = ctx.canary_buf.copy()
+    return entries
+
+
+def _corrupt(pool: dict, rng: np.random.Generator, count: int) -> None:
+    canary = pool["canary"]
+    for _ in range(count):
+        if pool["sources"] and rng.random() < 0.4:
+            src = pool["sources"][int(rng.integers(0, len(pool["sources"])))]
+            if src["data"].size:
+                flat = src["data"].reshape(-1)
+                flat[int(rng.integers(0, flat.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        else:
+            canary[int(rng.integers(0, canary.shape[0])), int(rng.integers(0, 32))] ^= np.uint8(
+                1 << int(rng.integers(0, 8)))
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def make_verify_case(rng: np.random.Generator, max_entries: int) -> dict:
+    entries = max(1, _log_uniform(rng, max_entries))
+    num_slots = max(2, int(entries * rng.uniform(1.1, 3.0)) + 1)
+    pool = make_pool(rng, num_slots)
+    chains = _seed_valid_chains(pool, _chains(rng, num_slots, entries), rng)
+    _corrupt(pool, rng, int(rng.integers(0, 6)))
+    slots, tokens, positions, prevs = [], [], [], []
+    for chain, ids, pos in chains:
+        slots.append(chain)
+        tokens.append(np.where(rng.random(len(chain)) < 0.1, -1, ids))
+        positions.append(pos)
+        prevs.append(np.concatenate([[-1], chain[:-1]]))
+    flat = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in (slots, tokens, positions, prevs)]
+    slot_idx, exp_tok, exp_pos, prev_idx = (a.astype(np.int64) for a in flat)
+    n = len(slot_idx)
+    if n:
+        hostile = rng.random(n) < rng.choice([0.0, 0.01, 0.1])
+        slot_idx[hostile] = rng.choice([0, -1, -5, num_slots, num_slots + 7, UNRESOLVED], size=int(hostile.sum()))
+        hostile = rng.random(n) < rng.choice([0.0, 0.01, 0.1])
+        prev_idx[hostile] = rng.choice([0, -1, -3, num_slots, UNRESOLVED], size=int(hostile.sum()))
+        wrong = rng.random(n) < 0.02
+        exp_tok[wrong] += 1
+        exp_pos[rng.random(n) < 0.02] += 3
+    capacity = n + int(rng.choice([0, 0, 3]))
+    pad = capacity - n
+    filler = rng.integers(-2, num_slots + 2, size=pad)
+    return {
+        "op": "verify",
+        "pool": pool,
+        "slot_indices": np.concatenate([slot_idx, filler]).astype(np.int64),
+        "expected_tokens": np.concatenate([exp_tok, filler]).astype(np.int64),
+        "expected_positions": np.concatenate([exp_pos, filler]).astype(np.int64),
+        "prev_slot_indices": np.concatenate([prev_idx, filler]).astype(np.int64),
+        "num_valid": int(rng.choice([n, n, n, capacity + 5, -1, max(0, n // 2)])),
+        "enable": int(rng.random() < 0.95),
+        "check_expected_token": bool(rng.integers(0, 2)),
+        "tag": int(rng.integers(0, 12)),
+    }
+
+
+def run_verify(case: dict, device: str) -> dict:
+    ctx = build_context(case["pool"], device)
+    vplan = kc.VerifyPlan(**{k: _to(case[k], device) for k in ("slot_indices", "expected_tokens",
+                                                                "expected_positions", "prev_slot_indices")},
+                          num_valid=_to(np.array([case["num_valid"]], np.int32), device),
+                          enable=_to(np.array([case["enable"]], np.int32), device))
+    kc.verify(ctx, vplan, tag=case["tag"], check_expected_token=case["check_expected_token"])
+    return _context_outputs(ctx)
+
+
+# --- write ---------------------------------------------------------------------------------------
+
+
+def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
+    entries = max(1, _log_uniform(rng, max_entries))
+    num_slots = max(4, int(entries * rng.uniform(1.2, 3.0)) + 8)
+    pool = make_pool(rng, num_slots)
+    # Seeds come from a prefix written earlier; new entries never write a seed slot, and no slot is
+    # written by two requests (the engine never does either; on a GPU both would race).
+    permuted = rng.permutation(num_slots - 1) + 1
+    num_requests = int(rng.integers(1, 9))
+    prefix_slots = permuted[:num_requests]
+    fresh = permuted[num_requests:num_requests + entries]
+    prefix_ctx = build_context(pool, "cpu")
+    ids = rng.integers(0, 150_000, size=num_requests, dtype=np.int64)
+    pos = rng.integers(0, 5000, size=num_requests, dtype=np.int64)
+    plan = kc.WritePlan.from_host(offsets=np.arange(num_requests + 1), seed_slot_indices=np.full(num_requests, -1),
+                                  num_valid_reqs=num_requests)
+    kc.write(prefix_ctx, plan, tag=0, input_ids=ids, positions=pos, out_cache_loc=prefix_slots)
+    pool["canary"] = prefix_ctx.canary_buf.copy()
+    n = len(fresh)
+    cuts = np.sort(rng.integers(0, n + 1, size=num_requests - 1))
+    offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    seeds = np.where(rng.random(num_requests) < 0.7, prefix_slots, -1).astype(np.int64)
+    seeds[rng.random(num_requests) < 0.05] = num_slots + 3
+    seeds[rng.random(num_requests) < 0.05] = -7
+    locs = fresh.astype(np.int64)
+    if n and rng.random() < 0.3:  # a repeated slot inside one request: its last entry wins
+        r = int(rng.integers(0, num_requests))
+        if offsets[r + 1] - offsets[r] >= 2:
+            locs[offsets[r + 1] - 1] = locs[offsets[r]]
+    hostile = rng.random(n) < rng.choice([0.0, 0.02, 0.1])
+    locs[hostile] = rng.choice([-1, -9, num_slots, num_slots + 100, UNRESOLVED], size=int(hostile.sum()))
+    input_ids = rng.integers(0, 150_000, size=n, dtype=np.int64)
+    positions = np.empty(n, dtype=np.int64)
+    for r in range(num_requests):
+        b, e = offsets[r], offsets[r + 1]
+        start = pos[r] + 1 if seeds[r] == prefix_slots[r] else 0
+        positions[b:e] = np.arange(start, start + (e - b))
+    positions[rng.random(n) < 0.02] += 2
+    with_assert = rng.random() < 0.5
+    expected_tokens = np.where(rng.random(n) < 0.03, input_ids + 1, input_ids) if with_assert else None
+    expected_positions = np.where(rng.random(n) < 0.03, positions - 1, positions) if with_assert else None
+    capacity = num_requests + int(rng.choice([0, 0, 2]))
+    if rng.random() < 0.05 and n:  # offsets past the entry arrays
+        offsets[-1] = n + int(rng.integers(1, 10))
+    full_offsets = np.concatenate([offsets, np.full(capacity - num_requests, offsets[-1])]).astype(np.int64)
+    full_seeds = np.concatenate([seeds, np.full(capacity - num_requests, -1)]).astype(np.int64)
+    return {
+        "op": "write",
+        "pool": pool,
+        "offsets": full_offsets,
+        "seed_slot_indices": full_seeds,
+        "num_valid_reqs": int(rng.choice([num_requests, num_requests, capacity + 3, -2, max(0, num_requests - 1)])),
+        "input_ids": input_ids,
+        "positions": positions,
+        "out_cache_loc": locs,
+        "expected_input_tokens": expected_tokens,
+        "expected_input_positions": expected_positions,
+        "tag": int(rng.integers(0, 12)),
+    }
+
+
+def run_write(case: dict, device: str) -> dict:
+    ctx = build_context(case["pool"], device)
+    wplan = kc.WritePlan(offsets=_to(case["offsets"], device), seed_slot_indices=_to(case["seed_slot_indices"], device),
+                         num_valid_reqs=_to(np.array([case["num_valid_reqs"]], np.int32), device))
+    optional = {k: None if case[k] is None else _to(case[k], device)
+                for k in ("expected_input_tokens", "expected_input_positions")}
+    kc.write(ctx, wplan, tag=case["tag"], input_ids=_to(case["input_ids"], device),
+             positions=_to(case["positions"], device), out_cache_loc=_to(case["out_cache_loc"], device), **optional)
+    return _context_outputs(ctx)
+
+
+def _context_outputs(ctx: kc.CanaryContext) -> dict:
+    return {
+        "canary": _host(ctx.canary_buf).copy(),
+        "ring": _host(ctx.violation_ring).copy(),
+        "write_index": int(_host(ctx.violation_write_index)[0]),
+        "slot_run_counter": int(_host(ctx.slot_run_counter)[0]),
+        "kernel_run_counter": int(_host(ctx.kernel_run_counter)[0]),
+    }
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+
+def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
+    bs = int(rng.choice([0, 1, 2, 7, 32, 256, 1024, 3000]))
+    target = max(1, _log_uniform(rng, max_entries))
+    per_request = max(1, target // max(bs, 1))
+    width = per_request + int(rng.integers(1, 16))
+    rows = bs + int(rng.integers(1, 5))
+    req_to_token = rng.integers(-2, 5 * width * rows // 4 + 8, size=(rows, width), dtype=np.int64).astype(np.int32)
+    if rng.random() < 0.3:  # strided rows (a slice of a wider table)
+        req_to_token = np.concatenate([req_to_token, np.zeros((rows, 3), np.int32)], axis=1)[:, :width]
+    pool_rows = rng.integers(0, rows, size=bs)
+    pool_rows[rng.random(bs) < 0.03] = rows + 2
+    pool_rows[rng.random(bs) < 0.02] = -1
+    prefix = rng.integers(0, per_request + 1, size=bs)
+    prefix[rng.random(bs) < 0.02] = width + 5
+    prefix[rng.random(bs) < 0.02] = -3
+    extend = rng.integers(-1, 5, size=bs)
+    swa = int(rng.choice([0, 0, 0, 1, 4, 128]))
+    lut = None
+    if swa:
+        lut = rng.integers(-1, 1 << 20, size=int(req_to_token.max(initial=0)) + 1 - int(rng.integers(0, 3)))
+    expected = None
+    valid = None
+    if rng.random() < 0.5:
+        expected = rng.integers(0, 150_000, size=(rows, width + int(rng.integers(-2, 3))), dtype=np.int64).astype(
+            np.int32)
+        valid = rng.integers(-1, width + 3, size=bs)
+    total = int(np.sum(np.where((pool_rows != 0) & (prefix > 0),
+                                prefix - (np.maximum(0, prefix - swa) if swa else 0), 0)))
+    capacity = max(0, total + int(rng.choice([0, 0, 5, -1, -total])))
+    return {
+        "op": "plan",
+        "verify_capacity": capacity,
+        "write_req_capacity": bs + int(rng.choice([0, 1, 9])),
+        "req_pool_indices": pool_rows.astype(np.int64),
+        "prefix_lens": prefix.astype(np.int64),
+        "extend_seq_lens": extend.astype(np.int64),
+        "req_to_token": req_to_token,
+        "swa_window_size": swa,
+        "full_to_swa_index_mapping": None if lut is None else lut.astype(np.int64),
+        "req_to_verify_expected_tokens": expected,
+        "req_to_verify_expected_tokens_valid_lens": None if valid is None else valid.astype(np.int64),
+        "kv_token_id_vs_position_offset": int(rng.integers(0, 2)),
+    }
+
+
+def run_plan(case: dict, device: str) -> dict:
+    sentinel = np.int64(-0x5A5A5A5A)
+    vplan = kc.VerifyPlan(*(_to(np.full(case["verify_capacity"], sentinel, np.int64), device) for _ in range(4)),
+                          num_valid=_to(np.full(1, 77, np.int32), device), enable=_to(np.full(1, 77, np.int32), device))
+    wcap = case["write_req_capacity"]
+    wplan = kc.WritePlan(offsets=_to(np.full(wcap + 1, sentinel, np.int64), device),
+                         seed_slot_indices=_to(np.full(wcap, sentinel, np.int64), device),
+                         num_valid_reqs=_to(np.full(1, 77, np.int32), device))
+    arrays = {k: (None if case[k] is None else _to(case[k], device)) for k in (
+        "req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "full_to_swa_index_mapping",
+        "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens")}
+    kc.plan(vplan, wplan, swa_window_size=case["swa_window_size"],
+            kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"], **arrays)
+    out = {name: _host(getattr(vplan, name)).copy() for name in (
+        "slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices", "num_valid", "enable")}
+    out.update({name: _host(getattr(wplan, name)).copy() for name in ("offsets", "seed_slot_indices",
+                                                                         "num_valid_reqs")})
+    return out
+
+
+# --- scatter -------------------------------------------------------------------------------------
+
+
+def make_scatter_case(rng: np.random.Generator, max_entries: int) -> dict:
+    bs = int(rng.choice([0, 1, 3, 64, 512]))
+    n = _log_uniform(rng, max_entries)
+    rows = bs + int(rng.integers(1, 4))
+    width = int(rng.integers(1, max(2, 2 * n // max(bs, 1) + 2)))
+    cuts = np.sort(rng.integers(0, n + 1, size=max(bs - 1, 0)))
+    offsets = np.concatenate([[0], cuts, [n]])[: bs + 1] if bs else np.zeros(1, np.int64)
+    hostile = rng.random(len(offsets)) < 0.03
+    offsets[hostile] += rng.integers(-5, 20, size=int(hostile.sum()))
+    pool_rows = rng.permutation(rows)[:bs] if bs <= rows else rng.integers(0, rows, size=bs)
+    pool_rows = pool_rows.astype(np.int64)
+    pool_rows[rng.random(bs) < 0.03] = rows + 1
+    return {
+        "op": "scatter",
+        "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
+        "offsets": offsets.astype(np.int64),
+        "req_pool_indices": pool_rows,
+        "pool_out": rng.integers(-5, 5, size=(rows, width), dtype=np.int64).astype(np.int32),
+    }
+
+
+def run_scatter(case: dict, device: str) -> dict:
+    pool_out = _to(case["pool_out"], device)
+    kc.scatter_req_token_ids(flat_in=_to(case["flat_in"], device), offsets=_to(case["offsets"], device),
+                             req_pool_indices=_to(case["req_pool_indices"], device), pool_out=pool_out)
+    return {"pool_out": _host(pool_out).copy()}
+
+
+MAKERS = {"verify": make_verify_case, "write": make_write_case, "plan": make_plan_case, "scatter": make_scatter_case}
+RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter}
+
+
+def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
+    """Differences between two backends' outputs (ring rows compared as a multiset)."""
+    problems = []
+    if op in ("verify", "write"):
+        for key in ("canary", "write_index", "slot_run_counter", "kernel_run_counter"):
+            if not np.array_equal(np.asarray(oracle[key]), np.asarray(other[key])):
+                problems.append(key)
+        kept = min(max(oracle["write_index"], 0), oracle["ring"].shape[0])
+        if oracle["write_index"] <= oracle["ring"].shape[0]:
+            if Counter(map(tuple, oracle["ring"][:kept].tolist())) != Counter(map(tuple, other["ring"][:kept].tolist())):
+                problems.append("ring rows")
+        if not np.array_equal(oracle["ring"][kept:], other["ring"][kept:]):
+            problems.append("ring rows past the write index")
+        if oracle["write_index"] > oracle["ring"].shape[0] and case.get("_full_rows") is not None:
+            if Counter(map(tuple, other["ring"].tolist())) - case["_full_rows"]:
+                problems.append("kept ring rows are not violations of this launch")
+        return problems
+    if op == "plan":
+        for key in ("num_valid", "enable", "offsets", "seed_slot_indices", "num_valid_reqs"):
+            if not np.array_equal(oracle[key], other[key]):
+                problems.append(key)
+        for key in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices"):
+            if not np.array_equal(oracle[key], other[key]):
+                problems.append(key)
+        return problems
+    if not np.array_equal(oracle["pool_out"], other["pool_out"]):
+        problems.append("pool_out")
+    return problems
+
+
+def full_rows(op: str, case: dict) -> Counter:
+    """Every violation row of ``case`` on the CPU with a ring large enough to keep them all."""
+    big = dict(case)
+    big["pool"] = dict(case["pool"], ring_capacity=1 << 16)
+    out = RUNNERS[op](big, "cpu")
+    return Counter(map(tuple, out["ring"][: min(out["write_index"], 1 << 16)].tolist()))
