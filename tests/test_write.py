@@ -1,0 +1,299 @@
+"""write (SPEC §3.1, §4): stored fields, chains, input and chain-position asserts, real-KV hashes,
+out-of-range indices, counters; plus the SPEC's hash test values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import reference as ref
+from _builders import (ANCHOR_LINK, BIT, SourceSpec, expected_kv_hash, fields, link_of, pipeline, random_batch,
+                       random_source, ring_rows, signed, slot_words)
+from _devices import BACKENDS, to_device, to_numpy
+
+TAG = int(kc.LaunchTag.HEAD_V_FULL)
+UNRESOLVED = kc.UNRESOLVED_SLOT
+
+
+# --- the SPEC's test values ---------------------------------------------------------------------
+
+def test_spec_hash_values_reference():
+    assert ref.sm(0) == 0
+    assert ref.sm(0xC0FFEE1234567890) == 0xDE7FAE23A9A1B716
+    assert ref.mix3(1, 2, 3) == 0xA55BDF37C08724B5
+    assert ref.mix3(ref.sm(0xC0FFEE1234567890), 42, 0) == 0x1B798564098041C9
+    assert ref.fold(bytes(range(16))) == 0x447F1B95028CE131
+    assert ref.fold(bytes(range(32))) == 0xFAB780417B7BE8AD
+
+
+def test_spec_hash_values_numba():
+    from kvcanary_cupy.ops.backends._cpu import hashing
+    u = np.uint64
+    assert int(hashing.sm(u(0))) == 0
+    assert int(hashing.sm(u(0xC0FFEE1234567890))) == 0xDE7FAE23A9A1B716
+    assert int(hashing.mix3(u(1), u(2), u(3))) == 0xA55BDF37C08724B5
+    assert int(hashing.mix3(hashing.sm(u(0xC0FFEE1234567890)), u(42), u(0))) == 0x1B798564098041C9
+
+
+def _ctx(device, num_slots=8, **kwargs):
+    return kc.CanaryContext.allocate(num_slots, device=device, **kwargs)
+
+
+def _write(ctx, offsets, seeds, ids, pos, loc, *, device, num_valid_reqs=None, tag=TAG, expected=None):
+    plan = kc.WritePlan.from_host(offsets=offsets, seed_slot_indices=seeds,
+                                  num_valid_reqs=len(seeds) if num_valid_reqs is None else num_valid_reqs,
+                                  device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    extra = {}
+    if expected is not None:
+        extra = dict(expected_input_tokens=put(expected[0]), expected_input_positions=put(expected[1]))
+    kc.write(ctx, plan, tag=tag, input_ids=put(ids), positions=put(pos), out_cache_loc=put(loc), **extra)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_chain_values_through_write(device):
+    """A two-token chain from no predecessor reproduces ``sm(ANCHOR)`` and ``mix3(sm(ANCHOR), 42, 0)``."""
+    ctx = _ctx(device)
+    _write(ctx, [0, 2], [-1], [42, 7], [0, 1], [3, 5], device=device)
+    assert fields(ctx.canary_buf, 3) == (42, 0, signed(0xDE7FAE23A9A1B716), 0)
+    assert fields(ctx.canary_buf, 5) == (7, 1, signed(0x1B798564098041C9), 0)
+    assert ctx.violations().total == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode,expected", [(kc.HashMode.NONE, 0),
+                                           (kc.HashMode.PARTIAL, ref.sm(0x447F1B95028CE131)),
+                                           (kc.HashMode.ALL, ref.sm(0xFAB780417B7BE8AD))])
+def test_fold_values_through_write(device, mode, expected):
+    data = np.tile(np.arange(32, dtype=np.uint8), (4, 1))
+    src = SourceSpec(data, page_size=1, num_bytes_per_token=32, read_bytes=32)
+    ctx = _ctx(device, 4, real_kv_sources=(src.build(device),), hash_mode=mode)
+    _write(ctx, [0, 1], [-1], [5], [0], [2], device=device)
+    assert fields(ctx.canary_buf, 2)[3] == signed(expected)
+
+
+# --- clean runs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", list(kc.HashMode))
+@pytest.mark.parametrize("seed", range(3))
+def test_write_then_verify_random_batches(device, mode, seed):
+    rng = np.random.default_rng(seed)
+    batch = random_batch(rng, bs=int(rng.integers(1, 6)), padding_requests=int(rng.integers(0, 3)))
+    sources = [random_source(rng, batch.num_slots, page_size=int(rng.choice([1, 4])),
+                             num_bytes_per_token=64, read_bytes=int(rng.choice([16, 48, 64])),
+                             pad_bytes=int(rng.choice([0, 32]))) for _ in range(int(rng.integers(1, 3)))]
+    p = pipeline(batch, device, hash_mode=mode, sources=sources, chain_position_assert=True)
+    p.fill()
+    assert ring_rows(p.ctx) == []
+    p.verify_all(check_expected_token=True, expected=True)
+    assert ring_rows(p.ctx) == []
+    # Every stored field matches the batch; every chain is intact.
+    for r in batch.live():
+        for pos in range(int(batch.seq_lens[r])):
+            slot = batch.slot(r, pos)
+            prev = batch.slot(r, pos - 1) if pos else -1
+            assert fields(p.ctx.canary_buf, slot) == (batch.token(r, pos), pos, link_of(p.ctx.canary_buf, prev),
+                                                      expected_kv_hash(sources, mode, slot))
+    # Slot 0 (padding) and the spare slots were never written.
+    used = {batch.slot(r, pos) for r in batch.live() for pos in range(int(batch.seq_lens[r]))}
+    words = slot_words(p.ctx.canary_buf)
+    for s in set(range(batch.num_slots)) - used:
+        assert not words[s].any()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_stride_bytes_beyond_fields_untouched(device):
+    ctx = _ctx(device, 4, slot_stride_bytes=48)
+    buf = to_numpy(ctx.canary_buf)
+    if device == "cpu":
+        buf[:, 32:] = 0xAB
+    else:
+        ctx.canary_buf[:, 32:] = 0xAB
+    _write(ctx, [0, 2], [-1], [1, 2], [0, 1], [1, 3], device=device)
+    after = to_numpy(ctx.canary_buf)
+    assert (after[:, 32:] == 0xAB).all()
+    assert fields(ctx.canary_buf, 3)[:2] == (2, 1)
+
+
+# --- real-KV hashes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+@pytest.mark.parametrize("page_size,pad", [(1, 0), (4, 0), (3, 48), (8, 16)])
+def test_real_kv_hash_paged_and_strided(device, mode, page_size, pad):
+    rng = np.random.default_rng(page_size * 7 + pad)
+    num_slots = 20
+    specs = [random_source(rng, num_slots, page_size=page_size, num_bytes_per_token=48, read_bytes=32,
+                           pad_bytes=pad),
+             random_source(rng, num_slots, page_size=page_size, num_bytes_per_token=16, read_bytes=16)]
+    ctx = _ctx(device, num_slots, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=mode)
+    slots = list(range(1, num_slots))
+    _write(ctx, [0, len(slots)], [-1], slots, list(range(len(slots))), slots, device=device)
+    for s in slots:
+        assert fields(ctx.canary_buf, s)[3] == expected_kv_hash(specs, mode, s), s
+    assert ctx.violations().total == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_many_sources_accepted(device):
+    """(extension) More than the engine's four sources."""
+    rng = np.random.default_rng(5)
+    specs = [random_source(rng, 6, num_bytes_per_token=16) for _ in range(6)]
+    ctx = _ctx(device, 6, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=kc.HashMode.ALL)
+    _write(ctx, [0, 2], [-1], [9, 9], [0, 1], [2, 4], device=device)
+    assert fields(ctx.canary_buf, 4)[3] == expected_kv_hash(specs, kc.HashMode.ALL, 4)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_source_row_out_of_range(device):
+    """A slot past the source's rows folds as 0 and records bit 64; the store still happens."""
+    rng = np.random.default_rng(1)
+    spec = random_source(rng, 4, page_size=2, num_bytes_per_token=16)  # rows for slots 0..3 only
+    ctx = _ctx(device, 8, real_kv_sources=(spec.build(device),), hash_mode=kc.HashMode.PARTIAL)
+    _write(ctx, [0, 2], [-1], [11, 12], [0, 1], [3, 6], device=device)
+    running = link_of(ctx.canary_buf, 3)
+    assert ring_rows(ctx) == [(TAG, 6, 1, 12, 12, running, 1, 64)]
+    assert fields(ctx.canary_buf, 6) == (12, 1, running, signed(ref.sm(0)))
+    assert ctx.counters()["slot_run_counter"] == 2
+
+
+# --- asserts ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_input_assert(device):
+    ctx = _ctx(device)
+    ids, pos, loc = [10, 11, 12, 13], [0, 1, 2, 3], [1, 2, 3, 4]
+    expected_ids, expected_pos = [10, 99, 12, 98], [0, 1, 7, 6]
+    _write(ctx, [0, 4], [-1], ids, pos, loc, device=device, expected=(expected_ids, expected_pos))
+    chain = [fields(ctx.canary_buf, s)[2] for s in loc]
+    assert ring_rows(ctx) == [
+        (TAG, 2, 1, 11, 99, chain[1], 1, int(BIT.WRITE_TOKEN)),
+        (TAG, 3, 2, 12, 12, chain[2], 7, int(BIT.WRITE_POSITION)),
+        (TAG, 4, 3, 13, 98, chain[3], 6, int(BIT.WRITE_TOKEN | BIT.WRITE_POSITION)),
+    ]
+    # The chain advanced on the actual values: no cascade.
+    for a, b in zip(loc, loc[1:]):
+        assert fields(ctx.canary_buf, b)[2] == link_of(ctx.canary_buf, a)
+    assert fields(ctx.canary_buf, 2)[:2] == (11, 1)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("flag", [False, True])
+def test_chain_position_assert(device, flag):
+    ctx = _ctx(device, 10)
+    _write(ctx, [0, 2], [-1], [1, 2], [0, 1], [1, 2], device=device)  # the prefix: positions 0, 1
+    ctx.set_chain_position_assert(flag)
+    # Continues from seed slot 2 (position 1): 2 ok, 4 jumps, 5 follows 4, 5 again repeats.
+    _write(ctx, [0, 4], [2], [3, 4, 5, 6], [2, 4, 5, 5], [3, 4, 5, 6], device=device)
+    chain = [fields(ctx.canary_buf, s)[2] for s in (3, 4, 5, 6)]
+    expected = [(TAG, 4, 4, 4, 4, chain[1], 3, 16), (TAG, 6, 5, 6, 6, chain[3], 6, 16)] if flag else []
+    assert ring_rows(ctx) == expected
+    # No seed: no assert even with the flag on.
+    ctx.clear_violations()
+    _write(ctx, [0, 2], [-1], [1, 2], [5, 9], [7, 8], device=device)
+    assert ring_rows(ctx) == []
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_seed_links_to_existing_chain(device):
+    ctx = _ctx(device)
+    _write(ctx, [0, 3], [-1], [1, 2, 3], [0, 1, 2], [5, 1, 7], device=device)
+    _write(ctx, [0, 1, 3], [7, 1], [4, 8, 9], [3, 2, 3], [2, 3, 4], device=device)
+    assert fields(ctx.canary_buf, 2)[2] == link_of(ctx.canary_buf, 7)
+    assert fields(ctx.canary_buf, 3)[2] == link_of(ctx.canary_buf, 1)
+    assert fields(ctx.canary_buf, 4)[2] == link_of(ctx.canary_buf, 3)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_seed_is_anchor(device):
+    ctx = _ctx(device)
+    _write(ctx, [0, 1, 2], [-1, -9], [1, 2], [0, 0], [2, 3], device=device)
+    assert fields(ctx.canary_buf, 2)[2] == fields(ctx.canary_buf, 3)[2] == signed(ANCHOR_LINK)
+
+
+# --- skipped entries, out-of-range indices, counters ----------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_slot_skipped(device):
+    ctx = _ctx(device)
+    _write(ctx, [0, 3], [-1], [1, 2, 3], [0, 1, 2], [1, -1, 2], device=device)
+    assert not slot_words(ctx.canary_buf)[0].any()
+    assert fields(ctx.canary_buf, 2)[2] == link_of(ctx.canary_buf, 1)  # chain not advanced by the skip
+    assert ctx.counters() == {"slot_run_counter": 2, "kernel_run_counter": 1, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_entry_slot_out_of_range(device):
+    ctx = _ctx(device, 4)
+    _write(ctx, [0, 3], [-1], [1, 2, 3], [0, 1, 2], [1, 4, 2], device=device)
+    running = link_of(ctx.canary_buf, 1)
+    assert ring_rows(ctx) == [(TAG, 4, 1, 2, 2, running, 1, 64)]
+    assert fields(ctx.canary_buf, 2)[2] == running
+    assert ctx.counters()["slot_run_counter"] == 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", [4, 1000, UNRESOLVED])
+def test_seed_out_of_range(device, seed):
+    ctx = _ctx(device, 4)
+    ctx.set_chain_position_assert(True)
+    _write(ctx, [0, 2], [seed], [1, 2], [5, 9], [1, 2], device=device)
+    assert ring_rows(ctx) == [(TAG, seed, 0, 0, 0, 0, 0, 64)]  # no position assert after the fallback
+    assert fields(ctx.canary_buf, 1)[2] == signed(ANCHOR_LINK)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("offsets,stored", [([0, 5], 3), ([-2, 1], 0), ([2, 7, 0], 1)])
+def test_offsets_outside_entries(device, offsets, stored):
+    ctx = _ctx(device)
+    seeds = [-1] * (len(offsets) - 1)
+    _write(ctx, offsets, seeds, [1, 2, 3], [0, 1, 2], [1, 2, 3], device=device)
+    rows = ring_rows(ctx)
+    assert len(rows) == 1
+    kind, slot, pos, tok, exp, chain, aux, bits = rows[0]
+    assert (kind, slot, pos, tok, exp, aux, bits) == (TAG, -1, 0, 0, 0, 0, 64)
+    last = [1, 2, 3][offsets[0] + stored - 1] if stored else -1
+    assert chain == link_of(ctx.canary_buf, last)
+    assert ctx.counters()["slot_run_counter"] == stored
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("num_valid_reqs,stored", [(-1, 0), (0, 0), (1, 1), (2, 3), (50, 3)])
+def test_num_valid_reqs_clamped(device, num_valid_reqs, stored):
+    ctx = _ctx(device)
+    _write(ctx, [0, 1, 3], [-1, -1], [1, 2, 3], [0, 0, 1], [1, 2, 3], device=device, num_valid_reqs=num_valid_reqs)
+    assert ctx.counters() == {"slot_run_counter": stored, "kernel_run_counter": 1, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_duplicate_slots_last_wins(device):
+    ctx = _ctx(device)
+    _write(ctx, [0, 3], [-1], [1, 2, 3], [0, 1, 2], [4, 5, 4], device=device)
+    assert fields(ctx.canary_buf, 4)[:2] == (3, 2)
+    assert fields(ctx.canary_buf, 4)[2] == signed(ref.mix3(fields(ctx.canary_buf, 5)[2], 2, 1))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_counters_accumulate(device):
+    ctx = _ctx(device)
+    for n in range(1, 4):
+        _write(ctx, [0, n], [-1], list(range(n)), list(range(n)), list(range(1, n + 1)), device=device)
+    _write(ctx, [0, 0], [-1], [], [], [], device=device)
+    assert ctx.counters() == {"slot_run_counter": 6, "kernel_run_counter": 4, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_ring_overflow_on_write(device):
+    ctx = _ctx(device, 12, ring_capacity=2)
+    n = 6
+    _write(ctx, [0, n], [-1], list(range(n)), list(range(n)), list(range(1, n + 1)), device=device,
+           expected=([100 + i for i in range(n)], list(range(n))))
+    report = ctx.violations()
+    assert (report.total, report.dropped, len(report)) == (6, 4, 2)
+    assert ctx.counters()["violations"] == 6
+    rows = ring_rows(ctx)
+    if device == "cpu":
+        assert [r[1] for r in rows] == [1, 2]
+    assert all(r[7] == 8 for r in rows)
