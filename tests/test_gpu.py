@@ -1,0 +1,210 @@
+"""GPU-only behaviour: differential runs against the CPU oracle, streams, devices, CUDA graphs and
+DLPack round trips with CuPy, PyTorch and JAX. Skipped without CuPy and a CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+import _fuzzcases as F
+from _devices import HAS_CUDA
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")]
+
+if HAS_CUDA:
+    import cupy
+
+
+@pytest.mark.parametrize("op", list(F.MAKERS))
+def test_differential_against_cpu_oracle(op):
+    rng = np.random.default_rng([2026, list(F.MAKERS).index(op)])
+    for i in range(150):
+        case = F.MAKERS[op](rng, 200_000 if i % 50 == 49 else 3000)
+        oracle = F.RUNNERS[op](case, "cpu")
+        if op in ("verify", "write") and oracle["write_index"] > oracle["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows(op, case)
+        gpu = F.RUNNERS[op](case, "cuda")
+        assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
+
+
+# --- an engine-shaped step ------------------------------------------------------------------------
+
+
+class Step:
+    """One forward of a small engine on the GPU: plan → HEAD verify → write → TAIL verify."""
+
+    def __init__(self, seed: int, num_slots: int = 8192, bs: int = 16, width: int = 512):
+        rng = np.random.default_rng(seed)
+        self.kv = cupy.asarray(rng.integers(0, 256, size=(num_slots, 64), dtype=np.uint8))
+        self.ctx = kc.CanaryContext.allocate(
+            num_slots, device="cuda", ring_capacity=256, hash_mode=kc.HashMode.ALL,
+            real_kv_sources=[kc.RealKvSource(tensor=self.kv, page_size=1, num_bytes_per_token=64, read_bytes=64)])
+        self.vplan = kc.VerifyPlan.allocate(bs * width, device="cuda")
+        self.wplan = kc.WritePlan.allocate(bs, device="cuda")
+        slots = rng.permutation(num_slots - 1)[: bs * width] + 1
+        self.req_to_token = cupy.asarray(slots.reshape(bs, width).astype(np.int32))
+        self.bs, self.width = bs, width
+        self.req_pool_indices = cupy.asarray(np.arange(bs, dtype=np.int64))  # row 0 is padding
+        self.prefix_lens = cupy.zeros(bs, dtype=cupy.int64)
+        self.extend_lens = cupy.zeros(bs, dtype=cupy.int64)
+        self.input_ids = cupy.zeros(bs * 8, dtype=cupy.int64)
+        self.positions = cupy.zeros(bs * 8, dtype=cupy.int64)
+        self.out_cache_loc = cupy.full(bs * 8, -1, dtype=cupy.int64)
+        self.rng = rng
+
+    def refresh(self, prefix: int, extend: int) -> None:
+        """New batch metadata written in place (what an engine does before a graph replay)."""
+        n = self.bs * extend
+        self.prefix_lens.fill(prefix)
+        self.extend_lens.fill(extend)
+        table = self.req_to_token.get()
+        locs = table[:, prefix:prefix + extend].reshape(-1).astype(np.int64)
+        self.input_ids[:n] = cupy.asarray(self.rng.integers(0, 150_000, size=n))
+        self.positions[:n] = cupy.asarray(np.tile(np.arange(prefix, prefix + extend), self.bs))
+        self.out_cache_loc[:n] = cupy.asarray(locs)
+        self.out_cache_loc[n:] = -1
+        cupy.cuda.get_current_stream().synchronize()  # graph replays run on a non-blocking stream
+
+    def launch(self, stream) -> None:
+        kc.plan(self.vplan, self.wplan, req_pool_indices=self.req_pool_indices, prefix_lens=self.prefix_lens,
+                extend_seq_lens=self.extend_lens, req_to_token=self.req_to_token, stream=stream)
+        kc.verify(self.ctx, self.vplan, tag=kc.LaunchTag.HEAD_K_FULL, stream=stream)
+        kc.write(self.ctx, self.wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=self.input_ids,
+                 positions=self.positions, out_cache_loc=self.out_cache_loc, stream=stream)
+
+
+def test_graph_replay_matches_eager_launches():
+    eager, graphed = Step(7), Step(7)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphed.refresh(0, 4)
+    with stream:
+        stream.begin_capture()
+        graphed.launch(stream)
+        graph = stream.end_capture()
+    for prefix, extend in [(0, 4), (4, 4), (8, 8), (16, 8), (24, 8)]:
+        eager.refresh(prefix, extend)
+        eager.launch(None)
+        graphed.refresh(prefix, extend)
+        graph.launch(stream)
+        stream.synchronize()
+        assert cupy.array_equal(eager.ctx.canary_buf, graphed.ctx.canary_buf)
+        assert eager.ctx.counters() == graphed.ctx.counters()
+    assert eager.ctx.violations().total == 0
+    assert graphed.ctx.violations().total == 0
+    # A corruption introduced between replays is found by the next replay's HEAD verify. The
+    # real-KV hash field is not part of the chain link, so exactly one row names the victim.
+    victim = int(graphed.req_to_token[3, 5].get())
+    graphed.ctx.canary_buf[victim, 24] ^= 1
+    graphed.refresh(32, 1)
+    graph.launch(stream)
+    report = graphed.ctx.violations()
+    assert report.total == 1 and report[0].slot_idx == victim
+    assert report[0].fail_reason == kc.FailReason.REAL_KV_HASH
+
+
+class _StreamProtocol:
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self._stream.ptr)
+
+
+@pytest.mark.parametrize("kind", ["cupy", "handle", "protocol", "default"])
+def test_stream_argument_forms(kind):
+    reference, step = Step(11), Step(11)
+    reference.refresh(0, 4)
+    reference.launch(None)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    given = {"cupy": stream, "handle": stream.ptr, "protocol": _StreamProtocol(stream), "default": None}[kind]
+    step.refresh(0, 4)
+    step.launch(given)
+    stream.synchronize()
+    assert cupy.array_equal(reference.ctx.canary_buf, step.ctx.canary_buf)
+
+
+def test_buffers_on_each_device_run_on_that_device():
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    steps = []
+    for device in range(2):
+        with cupy.cuda.Device(device):
+            step = Step(100 + device)
+            step.refresh(0, 4)
+        steps.append(step)
+    with cupy.cuda.Device(0):  # the current device must not matter
+        for step in steps:
+            step.launch(None)
+    for device, step in enumerate(steps):
+        assert step.ctx.device == kc._dlpack.Device("cuda", device)
+        assert step.ctx.canary_buf.device.id == device
+        with cupy.cuda.Device(device):
+            step.refresh(4, 1)
+            step.launch(None)
+            assert step.ctx.violations().total == 0
+            step.ctx.counters()
+
+
+def _dlpack_write_roundtrip(make, read):
+    """Ops on arrays from another framework write into that framework's memory."""
+    rng = np.random.default_rng(5)
+    n = 64
+    canary = make(np.zeros((256, 32), np.uint8))
+    ring = make(np.zeros((16, 8), np.int64))
+    cells = [make(np.zeros(1, np.int32)), make(np.zeros(1, np.int64)), make(np.zeros(1, np.int64)),
+             make(np.zeros(1, np.int32))]
+    kv = make(rng.integers(0, 256, size=(256, 32), dtype=np.uint8))
+    ctx = kc.CanaryContext(canary_buf=canary, violation_ring=ring, violation_write_index=cells[0],
+                           slot_run_counter=cells[1], kernel_run_counter=cells[2], chain_position_assert=cells[3],
+                           real_kv_sources=[kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=32,
+                                                            read_bytes=32)],
+                           hash_mode=kc.HashMode.ALL)
+    wplan = kc.WritePlan(offsets=make(np.array([0, n], np.int64)), seed_slot_indices=make(np.array([-1], np.int64)),
+                         num_valid_reqs=make(np.array([1], np.int32)))
+    slots = rng.permutation(255)[:n] + 1
+    kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=make(rng.integers(0, 1000, size=n)),
+             positions=make(np.arange(n, dtype=np.int64)), out_cache_loc=make(slots.astype(np.int64)))
+    cupy.cuda.get_current_stream().synchronize()
+    written = read(canary)
+    assert np.count_nonzero(written[slots]) > 0, "the write must land in the caller's buffer"
+    assert np.count_nonzero(written[np.setdiff1d(np.arange(256), slots)]) == 0
+    assert int(read(cells[1])[0]) == n
+    return written
+
+
+def test_dlpack_roundtrip_cupy_torch_jax():
+    expected = _dlpack_write_roundtrip(cupy.asarray, lambda a: a.get())
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    got = _dlpack_write_roundtrip(lambda a: torch.from_numpy(a).cuda(), lambda t: t.cpu().numpy())
+    assert np.array_equal(got, expected)
+    jax = pytest.importorskip("jax")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("JAX without a GPU")
+    got = _dlpack_write_roundtrip(lambda a: jax.device_put(a, gpus[0]),
+                                  lambda a: cupy.from_dlpack(a).get())
+    assert np.array_equal(got, expected)
+
+
+def test_torch_bfloat16_source_is_hashed_as_bytes():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    kv_host = torch.randn(128, 4, 8, generator=gen).to(torch.bfloat16)  # 64 bytes per slot
+    as_bytes = kv_host.view(torch.uint8).reshape(128, 64).numpy()
+    results = []
+    for tensor in (kv_host.cuda(), cupy.asarray(as_bytes), as_bytes):
+        device = "cpu" if isinstance(tensor, np.ndarray) else "cuda"
+        ctx = kc.CanaryContext.allocate(128, device=device, hash_mode=kc.HashMode.ALL, real_kv_sources=[
+            kc.RealKvSource(tensor=tensor, page_size=1, num_bytes_per_token=64, read_bytes=64)])
+        wplan = kc.WritePlan.from_host(offsets=[0, 127], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+        ids = np.arange(127, dtype=np.int64)
+        to = (lambda a: a) if device == "cpu" else cupy.asarray
+        kc.write(ctx, wplan, tag=0, input_ids=to(ids), positions=to(ids), out_cache_loc=to(ids + 1))
+        results.append(ctx.canary_buf if device == "cpu" else ctx.canary_buf.get())
+    assert np.array_equal(results[0], results[1]) and np.array_equal(results[1], results[2])
