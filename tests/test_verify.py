@@ -1,0 +1,323 @@
+"""verify (SPEC §3.2, §4): clean chains pass; each single corruption gives exactly the expected rows
+and bits; padding, predecessors, out-of-range indices, enable/num_valid, ring overflow, counters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _builders import (ANCHOR_LINK, as_multiset, fields, host_verify_plan, link_of, pipeline, random_batch,
+                       random_source, ring_rows, signed, snapshot)
+from _devices import BACKENDS, to_device, to_numpy
+
+TAG = int(kc.LaunchTag.TAIL_K_FULL)
+UNRESOLVED = kc.UNRESOLVED_SLOT
+
+
+def _set_field(ctx, slot, field, value):
+    ctx.canary_buf.view(np.int64)[slot, field] = value
+
+
+def _filled(device, seed, *, mode=kc.HashMode.NONE, sources=None, **kwargs):
+    rng = np.random.default_rng(seed)
+    batch = random_batch(rng, bs=3, min_prefix=3, max_prefix=8, padding_requests=1)
+    if sources is None:
+        sources = [random_source(rng, batch.num_slots, page_size=2, num_bytes_per_token=64, read_bytes=48,
+                                 pad_bytes=16)] if mode != kc.HashMode.NONE else []
+    p = pipeline(batch, device, hash_mode=mode, sources=sources, **kwargs)
+    p.fill()
+    assert ring_rows(p.ctx) == []
+    r = batch.live()[int(rng.integers(0, len(batch.live())))]
+    pos = int(rng.integers(1, int(batch.seq_lens[r]) - 1))
+    return p, r, pos
+
+
+def _verify(p, **kwargs):
+    p.ctx.clear_violations()
+    p.verify_all(tag=TAG, **kwargs)
+    return ring_rows(p.ctx)
+
+
+def _check(device, rows, expected):
+    if device == "cpu":
+        assert rows == expected
+    else:
+        assert as_multiset(rows) == as_multiset(expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_clean_chain_has_no_violations(device, seed):
+    p, _, _ = _filled(device, seed, mode=kc.HashMode.ALL)
+    buf = snapshot(p.ctx.canary_buf)[0]
+    assert _verify(p, check_expected_token=True, expected=True) == []
+    assert np.array_equal(to_numpy(p.ctx.canary_buf), buf)
+    total = int(p.batch.seq_lens[p.batch.live()].sum())
+    counters = p.ctx.counters()
+    assert counters["slot_run_counter"] >= total
+
+
+# --- single corruptions ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("check_token", [False, True])
+def test_corrupt_token(device, seed, check_token):
+    p, r, pos = _filled(device, seed)
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_next, s_prev = b.slot(r, pos), b.slot(r, pos + 1), b.slot(r, pos - 1)
+    _set_field(p.ctx, s, 0, b.token(r, pos) + 1)
+    rows = _verify(p, check_expected_token=check_token, expected=check_token)
+    want_next = b.token(r, pos + 1) if check_token else -1
+    expected = [(TAG, s_next, pos + 1, b.token(r, pos + 1), want_next, fields(buf, s_next)[2], link_of(buf, s), 1)]
+    if check_token:
+        expected.insert(0, (TAG, s, pos, b.token(r, pos) + 1, b.token(r, pos), fields(buf, s)[2],
+                            link_of(buf, s_prev), 32))
+    _check(device, rows, expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_corrupt_position(device, seed):
+    p, r, pos = _filled(device, seed)
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_next, s_prev = b.slot(r, pos), b.slot(r, pos + 1), b.slot(r, pos - 1)
+    _set_field(p.ctx, s, 1, pos + 100)
+    expected = [(TAG, s, pos + 100, b.token(r, pos), -1, fields(buf, s)[2], link_of(buf, s_prev), 2),
+                (TAG, s_next, pos + 1, b.token(r, pos + 1), -1, fields(buf, s_next)[2], link_of(buf, s), 1)]
+    _check(device, _verify(p), expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_corrupt_prev_hash(device, seed):
+    p, r, pos = _filled(device, seed)
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_next, s_prev = b.slot(r, pos), b.slot(r, pos + 1), b.slot(r, pos - 1)
+    bad = fields(buf, s)[2] ^ 1
+    _set_field(p.ctx, s, 2, bad)
+    expected = [(TAG, s, pos, b.token(r, pos), -1, bad, link_of(buf, s_prev), 1),
+                (TAG, s_next, pos + 1, b.token(r, pos + 1), -1, fields(buf, s_next)[2], link_of(buf, s), 1)]
+    _check(device, _verify(p), expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_corrupt_first_position_prev_hash(device):
+    """Position 0 is checked against the anchor link ``sm(ANCHOR)``."""
+    p, r, _ = _filled(device, 4)
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_next = b.slot(r, 0), b.slot(r, 1)
+    _set_field(p.ctx, s, 2, 12345)
+    expected = [(TAG, s, 0, b.token(r, 0), -1, 12345, signed(ANCHOR_LINK), 1),
+                (TAG, s_next, 1, b.token(r, 1), -1, fields(buf, s_next)[2], link_of(buf, s), 1)]
+    _check(device, _verify(p), expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode,byte,hit", [(kc.HashMode.PARTIAL, 0, True), (kc.HashMode.PARTIAL, 15, True),
+                                           (kc.HashMode.PARTIAL, 16, False), (kc.HashMode.ALL, 16, True),
+                                           (kc.HashMode.ALL, 47, True), (kc.HashMode.ALL, 48, False),
+                                           (kc.HashMode.NONE, 0, False)])
+def test_corrupt_real_kv_byte(device, mode, byte, hit):
+    """A byte inside the read window (16 bytes PARTIAL, read_bytes=48 ALL) is caught; outside is not."""
+    p, r, pos = _filled(device, 7, mode=mode, sources=None if mode != kc.HashMode.NONE else [
+        random_source(np.random.default_rng(0), 64, num_bytes_per_token=64)])
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_prev = b.slot(r, pos), b.slot(r, pos - 1)
+    source = p.ctx.real_kv_sources[0]
+    page = source.page_size
+    row, column = divmod(s, page)
+    source.tensor[row, column * source.num_bytes_per_token + byte] ^= 0x5A
+    expected = [(TAG, s, pos, b.token(r, pos), -1, fields(buf, s)[2], link_of(buf, s_prev), 4)] if hit else []
+    _check(device, _verify(p), expected)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_row_padding_bytes_ignored(device):
+    """Bytes between strided rows are never read."""
+    p, r, pos = _filled(device, 8, mode=kc.HashMode.ALL)
+    spec = p.sources[0]
+    if device == "cpu":
+        spec.array.base[:, spec.array.shape[1]:] ^= 0xFF
+    else:
+        pytest.skip("device copy of the padding is not reachable through the view")
+    assert _verify(p) == []
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_corrupt_stored_real_kv_hash(device):
+    p, r, pos = _filled(device, 9, mode=kc.HashMode.PARTIAL)
+    b, buf = p.batch, p.ctx.canary_buf
+    s, s_prev = b.slot(r, pos), b.slot(r, pos - 1)
+    _set_field(p.ctx, s, 3, 77)
+    _check(device, _verify(p), [(TAG, s, pos, b.token(r, pos), -1, fields(buf, s)[2], link_of(buf, s_prev), 4)])
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_req_to_token_points_at_other_request(device, seed):
+    p, r, pos = _filled(device, seed)
+    b, buf = p.batch, p.ctx.canary_buf
+    other = next(q for q in b.live() if q != r)
+    pos_b = next(q for q in range(int(b.seq_lens[other])) if q != pos)
+    stolen = b.slot(other, pos_b)
+    table = b.req_to_token.copy()
+    table[b.req_pool_indices[r], pos] = stolen
+    s_next, s_prev = b.slot(r, pos + 1), b.slot(r, pos - 1)
+    p.ctx.clear_violations()
+    p.plan(b.seq_lens, np.zeros(b.bs, np.int64), req_to_token=table)
+    kc.verify(p.ctx, p.vplan, tag=TAG)
+    expected = [(TAG, stolen, pos_b, b.token(other, pos_b), -1, fields(buf, stolen)[2], link_of(buf, s_prev), 3),
+                (TAG, s_next, pos + 1, b.token(r, pos + 1), -1, fields(buf, s_next)[2], link_of(buf, stolen), 1)]
+    _check(device, ring_rows(p.ctx), expected)
+
+
+# --- hand-written plans ---------------------------------------------------------------------------
+
+def _chain(device, num_slots=8, **kwargs):
+    """Slots 1..4 hold positions 0..3 of one chain (tokens 10..13)."""
+    ctx = kc.CanaryContext.allocate(num_slots, device=device, **kwargs)
+    wplan = kc.WritePlan.from_host(offsets=[0, 4], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put([10, 11, 12, 13]), positions=put([0, 1, 2, 3]),
+             out_cache_loc=put([1, 2, 3, 4]))
+    ctx.clear_violations()
+    return ctx
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_padding_slot_and_padding_predecessor(device):
+    ctx = _chain(device)
+    buf = ctx.canary_buf
+    # slot 0 is never checked; prev 0 leaves the chain unchecked (aux = stored prev_hash).
+    plan = host_verify_plan([0, 3, 3], [-1, -1, -1], [99, 2, 5], [2, 0, 0], device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    assert ring_rows(ctx) == [(TAG, 3, 2, 12, -1, fields(buf, 3)[2], fields(buf, 3)[2], 2)]
+    assert ctx.counters()["slot_run_counter"] == 4 + 3
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_predecessor_is_anchor(device):
+    ctx = _chain(device)
+    buf = ctx.canary_buf
+    plan = host_verify_plan([1, 2], [-1, -1], [0, 1], [-7, -1], device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    # slot 1 is at position 0: any negative predecessor checks against the anchor and passes;
+    # slot 2 is not at the chain's start: the anchor does not match.
+    assert ring_rows(ctx) == [(TAG, 2, 1, 11, -1, fields(buf, 2)[2], signed(ANCHOR_LINK), 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("check_token", [False, True])
+def test_expected_token_minus_one_not_checked(device, check_token):
+    ctx = _chain(device)
+    buf = ctx.canary_buf
+    plan = host_verify_plan([1, 2, 3], [-1, 11, 99], [0, 1, 2], [-1, 1, 2], device=device)
+    kc.verify(ctx, plan, tag=TAG, check_expected_token=check_token)
+    expected = [(TAG, 3, 2, 12, 99, fields(buf, 3)[2], link_of(buf, 2), 32)] if check_token else []
+    assert ring_rows(ctx) == expected
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("check_token", [False, True])
+def test_slot_out_of_range(device, check_token):
+    ctx = _chain(device, 8)
+    plan = host_verify_plan([8, -3, UNRESOLVED, 2], [5, 6, 7, 11], [1, 2, 3, 1], [1, 1, 1, 1], device=device)
+    kc.verify(ctx, plan, tag=TAG, check_expected_token=check_token)
+    tok = (lambda t: t) if check_token else (lambda t: -1)
+    assert ring_rows(ctx) == [(TAG, 8, 1, 0, tok(5), 0, 0, 64), (TAG, -3, 2, 0, tok(6), 0, 0, 64),
+                              (TAG, UNRESOLVED, 3, 0, tok(7), 0, 0, 64)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_predecessor_out_of_range(device):
+    ctx = _chain(device, 8)
+    buf = ctx.canary_buf
+    plan = host_verify_plan([2, 3], [-1, -1], [1, 7], [8, UNRESOLVED], device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    h2, h3 = fields(buf, 2)[2], fields(buf, 3)[2]
+    assert ring_rows(ctx) == [(TAG, 2, 1, 11, -1, h2, h2, 64), (TAG, 3, 2, 12, -1, h3, h3, 64 | 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_source_row_out_of_range_on_verify(device):
+    rng = np.random.default_rng(3)
+    spec = random_source(rng, 6, page_size=2, num_bytes_per_token=16)  # rows for slots 0..5
+    ctx = _chain(device, 8, real_kv_sources=(spec.build(device),), hash_mode=kc.HashMode.PARTIAL)
+    # Slots 1..4 were written with real hashes and pass; slot 6 (row 3, past the source) folds as 0,
+    # so sm(0) == 0 matches a zero stored hash and only bit 64 is set, while a non-zero one adds bit 4.
+    plan = host_verify_plan([4, 6], [-1, -1], [3, 0], [3, 0], device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    assert ring_rows(ctx) == [(TAG, 6, 0, 0, -1, 0, 0, 64)]
+    ctx.clear_violations()
+    _set_field(ctx, 6, 3, 77)
+    kc.verify(ctx, plan, tag=TAG)
+    assert ring_rows(ctx) == [(TAG, 6, 0, 0, -1, 0, 0, 64 | 4)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("num_valid,active", [(-5, 0), (0, 0), (2, 2), (4, 4), (100, 4)])
+def test_num_valid_clamped(device, num_valid, active):
+    ctx = _chain(device)
+    plan = host_verify_plan([1, 2, 3, 4], [-1] * 4, [9, 9, 9, 9], [-1, 1, 2, 3], num_valid=num_valid,
+                            device=device)
+    before = ctx.counters()
+    kc.verify(ctx, plan, tag=TAG)
+    after = ctx.counters()
+    assert after["slot_run_counter"] - before["slot_run_counter"] == active
+    assert after["kernel_run_counter"] - before["kernel_run_counter"] == 1
+    assert [r[1] for r in ring_rows(ctx)] == [1, 2, 3, 4][:active]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_disabled_plan_skips(device):
+    ctx = _chain(device)
+    plan = host_verify_plan([1, 2], [-1, -1], [9, 9], [-1, 1], enable=0, device=device)
+    before = ctx.counters()
+    kc.verify(ctx, plan, tag=TAG)
+    after = ctx.counters()
+    assert after["kernel_run_counter"] == before["kernel_run_counter"] + 1
+    assert after["slot_run_counter"] == before["slot_run_counter"]
+    assert ring_rows(ctx) == []
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("tag", list(kc.LaunchTag))
+def test_tag_recorded(device, tag):
+    ctx = _chain(device)
+    kc.verify(ctx, host_verify_plan([2], [-1], [5], [1], device=device), tag=tag)
+    report = ctx.violations()
+    assert report[0].kernel_kind == tag and report[0].fail_reason == kc.FailReason.POSITION
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("capacity", [0, 1, 3])
+def test_ring_overflow_keeps_first_rows(device, capacity):
+    full = _chain(device, 12, ring_capacity=64)
+    small = _chain(device, 12, ring_capacity=capacity)
+    n = 9
+    plan_args = ([1 + (k % 4) for k in range(n)], [-1] * n, [50 + k for k in range(n)], [0] * n)
+    kc.verify(full, host_verify_plan(*plan_args, device=device), tag=TAG)
+    kc.verify(small, host_verify_plan(*plan_args, device=device), tag=TAG)
+    all_rows = ring_rows(full)
+    report = small.violations()
+    assert (report.total, report.dropped, len(report)) == (n, n - capacity, capacity)
+    if device == "cpu":
+        assert ring_rows(small) == all_rows[:capacity]
+    else:
+        kept, pool = as_multiset(ring_rows(small)), as_multiset(all_rows)
+        assert all(pool.get(row, 0) >= c for row, c in kept.items())
+    # Further violations are still counted.
+    kc.verify(small, host_verify_plan(*plan_args, device=device), tag=TAG)
+    assert small.violations().total == 2 * n
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_verify_is_read_only(device):
+    ctx = _chain(device)
+    buf = snapshot(ctx.canary_buf)[0]
+    kc.verify(ctx, host_verify_plan([1, 2, 3, 9, 4], [1, 2, 3, 4, 5], [3, 2, 1, 0, 0], [4, 3, 2, 1, 9],
+                                    device=device), tag=TAG, check_expected_token=True)
+    assert ctx.violations().total > 0
+    assert np.array_equal(to_numpy(ctx.canary_buf), buf)
