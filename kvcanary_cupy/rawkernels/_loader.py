@@ -1,0 +1,188 @@
+"""Compiles the canary's CUDA sources with NVRTC (through CuPy) once per device architecture.
+
+The sources are package files (``*.cu`` beside this module, sharing ``canary_common.cuh``). Every
+wire-format constant reaches them as ``-D`` options from :func:`kvcanary_cupy._layout.nvrtc_defines`.
+:func:`compile_specs` says exactly what gets compiled (source text, options, name expressions); the
+CPU-only NVRTC test compiles the same thing, so a source that loads here compiles there.
+
+CuPy is imported lazily: the package imports without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import pathlib
+import threading
+
+from .. import _layout
+
+RAWKERNEL_DIR = pathlib.Path(__file__).resolve().parent
+COMMON_HEADER = "canary_common.cuh"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compilation unit: a ``.cu`` file and the kernels taken from it."""
+
+    name: str                              # "verify", "write", "plan", "scatter"
+    filename: str                          # the .cu file in RAWKERNEL_DIR
+    name_expressions: tuple[str, ...]      # templates to instantiate (empty: extern "C" kernels)
+    kernels: tuple[str, ...]               # names passed to get_function
+
+
+_SPECS = (
+    KernelSpec("verify", "verify.cu", ("kvc_verify<true>", "kvc_verify<false>"),
+               ("kvc_verify<true>", "kvc_verify<false>")),
+    KernelSpec("write", "write.cu", ("kvc_write<true>", "kvc_write<false>"),
+               ("kvc_write<true>", "kvc_write<false>")),
+    KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",)),
+    KernelSpec("scatter", "scatter.cu", (), ("kvc_scatter",)),
+)
+SPECS = {spec.name: spec for spec in _SPECS}
+
+
+@functools.lru_cache(maxsize=None)
+def _read(filename: str) -> str:
+    return (RAWKERNEL_DIR / filename).read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=None)
+def _header_digest() -> str:
+    # CuPy's kernel cache is keyed by the source text and the options, not by included headers;
+    # the header's digest in the options makes a changed header a new cache entry.
+    return hashlib.sha256(_read(COMMON_HEADER).encode("utf-8")).hexdigest()[:16]
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    """The NVRTC options of every canary source (no architecture: CuPy adds the device's)."""
+    return (
+        "--std=c++17",
+        f"-I{RAWKERNEL_DIR}",
+        f"-DKVC_COMMON_DIGEST=0x{_header_digest()}ULL",
+        *_layout.nvrtc_defines(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """Exactly what is handed to NVRTC for one source."""
+
+    name: str
+    filename: str
+    code: str
+    options: tuple[str, ...]
+    name_expressions: tuple[str, ...]
+    kernels: tuple[str, ...]
+
+
+def compile_specs() -> tuple[CompileSpec, ...]:
+    """Every canary source with the options and name expressions the loader compiles it with."""
+    options = nvrtc_options()
+    return tuple(
+        CompileSpec(spec.name, spec.filename, _read(spec.filename), options,
+                    spec.name_expressions, spec.kernels)
+        for spec in _SPECS
+    )
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+def _module(name: str, device_id: int):
+    """The compiled RawModule of source ``name`` for the device's architecture (cached)."""
+    import cupy
+
+    arch = cupy.cuda.Device(device_id).compute_capability
+    spec = SPECS[name]
+    code = _read(spec.filename)
+    options = nvrtc_options()
+    key = (name, code, options, arch)
+    module = _modules.get(key)
+    if module is None:
+        with _lock:
+            module = _modules.get(key)
+            if module is None:
+                with cupy.cuda.Device(device_id):
+                    kwargs = {"code": code, "options": options}
+                    if spec.name_expressions:
+                        kwargs["name_expressions"] = spec.name_expressions
+                    module = cupy.RawModule(**kwargs)
+                    for kernel in spec.kernels:
+                        module.get_function(kernel)  # compile and load now, not at first launch
+                _modules[key] = module
+    return module
+
+
+_functions: dict = {}
+
+
+def get_kernel(name: str, kernel: str, device_id: int):
+    """The ``cupy.RawKernel`` ``kernel`` of source ``name`` on device ``device_id`` (cached)."""
+    key = (name, kernel, device_id)
+    fn = _functions.get(key)
+    if fn is None:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            fn = _module(name, device_id).get_function(kernel)
+        _functions[key] = fn
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    sm_count: int
+    max_threads_per_sm: int
+    regs_per_sm: int
+    max_blocks_per_sm: int
+
+
+_device_info: dict = {}
+
+
+def device_info(device_id: int) -> DeviceInfo:
+    info = _device_info.get(device_id)
+    if info is None:
+        import cupy
+
+        attrs = cupy.cuda.Device(device_id).attributes
+        info = DeviceInfo(
+            sm_count=int(attrs["MultiProcessorCount"]),
+            max_threads_per_sm=int(attrs["MaxThreadsPerMultiProcessor"]),
+            regs_per_sm=int(attrs.get("MaxRegistersPerMultiprocessor", 65536)),
+            max_blocks_per_sm=int(attrs.get("MaxBlocksPerMultiprocessor", 16)),
+        )
+        _device_info[device_id] = info
+    return info
+
+
+_resident: dict = {}
+
+
+def resident_grid(name: str, kernel: str, device_id: int, block: int) -> int:
+    """Blocks that fill every SM once (occupancy from the kernel's registers and shared memory)."""
+    key = (name, kernel, device_id, block)
+    grid = _resident.get(key)
+    if grid is None:
+        fn = get_kernel(name, kernel, device_id)
+        info = device_info(device_id)
+        warps = (block + 31) // 32
+        by_threads = info.max_threads_per_sm // block
+        regs = max(int(getattr(fn, "num_regs", 0) or 0), 1)
+        regs_per_warp = ((regs * 32 + 255) // 256) * 256
+        by_regs = info.regs_per_sm // (regs_per_warp * warps)
+        per_sm = max(1, min(by_threads, by_regs, info.max_blocks_per_sm))
+        smem = int(getattr(fn, "shared_size_bytes", 0) or 0)
+        if smem > 0:
+            import cupy
+
+            attrs = cupy.cuda.Device(device_id).attributes
+            smem_sm = int(attrs.get("MaxSharedMemoryPerMultiprocessor", 0) or 0)
+            if smem_sm > 0:
+                per_sm = max(1, min(per_sm, smem_sm // (smem + 1024)))
+        grid = per_sm * info.sm_count
+        _resident[key] = grid
+    return grid

@@ -1,0 +1,324 @@
+// Shared device code of the kv-canary kernels: the hash, slot and ring access, and the real-KV
+// fingerprint over a device source table.
+//
+// Every wire-format constant reaches this file as an NVRTC -D option built from
+// kvcanary_cupy/_layout.py (nvrtc_defines); nothing here restates a value of that module.
+#pragma once
+
+#ifndef KVC_SPLITMIX_MUL_1
+#error "kv-canary: KVC_SPLITMIX_MUL_1 is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SPLITMIX_MUL_2
+#error "kv-canary: KVC_SPLITMIX_MUL_2 is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SPLITMIX_SHIFT_1
+#error "kv-canary: KVC_SPLITMIX_SHIFT_1 is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SPLITMIX_SHIFT_2
+#error "kv-canary: KVC_SPLITMIX_SHIFT_2 is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SPLITMIX_SHIFT_3
+#error "kv-canary: KVC_SPLITMIX_SHIFT_3 is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_CHAIN_ANCHOR
+#error "kv-canary: KVC_CHAIN_ANCHOR is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_FIELD_TOKEN
+#error "kv-canary: KVC_FIELD_TOKEN is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_FIELD_POSITION
+#error "kv-canary: KVC_FIELD_POSITION is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_FIELD_PREV_HASH
+#error "kv-canary: KVC_FIELD_PREV_HASH is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_FIELD_REAL_KV_HASH
+#error "kv-canary: KVC_FIELD_REAL_KV_HASH is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_PADDING_SLOT
+#error "kv-canary: KVC_PADDING_SLOT is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_RING_COLUMNS
+#error "kv-canary: KVC_RING_COLUMNS is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_PARTIAL_READ_BYTES
+#error "kv-canary: KVC_PARTIAL_READ_BYTES is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_BASE_ADDRESS
+#error "kv-canary: KVC_SRC_BASE_ADDRESS is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_ROW_STRIDE_BYTES
+#error "kv-canary: KVC_SRC_ROW_STRIDE_BYTES is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_NUM_ROWS
+#error "kv-canary: KVC_SRC_NUM_ROWS is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_PAGE_SIZE
+#error "kv-canary: KVC_SRC_PAGE_SIZE is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_BYTES_PER_TOKEN
+#error "kv-canary: KVC_SRC_BYTES_PER_TOKEN is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SRC_READ_BYTES
+#error "kv-canary: KVC_SRC_READ_BYTES is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_SOURCE_DESCRIPTOR_WORDS
+#error "kv-canary: KVC_SOURCE_DESCRIPTOR_WORDS is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_NO_EXPECTED_TOKEN
+#error "kv-canary: KVC_NO_EXPECTED_TOKEN is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_UNRESOLVED_SLOT
+#error "kv-canary: KVC_UNRESOLVED_SLOT is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_CHAIN_HASH
+#error "kv-canary: KVC_BIT_CHAIN_HASH is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_POSITION
+#error "kv-canary: KVC_BIT_POSITION is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_REAL_KV_HASH
+#error "kv-canary: KVC_BIT_REAL_KV_HASH is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_WRITE_TOKEN
+#error "kv-canary: KVC_BIT_WRITE_TOKEN is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_WRITE_POSITION
+#error "kv-canary: KVC_BIT_WRITE_POSITION is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_VERIFY_TOKEN
+#error "kv-canary: KVC_BIT_VERIFY_TOKEN is not defined (pass _layout.nvrtc_defines())"
+#endif
+#ifndef KVC_BIT_OUT_OF_RANGE
+#error "kv-canary: KVC_BIT_OUT_OF_RANGE is not defined (pass _layout.nvrtc_defines())"
+#endif
+
+// A ring row is written positionally: kind, slot, position, stored token, expected token,
+// stored chain hash, expected aux, fail bits (SPEC section 2); a row must hold all eight.
+#if KVC_RING_COLUMNS < 8
+#error "kv-canary: KVC_RING_COLUMNS must be at least 8"
+#endif
+// The slot is read as whole 32-byte records; the four fields must be the first four words.
+#if KVC_FIELD_TOKEN > 3 || KVC_FIELD_POSITION > 3 || KVC_FIELD_PREV_HASH > 3 || \
+    KVC_FIELD_REAL_KV_HASH > 3
+#error "kv-canary: slot fields must be the first four words of a slot"
+#endif
+
+typedef long long kvc_i64;
+typedef unsigned long long kvc_u64;
+
+#define KVC_I64_MAX 0x7FFFFFFFFFFFFFFFLL
+#define KVC_FULL_MASK 0xFFFFFFFFu
+
+// ------------------------------------------------------------------------------------------------
+// hash
+
+__device__ __forceinline__ kvc_u64 kvc_sm(kvc_u64 x) {
+    x = (x ^ (x >> KVC_SPLITMIX_SHIFT_1)) * (kvc_u64)KVC_SPLITMIX_MUL_1;
+    x = (x ^ (x >> KVC_SPLITMIX_SHIFT_2)) * (kvc_u64)KVC_SPLITMIX_MUL_2;
+    return x ^ (x >> KVC_SPLITMIX_SHIFT_3);
+}
+
+__device__ __forceinline__ kvc_u64 kvc_mix3(kvc_u64 a, kvc_u64 b, kvc_u64 c) {
+    return kvc_sm(kvc_sm(kvc_sm(a) ^ b) ^ c);
+}
+
+__device__ __forceinline__ kvc_u64 kvc_anchor_link() {
+    return kvc_sm((kvc_u64)KVC_CHAIN_ANCHOR);
+}
+
+// ------------------------------------------------------------------------------------------------
+// canary slots
+
+// The four fields of one slot. kVec16: the buffer base and the slot stride are multiples of 16,
+// so the 32-byte record is read as two 16-byte vectors.
+struct KvcSlot {
+    kvc_i64 w[4];
+};
+
+template <bool kVec16, bool kReadOnly>
+__device__ __forceinline__ KvcSlot kvc_load_slot(const unsigned char* buf, kvc_i64 stride,
+                                                 kvc_i64 slot) {
+    KvcSlot s;
+    const unsigned char* p = buf + slot * stride;
+    if (kVec16) {
+        const longlong2* q = reinterpret_cast<const longlong2*>(p);
+        longlong2 a, b;
+        if (kReadOnly) {
+            a = __ldg(q);
+            b = __ldg(q + 1);
+        } else {
+            a = q[0];
+            b = q[1];
+        }
+        s.w[0] = a.x;
+        s.w[1] = a.y;
+        s.w[2] = b.x;
+        s.w[3] = b.y;
+    } else {
+        const kvc_i64* q = reinterpret_cast<const kvc_i64*>(p);
+#pragma unroll
+        for (int f = 0; f < 4; ++f) s.w[f] = kReadOnly ? __ldg(q + f) : q[f];
+    }
+    return s;
+}
+
+__device__ __forceinline__ kvc_u64 kvc_slot_link(const KvcSlot& s) {
+    return kvc_mix3((kvc_u64)s.w[KVC_FIELD_PREV_HASH], (kvc_u64)s.w[KVC_FIELD_TOKEN],
+                    (kvc_u64)s.w[KVC_FIELD_POSITION]);
+}
+
+__device__ __forceinline__ kvc_i64* kvc_slot_words(unsigned char* buf, kvc_i64 stride,
+                                                   kvc_i64 slot) {
+    return reinterpret_cast<kvc_i64*>(buf + slot * stride);
+}
+
+// ------------------------------------------------------------------------------------------------
+// violation ring
+
+struct KvcRing {
+    kvc_i64* rows;       // [capacity, KVC_RING_COLUMNS]
+    kvc_i64 capacity;
+    int* write_index;    // int32 [1]
+};
+
+// Takes the next index atomically; the row is kept only while the ring has room (fill-once).
+__device__ __forceinline__ void kvc_record(const KvcRing& ring, kvc_i64 kind, kvc_i64 slot,
+                                           kvc_i64 position, kvc_i64 stored_token,
+                                           kvc_i64 expected_token, kvc_i64 stored_chain,
+                                           kvc_i64 expected_aux, kvc_i64 bits) {
+    const int i = atomicAdd(ring.write_index, 1);
+    if (i < 0 || (kvc_i64)i >= ring.capacity) return;
+    kvc_i64* row = ring.rows + (kvc_i64)i * KVC_RING_COLUMNS;
+    row[0] = kind;
+    row[1] = slot;
+    row[2] = position;
+    row[3] = stored_token;
+    row[4] = expected_token;
+    row[5] = stored_chain;
+    row[6] = expected_aux;
+    row[7] = bits;
+}
+
+// ------------------------------------------------------------------------------------------------
+// real-KV sources
+//
+// The table is int64 [nsrc, KVC_SOURCE_DESCRIPTOR_WORDS]: base address, row stride in bytes,
+// number of rows, page size, bytes per token, bytes to read (already the mode's: the partial
+// length or read_bytes). The host checked that the base and the stride are multiples of 16, that
+// bytes per token and read bytes are positive multiples of 16 with read <= bytes per token, and
+// that page_size * bytes_per_token fits in a row. nsrc == 0 means no hashing (mode NONE).
+
+struct KvcSources {
+    const kvc_i64* table;
+    int count;
+};
+
+__device__ __forceinline__ kvc_i64 kvc_src_word(const KvcSources& src, int k, int word) {
+    return __ldg(src.table + (kvc_i64)k * KVC_SOURCE_DESCRIPTOR_WORDS + word);
+}
+
+// slot / page and slot % page for slot >= 0, page >= 1, with a 32-bit path when both fit.
+__device__ __forceinline__ void kvc_divmod(kvc_i64 slot, kvc_i64 page, kvc_i64& q, kvc_i64& r) {
+    if (((kvc_u64)slot | (kvc_u64)page) <= 0xFFFFFFFFull) {
+        const unsigned s32 = (unsigned)slot, p32 = (unsigned)page;
+        const unsigned q32 = s32 / p32;
+        q = q32;
+        r = s32 - q32 * p32;
+    } else {
+        q = (kvc_i64)((kvc_u64)slot / (kvc_u64)page);
+        r = slot - q * page;
+    }
+}
+
+// fold(bytes): acc = sm(acc ^ w) over 8-byte little-endian words; the bytes are 16-byte aligned
+// and a multiple of 16 long.
+__device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
+    const longlong2* q = reinterpret_cast<const longlong2*>(p);
+    const kvc_i64 n16 = nbytes >> 4;
+    kvc_u64 acc = 0;
+    kvc_i64 k = 0;
+    for (; k + 4 <= n16; k += 4) {
+        const longlong2 a = __ldg(q + k);
+        const longlong2 b = __ldg(q + k + 1);
+        const longlong2 c = __ldg(q + k + 2);
+        const longlong2 d = __ldg(q + k + 3);
+        acc = kvc_sm(acc ^ (kvc_u64)a.x);
+        acc = kvc_sm(acc ^ (kvc_u64)a.y);
+        acc = kvc_sm(acc ^ (kvc_u64)b.x);
+        acc = kvc_sm(acc ^ (kvc_u64)b.y);
+        acc = kvc_sm(acc ^ (kvc_u64)c.x);
+        acc = kvc_sm(acc ^ (kvc_u64)c.y);
+        acc = kvc_sm(acc ^ (kvc_u64)d.x);
+        acc = kvc_sm(acc ^ (kvc_u64)d.y);
+    }
+    for (; k < n16; ++k) {
+        const longlong2 a = __ldg(q + k);
+        acc = kvc_sm(acc ^ (kvc_u64)a.x);
+        acc = kvc_sm(acc ^ (kvc_u64)a.y);
+    }
+    return acc;
+}
+
+// True when slot (>= 0) maps to a row past some source's rows; no data is read.
+__device__ __forceinline__ bool kvc_sources_out_of_range(const KvcSources& src, kvc_i64 slot) {
+    bool oor = false;
+    for (int k = 0; k < src.count; ++k) {
+        const kvc_i64 rows = kvc_src_word(src, k, KVC_SRC_NUM_ROWS);
+        const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
+        // row = slot / page >= rows  <=>  slot >= rows * page (page >= 1; rows * page is bounded
+        // by the source's size in bytes, so it cannot overflow). A bad page reads as out of range.
+        if (page < 1 || rows < 0 || slot >= rows * page) oor = true;
+    }
+    return oor;
+}
+
+// real_kv_hash(slot) for slot >= 0; sets *oor when a source row is out of range (its fold is 0).
+__device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i64 slot,
+                                                    bool* oor) {
+    kvc_u64 acc = 0;
+    bool out = false;
+    for (int k = 0; k < src.count; ++k) {
+        const kvc_i64 base = kvc_src_word(src, k, KVC_SRC_BASE_ADDRESS);
+        const kvc_i64 stride = kvc_src_word(src, k, KVC_SRC_ROW_STRIDE_BYTES);
+        const kvc_i64 rows = kvc_src_word(src, k, KVC_SRC_NUM_ROWS);
+        const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
+        const kvc_i64 bpt = kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN);
+        const kvc_i64 nread = kvc_src_word(src, k, KVC_SRC_READ_BYTES);
+        kvc_u64 f = 0;
+        if (page < 1 || rows < 0 || slot >= rows * page) {
+            out = true;
+        } else {
+            kvc_i64 row, col;
+            kvc_divmod(slot, page, row, col);
+            const unsigned char* p =
+                reinterpret_cast<const unsigned char*>(base) + row * stride + col * bpt;
+            f = kvc_fold(p, nread);
+        }
+        acc = kvc_sm(acc ^ f);
+    }
+    *oor = out;
+    return acc;
+}
+
+// ------------------------------------------------------------------------------------------------
+// small helpers
+
+__device__ __forceinline__ kvc_i64 kvc_min64(kvc_i64 a, kvc_i64 b) { return a < b ? a : b; }
+__device__ __forceinline__ kvc_i64 kvc_max64(kvc_i64 a, kvc_i64 b) { return a > b ? a : b; }
+
+// a + b for a, b >= 0, saturating at INT64_MAX.
+__device__ __forceinline__ kvc_i64 kvc_sat_add(kvc_i64 a, kvc_i64 b) {
+    return (a > KVC_I64_MAX - b) ? KVC_I64_MAX : a + b;
+}
+
+// Wrapping signed addition (two's complement), without signed-overflow UB.
+__device__ __forceinline__ kvc_i64 kvc_wrap_add(kvc_i64 a, kvc_i64 b) {
+    return (kvc_i64)((kvc_u64)a + (kvc_u64)b);
+}
+
+// clamp(v, 0, cap) for an int32 device count and an int64 capacity.
+__device__ __forceinline__ kvc_i64 kvc_clamp_count(int v, kvc_i64 cap) {
+    const kvc_i64 x = v < 0 ? 0 : (kvc_i64)v;
+    return x < cap ? x : cap;
+}

@@ -1,0 +1,278 @@
+// write: stores (token, position, chain, real-KV hash) into the canary slots of the tokens a
+// forward pass writes, chaining each slot to its predecessor (SPEC 3.1 and 4).
+//
+// Work split
+// * The chain of a request is serial: running = mix3(running, token, position). One warp owns a
+//   request. Its 32 lanes load and check 32 entries at a time (the loads of the next 32 are in
+//   flight meanwhile); then every lane walks the stored entries of the chunk in lockstep,
+//   receiving each entry's token and position by shuffle, so the serial part is a chain of mix3
+//   with no memory access on it. Each lane keeps the chain value (and the previous position) seen
+//   just before its own entry, then records its violations and stores its slot in parallel. When
+//   a slot repeats inside a chunk only its last entry stores; chunks are ordered by __syncwarp, so
+//   the slot ends up as the reference leaves it.
+// * real_kv_hash(slot) depends on the slot alone, not on the chain, and every entry that is
+//   stored gets the same value whichever entry stores it. Requests of up to kInlineMax entries
+//   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
+//   request r goes to block (r + 1 + j) mod gridDim, which stores the real_kv_hash word of the
+//   slot itself, so hashing runs on many SMs beside the chain.
+// * Requests are spread over warps: request r is chained by warp (r / gridDim) % kWarps of block
+//   r % gridDim; offloaded hash chunks go to the block's warps from the last one down.
+//
+// Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
+// Requests run concurrently, so two requests of one launch that write the same slot, or one that
+// seeds from a slot another writes, race (an engine never builds such a batch).
+#include "canary_common.cuh"
+
+namespace {
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunk = 32;       // entries per warp step and per offloaded hash task
+constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
+}
+
+// The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
+// the request is skipped or stops at once (begin >= end or begin < 0).
+__device__ __forceinline__ bool kvc_write_range(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
+                                                kvc_i64& lo, kvc_i64& hi) {
+    const kvc_i64 b = offsets[r];
+    const kvc_i64 e = offsets[r + 1];
+    if (b >= e || b < 0) return false;
+    lo = b;
+    hi = e < n ? e : n;
+    return true;
+}
+
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads) kvc_write(
+    unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
+    const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
+    const int* __restrict__ num_valid_reqs, kvc_i64 capacity,
+    const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
+    const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
+    const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries,
+    const int* __restrict__ chain_position_assert, kvc_i64* ring_rows, kvc_i64 ring_capacity,
+    int* ring_write_index, unsigned long long* slot_run_counter,
+    unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
+    int num_sources, kvc_i64 tag) {
+    __shared__ unsigned long long s_stored;
+    __shared__ int s_count;
+    __shared__ kvc_i64 s_lo[kThreads];
+    __shared__ kvc_i64 s_hi[kThreads];
+    __shared__ kvc_i64 s_j0[kThreads];
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const kvc_i64 grid = gridDim.x;
+    const kvc_i64 block = blockIdx.x;
+    const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
+    const kvc_i64 n = num_entries;
+    const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
+    const KvcSources src = {source_table, num_sources};
+    const bool has_expected = expected_tokens != nullptr && expected_positions != nullptr;
+
+    if (threadIdx.x == 0) {
+        s_stored = 0;
+        if (blockIdx.x == 0) atomicAdd(kernel_run_counter, 1ull);
+    }
+
+    // ---- offloaded hashing of long requests --------------------------------------------------
+    if (src.count > 0) {
+        int mine = 0;
+        for (kvc_i64 r = threadIdx.x; r < nreq; r += kThreads) {
+            kvc_i64 lo, hi;
+            if (!kvc_write_range(offsets, r, n, lo, hi) || hi - lo <= kInlineMax) continue;
+            const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
+            const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
+            if (j0 < nch) mine = 1;
+        }
+        if (__syncthreads_or(mine)) {
+            for (kvc_i64 window = 0; window < nreq; window += kThreads) {
+                if (threadIdx.x == 0) s_count = 0;
+                __syncthreads();
+                const kvc_i64 r = window + threadIdx.x;
+                kvc_i64 lo, hi;
+                if (r < nreq && kvc_write_range(offsets, r, n, lo, hi) && hi - lo > kInlineMax) {
+                    const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
+                    const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
+                    if (j0 < nch) {
+                        const int d = atomicAdd(&s_count, 1);
+                        s_lo[d] = lo;
+                        s_hi[d] = hi;
+                        s_j0[d] = j0;
+                    }
+                }
+                __syncthreads();
+                const int count = s_count;
+                for (int d = kWarps - 1 - warp; d < count; d += kWarps) {
+                    const kvc_i64 lo_d = s_lo[d], hi_d = s_hi[d];
+                    for (kvc_i64 j = s_j0[d]; lo_d + j * kChunk < hi_d; j += grid) {
+                        const kvc_i64 i = lo_d + j * kChunk + lane;
+                        if (i >= hi_d) continue;
+                        const kvc_i64 slot = out_cache_loc[i];
+                        if (slot < 0 || slot >= num_slots) continue;
+                        bool oor;
+                        const kvc_u64 h = kvc_real_kv_hash(src, slot, &oor);
+                        kvc_slot_words(canary, slot_stride, slot)[KVC_FIELD_REAL_KV_HASH] =
+                            (kvc_i64)h;
+                    }
+                }
+                __syncthreads();
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- chains ------------------------------------------------------------------------------
+    const bool assert_flag = *chain_position_assert != 0;
+    unsigned long long stored = 0;
+    for (kvc_i64 r = block + grid * warp; r < nreq; r += grid * kWarps) {
+        const kvc_i64 b = offsets[r];
+        const kvc_i64 e = offsets[r + 1];
+        if (b >= e) continue;
+        kvc_i64 seed = seed_slots[r];
+        if (seed >= num_slots) {
+            if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
+            seed = -1;
+        }
+        kvc_u64 running;
+        kvc_i64 prev_pos;
+        if (seed >= 0) {
+            const KvcSlot s = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
+            running = kvc_slot_link(s);
+            prev_pos = s.w[KVC_FIELD_POSITION];
+        } else {
+            running = kvc_anchor_link();
+            prev_pos = 0;
+        }
+        const bool pos_assert = seed >= 0 && assert_flag;
+        if (b < 0) {
+            if (lane == 0) kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0,
+                                      KVC_BIT_OUT_OF_RANGE);
+            continue;
+        }
+        const kvc_i64 hi = e < n ? e : n;
+        const bool inline_hash = hi - b <= kInlineMax;
+        // The warp stores real_kv_hash itself unless the grid hashes this request.
+        const bool store_hash = src.count == 0 || inline_hash;
+
+        // Entry loads of the next chunk are issued before the current chunk's walk.
+        kvc_i64 n_slot = -1, n_tok = 0, n_pos = 0, n_etok = 0, n_epos = 0;
+        if (b < hi) {
+            const kvc_i64 i = b + lane;
+            if (i < hi) {
+                n_slot = out_cache_loc[i];
+                n_tok = input_ids[i];
+                n_pos = positions[i];
+                if (has_expected) {
+                    n_etok = expected_tokens[i];
+                    n_epos = expected_positions[i];
+                }
+            }
+        }
+        for (kvc_i64 base = b; base < hi; base += kChunk) {
+            const kvc_i64 i = base + lane;
+            const bool valid = i < hi;
+            const kvc_i64 slot = n_slot, tok = n_tok, pos = n_pos, etok = n_etok, epos = n_epos;
+            n_slot = -1;
+            if (base + kChunk < hi) {
+                const kvc_i64 i2 = base + kChunk + lane;
+                if (i2 < hi) {
+                    n_slot = out_cache_loc[i2];
+                    n_tok = input_ids[i2];
+                    n_pos = positions[i2];
+                    if (has_expected) {
+                        n_etok = expected_tokens[i2];
+                        n_epos = expected_positions[i2];
+                    }
+                }
+            }
+            const bool in_range = valid && slot >= 0 && slot < num_slots;
+            const bool too_big = valid && slot >= num_slots;
+            bool kv_oor = false;
+            kvc_u64 h = 0;
+            if (in_range && src.count > 0) {
+                if (inline_hash) {
+                    h = kvc_real_kv_hash(src, slot, &kv_oor);
+                } else {
+                    kv_oor = kvc_sources_out_of_range(src, slot);
+                }
+            }
+            const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);
+
+            // Serial walk over the stored entries of the chunk, in lockstep on every lane.
+            kvc_u64 my_running = running;
+            kvc_i64 my_prev = prev_pos;
+            unsigned m = mask;
+            while (m) {
+                const int j = __ffs(m) - 1;
+                m &= m - 1;
+                const kvc_i64 t = __shfl_sync(KVC_FULL_MASK, tok, j);
+                const kvc_i64 p = __shfl_sync(KVC_FULL_MASK, pos, j);
+                running = kvc_mix3(running, (kvc_u64)t, (kvc_u64)p);
+                prev_pos = p;
+                if (lane > j) {
+                    my_running = running;
+                    my_prev = prev_pos;
+                }
+            }
+
+            if (too_big) {
+                kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
+                           KVC_BIT_OUT_OF_RANGE);
+            }
+            if (in_range) {
+                if (kv_oor) {
+                    kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
+                               KVC_BIT_OUT_OF_RANGE);
+                }
+                if (has_expected) {
+                    kvc_i64 bits = 0;
+                    if (tok != etok) bits |= KVC_BIT_WRITE_TOKEN;
+                    if (pos != epos) bits |= KVC_BIT_WRITE_POSITION;
+                    if (bits) {
+                        kvc_record(ring, tag, slot, pos, tok, etok, (kvc_i64)my_running, epos,
+                                   bits);
+                    }
+                }
+                if (pos_assert) {
+                    const kvc_i64 want = kvc_wrap_add(my_prev, 1);
+                    if (pos != want) {
+                        kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, want,
+                                   KVC_BIT_WRITE_POSITION);
+                    }
+                }
+            }
+            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
+            // of their own (negative, so never equal to a slot).
+            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
+            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
+            const unsigned later = lane == 31 ? 0u : (peers >> (lane + 1));
+            if (in_range && later == 0u) {
+                kvc_i64* w = kvc_slot_words(canary, slot_stride, slot);
+                if (kVec16 && store_hash) {
+                    kvc_i64 f[4];
+                    f[KVC_FIELD_TOKEN] = tok;
+                    f[KVC_FIELD_POSITION] = pos;
+                    f[KVC_FIELD_PREV_HASH] = (kvc_i64)my_running;
+                    f[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
+                    longlong2* q = reinterpret_cast<longlong2*>(w);
+                    q[0] = make_longlong2(f[0], f[1]);
+                    q[1] = make_longlong2(f[2], f[3]);
+                } else {
+                    w[KVC_FIELD_TOKEN] = tok;
+                    w[KVC_FIELD_POSITION] = pos;
+                    w[KVC_FIELD_PREV_HASH] = (kvc_i64)my_running;
+                    if (store_hash) w[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
+                }
+            }
+            stored += (unsigned long long)__popc(mask);
+            __syncwarp();
+        }
+        if (e > n && lane == 0) {
+            kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
+        }
+    }
+    if (lane == 0 && stored) atomicAdd(&s_stored, stored);
+    __syncthreads();
+    if (threadIdx.x == 0 && s_stored) atomicAdd(slot_run_counter, s_stored);
+}
