@@ -1,0 +1,265 @@
+"""plan (SPEC §3.3, §4): verify entries and write plan from engine metadata; SWA windows with a LUT;
+expected-token gathers; overflow; unresolved slots; plan -> write -> verify end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _builders import pipeline, random_batch, ring_rows
+from _devices import BACKENDS, to_device, to_numpy
+
+UNRESOLVED = kc.UNRESOLVED_SLOT
+
+
+def _expected_entries(batch, prefix_lens, *, window=0, lut=None, expected=None, valid_lens=None, offset=0,
+                      table=None):
+    """SPEC §3.3 verify entries for in-range inputs, as a list of (slot, token, position, prev)."""
+    table = batch.req_to_token if table is None else table
+    tr = (lambda s: s) if lut is None else (lambda s: int(lut[s]) if s >= 0 else s)
+    out = []
+    for r in range(batch.bs):
+        rp = int(batch.req_pool_indices[r])
+        prefix = int(prefix_lens[r])
+        if rp == 0:
+            continue
+        start = max(0, prefix - window) if window > 0 else 0
+        for pos in range(start, prefix):
+            tok = -1
+            if expected is not None and 0 <= pos + offset < valid_lens[r]:
+                tok = int(expected[rp, pos + offset])
+            prev = tr(int(table[rp, pos - 1])) if pos > 0 else -1
+            out.append((tr(int(table[rp, pos])), tok, pos, prev))
+    return out
+
+
+def _plan_entries(vplan):
+    n = int(to_numpy(vplan.num_valid)[0])
+    cols = [to_numpy(a)[:n].tolist() for a in (vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
+                                               vplan.prev_slot_indices)]
+    return list(zip(*cols))
+
+
+def _expected_write_plan(batch, prefix_lens, extend_lens, *, lut=None):
+    tr = (lambda s: s) if lut is None else (lambda s: int(lut[s]) if s >= 0 else s)
+    offsets, seeds, running = [], [], 0
+    for r in range(batch.bs):
+        rp = int(batch.req_pool_indices[r])
+        offsets.append(running)
+        live = rp != 0 and extend_lens[r] > 0
+        running += int(extend_lens[r]) if live else 0
+        seeds.append(tr(int(batch.req_to_token[rp, prefix_lens[r] - 1])) if live and prefix_lens[r] > 0 else -1)
+    return offsets + [running], seeds
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_matches_spec(device, seed):
+    rng = np.random.default_rng(seed)
+    batch = random_batch(rng, bs=int(rng.integers(1, 7)), padding_requests=int(rng.integers(0, 3)))
+    # Some requests with no extend (decode-free) and some with a negative extend: neither writes.
+    ext = batch.extend_lens.copy()
+    ext[rng.random(batch.bs) < 0.3] = int(rng.choice([0, -2]))
+    p = pipeline(batch, device)
+    p.plan(batch.prefix_lens, ext)
+    assert _plan_entries(p.vplan) == _expected_entries(batch, batch.prefix_lens)
+    assert int(to_numpy(p.vplan.enable)[0]) == 1
+    offsets, seeds = _expected_write_plan(batch, batch.prefix_lens, ext)
+    got_offsets = to_numpy(p.wplan.offsets).tolist()
+    assert got_offsets[:batch.bs + 1] == offsets
+    assert all(v == 0 for v in got_offsets[batch.bs + 1:])
+    assert to_numpy(p.wplan.seed_slot_indices)[:batch.bs].tolist() == seeds
+    assert int(to_numpy(p.wplan.num_valid_reqs)[0]) == batch.bs
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_stale_entries_past_batch_cleared(device):
+    rng = np.random.default_rng(11)
+    big = random_batch(rng, bs=5)
+    p = pipeline(big, device)
+    p.plan()
+    small = random_batch(rng, bs=2)
+    p.batch = small
+    p.plan()
+    offsets = to_numpy(p.wplan.offsets)
+    assert offsets[3:].tolist() == [0] * (len(offsets) - 3)
+    assert int(to_numpy(p.wplan.num_valid_reqs)[0]) == 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("short", [False, True])
+def test_expected_token_gather(device, offset, short):
+    rng = np.random.default_rng(offset * 2 + short)
+    batch = random_batch(rng, bs=4, min_prefix=2, padding_requests=1)
+    valid = batch.prefix_lens.copy()
+    if short:  # fewer valid tokens than prefix positions: the tail gets -1
+        valid = np.maximum(valid - rng.integers(0, 3, size=batch.bs), 0)
+    p = pipeline(batch, device)
+    p.plan(expected=True, token_offset=offset, valid_lens=valid)
+    want = _expected_entries(batch, batch.prefix_lens, expected=batch.tokens, valid_lens=valid, offset=offset)
+    assert _plan_entries(p.vplan) == want
+    if offset == 1 and not short:
+        # An EAGLE draft checks position pos against the token at pos + 1.
+        r = batch.live()[0]
+        first = next(e for e in want if e[0] == batch.slot(r, 0))
+        assert first[1] == batch.token(r, 1)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_swa_plan_with_lut(device, window):
+    rng = np.random.default_rng(window)
+    batch = random_batch(rng, bs=3, min_prefix=4, max_prefix=10)
+    swa_slots = batch.num_slots + 3
+    lut = rng.permutation(np.arange(swa_slots))[:batch.num_slots].astype(np.int64)
+    lut[0] = 0
+    p = pipeline(batch, device)
+    p.plan(swa_window_size=window, full_to_swa_index_mapping=to_device(lut, device))
+    want = _expected_entries(batch, batch.prefix_lens, window=window, lut=lut)
+    assert _plan_entries(p.vplan) == want
+    # The window does not restart the chain: the first windowed entry has a real predecessor.
+    for r in batch.live():
+        start = max(0, int(batch.prefix_lens[r]) - window)
+        if start > 0:
+            entry = next(e for e in want if e[0] == lut[batch.slot(r, start)])
+            assert entry[3] == lut[batch.slot(r, start - 1)]
+    _, seeds = _expected_write_plan(batch, batch.prefix_lens, batch.extend_lens, lut=lut)
+    assert to_numpy(p.wplan.seed_slot_indices)[:batch.bs].tolist() == seeds
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_swa_end_to_end(device):
+    """Writes into an SWA canary through the LUT, then verifies the window clean."""
+    rng = np.random.default_rng(21)
+    batch = random_batch(rng, bs=3, min_prefix=3)
+    swa_slots = batch.num_slots + 4
+    lut = rng.permutation(np.arange(1, swa_slots))[:batch.num_slots].astype(np.int64)
+    lut[0] = 0
+    swa_table = lut[batch.req_to_token].astype(np.int32)
+    p = pipeline(batch, device, num_slots=swa_slots)
+    kw = dict(swa_window_size=4, full_to_swa_index_mapping=to_device(lut, device))
+    p.write(np.zeros(batch.bs, np.int64), batch.prefix_lens, table=swa_table, **kw)
+    p.write(table=swa_table, **kw)
+    p.verify_all(tag=kc.LaunchTag.TAIL_K_SWA, **kw)
+    assert ring_rows(p.ctx) == []
+    assert int(to_numpy(p.vplan.num_valid)[0]) == sum(min(4, int(batch.seq_lens[r])) for r in batch.live())
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_slots_pass_through_lut(device):
+    table = np.array([[0, 0, 0], [3, -1, 2]], dtype=np.int32)
+    lut = np.array([0, 5, 6, 7], dtype=np.int64)
+    vplan = kc.VerifyPlan.allocate(8, device=device)
+    wplan = kc.WritePlan.allocate(2, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.plan(vplan, wplan, req_pool_indices=put([1]), prefix_lens=put([3]), extend_seq_lens=put([1]),
+            req_to_token=to_device(table, device), swa_window_size=8, full_to_swa_index_mapping=put(lut))
+    assert _plan_entries(vplan) == [(7, -1, 0, -1), (-1, -1, 1, 7), (6, -1, 2, -1)]
+    assert to_numpy(wplan.seed_slot_indices)[:1].tolist() == [6]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("extra", [-1, 0])
+def test_overflow_disables(device, extra):
+    rng = np.random.default_rng(5)
+    batch = random_batch(rng, bs=3, min_prefix=2)
+    total = int(batch.prefix_lens.sum())
+    p = pipeline(batch, device, verify_capacity=total + extra)
+    sentinel = 987654321
+    for name in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices"):
+        getattr(p.vplan, name)[...] = sentinel
+    p.plan()
+    assert int(to_numpy(p.vplan.num_valid)[0]) == min(total, total + extra)
+    assert int(to_numpy(p.vplan.enable)[0]) == (1 if extra == 0 else 0)
+    if extra < 0:
+        for name in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices"):
+            assert (to_numpy(getattr(p.vplan, name)) == sentinel).all(), name
+        # The write plan is still built; verify skips the step.
+        assert to_numpy(p.wplan.offsets)[batch.bs] == int(batch.extend_lens.sum())
+        kc.verify(p.ctx, p.vplan, tag=0)
+        assert p.ctx.counters() == {"slot_run_counter": 0, "kernel_run_counter": 1, "violations": 0}
+    else:
+        assert _plan_entries(p.vplan) == _expected_entries(batch, batch.prefix_lens)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_unresolved_markers(device):
+    table = np.array([[0] * 4, [1, 2, 3, 4], [5, 6, 7, 9]], dtype=np.int32)
+    lut = np.array([0, 1, 2, 3, 4, 5, 6, 7], dtype=np.int64)  # no entry for full slot 9
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan = kc.VerifyPlan.allocate(32, device=device)
+    wplan = kc.WritePlan.allocate(4, device=device)
+    # Row 7 is outside the table; request 1's prefix 6 runs past width 4; request 2 reaches slot 9.
+    kc.plan(vplan, wplan, req_pool_indices=put([7, 1, 2]), prefix_lens=put([1, 6, 4]),
+            extend_seq_lens=put([1, 1, 1]), req_to_token=to_device(table, device), swa_window_size=100,
+            full_to_swa_index_mapping=put(lut))
+    U = UNRESOLVED
+    assert _plan_entries(vplan) == [
+        (U, -1, 0, -1),
+        (1, -1, 0, -1), (2, -1, 1, 1), (3, -1, 2, 2), (4, -1, 3, 3), (U, -1, 4, 4), (U, -1, 5, U),
+        (5, -1, 0, -1), (6, -1, 1, 5), (7, -1, 2, 6), (U, -1, 3, 7),
+    ]
+    assert to_numpy(wplan.seed_slot_indices)[:3].tolist() == [U, U, U]
+    # The following verify reports every unresolved entry with bit 64.
+    ctx = kc.CanaryContext.allocate(10, device=device, ring_capacity=64)
+    kc.verify(ctx, vplan, tag=0)
+    oor = [r for r in ring_rows(ctx) if r[7] & 64]
+    assert sorted(oor) == sorted((0, U, pos, 0, -1, 0, 0, 64) for pos in (0, 4, 5, 3))
+    # A write seeded from an unresolved slot reports it and falls back to the anchor.
+    kc.write(ctx, wplan, tag=1, input_ids=put([1, 2, 3]), positions=put([1, 6, 4]), out_cache_loc=put([8, 8, 8]))
+    assert [r for r in ring_rows(ctx) if r[0] == 1] == [(1, U, 0, 0, 0, 0, 0, 64)] * 3
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_padding_requests_ignored(device):
+    table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan = kc.VerifyPlan.allocate(8, device=device)
+    wplan = kc.WritePlan.allocate(3, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put([0, 1, 0]), prefix_lens=put([2, 2, 3]),
+            extend_seq_lens=put([1, 1, 2]), req_to_token=to_device(table, device))
+    assert _plan_entries(vplan) == [(4, -1, 0, -1), (5, -1, 1, 4)]
+    assert to_numpy(wplan.offsets).tolist() == [0, 0, 1, 1]
+    assert to_numpy(wplan.seed_slot_indices).tolist() == [-1, 5, -1]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_empty_batch(device):
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan = kc.VerifyPlan.allocate(0, device=device)
+    wplan = kc.WritePlan.allocate(0, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put([]), prefix_lens=put([]), extend_seq_lens=put([]),
+            req_to_token=to_device(np.zeros((1, 4), np.int32), device))
+    assert (int(to_numpy(vplan.num_valid)[0]), int(to_numpy(vplan.enable)[0])) == (0, 1)
+    assert to_numpy(wplan.offsets).tolist() == [0]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_steps_end_to_end(device, seed):
+    """Prefill, then several one-token decode steps, verifying before and after each."""
+    rng = np.random.default_rng(seed)
+    batch = random_batch(rng, bs=3, min_prefix=1, max_prefix=6, max_extend=1, width=16)
+    # Lay out slots for the decode positions too.
+    total = int(batch.seq_lens.sum())
+    steps = 4
+    free = list(range(batch.num_slots, batch.num_slots + steps * batch.bs))
+    for r in batch.live():
+        rp = batch.req_pool_indices[r]
+        for k in range(steps):
+            pos = int(batch.seq_lens[r]) + k
+            batch.req_to_token[rp, pos] = free.pop()
+            batch.tokens[rp, pos] = rng.integers(1, 1000)
+    batch.num_slots += steps * batch.bs
+    p = pipeline(batch, device, verify_capacity=total + steps * batch.bs, chain_position_assert=True)
+    p.write(np.zeros(batch.bs, np.int64), batch.prefix_lens)
+    prefix = batch.prefix_lens.copy()
+    ones = np.ones(batch.bs, np.int64)
+    for _ in range(steps + 1):
+        p.plan(prefix, ones, expected=True, valid_lens=prefix + 1)
+        kc.verify(p.ctx, p.vplan, tag=kc.LaunchTag.HEAD_K_FULL, check_expected_token=True)
+        p.write(prefix, ones, tag=kc.LaunchTag.TAIL_K_FULL)
+        prefix = prefix + 1
+    assert ring_rows(p.ctx) == []
