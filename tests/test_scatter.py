@@ -1,0 +1,93 @@
+"""scatter_req_token_ids (SPEC §3.4, §4): rows copied, truncated to the width, out-of-range skipped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _devices import BACKENDS, to_device, to_numpy
+
+
+def _scatter(device, flat_in, offsets, rpi, pool):
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    out = to_device(np.array(pool, dtype=np.int32), device)
+    kc.scatter_req_token_ids(flat_in=put(flat_in), offsets=put(offsets), req_pool_indices=put(rpi), pool_out=out)
+    return to_numpy(out)
+
+
+def _model(flat_in, offsets, rpi, pool):
+    pool = np.array(pool, dtype=np.int32)
+    rows, width = pool.shape
+    for r, rp in enumerate(rpi):
+        if not 0 <= rp < rows:
+            continue
+        length = min(offsets[r + 1] - offsets[r], width)
+        for j in range(max(length, 0)):
+            if 0 <= offsets[r] + j < len(flat_in):
+                pool[rp, j] = flat_in[offsets[r] + j]
+    return pool
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_basic(device):
+    pool = np.full((4, 5), -7, np.int32)
+    got = _scatter(device, [1, 2, 3, 4, 5, 6], [0, 2, 6], [3, 1], pool)
+    want = pool.copy()
+    want[3, :2] = [1, 2]
+    want[1, :4] = [3, 4, 5, 6]
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_truncated_to_width(device):
+    got = _scatter(device, list(range(10, 20)), [0, 10], [1], np.zeros((2, 3), np.int32))
+    assert got.tolist() == [[0, 0, 0], [10, 11, 12]]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_outside_pool_skipped(device):
+    got = _scatter(device, [1, 2, 3, 4], [0, 1, 2, 3, 4], [-1, 2, 5, 0], np.zeros((3, 2), np.int32))
+    assert got.tolist() == [[4, 0], [0, 0], [2, 0]]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_reads_outside_flat_in_skipped(device):
+    pool = np.full((3, 4), 9, np.int32)
+    got = _scatter(device, [1, 2, 3], [-2, 2, 6], [1, 2], pool)
+    # Request 0 reads [-2, 2): only indices 0 and 1 exist, landing at columns 2 and 3.
+    # Request 1 reads [2, 6): index 2 exists, the rest does not.
+    assert got.tolist() == [[9, 9, 9, 9], [9, 9, 1, 2], [3, 9, 9, 9]]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_length_and_empty(device):
+    pool = np.full((2, 2), 5, np.int32)
+    assert _scatter(device, [1, 2], [2, 0], [1], pool).tolist() == pool.tolist()
+    assert _scatter(device, [], [0], [], pool).tolist() == pool.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(5))
+def test_random_against_model(device, seed):
+    rng = np.random.default_rng(seed)
+    rows, width, bs = int(rng.integers(1, 8)), int(rng.integers(1, 9)), int(rng.integers(0, 6))
+    n = int(rng.integers(0, 30))
+    flat_in = rng.integers(-2**31, 2**31, size=n).tolist()
+    lens = rng.integers(-1, 10, size=bs)
+    offsets = [0] + np.cumsum(lens).tolist()
+    offsets = [o + int(rng.integers(-2, 3)) for o in offsets]
+    rpi = rng.integers(-1, rows + 2, size=bs).tolist()
+    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
+    assert _scatter(device, flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_strided_rows_of_pool(device):
+    if device != "cpu":
+        pytest.skip("host-only layout check")
+    parent = np.zeros((3, 8), np.int32)
+    view = parent[:, :4]
+    kc.scatter_req_token_ids(flat_in=np.arange(1, 5, dtype=np.int64), offsets=np.array([0, 4], np.int64),
+                             req_pool_indices=np.array([2], np.int64), pool_out=view)
+    assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
