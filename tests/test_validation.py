@@ -1,0 +1,339 @@
+"""Host-side validation (SPEC §4): every rule raises ``ValueError``/``TypeError`` with a ``kv-canary: ``
+message naming the argument, and a rejected op call changes nothing (every buffer is compared)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _builders import SourceSpec, snapshot
+from _devices import BACKENDS, to_device, to_numpy
+
+# --- the SPEC's four messages, verbatim -----------------------------------------------------------
+
+
+def test_seed_message_page_size():
+    with pytest.raises(ValueError) as info:
+        kc.RealKvSource(tensor=np.zeros((4, 64), np.uint8), page_size=0, num_bytes_per_token=16, read_bytes=16)
+    assert str(info.value) == "kv-canary: RealKvSource.page_size must be >= 1, got 0"
+
+
+def test_seed_message_tensor_ndim():
+    with pytest.raises(ValueError) as info:
+        kc.RealKvSource(tensor=np.zeros(64, np.uint8), page_size=1, num_bytes_per_token=16, read_bytes=16)
+    assert str(info.value) == "kv-canary: RealKvSource.tensor must be at least 2-D, got shape (64,)"
+
+
+def test_seed_message_verify_capacity():
+    with pytest.raises(ValueError) as info:
+        kc.VerifyPlan.allocate(-1)
+    assert str(info.value) == "kv-canary: verify_capacity must be non-negative, got -1"
+
+
+def test_seed_message_pool_slot_count():
+    with pytest.raises(ValueError) as info:
+        kc.Capacities.from_args(req_to_token_pool_size=8, max_seq_len_per_req=128, pool_slot_count=0,
+                                max_prefill_tokens=256)
+    assert str(info.value) == "kv-canary: pool_slot_count must be positive, got 0"
+
+
+# --- construction rules -----------------------------------------------------------------------------
+
+def _u8(rows, cols):
+    return np.arange(rows * cols, dtype=np.uint64).astype(np.uint8).reshape(rows, cols)
+
+
+def _source(**kw):
+    args = dict(tensor=_u8(4, 64), page_size=1, num_bytes_per_token=32, read_bytes=32)
+    args.update(kw)
+    return lambda: kc.RealKvSource(**args)
+
+
+def _misaligned():
+    raw = np.zeros(4 * 64 + 16, np.uint8)
+    start = (-raw.ctypes.data) % 16 + 8
+    return raw[start:start + 4 * 48].reshape(4, 48)
+
+
+def _ctx_arrays(**kw):
+    args = dict(canary_buf=np.zeros((8, 32), np.uint8), violation_ring=np.zeros((4, 8), np.int64),
+                violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
+                kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+    args.update(kw)
+    return lambda: kc.CanaryContext(**args)
+
+
+def _vplan_arrays(**kw):
+    args = dict(slot_indices=np.zeros(4, np.int64), expected_tokens=np.zeros(4, np.int64),
+                expected_positions=np.zeros(4, np.int64), prev_slot_indices=np.zeros(4, np.int64),
+                num_valid=np.zeros(1, np.int32), enable=np.zeros(1, np.int32))
+    args.update(kw)
+    return lambda: kc.VerifyPlan(**args)
+
+
+def _wplan_arrays(**kw):
+    args = dict(offsets=np.zeros(5, np.int64), seed_slot_indices=np.zeros(4, np.int64),
+                num_valid_reqs=np.zeros(1, np.int32))
+    args.update(kw)
+    return lambda: kc.WritePlan(**args)
+
+
+CONSTRUCTION = [
+    ("source page_size negative", _source(page_size=-2), ValueError, r"RealKvSource\.page_size must be >= 1, got -2"),
+    ("source page_size float", _source(page_size=1.0), TypeError, r"RealKvSource\.page_size must be an int"),
+    ("source bytes_per_token not x16", _source(num_bytes_per_token=24, read_bytes=16), ValueError,
+     r"RealKvSource\.num_bytes_per_token must be a positive multiple of 16, got 24"),
+    ("source bytes_per_token zero", _source(num_bytes_per_token=0, read_bytes=16), ValueError,
+     r"num_bytes_per_token .*got 0"),
+    ("source read_bytes too big", _source(read_bytes=48), ValueError, r"RealKvSource\.read_bytes .*got 48"),
+    ("source read_bytes not x16", _source(read_bytes=8), ValueError, r"RealKvSource\.read_bytes .*got 8"),
+    ("source read_bytes zero", _source(read_bytes=0), ValueError, r"RealKvSource\.read_bytes .*got 0"),
+    ("source rows too short", _source(page_size=4), ValueError, r"RealKvSource\.tensor rows must hold .*128"),
+    ("source row stride not x16", _source(tensor=_u8(4, 40)[:, :32]), ValueError,
+     r"RealKvSource\.tensor row stride must be a multiple of 16 bytes, got 40"),
+    ("source misaligned", _source(tensor=_misaligned()), ValueError, r"RealKvSource\.tensor must be 16-byte aligned"),
+    ("source bytes not contiguous", _source(tensor=_u8(4, 128)[:, ::2]), ValueError,
+     r"RealKvSource\.tensor must have contiguous bytes within each row"),
+    ("source not an array", _source(tensor=[[1, 2]]), TypeError, r"RealKvSource\.tensor must be an array"),
+    ("ctx num_slots zero", lambda: kc.CanaryContext.allocate(0), ValueError, r"num_slots must be positive, got 0"),
+    ("ctx stride not x8", lambda: kc.CanaryContext.allocate(4, slot_stride_bytes=36), ValueError,
+     r"slot_stride_bytes must be a multiple of 8, got 36"),
+    ("ctx stride small", lambda: kc.CanaryContext.allocate(4, slot_stride_bytes=24), ValueError,
+     r"slot_stride_bytes must be >= 32, got 24"),
+    ("ctx ring negative", lambda: kc.CanaryContext.allocate(4, ring_capacity=-1), ValueError,
+     r"ring_capacity must be non-negative, got -1"),
+    ("ctx hash_mode", lambda: kc.CanaryContext.allocate(4, hash_mode=7), ValueError, r"hash_mode must be one of"),
+    ("ctx device", lambda: kc.CanaryContext.allocate(4, device="tpu"), ValueError, r"device must be"),
+    ("ctx assert flag", lambda: kc.CanaryContext.allocate(4, chain_position_assert=1), TypeError,
+     r"chain_position_assert must be a bool"),
+    ("ctx source type", lambda: kc.CanaryContext.allocate(4, real_kv_sources=(np.zeros((4, 16)),)), TypeError,
+     r"real_kv_sources\[0\] must be a RealKvSource"),
+    ("ctx buf dtype", _ctx_arrays(canary_buf=np.zeros((8, 32), np.int8)), TypeError,
+     r"canary_buf must have dtype uint8, got int8"),
+    ("ctx buf 1-D", _ctx_arrays(canary_buf=np.zeros(256, np.uint8)), ValueError, r"canary_buf must be 2-D"),
+    ("ctx buf stride", _ctx_arrays(canary_buf=np.zeros((8, 20), np.uint8)), ValueError,
+     r"canary_buf slot_stride_bytes .*got 20"),
+    ("ctx buf not contiguous", _ctx_arrays(canary_buf=np.zeros((8, 64), np.uint8)[:, :32]), ValueError,
+     r"canary_buf must be C-contiguous"),
+    ("ctx ring columns", _ctx_arrays(violation_ring=np.zeros((4, 7), np.int64)), ValueError,
+     r"violation_ring must have 8 columns"),
+    ("ctx ring dtype", _ctx_arrays(violation_ring=np.zeros((4, 8), np.int32)), TypeError,
+     r"violation_ring must have dtype int64"),
+    ("ctx write index dtype", _ctx_arrays(violation_write_index=np.zeros(1, np.int64)), TypeError,
+     r"violation_write_index must have dtype int32"),
+    ("ctx counter length", _ctx_arrays(slot_run_counter=np.zeros(2, np.int64)), ValueError,
+     r"slot_run_counter must have length 1"),
+    ("ctx kernel counter dtype", _ctx_arrays(kernel_run_counter=np.zeros(1, np.float64)), TypeError,
+     r"kernel_run_counter must have dtype int64"),
+    ("ctx assert cell dtype", _ctx_arrays(chain_position_assert=np.zeros(1, np.int64)), TypeError,
+     r"chain_position_assert must have dtype int32"),
+    ("ctx not an array", _ctx_arrays(canary_buf=b"x" * 64), TypeError, r"canary_buf must be an array"),
+    ("vplan field length", _vplan_arrays(expected_tokens=np.zeros(3, np.int64)), ValueError,
+     r"VerifyPlan\.expected_tokens must have length 4"),
+    ("vplan dtype", _vplan_arrays(prev_slot_indices=np.zeros(4, np.int32)), TypeError,
+     r"VerifyPlan\.prev_slot_indices must have dtype int64"),
+    ("vplan num_valid dtype", _vplan_arrays(num_valid=np.zeros(1, np.int64)), TypeError,
+     r"VerifyPlan\.num_valid must have dtype int32"),
+    ("vplan enable length", _vplan_arrays(enable=np.zeros(2, np.int32)), ValueError,
+     r"VerifyPlan\.enable must have length 1"),
+    ("vplan capacity type", lambda: kc.VerifyPlan.allocate(2.0), TypeError, r"verify_capacity must be an int"),
+    ("wplan offsets length", _wplan_arrays(offsets=np.zeros(4, np.int64)), ValueError,
+     r"WritePlan\.offsets must have length 5"),
+    ("wplan seeds dtype", _wplan_arrays(seed_slot_indices=np.zeros(4, np.int32)), TypeError,
+     r"WritePlan\.seed_slot_indices must have dtype int64"),
+    ("wplan allocate negative", lambda: kc.WritePlan.allocate(-1), ValueError,
+     r"write_req_capacity must be non-negative, got -1"),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,pattern", CONSTRUCTION, ids=[c[0] for c in CONSTRUCTION])
+def test_construction_rules(name, make, exc, pattern):
+    with pytest.raises(exc) as info:
+        make()
+    assert type(info.value) is exc
+    assert str(info.value).startswith("kv-canary: ")
+    assert len(__import__("re").findall(pattern, str(info.value))) == 1, str(info.value)
+
+
+# --- op rules, each leaving every buffer as it was ----------------------------------------------
+
+class World:
+    """A context (with a source), both plans and one batch's inputs, all filled with noise."""
+
+    def __init__(self, device):
+        rng = np.random.default_rng(0)
+        self.device = device
+        put = lambda a: to_device(np.ascontiguousarray(a), device)  # noqa: E731
+        self.put = put
+        self.spec = SourceSpec(rng.integers(1, 256, size=(8, 32), dtype=np.uint8), 1, 32, 32)
+        self.ctx = kc.CanaryContext(
+            canary_buf=put(rng.integers(0, 256, size=(8, 32), dtype=np.uint8)),
+            violation_ring=put(rng.integers(-9, 9, size=(4, 8))), violation_write_index=put(np.array([2], np.int32)),
+            slot_run_counter=put(np.array([5])), kernel_run_counter=put(np.array([6])),
+            chain_position_assert=put(np.array([1], np.int32)), real_kv_sources=(self.spec.build(device),),
+            hash_mode=kc.HashMode.ALL)
+        i64 = lambda *shape: put(rng.integers(-3, 9, size=shape).astype(np.int64))  # noqa: E731
+        self.vplan = kc.VerifyPlan(slot_indices=i64(6), expected_tokens=i64(6), expected_positions=i64(6),
+                                   prev_slot_indices=i64(6), num_valid=put(np.array([6], np.int32)),
+                                   enable=put(np.array([1], np.int32)))
+        self.wplan = kc.WritePlan(offsets=put(np.array([0, 1, 3])), seed_slot_indices=put(np.array([-1, 2])),
+                                  num_valid_reqs=put(np.array([2], np.int32)))
+        self.ids, self.pos, self.loc = put(np.array([1, 2, 3])), put(np.array([0, 1, 2])), put(np.array([3, 4, 5]))
+        self.rpi, self.prefix, self.extend = put(np.array([1, 2])), put(np.array([1, 2])), put(np.array([1, 1]))
+        self.table = put(rng.integers(1, 8, size=(3, 6)).astype(np.int32))
+        self.pool = put(np.zeros((3, 6), np.int32))
+        self.flat = put(np.arange(4))
+        self.lut = put(np.arange(8))
+
+    def buffers(self):
+        c, v, w = self.ctx, self.vplan, self.wplan
+        return [c.canary_buf, c.violation_ring, c.violation_write_index, c.slot_run_counter, c.kernel_run_counter,
+                c.chain_position_assert, c.real_kv_sources[0].tensor, v.slot_indices, v.expected_tokens,
+                v.expected_positions, v.prev_slot_indices, v.num_valid, v.enable, w.offsets, w.seed_slot_indices,
+                w.num_valid_reqs, self.ids, self.pos, self.loc, self.rpi, self.prefix, self.extend, self.table,
+                self.pool, self.flat, self.lut]
+
+    def write(self, **kw):
+        args = dict(tag=0, input_ids=self.ids, positions=self.pos, out_cache_loc=self.loc)
+        args.update(kw)
+        ctx = args.pop("ctx", self.ctx)
+        wplan = args.pop("wplan", self.wplan)
+        kc.write(ctx, wplan, **args)
+
+    def verify(self, **kw):
+        args = dict(tag=0)
+        args.update(kw)
+        ctx = args.pop("ctx", self.ctx)
+        vplan = args.pop("vplan", self.vplan)
+        kc.verify(ctx, vplan, **args)
+
+    def plan(self, **kw):
+        args = dict(req_pool_indices=self.rpi, prefix_lens=self.prefix, extend_seq_lens=self.extend,
+                    req_to_token=self.table)
+        args.update(kw)
+        vplan = args.pop("vplan", self.vplan)
+        wplan = args.pop("wplan", self.wplan)
+        kc.plan(vplan, wplan, **args)
+
+    def scatter(self, **kw):
+        args = dict(flat_in=self.flat, offsets=self.put(np.array([0, 2, 4])), req_pool_indices=self.rpi,
+                    pool_out=self.pool)
+        args.update(kw)
+        kc.scatter_req_token_ids(**args)
+
+
+def _d(w, array):
+    return w.put(np.asarray(array))
+
+
+OPS = [
+    ("write ids dtype", lambda w: w.write(input_ids=_d(w, np.array([1, 2, 3], np.int32))), TypeError,
+     r"input_ids must have dtype int64, got int32"),
+    ("write positions length", lambda w: w.write(positions=_d(w, np.array([0, 1]))), ValueError,
+     r"positions must have length 3"),
+    ("write loc 2-D", lambda w: w.write(out_cache_loc=_d(w, np.zeros((3, 1), np.int64))), ValueError,
+     r"out_cache_loc must be 1-D"),
+    ("write ids strided", lambda w: w.write(input_ids=w.put(np.arange(6))[::2]), ValueError,
+     r"input_ids must be C-contiguous"),
+    ("write expected half", lambda w: w.write(expected_input_tokens=w.ids), ValueError,
+     r"expected_input_tokens requires expected_input_positions"),
+    ("write expected half 2", lambda w: w.write(expected_input_positions=w.pos), ValueError,
+     r"expected_input_positions requires expected_input_tokens"),
+    ("write expected length", lambda w: w.write(expected_input_tokens=_d(w, np.arange(2)),
+                                                expected_input_positions=_d(w, np.arange(2))), ValueError,
+     r"expected_input_tokens must have length 3"),
+    ("write tag range", lambda w: w.write(tag=12), ValueError, r"tag must be a LaunchTag value .*got 12"),
+    ("write tag type", lambda w: w.write(tag="HEAD"), TypeError, r"tag must be a LaunchTag"),
+    ("write tag bool", lambda w: w.write(tag=True), TypeError, r"tag must be a LaunchTag"),
+    ("write ctx type", lambda w: w.write(ctx=object()), TypeError, r"ctx must be a CanaryContext"),
+    ("write wplan type", lambda w: w.write(wplan=w.vplan), TypeError, r"wplan must be a WritePlan"),
+    ("write ids list", lambda w: w.write(input_ids=[1, 2, 3]), TypeError, r"input_ids must be an array"),
+    ("verify tag negative", lambda w: w.verify(tag=-1), ValueError, r"tag must be a LaunchTag value .*got -1"),
+    ("verify check flag", lambda w: w.verify(check_expected_token=1), TypeError,
+     r"check_expected_token must be a bool"),
+    ("verify vplan type", lambda w: w.verify(vplan=w.wplan), TypeError, r"vplan must be a VerifyPlan"),
+    ("verify ctx type", lambda w: w.verify(ctx=None), TypeError, r"ctx must be a CanaryContext"),
+    ("plan swa without lut", lambda w: w.plan(swa_window_size=4), ValueError,
+     r"full_to_swa_index_mapping is required when swa_window_size > 0"),
+    ("plan lut without swa", lambda w: w.plan(full_to_swa_index_mapping=w.lut), ValueError,
+     r"full_to_swa_index_mapping is only used with swa_window_size > 0"),
+    ("plan swa negative", lambda w: w.plan(swa_window_size=-1), ValueError,
+     r"swa_window_size must be non-negative, got -1"),
+    ("plan lut dtype", lambda w: w.plan(swa_window_size=2, full_to_swa_index_mapping=_d(w, np.arange(8, dtype=np.int32))),
+     TypeError, r"full_to_swa_index_mapping must have dtype int64"),
+    ("plan expected without lens", lambda w: w.plan(req_to_verify_expected_tokens=w.table), ValueError,
+     r"req_to_verify_expected_tokens requires req_to_verify_expected_tokens_valid_lens"),
+    ("plan lens without expected", lambda w: w.plan(req_to_verify_expected_tokens_valid_lens=w.prefix), ValueError,
+     r"req_to_verify_expected_tokens_valid_lens requires req_to_verify_expected_tokens"),
+    ("plan expected dtype", lambda w: w.plan(req_to_verify_expected_tokens=_d(w, np.zeros((3, 6), np.int64)),
+                                             req_to_verify_expected_tokens_valid_lens=w.prefix), TypeError,
+     r"req_to_verify_expected_tokens must have dtype int32"),
+    ("plan valid lens length", lambda w: w.plan(req_to_verify_expected_tokens=w.table,
+                                                req_to_verify_expected_tokens_valid_lens=_d(w, np.arange(3))),
+     ValueError, r"req_to_verify_expected_tokens_valid_lens must have length 2"),
+    ("plan offset type", lambda w: w.plan(kv_token_id_vs_position_offset=1.0), TypeError,
+     r"kv_token_id_vs_position_offset must be an int"),
+    ("plan table dtype", lambda w: w.plan(req_to_token=_d(w, np.zeros((3, 6), np.int64))), TypeError,
+     r"req_to_token must have dtype int32"),
+    ("plan table 1-D", lambda w: w.plan(req_to_token=_d(w, np.zeros(6, np.int32))), ValueError,
+     r"req_to_token must be 2-D"),
+    ("plan table column stride", lambda w: w.plan(req_to_token=w.put(np.zeros((3, 12), np.int32))[:, ::2]),
+     ValueError, r"req_to_token must have a contiguous last dimension"),
+    ("plan prefix length", lambda w: w.plan(prefix_lens=_d(w, np.arange(3))), ValueError,
+     r"prefix_lens must have length 2"),
+    ("plan extend dtype", lambda w: w.plan(extend_seq_lens=_d(w, np.arange(2, dtype=np.int32))), TypeError,
+     r"extend_seq_lens must have dtype int64"),
+    ("plan bs above capacity", lambda w: w.plan(req_pool_indices=_d(w, np.arange(3)), prefix_lens=_d(w, np.ones(3, np.int64)),
+                                                extend_seq_lens=_d(w, np.ones(3, np.int64))), ValueError,
+     r"batch size must be <= the write plan's capacity 2, got 3"),
+    ("plan vplan type", lambda w: w.plan(vplan=w.wplan), TypeError, r"vplan must be a VerifyPlan"),
+    ("plan wplan type", lambda w: w.plan(wplan=w.vplan), TypeError, r"wplan must be a WritePlan"),
+    ("scatter offsets length", lambda w: w.scatter(offsets=_d(w, np.arange(2))), ValueError,
+     r"offsets must have length 3"),
+    ("scatter pool dtype", lambda w: w.scatter(pool_out=_d(w, np.zeros((3, 6), np.int64))), TypeError,
+     r"pool_out must have dtype int32"),
+    ("scatter flat 2-D", lambda w: w.scatter(flat_in=_d(w, np.zeros((2, 2), np.int64))), ValueError,
+     r"flat_in must be 1-D"),
+    ("scatter rows dtype", lambda w: w.scatter(req_pool_indices=_d(w, np.arange(2, dtype=np.int32))), TypeError,
+     r"req_pool_indices must have dtype int64"),
+]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("name,call,exc,pattern", OPS, ids=[c[0] for c in OPS])
+def test_op_rules_change_nothing(device, name, call, exc, pattern):
+    w = World(device)
+    before = snapshot(*w.buffers())
+    with pytest.raises(exc) as info:
+        call(w)
+    assert type(info.value) is exc
+    assert str(info.value).startswith("kv-canary: ")
+    assert __import__("re").search(pattern, str(info.value)), str(info.value)
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_valid_world_calls_run(device):
+    """The same world accepts the unmodified calls (so each rule above is what rejected its call)."""
+    w = World(device)
+    w.write()
+    w.verify(check_expected_token=True)
+    w.plan()
+    w.scatter()
+    assert w.ctx.counters()["kernel_run_counter"] == 6 + 2
+
+
+def test_int32_capacities():
+    with pytest.raises(ValueError, match=r"^kv-canary: verify_capacity must fit in int32"):
+        kc.VerifyPlan.allocate(2**31)
+    with pytest.raises(ValueError, match=r"^kv-canary: write_req_capacity must fit in int32"):
+        kc.WritePlan.allocate(2**31)
+
+
+def test_slot_fields_range():
+    ctx = kc.CanaryContext.allocate(4)
+    with pytest.raises(ValueError, match=r"^kv-canary: slot must be in \[0, 4\), got 4"):
+        ctx.slot_fields(4)
+    assert ctx.slot_fields(3) == {"token": 0, "position": 0, "prev_hash": 0, "real_kv_hash": 0}
