@@ -15,11 +15,10 @@ from .sources import RealKvSource
 
 def _adopt(owner: Any, fields: dict[str, tuple[Any, str]]) -> dict[str, Device]:
     """Replace each named field of a frozen dataclass by its native view; returns the devices."""
-    devices = {}
+    devices = {label: device_of(value, label) for value, label in fields.values()}
+    check.one_device(devices)  # before any view, so mixing devices is reported as such
     for attribute, (value, label) in fields.items():
-        device = device_of(value, label)
-        object.__setattr__(owner, attribute, native_view(value, label, device))
-        devices[label] = device
+        object.__setattr__(owner, attribute, native_view(value, label, devices[label]))
     return devices
 
 

@@ -14,15 +14,10 @@ from .._dlpack import Device, device_of, native_view
 
 def _adopt_arrays(owner: Any, names: tuple[str, ...]) -> Device:
     """Turn each non-None named field into a native view; all must share one device."""
-    devices = {}
-    for name in names:
-        value = getattr(owner, name)
-        if value is None:
-            continue
-        device = device_of(value, name)
-        object.__setattr__(owner, name, native_view(value, name, device))
-        devices[name] = device
-    device = check.one_device(devices)
+    devices = {name: device_of(getattr(owner, name), name) for name in names if getattr(owner, name) is not None}
+    device = check.one_device(devices)  # before any view, so mixing devices is reported as such
+    for name, where in devices.items():
+        object.__setattr__(owner, name, native_view(getattr(owner, name), name, where))
     object.__setattr__(owner, "device", device)
     return device
 
