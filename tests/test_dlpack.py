@@ -1,0 +1,200 @@
+"""DLPack interop (SPEC §5): NumPy and PyTorch CPU tensors are used in place (ops write into the
+caller's memory), odd dtypes work as real-KV sources, and arrays on different devices are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _builders import SourceSpec, expected_kv_hash, fields, link_of, ring_rows, signed
+
+torch = pytest.importorskip("torch")
+
+
+class DLPackOnly:
+    """Exposes nothing but the DLPack protocol of a NumPy array."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+class FakeCuda:
+    """Claims to live on CUDA device 0 (never dereferenced: the device check comes first)."""
+
+    shape = (4,)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a mixed-device call must be refused before any view is taken")
+
+
+def _torch_ctx(num_slots=8, **kwargs):
+    t = dict(canary_buf=torch.zeros((num_slots, 32), dtype=torch.uint8),
+             violation_ring=torch.zeros((16, 8), dtype=torch.int64),
+             violation_write_index=torch.zeros(1, dtype=torch.int32),
+             slot_run_counter=torch.zeros(1, dtype=torch.int64), kernel_run_counter=torch.zeros(1, dtype=torch.int64),
+             chain_position_assert=torch.zeros(1, dtype=torch.int32))
+    return t, kc.CanaryContext(**t, **kwargs)
+
+
+def test_torch_end_to_end_in_place():
+    t, ctx = _torch_ctx()
+    assert ctx.canary_buf.ctypes.data == t["canary_buf"].data_ptr()
+    vp = {k: torch.zeros(8, dtype=torch.int64) for k in ("slot_indices", "expected_tokens", "expected_positions",
+                                                          "prev_slot_indices")}
+    vp.update(num_valid=torch.zeros(1, dtype=torch.int32), enable=torch.zeros(1, dtype=torch.int32))
+    vplan = kc.VerifyPlan(**vp)
+    wp = dict(offsets=torch.zeros(3, dtype=torch.int64), seed_slot_indices=torch.zeros(2, dtype=torch.int64),
+              num_valid_reqs=torch.zeros(1, dtype=torch.int32))
+    wplan = kc.WritePlan(**wp)
+    table = torch.tensor([[0, 0, 0, 0], [3, 5, 1, 0], [2, 4, 6, 7]], dtype=torch.int32)
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    # Write 3 tokens of row 1 and 4 of row 2 (no prefix).
+    kc.plan(vplan, wplan, req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([3, 4]),
+            req_to_token=table)
+    assert wp["offsets"].tolist() == [0, 3, 7] and wp["seed_slot_indices"].tolist() == [-1, -1]
+    assert wp["num_valid_reqs"].item() == 2
+    kc.write(ctx, wplan, tag=kc.LaunchTag.HEAD_K_FULL, input_ids=i64([10, 11, 12, 20, 21, 22, 23]),
+             positions=i64([0, 1, 2, 0, 1, 2, 3]), out_cache_loc=i64([3, 5, 1, 2, 4, 6, 7]))
+    words = t["canary_buf"].view(torch.int64)
+    assert words[5, 0].item() == 11 and words[5, 1].item() == 1
+    assert t["kernel_run_counter"].item() == 1 and t["slot_run_counter"].item() == 7
+    # Verify everything through the torch plan.
+    kc.plan(vplan, wplan, req_pool_indices=i64([1, 2]), prefix_lens=i64([3, 4]), extend_seq_lens=i64([0, 0]),
+            req_to_token=table)
+    assert vp["num_valid"].item() == 7 and vp["enable"].item() == 1
+    assert vp["slot_indices"][:7].tolist() == [3, 5, 1, 2, 4, 6, 7]
+    kc.verify(ctx, vplan, tag=kc.LaunchTag.TAIL_K_FULL)
+    assert t["violation_write_index"].item() == 0
+    # A corruption made through the caller's tensor is seen, and the row lands in the caller's ring.
+    words[4, 0] = 99
+    kc.verify(ctx, vplan, tag=kc.LaunchTag.TAIL_K_FULL)
+    assert t["violation_write_index"].item() == 1
+    assert t["violation_ring"][0].tolist()[:3] == [int(kc.LaunchTag.TAIL_K_FULL), 6, 2]
+    assert ring_rows(ctx)[0][7] == 1
+
+
+def test_torch_scatter_in_place():
+    pool = torch.full((3, 4), -1, dtype=torch.int32)
+    kc.scatter_req_token_ids(flat_in=torch.arange(5, dtype=torch.int64), offsets=torch.tensor([0, 2, 5]),
+                             req_pool_indices=torch.tensor([2, 1]), pool_out=pool)
+    assert pool.tolist() == [[-1] * 4, [2, 3, 4, -1], [0, 1, -1, -1]]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_torch_source_dtypes(dtype, strided):
+    """A KV pool of any dtype, [rows, heads, head_dim] and optionally with padded rows, hashes the same
+    bytes as its NumPy byte view."""
+    torch_dtype = getattr(torch, dtype, None)
+    if torch_dtype is None:
+        pytest.skip(f"torch has no {dtype}")
+    rng = np.random.default_rng(3)
+    rows, bpt = 8, 64
+    pad = 32 if strided else 0
+    raw = rng.integers(1, 256, size=(rows, bpt + pad), dtype=np.uint8)
+    parent = torch.from_numpy(raw.copy()).view(torch_dtype)
+    itemsize = parent.element_size()
+    tensor = parent[:, :bpt // itemsize].reshape(rows, 2, bpt // itemsize // 2) if not strided else \
+        parent[:, :bpt // itemsize].unflatten(1, (2, bpt // itemsize // 2))
+    source = kc.RealKvSource(tensor=tensor, page_size=1, num_bytes_per_token=bpt, read_bytes=48)
+    assert source.row_stride_bytes == bpt + pad
+    _, ctx = _torch_ctx(rows, real_kv_sources=(source,), hash_mode=kc.HashMode.ALL)
+    kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1), tag=0,
+             input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]), out_cache_loc=torch.tensor([3, 7]))
+    spec = SourceSpec(raw[:, :bpt], 1, bpt, 48)
+    for slot in (3, 7):
+        assert fields(ctx.canary_buf, slot)[3] == expected_kv_hash([spec], kc.HashMode.ALL, slot)
+    # Changing the caller's tensor changes what verify sees (the view is zero-copy).
+    vplan = kc.VerifyPlan(slot_indices=torch.tensor([3, 7]), expected_tokens=torch.tensor([-1, -1]),
+                          expected_positions=torch.tensor([0, 1]), prev_slot_indices=torch.tensor([-1, 3]),
+                          num_valid=torch.tensor([2], dtype=torch.int32), enable=torch.tensor([1], dtype=torch.int32))
+    kc.verify(ctx, vplan, tag=0)
+    assert ctx.violations().total == 0
+    parent.view(torch.uint8)[7, 5] ^= 0x11
+    kc.verify(ctx, vplan, tag=0)
+    assert [(r[1], r[7]) for r in ring_rows(ctx)] == [(7, 4)]
+
+
+def test_generic_dlpack_objects():
+    buf = np.zeros((6, 32), np.uint8)
+    ctx = kc.CanaryContext(canary_buf=DLPackOnly(buf), violation_ring=DLPackOnly(np.zeros((4, 8), np.int64)),
+                           violation_write_index=DLPackOnly(np.zeros(1, np.int32)),
+                           slot_run_counter=DLPackOnly(np.zeros(1, np.int64)),
+                           kernel_run_counter=DLPackOnly(np.zeros(1, np.int64)),
+                           chain_position_assert=DLPackOnly(np.zeros(1, np.int32)))
+    a = lambda v: DLPackOnly(np.array(v, dtype=np.int64))  # noqa: E731
+    kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1), tag=0,
+             input_ids=a([5, 6]), positions=a([0, 1]), out_cache_loc=a([2, 4]))
+    assert buf.view(np.int64)[4, 0] == 6
+    assert buf.view(np.int64)[4, 2] == link_of(buf, 2)
+    assert buf.view(np.int64)[2, 2] == signed(0xDE7FAE23A9A1B716)
+
+
+def test_numpy_in_place():
+    ring = np.zeros((2, 8), np.int64)
+    ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
+                           violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
+                           kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+    assert ctx.violation_ring is ring
+    kc.verify(ctx, kc.VerifyPlan(slot_indices=np.array([9]), expected_tokens=np.array([-1]),
+                                 expected_positions=np.array([4]), prev_slot_indices=np.array([-1]),
+                                 num_valid=np.array([1], np.int32), enable=np.array([1], np.int32)), tag=3)
+    assert ring[0].tolist() == [3, 9, 4, 0, -1, 0, 0, 64]
+
+
+# --- devices ---------------------------------------------------------------------------------------
+
+MIXED = [
+    ("VerifyPlan", lambda: kc.VerifyPlan(slot_indices=np.zeros(4, np.int64), expected_tokens=FakeCuda(),
+                                         expected_positions=np.zeros(4, np.int64),
+                                         prev_slot_indices=np.zeros(4, np.int64), num_valid=np.zeros(1, np.int32),
+                                         enable=np.zeros(1, np.int32))),
+    ("WritePlan", lambda: kc.WritePlan(offsets=np.zeros(3, np.int64), seed_slot_indices=np.zeros(2, np.int64),
+                                       num_valid_reqs=FakeCuda())),
+    ("CanaryContext", lambda: kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8),
+                                               violation_ring=np.zeros((4, 8), np.int64),
+                                               violation_write_index=np.zeros(1, np.int32),
+                                               slot_run_counter=FakeCuda(), kernel_run_counter=np.zeros(1, np.int64),
+                                               chain_position_assert=np.zeros(1, np.int32))),
+    ("write", lambda: kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0,
+                               input_ids=np.zeros(2, np.int64), positions=FakeCuda(),
+                               out_cache_loc=np.zeros(2, np.int64))),
+    ("plan", lambda: kc.plan(kc.VerifyPlan.allocate(4), kc.WritePlan.allocate(1), req_pool_indices=np.zeros(1, np.int64),
+                             prefix_lens=np.zeros(1, np.int64), extend_seq_lens=np.zeros(1, np.int64),
+                             req_to_token=FakeCuda())),
+    ("scatter", lambda: kc.scatter_req_token_ids(flat_in=np.zeros(4, np.int64), offsets=np.zeros(2, np.int64),
+                                                 req_pool_indices=np.zeros(1, np.int64), pool_out=FakeCuda())),
+]
+
+
+@pytest.mark.parametrize("name,call", MIXED, ids=[m[0] for m in MIXED])
+def test_mixed_devices_refused(name, call):
+    with pytest.raises(ValueError, match=r"^kv-canary: all arrays of one call must be on one device, got .* on "
+                                         r"(cpu|cuda:0) and .* on (cpu|cuda:0)"):
+        call()
+
+
+def test_unsupported_device_type():
+    class OnVulkan:
+        def __dlpack_device__(self):
+            return (7, 0)
+
+    with pytest.raises(ValueError, match=r"^kv-canary: input_ids lives on an unsupported DLPack device type 7"):
+        kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0, input_ids=OnVulkan(),
+                 positions=np.zeros(0, np.int64), out_cache_loc=np.zeros(0, np.int64))
+
+
+def test_not_an_array():
+    with pytest.raises(TypeError, match=r"^kv-canary: pool_out must be an array supporting DLPack"):
+        kc.scatter_req_token_ids(flat_in=np.zeros(4, np.int64), offsets=np.zeros(2, np.int64),
+                                 req_pool_indices=np.zeros(1, np.int64), pool_out=[[0]])
