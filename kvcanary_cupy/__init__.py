@@ -11,11 +11,22 @@ from .capacities import Capacities
 from .context import CanaryContext, Violation, ViolationReport, VerifyPlan, WritePlan
 from .ops import plan, scatter_req_token_ids, verify, write
 from .sources import RealKvSource
+from . import layouts
+from .session import (Canary, CanaryEvent, CanaryReport, CanaryViolation, ForwardBatch, LiveRequests,
+                      SwaGroup)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Canary",
+    "CanaryEvent",
+    "CanaryReport",
+    "CanaryViolation",
     "Capacities",
+    "ForwardBatch",
+    "LiveRequests",
+    "SwaGroup",
+    "layouts",
     "CanaryContext",
     "FailReason",
     "HashMode",

@@ -1,0 +1,68 @@
+"""``python -m kvcanary_cupy``: facts about this install, and a demo of the canary at work."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+DESCRIPTION = """\
+kvcanary_cupy keeps a small canary buffer beside an LLM serving engine's paged KV cache. Every
+written token is fingerprinted (token, position, a hash chain to its predecessor and a hash of the
+real K/V bytes); before and after each forward pass the slots a batch reads are re-checked, and
+any disagreement - a freed slot still in use, a table entry pointing at another request, a bit
+flip in the KV, a token written with the wrong id or position - lands in a violation ring that
+kc.Canary.poll() decodes into request, position and reason. Runs on CUDA GPUs (CuPy RawKernels)
+and on the CPU (numba)."""
+
+
+def _info(_: argparse.Namespace) -> int:
+    import kvcanary_cupy as kc  # noqa: PLC0415
+    from ._dlpack import cuda_device_count, cupy_module  # noqa: PLC0415
+
+    print(f"kvcanary_cupy {kc.__version__}")
+    try:
+        import numba  # noqa: PLC0415
+
+        print(f"  cpu backend : numba {numba.__version__}")
+    except ImportError:
+        print("  cpu backend : numba not installed")
+    cupy = cupy_module()
+    count = cuda_device_count()
+    if cupy is None:
+        print("  cuda backend: unavailable (CuPy not installed: pip install kvcanary_cupy[cuda12])")
+    else:
+        print(f"  cuda backend: CuPy {cupy.__version__}, {count} device(s)")
+    print("  devices     : cpu" + "".join(f", cuda:{i}" for i in range(count)))
+    if cupy is not None:
+        for i in range(count):
+            try:
+                props = cupy.cuda.runtime.getDeviceProperties(i)
+                name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+                print(f"    cuda:{i}: {name}, {props['totalGlobalMem'] / 2**30:.0f} GiB")
+            except Exception:  # noqa: BLE001 - a device that cannot be queried is still listed
+                pass
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = commands.add_parser("info", help="version, backends and devices available")
+    info.set_defaults(handler=_info)
+    from .sim import cli  # noqa: PLC0415
+
+    demo = commands.add_parser("demo", help="simulate a serving engine, inject KV-cache faults, show what is caught",
+                               description=cli.main.__doc__ or "")
+    cli.add_arguments(demo)
+    demo.set_defaults(handler=cli.run_from_args)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Build :class:`RealKvSource` lists for the common KV pool layouts.
+
+Every builder takes the engine's own arrays (NumPy, CuPy, PyTorch... any DLPack object, any dtype,
+bfloat16 and float8 included) and returns zero-copy sources. Each token's bytes must be a multiple
+of 16; ``read_bytes`` (ALL mode) defaults to every byte of the token, ``layers`` picks a subset of
+the per-layer buffers (hashing fewer layers is cheaper and still catches slot-level corruption).
+
+=========================  =====================================================  ===============
+builder                    buffer shape (per layer)                               slot ``s`` reads
+=========================  =====================================================  ===============
+:func:`per_layer`          ``[slots, heads, head_dim]`` (K and V lists)           row ``s``
+:func:`paged`              ``[pages, page_size, heads, head_dim]`` (K and V)      page ``s // page_size``
+:func:`interleaved`        ``[slots, 2, heads, head_dim]``: K then V in one row   row ``s`` (K and V apart)
+:func:`mla`                ``[slots, 1, kv_lora_rank + rope_dim]`` latent rows     row ``s``
+=========================  =====================================================  ===============
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from . import _layout as L
+from . import validate as check
+from ._dlpack import data_pointer, native_view
+from .sources import RealKvSource
+
+__all__ = ["from_buffer", "per_layer", "paged", "interleaved", "mla"]
+
+
+def _row_bytes(view) -> int:
+    return int(np.prod(view.shape[1:])) * int(view.itemsize)
+
+
+def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) -> list:
+    buffers = list(buffers)
+    if layers is None:
+        return buffers
+    picked = []
+    for layer in layers:
+        layer = check.integer(f"{name} layer index", layer)
+        if not -len(buffers) <= layer < len(buffers):
+            raise ValueError(f"{check.PREFIX}{name} layer index must be in [0, {len(buffers)}), got {layer}")
+        picked.append(buffers[layer])
+    return picked
+
+
+def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = None) -> RealKvSource:
+    """One source over ``buffer`` whose dim 0 indexes pages of ``page_size`` tokens; every byte of a
+    row belongs to its ``page_size`` tokens, evenly."""
+    view = native_view(buffer, "buffer")
+    if view.ndim < 2:
+        raise ValueError(f"{check.PREFIX}buffer must be at least 2-D, got shape {tuple(view.shape)}")
+    page_size = check.positive("page_size", page_size)
+    row = _row_bytes(view)
+    if row % page_size:
+        raise ValueError(f"{check.PREFIX}buffer rows ({row} bytes) must split evenly into page_size={page_size} "
+                         f"tokens, got shape {tuple(view.shape)}")
+    per_token = row // page_size
+    return RealKvSource(tensor=view, page_size=page_size, num_bytes_per_token=per_token,
+                        read_bytes=per_token if read_bytes is None else read_bytes)
+
+
+def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
+              read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
+    """K and V buffers ``[slots, heads, head_dim]`` per layer (one token per row): K of each picked
+    layer, then its V."""
+    ks = _pick(k_buffers, layers, "k_buffers")
+    vs = _pick(v_buffers, layers, "v_buffers") if len(v_buffers) else []
+    if vs and len(vs) != len(ks):
+        raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
+    out = []
+    for index, k in enumerate(ks):
+        out.append(from_buffer(k, page_size=1, read_bytes=read_bytes))
+        if vs:
+            out.append(from_buffer(vs[index], page_size=1, read_bytes=read_bytes))
+    return tuple(out)
+
+
+def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
+          read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
+    """Paged K and V buffers ``[pages, page_size, heads, head_dim]`` per layer; ``page_size`` is
+    ``shape[1]``."""
+    ks = _pick(k_buffers, layers, "k_buffers")
+    vs = _pick(v_buffers, layers, "v_buffers") if len(v_buffers) else []
+    if vs and len(vs) != len(ks):
+        raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
+    out = []
+    for index, k in enumerate(ks):
+        for buffer in (k, vs[index]) if vs else (k,):
+            view = native_view(buffer, "paged buffer")
+            if view.ndim < 3:
+                raise ValueError(f"{check.PREFIX}paged buffer must be [pages, page_size, ...], got shape "
+                                 f"{tuple(view.shape)}")
+            out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes))
+    return tuple(out)
+
+
+def _byte_rows(view):
+    """``view`` as ``[rows, row_bytes]`` uint8 sharing its memory (rows may be strided)."""
+    flat = view.reshape(view.shape[0], -1)
+    if data_pointer(flat) != data_pointer(view) or (view.shape[0] > 1 and flat.strides[0] != view.strides[0]):
+        raise ValueError(f"{check.PREFIX}buffer rows must be contiguous inside, got strides {tuple(view.strides)}")
+    if flat.dtype != np.uint8:
+        flat = flat.view(np.uint8)
+    return flat
+
+
+def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, split: bool = True,
+                read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
+    """One buffer per layer whose row holds a token's K bytes then its V bytes (e.g.
+    ``[slots, 2, heads, head_dim]``). With ``split`` (the default) K and V become two sources, so
+    PARTIAL mode reads the head of both; otherwise one source spans the whole row."""
+    out = []
+    for buffer in _pick(buffers, layers, "buffers"):
+        view = native_view(buffer, "interleaved buffer")
+        if not split:
+            out.append(from_buffer(view, page_size=1, read_bytes=read_bytes))
+            continue
+        rows = _byte_rows(view)
+        half = int(rows.shape[1]) // 2
+        if half % L.SOURCE_ALIGN_BYTES or 2 * half != rows.shape[1]:
+            raise ValueError(f"{check.PREFIX}interleaved rows must split into two halves of a multiple of 16 "
+                             f"bytes, got {rows.shape[1]} bytes per row")
+        for part in (rows[:, :half], rows[:, half:]):
+            out.append(RealKvSource(tensor=part, page_size=1, num_bytes_per_token=half,
+                                    read_bytes=half if read_bytes is None else read_bytes))
+    return tuple(out)
+
+
+def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_size: int = 1,
+        read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
+    """MLA latent buffers per layer: ``[slots, 1, kv_lora_rank + rope_dim]`` (``page_size`` 1) or
+    ``[pages, page_size, 1, kv_lora_rank + rope_dim]``."""
+    return tuple(from_buffer(b, page_size=page_size, read_bytes=read_bytes)
+                 for b in _pick(buffers, layers, "buffers"))

@@ -1,0 +1,534 @@
+"""A canary session: plans, verify and write launches per forward pass, decoded reports.
+
+:class:`Canary` owns the canary buffers, violation rings and plans of one KV pool (and of an optional
+sliding-window pool). An engine calls :meth:`Canary.before_forward` once the batch's slots are known,
+:meth:`Canary.after_forward` once the forward has written its KV, :meth:`Canary.sweep` now and then,
+and :meth:`Canary.poll` whenever it can afford a host synchronisation. Nothing but ``poll`` (and
+``stats``) ever waits for the device.
+
+``poll`` maps each violation back to the request and position it concerns, from a small host-side
+log of the launches since the previous poll (references to the batch metadata, nothing copied) and
+the ``req_to_token`` table; the mapping is done only for the violating slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from . import _layout as L
+from . import reference as _ref
+from . import validate as check
+from ._dlpack import cupy_module, empty, native_view, parse_device, to_host
+from .capacities import Capacities
+from .context import CanaryContext, Violation, VerifyPlan, WritePlan
+from .ops import plan as _plan
+from .ops import verify as _verify
+from .ops import write as _write
+from .sources import RealKvSource
+
+__all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
+           "SwaGroup", "MODES"]
+
+MODES = ("off", "log", "raise")
+_LOG = logging.getLogger("kvcanary_cupy")
+_WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
+_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
+
+
+# --- inputs ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    """The metadata of one forward pass, as the engine already has it (device or host arrays).
+
+    ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``int64 [bs]``; ``input_ids``,
+    ``positions``, ``out_cache_loc``: ``int64 [n]``, request after request. ``req_ids`` (host, one per
+    batch row) only names requests in reports. ``expected_input_tokens``/``_positions`` turn on the
+    write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the expected-token pool
+    (defaults to ``prefix_lens``). ``swa_out_cache_loc`` overrides ``lut[out_cache_loc]`` for the SWA
+    group. Arrays are referenced, not copied: if the engine refills them in place before
+    :meth:`Canary.poll`, reports may name the wrong request.
+    """
+
+    req_pool_indices: Any
+    prefix_lens: Any
+    extend_seq_lens: Any
+    input_ids: Any
+    positions: Any
+    out_cache_loc: Any
+    req_ids: Optional[Sequence[Any]] = None
+    expected_input_tokens: Optional[Any] = None
+    expected_input_positions: Optional[Any] = None
+    expected_valid_lens: Optional[Any] = None
+    swa_out_cache_loc: Optional[Any] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRequests:
+    """The requests a sweep re-checks: pool rows and how many tokens each has in the cache."""
+
+    req_pool_indices: Any
+    seq_lens: Any
+    req_ids: Optional[Sequence[Any]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SwaGroup:
+    """A sliding-window KV pool beside the full one: ``lut`` (``int64 [full_pool_slots + 1]``) maps a
+    full-pool slot to its SWA slot; verify checks the last ``window`` positions of each request."""
+
+    window: int
+    lut: Any
+    num_slots: int
+    real_kv_sources: Sequence[RealKvSource] = ()
+
+
+# --- outputs -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CanaryEvent:
+    """One violation, decoded and mapped back to the engine's request and position."""
+
+    group: str
+    phase: str
+    step: Optional[int]
+    slot: int
+    request: Any
+    position: Optional[int]
+    violation: Violation
+
+    @property
+    def tag(self) -> L.LaunchTag | int:
+        return self.violation.kernel_kind
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return tuple(flag.name for flag in L.FailReason if flag in self.violation.fail_reason)
+
+    def describe(self) -> str:
+        tag = self.tag.name if isinstance(self.tag, L.LaunchTag) else str(self.tag)
+        where = "unknown request" if self.request is None else f"request {self.request!r}"
+        pos = "?" if self.position is None else str(self.position)
+        step = "?" if self.step is None else str(self.step)
+        return (f"[{tag} step {step}] {where} position {pos} slot {self.slot}: {'|'.join(self.reasons)} "
+                f"(stored token {self.violation.stored_token} position {self.violation.position})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryReport:
+    """What :meth:`Canary.poll` found since the previous poll."""
+
+    events: tuple[CanaryEvent, ...] = ()
+    total: int = 0
+    dropped: int = 0
+    capacity_overflows: int = 0
+    forwards: int = 0
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[CanaryEvent]:
+        return iter(self.events)
+
+    def __getitem__(self, index: int) -> CanaryEvent:
+        return self.events[index]
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    @property
+    def requests(self) -> set:
+        return {e.request for e in self.events if e.request is not None}
+
+    def counts_by_reason(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for event in self.events:
+            for name in event.reasons:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def counts_by_tag(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for event in self.events:
+            name = event.tag.name if isinstance(event.tag, L.LaunchTag) else str(event.tag)
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def describe(self, limit: int = 20) -> str:
+        lines = [f"kv-canary: {self.total} violation(s) over {self.forwards} forward(s)"
+                 + (f", {self.dropped} dropped by the ring" if self.dropped else "")
+                 + (f", {self.capacity_overflows} verify launch(es) skipped: plan capacity exceeded"
+                    if self.capacity_overflows else "")]
+        lines += ["  " + e.describe() for e in self.events[:limit]]
+        if len(self.events) > limit:
+            lines.append(f"  ... {len(self.events) - limit} more")
+        return "\n".join(lines)
+
+
+class CanaryViolation(RuntimeError):
+    """Raised by :meth:`Canary.poll` in ``raise`` mode; ``.report`` holds the decoded report."""
+
+    def __init__(self, report: CanaryReport):
+        super().__init__(report.describe())
+        self.report = report
+
+
+# --- internals ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Launch:
+    kind: str  # "verify" or "write"
+    phase: str  # "head", "tail", "write", "sweep"
+    tag: int
+    step: int
+    batch: Any  # ForwardBatch or LiveRequests
+    write_loc: Any = None  # the out_cache_loc the write used (SWA: translated)
+    _verify_index: Any = None
+    _write_index: Any = None
+
+
+class _Group:
+    """The canary state of one KV pool (full or SWA)."""
+
+    def __init__(self, name: str, ctx: CanaryContext, capacities: Capacities, device, window: int, lut: Any,
+                 tags: tuple[int, int, int]):
+        self.name = name
+        self.ctx = ctx
+        self.device = device
+        self.window = window
+        self.lut = lut
+        self.head_tag, self.tail_tag, self.sweep_tag = tags
+        self.capacities = capacities
+        self.vplan = VerifyPlan.allocate(capacities.verify_capacity, device=device)
+        self.wplan = WritePlan.allocate(capacities.write_req_capacity, device=device)
+        self.sweep_vplan: Optional[VerifyPlan] = None
+        self.sweep_wplan: Optional[WritePlan] = None
+        self.overflows = empty((1,), np.int64, device)
+        self.log: list[_Launch] = []
+
+
+def _xp(device):
+    return cupy_module() if device.is_cuda else np
+
+
+@contextlib.contextmanager
+def _on(device):
+    if device.is_cuda:
+        with cupy_module().cuda.Device(device.index):
+            yield
+    else:
+        yield
+
+
+def _signed(value: int) -> int:
+    value &= L.U64_MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+class Canary:
+    """A KV-cache canary session for one engine.
+
+    Parameters are the engine's facts: ``pool_slot_count`` KV slots (slot 0 is the padding slot),
+    its :class:`Capacities`, the ``req_to_token`` table (``int32 [rows, max_len]``, referenced in
+    place), the ``device``, the real-KV sources (see :mod:`kvcanary_cupy.layouts`) and hash mode, the
+    ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32 [rows, ctx]``, the
+    token id of every position, referenced in place) turns on expected-token checks in verify.
+    ``mode`` is ``"off"`` (every call returns at once), ``"log"`` (poll logs and returns the report)
+    or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found).
+    """
+
+    def __init__(self, *, pool_slot_count: int, capacities: Capacities, req_to_token: Any, device: Any = "cpu",
+                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.PARTIAL,
+                 ring_capacity: int = 1024, mode: str = "log", swa: Optional[SwaGroup] = None,
+                 expected_tokens: Optional[Any] = None, check_expected_token: Optional[bool] = None,
+                 token_offset: int = 0, chain_position_assert: bool = False,
+                 logger: Optional[logging.Logger] = None):
+        if mode not in MODES:
+            raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(capacities, Capacities):
+            raise TypeError(f"{check.PREFIX}capacities must be a Capacities, got {type(capacities).__name__}")
+        self.mode = mode
+        self.device = parse_device(device)
+        self.capacities = capacities
+        self.pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
+        self.hash_mode = L.HashMode(hash_mode)
+        self.req_to_token = req_to_token
+        self.expected_tokens = expected_tokens
+        self.check_expected_token = (expected_tokens is not None) if check_expected_token is None else bool(
+            check_expected_token)
+        self.token_offset = check.integer("token_offset", token_offset)
+        self.logger = logger or _LOG
+        self.forwards = 0
+        self._planned: Any = None
+        self._host_cache: dict = {}
+        full_ctx = CanaryContext.allocate(self.pool_slot_count, device=self.device, ring_capacity=ring_capacity,
+                                          real_kv_sources=tuple(real_kv_sources), hash_mode=self.hash_mode,
+                                          chain_position_assert=chain_position_assert)
+        T = L.LaunchTag
+        self.groups = [_Group("full", full_ctx, capacities, self.device, 0, None,
+                              (T.HEAD_K_FULL, T.TAIL_K_FULL, T.SWEEP_K_FULL))]
+        self.swa = swa
+        if swa is not None:
+            if not isinstance(swa, SwaGroup):
+                raise TypeError(f"{check.PREFIX}swa must be a SwaGroup, got {type(swa).__name__}")
+            window = check.positive("SwaGroup.window", swa.window)
+            lut = native_view(swa.lut, "SwaGroup.lut")
+            check.vector("SwaGroup.lut", lut, np.int64)
+            swa_ctx = CanaryContext.allocate(check.positive("SwaGroup.num_slots", swa.num_slots), device=self.device,
+                                             ring_capacity=ring_capacity, real_kv_sources=tuple(swa.real_kv_sources),
+                                             hash_mode=self.hash_mode, chain_position_assert=chain_position_assert)
+            self.groups.append(_Group("swa", swa_ctx, capacities, self.device, window, lut,
+                                      (T.HEAD_K_SWA, T.TAIL_K_SWA, T.SWEEP_K_SWA)))
+
+    # --- facts ------------------------------------------------------------------------------------
+    @property
+    def context(self) -> CanaryContext:
+        """The full pool's :class:`CanaryContext` (canary buffer, ring, counters)."""
+        return self.groups[0].ctx
+
+    @property
+    def swa_context(self) -> Optional[CanaryContext]:
+        return self.groups[1].ctx if len(self.groups) > 1 else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    # --- per forward ------------------------------------------------------------------------------
+    def _plan(self, group: _Group, vplan: VerifyPlan, wplan: WritePlan, req_pool_indices, prefix_lens,
+              extend_seq_lens, valid_lens, stream) -> None:
+        expected = self.expected_tokens if self.check_expected_token else None
+        _plan(vplan, wplan, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
+              extend_seq_lens=extend_seq_lens, req_to_token=self.req_to_token,
+              swa_window_size=group.window, full_to_swa_index_mapping=group.lut,
+              req_to_verify_expected_tokens=expected,
+              req_to_verify_expected_tokens_valid_lens=None if expected is None else (
+                  prefix_lens if valid_lens is None else valid_lens),
+              kv_token_id_vs_position_offset=self.token_offset, stream=stream)
+        with _on(self.device):
+            group.overflows += 1 - vplan.enable  # counted on the device, read by poll()
+
+    def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
+        """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
+        if not self.enabled:
+            return
+        self.forwards += 1
+        for group in self.groups:
+            self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
+                       batch.extend_seq_lens, batch.expected_valid_lens, stream)
+            _verify(group.ctx, group.vplan, tag=group.head_tag, check_expected_token=self.check_expected_token,
+                    stream=stream)
+            group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
+        self._planned = batch
+
+    def after_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
+        """Fingerprint the batch's new tokens (their KV must be written by now), then re-verify the
+        prefix slots the forward read (TAIL)."""
+        if not self.enabled:
+            return
+        if self._planned is not batch:
+            self.forwards += 1
+            for group in self.groups:
+                self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
+                           batch.extend_seq_lens, batch.expected_valid_lens, stream)
+        for group in self.groups:
+            loc = batch.out_cache_loc if group.lut is None else self._swa_loc(group, batch)
+            _write(group.ctx, group.wplan, tag=group.tail_tag, input_ids=batch.input_ids, positions=batch.positions,
+                   out_cache_loc=loc, expected_input_tokens=batch.expected_input_tokens,
+                   expected_input_positions=batch.expected_input_positions, stream=stream)
+            group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch, write_loc=loc))
+            _verify(group.ctx, group.vplan, tag=group.tail_tag, check_expected_token=self.check_expected_token,
+                    stream=stream)
+            group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
+        self._planned = None
+
+    def _swa_loc(self, group: _Group, batch: ForwardBatch):
+        if batch.swa_out_cache_loc is not None:
+            return batch.swa_out_cache_loc
+        xp = _xp(self.device)
+        with _on(self.device):
+            loc = native_view(batch.out_cache_loc, "out_cache_loc")
+            inside = (loc >= 0) & (loc < group.lut.shape[0])
+            return xp.where(inside, group.lut[xp.clip(loc, 0, group.lut.shape[0] - 1)], -1)
+
+    def sweep(self, live_requests: LiveRequests, *, stream: Any = None) -> None:
+        """Verify every cached token of ``live_requests`` (the last ``window`` of them in the SWA group)."""
+        if not self.enabled:
+            return
+        bs = int(native_view(live_requests.req_pool_indices, "req_pool_indices").shape[0])
+        if bs == 0:
+            return
+        with _on(self.device):
+            zeros = empty((bs,), np.int64, self.device)
+        for group in self.groups:
+            if group.sweep_vplan is None:
+                group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
+                group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
+            self._plan(group, group.sweep_vplan, group.sweep_wplan, live_requests.req_pool_indices,
+                       live_requests.seq_lens, zeros, None, stream)
+            _verify(group.ctx, group.sweep_vplan, tag=group.sweep_tag,
+                    check_expected_token=self.check_expected_token, stream=stream)
+            group.log.append(_Launch("verify", "sweep", group.sweep_tag, self.forwards, live_requests))
+
+    # --- host side --------------------------------------------------------------------------------
+    def poll(self) -> CanaryReport:
+        """Synchronise, decode every group's ring, map violations to requests, clear the rings.
+
+        ``log`` mode logs a non-empty report; ``raise`` mode raises :class:`CanaryViolation`."""
+        if not self.enabled:
+            return CanaryReport()
+        events: list[CanaryEvent] = []
+        total = dropped = overflows = 0
+        self._host_cache = {}
+        for group in self.groups:
+            raw = group.ctx.violations()
+            group_overflows = int(to_host(group.overflows)[0])
+            if group_overflows:
+                overflows += group_overflows
+                group.overflows[...] = 0
+            if raw.total:
+                events.extend(self._resolve(group, raw.rows))
+                total += raw.total
+                dropped += raw.dropped
+                group.ctx.clear_violations()
+            group.log.clear()
+        report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards)
+        self._host_cache = {}
+        if report.total or report.capacity_overflows:
+            if self.mode == "raise" and report.total:
+                raise CanaryViolation(report)
+            self.logger.warning("%s", report.describe())
+        return report
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Each group's health counters (synchronises)."""
+        return {group.name: group.ctx.counters() for group in self.groups}
+
+    # --- mapping violations back to requests ------------------------------------------------------
+    def _host(self, key, array):
+        if key not in self._host_cache:
+            self._host_cache[key] = None if array is None else np.asarray(to_host(native_view(array, str(key))))
+        return self._host_cache[key]
+
+    def _verify_index(self, group: _Group, launch: _Launch):
+        """Sorted ``(slot, batch row, position)`` of every entry a verify launch checked."""
+        if launch._verify_index is not None:
+            return launch._verify_index
+        batch = launch.batch
+        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
+        lens = batch.seq_lens if isinstance(batch, LiveRequests) else batch.prefix_lens
+        lens = self._host(id(lens), lens)
+        table = self._host("req_to_token", self.req_to_token)
+        lut = None if group.lut is None else self._host(("lut", group.name), group.lut)
+        slots, owners, positions = [], [], []
+        for r, (row, length) in enumerate(zip(rows.tolist(), lens.tolist())):
+            if row <= 0 or row >= table.shape[0] or length <= 0:
+                continue
+            length = min(length, table.shape[1])
+            start = max(0, length - group.window) if group.window else 0
+            seg = table[row, start:length].astype(np.int64)
+            if lut is not None:
+                seg = np.where((seg >= 0) & (seg < lut.shape[0]), lut[np.clip(seg, 0, lut.shape[0] - 1)], -1)
+            slots.append(seg)
+            owners.append(np.full(seg.shape[0], r, np.int64))
+            positions.append(np.arange(start, length, dtype=np.int64))
+        if slots:
+            s, o, p = np.concatenate(slots), np.concatenate(owners), np.concatenate(positions)
+            order = np.argsort(s, kind="stable")
+            launch._verify_index = (s[order], o[order], p[order])
+        else:
+            empty_ = np.zeros(0, np.int64)
+            launch._verify_index = (empty_, empty_, empty_)
+        return launch._verify_index
+
+    def _link(self, group: _Group, slot: int) -> Optional[int]:
+        """``link(slot)`` from the canary's current contents, as the kernels compute it."""
+        if slot < 0:
+            return _signed(_ref.ANCHOR_LINK)
+        if slot >= group.ctx.num_slots:
+            return None
+        key = ("fields", group.name, slot)
+        if key not in self._host_cache:
+            self._host_cache[key] = group.ctx.slot_fields(slot)
+        f = self._host_cache[key]
+        return _signed(_ref.mix3(f["prev_hash"], f["token"], f["position"]))
+
+    def _predecessor(self, group: _Group, row: int, position: int) -> int:
+        if position <= 0:
+            return L.NO_PREDECESSOR
+        table = self._host("req_to_token", self.req_to_token)
+        slot = int(table[row, position - 1])
+        if group.lut is not None:
+            lut = self._host(("lut", group.name), group.lut)
+            slot = int(lut[slot]) if 0 <= slot < lut.shape[0] else L.UNRESOLVED_SLOT
+        return slot
+
+    def _match_verify(self, group: _Group, launch: _Launch, v: Violation):
+        slots, owners, positions = self._verify_index(group, launch)
+        lo, hi = np.searchsorted(slots, v.slot_idx, "left"), np.searchsorted(slots, v.slot_idx, "right")
+        if lo == hi:
+            return None
+        if hi - lo == 1:
+            return int(owners[lo]), int(positions[lo])
+        rows = self._host(id(launch.batch.req_pool_indices), launch.batch.req_pool_indices)
+        bits = v.fail_reason
+        best, best_score = None, -1
+        for k in range(lo, hi):
+            owner, pos = int(owners[k]), int(positions[k])
+            score = int((L.FailReason.POSITION in bits) == (v.position != pos))
+            if L.FailReason.CHAIN_HASH in bits or v.expected_aux != v.stored_chain_hash:
+                score += int(self._link(group, self._predecessor(group, int(rows[owner]), pos)) == v.expected_aux)
+            if score > best_score:
+                best, best_score = (owner, pos), score
+        return best
+
+    def _match_write(self, launch: _Launch, v: Violation):
+        loc = self._host(id(launch.write_loc), launch.write_loc)
+        hits = np.flatnonzero(loc == v.slot_idx)
+        if hits.size == 0:
+            return None
+        index = int(hits[0])
+        batch = launch.batch
+        extend = self._host(id(batch.extend_seq_lens), batch.extend_seq_lens)
+        prefix = self._host(id(batch.prefix_lens), batch.prefix_lens)
+        ends = np.cumsum(np.maximum(extend, 0))
+        r = int(np.searchsorted(ends, index, "right"))
+        if r >= len(ends):
+            return None
+        start = int(ends[r] - max(int(extend[r]), 0))
+        return r, int(prefix[r]) + index - start
+
+    def _resolve(self, group: _Group, rows: Sequence[Violation]) -> list[CanaryEvent]:
+        events = []
+        pointer = 0
+        log = group.log
+        for v in rows:
+            found = None
+            bits = int(v.fail_reason)
+            may_write = not bits & ~(_WRITE_BITS | _OUT_OF_RANGE)
+            may_verify = not bits & _WRITE_BITS
+            order = list(range(pointer, len(log))) + list(range(0, pointer))
+            for index in order:
+                launch = log[index]
+                if launch.tag != int(v.kernel_kind):
+                    continue
+                if launch.kind == "write":
+                    match = self._match_write(launch, v) if may_write else None
+                else:
+                    match = self._match_verify(group, launch, v) if may_verify else None
+                if match is not None:
+                    found = (index, match)
+                    break
+            if found is None:
+                launch = next((l for l in log[pointer:] if l.tag == int(v.kernel_kind)), None)
+                events.append(CanaryEvent(group.name, launch.phase if launch else "unknown",
+                                          launch.step if launch else None, v.slot_idx, None, None, v))
+                continue
+            pointer, (r, position) = found
+            launch = log[pointer]
+            ids = launch.batch.req_ids
+            request = ids[r] if ids is not None and r < len(ids) else r
+            events.append(CanaryEvent(group.name, launch.phase, launch.step, v.slot_idx, request, position, v))
+        return events

@@ -1,0 +1,89 @@
+"""``python -m kvcanary_cupy demo``: run the serving simulator with faults and print what was caught."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from .._dlpack import cuda_device_count
+from .._layout import HashMode
+from .engine import LAYOUTS, SimConfig
+from .faults import FAULT_CLASSES
+
+
+def _faults(text: str) -> list[str]:
+    names = [n for part in text.split(",") for n in part.split() if n]
+    if names in (["all"], []):
+        return list(FAULT_CLASSES) if names else []
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in FAULT_CLASSES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fault class(es) {unknown}; choose from {', '.join(FAULT_CLASSES)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, for a parser of its own or a ``demo`` subcommand."""
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
+    parser.add_argument("--steps", type=int, default=300, help="forward passes to simulate (default 300)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed (default 0)")
+    parser.add_argument("--faults", type=_faults, default=list(FAULT_CLASSES), metavar="CLASSES",
+                        help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
+    parser.add_argument("--fault-every", type=int, default=10, help="steps between injected faults (default 10)")
+    parser.add_argument("--hash-mode", default="partial", choices=[m.name.lower() for m in HashMode],
+                        help="how much real KV each slot fingerprints (default partial)")
+    parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
+    parser.add_argument("--pool-slots", type=int, default=8192, help="KV slots in the pool (default 8192)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    parser.add_argument("--max-running", type=int, default=16, help="concurrent requests (default 16)")
+    parser.add_argument("--swa-window", type=int, default=0, help="add a sliding-window group of this window")
+    parser.add_argument("--sweep-every", type=int, default=16, help="steps between sweeps of all live requests")
+    parser.add_argument("--no-expected-checks", action="store_true",
+                        help="turn off the expected-token checks (token_swap then goes unseen)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: kvcanary_cupy[plot])")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    device = args.device or ("cuda" if cuda_device_count() > 0 else "cpu")
+    return SimConfig(steps=args.steps, seed=args.seed, device=device, hash_mode=HashMode[args.hash_mode.upper()],
+                     layout=args.layout, pool_slots=args.pool_slots, page_size=args.page_size,
+                     max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
+                     expected_checks=not args.no_expected_checks)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from .runner import run  # noqa: PLC0415
+
+    config = config_from_args(args)
+    result = run(config, args.faults, fault_every=args.fault_every,
+                 progress=not args.no_progress and sys.stderr.isatty())
+    print(result.summary())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+        print(f"wrote {args.json}")
+    if args.chart:
+        from .chart import write_chart  # noqa: PLC0415
+
+        if write_chart(result, args.chart):
+            print(f"wrote {args.chart}")
+        else:
+            print("chart skipped: matplotlib is not installed (pip install kvcanary_cupy[plot])", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy demo",
+                                     description="Simulate a serving engine, inject KV-cache faults and show "
+                                                 "which ones the canary catches, how fast, and at what cost.")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

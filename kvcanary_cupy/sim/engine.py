@@ -1,0 +1,400 @@
+"""A small serving engine: paged KV pool, request table, chunked prefill, decode, prefix sharing.
+
+It keeps exactly the state a real engine keeps for its KV cache, in the same shapes: a pool of KV
+slots handed out a page at a time from a free list, a ``req_to_token`` table, real K/V arrays the
+"model" fills with pseudo-random bytes per token, and a prefix cache that lets requests with the same
+prompt prefix reuse the slots of an earlier one (as radix caching does). Pages are reference
+counted; a page returns to the free list when its last holder lets go, so slots are reused. An
+optional sliding-window group keeps a second slot pool and a full-to-SWA slot map.
+
+Host bookkeeping (``Request.pages``) is the ground truth; the tables and KV arrays are what faults
+corrupt and what the canary checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Optional
+
+import numpy as np
+
+from .. import _layout as L
+from .. import layouts
+from .._dlpack import empty, from_host, parse_device
+from ..capacities import Capacities
+from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
+
+LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
+_FREED = -1
+
+
+@dataclasses.dataclass
+class SimConfig:
+    """Engine shape and workload of one simulation."""
+
+    steps: int = 300
+    seed: int = 0
+    device: str = "cpu"
+    hash_mode: L.HashMode = L.HashMode.PARTIAL
+    layout: str = "paged"
+    pool_slots: int = 8192
+    page_size: int = 16
+    max_running: int = 16
+    max_len: int = 512
+    prompt_len: tuple[int, int] = (16, 200)
+    output_len: tuple[int, int] = (16, 120)
+    chunk_tokens: int = 256
+    arrivals_per_step: float = 1.0
+    templates: int = 4
+    template_len: int = 64
+    share_prob: float = 0.6
+    evict_prob: float = 0.05
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 32
+    swa_window: int = 0
+    sweep_every: int = 16
+    poll_every: int = 1
+    expected_checks: bool = True
+    chain_position_assert: bool = True
+    ring_capacity: int = 1024
+    vocab: int = 32000
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    tokens: np.ndarray
+    prompt_len: int
+    row: int
+    arrived: int
+    template: int = -1
+    seq_len: int = 0
+    pages: list = dataclasses.field(default_factory=list)
+    own_pages_needed: int = 0
+    own_taken: int = 0
+
+    @property
+    def total(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def remaining(self) -> int:
+        return self.total - self.seq_len
+
+    @property
+    def decoding(self) -> bool:
+        return self.seq_len >= self.prompt_len
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One step's batch on the host, before it is handed to the device."""
+
+    requests: list
+    rows: np.ndarray
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    out_cache_loc: np.ndarray
+    expected_ids: np.ndarray
+    expected_positions: np.ndarray
+
+    def entry_range(self, index: int) -> tuple[int, int]:
+        start = int(self.extend_lens[:index].sum())
+        return start, start + int(self.extend_lens[index])
+
+
+class Engine:
+    """The simulated engine and its canary session."""
+
+    def __init__(self, config: SimConfig, *, canary_mode: str = "log", logger: Optional[logging.Logger] = None):
+        if config.layout not in LAYOUTS:
+            raise ValueError(f"kv-canary: layout must be one of {LAYOUTS}, got {config.layout!r}")
+        self.config = c = config
+        self.device = parse_device(c.device)
+        self.rng = np.random.default_rng(c.seed)
+        self.kv_rng = np.random.default_rng(c.seed + 1)
+        self.page_size = ps = c.page_size
+        self.num_pages = max(2, c.pool_slots // ps)
+        self.num_slots = self.num_pages * ps
+        self.free_pages = collections.deque(range(1, self.num_pages))  # page 0 holds the padding slot
+        self.page_ref = np.zeros(self.num_pages, np.int64)
+        self.reserved_pages = 0
+        rows = c.max_running + 1
+        self.free_rows = collections.deque(range(1, rows))
+        self.table_host = np.zeros((rows, c.max_len), np.int32)
+        self.expected_host = np.zeros((rows, c.max_len), np.int32)
+        self.table = self._mirror(self.table_host)
+        self.expected = self._mirror(self.expected_host)
+        self.running: list[Request] = []
+        self.finished = 0
+        self.aborted = 0
+        self.next_rid = 0
+        self.step_index = 0
+        self.tokens_written = 0
+        self.shared_tokens = 0
+        self.reused_pages = 0
+        self.ever_used = np.zeros(self.num_pages, np.bool_)
+        self.template_tokens = [self.rng.integers(1, c.vocab, c.template_len) for _ in range(c.templates)]
+        self.prefix_cache: dict[int, list[int]] = {}
+        self._build_kv()
+        swa = None
+        if c.swa_window > 0:
+            self.swa_free = collections.deque(range(1, self.num_slots))
+            self.lut_host = np.zeros(self.num_slots + 1, np.int64)
+            self.lut = self._mirror(self.lut_host)
+            self.swa_kv = empty((self.num_slots, c.heads, c.head_dim), np.float16, self.device)
+            self.swa_targets = [self.swa_kv.reshape(self.num_slots, -1).view(np.uint8)]
+            swa = SwaGroup(window=c.swa_window, lut=self.lut, num_slots=self.num_slots,
+                           real_kv_sources=layouts.per_layer([self.swa_kv]))
+        caps = Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=c.max_len,
+                                    pool_slot_count=self.num_slots, max_prefill_tokens=c.chunk_tokens + rows)
+        self.canary = Canary(pool_slot_count=self.num_slots, capacities=caps, req_to_token=self.table,
+                             device=self.device, real_kv_sources=self.sources, hash_mode=c.hash_mode,
+                             ring_capacity=c.ring_capacity, mode=canary_mode, swa=swa,
+                             expected_tokens=self.expected if c.expected_checks else None,
+                             chain_position_assert=c.chain_position_assert, logger=logger)
+
+    # --- memory -----------------------------------------------------------------------------------
+    def _mirror(self, host: np.ndarray):
+        return host if not self.device.is_cuda else from_host(host.copy(), self.device)
+
+    def _push_tables(self) -> None:
+        if not self.device.is_cuda:
+            return
+        self.table[...] = from_host(self.table_host, self.device)
+        self.expected[...] = from_host(self.expected_host, self.device)
+        if self.config.swa_window > 0:
+            self.lut[...] = from_host(self.lut_host, self.device)
+
+    def _build_kv(self) -> None:
+        c, dev, n = self.config, self.device, self.num_slots
+        f16 = np.float16
+        # ``targets``: uint8 [slots, bytes] views the model writes; ``target_source_bytes``: bytes per
+        # token of the canary source each target byte belongs to (interleaved rows hold two).
+        if c.layout == "paged":
+            ks = [empty((self.num_pages, self.page_size, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
+            vs = [empty((self.num_pages, self.page_size, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
+            self.sources = layouts.paged(ks, vs)
+            buffers = [b for pair in zip(ks, vs) for b in pair]
+        elif c.layout == "per_layer":
+            ks = [empty((n, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
+            vs = [empty((n, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
+            self.sources = layouts.per_layer(ks, vs)
+            buffers = [b for pair in zip(ks, vs) for b in pair]
+        elif c.layout == "interleaved":
+            buffers = [empty((n, 2, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
+            self.sources = layouts.interleaved(buffers)
+        else:
+            buffers = [empty((n, 1, 4 * c.head_dim + 32), f16, dev) for _ in range(c.layers)]
+            self.sources = layouts.mla(buffers)
+        self.kv_buffers = buffers
+        self.targets = [b.reshape(n, -1).view(np.uint8) for b in buffers]
+        self.target_source_bytes = [int(t.shape[1]) // (2 if c.layout == "interleaved" else 1) for t in self.targets]
+
+    def _take_page(self) -> int:
+        page = self.free_pages.popleft()
+        self.page_ref[page] = 1
+        if self.ever_used[page]:
+            self.reused_pages += 1
+        self.ever_used[page] = True
+        if self.config.swa_window > 0:
+            base = page * self.page_size
+            for s in range(base, base + self.page_size):
+                self.lut_host[s] = self.swa_free.popleft()
+        return page
+
+    def release_page(self, page: int, *, front: bool = False) -> None:
+        """Drop one reference; the page goes back to the free list when none is left."""
+        if page == _FREED:
+            return
+        self.page_ref[page] -= 1
+        if self.page_ref[page] > 0:
+            return
+        self.page_ref[page] = 0
+        if self.config.swa_window > 0:
+            base = page * self.page_size
+            self.swa_free.extend(int(v) for v in self.lut_host[base:base + self.page_size])
+        (self.free_pages.appendleft if front else self.free_pages.append)(page)
+
+    def slot_of(self, request: Request, position: int) -> int:
+        page = request.pages[position // self.page_size]
+        return page * self.page_size + position % self.page_size
+
+    def exclusive_positions(self, request: Request, *, full_pages_only: bool = False) -> list[int]:
+        """Cached positions whose page only ``request`` holds (the last, partly filled page excluded
+        with ``full_pages_only``)."""
+        out = []
+        ps = self.page_size
+        for k, page in enumerate(request.pages):
+            if page == _FREED or self.page_ref[page] != 1:
+                continue
+            lo, hi = k * ps, min((k + 1) * ps, request.seq_len)
+            if full_pages_only and (hi - lo < ps or k == len(request.pages) - 1):
+                continue
+            out.extend(range(lo, hi))
+        return out
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _new_request(self) -> Request:
+        c, rng = self.config, self.rng
+        template = int(rng.integers(c.templates)) if c.templates and rng.random() < c.share_prob else -1
+        lo, hi = c.prompt_len
+        prompt_len = int(rng.integers(lo, hi + 1))
+        if template >= 0:
+            prompt_len = max(prompt_len, c.template_len + 1)
+        output_len = int(rng.integers(c.output_len[0], c.output_len[1] + 1))
+        total = min(prompt_len + output_len, c.max_len)
+        prompt_len = min(prompt_len, total - 1)
+        tokens = rng.integers(1, c.vocab, total)
+        if template >= 0:
+            tokens[:c.template_len] = self.template_tokens[template]
+        request = Request(self.next_rid, tokens, prompt_len, row=0, arrived=self.step_index, template=template)
+        self.next_rid += 1
+        return request
+
+    def _admit(self, request: Request) -> bool:
+        ps = self.page_size
+        shared = self.prefix_cache.get(request.template, []) if request.template >= 0 else []
+        need = -(-request.total // ps) - len(shared)
+        if not self.free_rows or len(self.free_pages) - self.reserved_pages < need:
+            return False
+        request.row = self.free_rows.popleft()
+        request.own_pages_needed = need
+        self.reserved_pages += need
+        for page in shared:
+            self.page_ref[page] += 1
+        request.pages = list(shared)
+        request.seq_len = len(shared) * ps
+        self.shared_tokens += request.seq_len
+        self.table_host[request.row, :request.seq_len] = [self.slot_of(request, p) for p in range(request.seq_len)]
+        self.expected_host[request.row, :] = 0
+        self.expected_host[request.row, :request.total] = request.tokens
+        self.running.append(request)
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.reserved_pages -= request.own_pages_needed - request.own_taken
+        for page in request.pages:
+            self.release_page(page)
+        request.pages = []
+        self.free_rows.append(request.row)
+        self.running.remove(request)
+
+    def abort(self, rid: int) -> bool:
+        """Drop a request (as an engine does when its KV is found corrupt)."""
+        for request in self.running:
+            if request.rid == rid:
+                self._release(request)
+                self.aborted += 1
+                return True
+        return False
+
+    def admit_arrivals(self) -> None:
+        c = self.config
+        arrivals = int(self.rng.poisson(c.arrivals_per_step))
+        if len(self.running) < 2:
+            arrivals = max(arrivals, 2)
+        for _ in range(arrivals):
+            if len(self.running) >= c.max_running:
+                break
+            if not self._admit(self._new_request()):
+                break
+        if self.prefix_cache and self.rng.random() < c.evict_prob:
+            template = list(self.prefix_cache)[int(self.rng.integers(len(self.prefix_cache)))]
+            for page in self.prefix_cache.pop(template):
+                self.release_page(page)
+
+    # --- one forward ------------------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        """Pick this step's tokens (every decode, prefill chunks within the budget) and give them slots."""
+        c, ps = self.config, self.page_size
+        budget = c.chunk_tokens
+        chosen, rows, prefix, extend = [], [], [], []
+        ids, positions, locs = [], [], []
+        for request in self.running:
+            if request.remaining <= 0:
+                continue
+            if request.decoding:
+                n = 1
+            else:
+                n = min(request.prompt_len - request.seq_len, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+            start = request.seq_len
+            while len(request.pages) * ps < start + n:
+                request.pages.append(self._take_page())
+                request.own_taken += 1
+                self.reserved_pages -= 1
+            pos = np.arange(start, start + n, dtype=np.int64)
+            pages = np.asarray(request.pages, np.int64)[pos // ps]
+            slots = pages * ps + pos % ps
+            self.table_host[request.row, start:start + n] = slots
+            chosen.append(request)
+            rows.append(request.row)
+            prefix.append(start)
+            extend.append(n)
+            ids.append(request.tokens[start:start + n])
+            positions.append(pos)
+            locs.append(slots)
+        cat = (lambda parts: np.concatenate(parts).astype(np.int64)) if chosen else (
+            lambda parts: np.zeros(0, np.int64))
+        input_ids = cat(ids)
+        pos = cat(positions)
+        return StepBatch(chosen, np.asarray(rows, np.int64), np.asarray(prefix, np.int64),
+                         np.asarray(extend, np.int64), input_ids, pos, cat(locs), input_ids.copy(), pos.copy())
+
+    def forward_batch(self, step: StepBatch) -> ForwardBatch:
+        dev = self.device
+        put = (lambda a: from_host(np.ascontiguousarray(a), dev))
+        checks = self.config.expected_checks
+        return ForwardBatch(req_pool_indices=put(step.rows), prefix_lens=put(step.prefix_lens),
+                            extend_seq_lens=put(step.extend_lens), input_ids=put(step.input_ids),
+                            positions=put(step.positions), out_cache_loc=put(step.out_cache_loc),
+                            req_ids=[r.rid for r in step.requests],
+                            expected_input_tokens=put(step.expected_ids) if checks else None,
+                            expected_input_positions=put(step.expected_positions) if checks else None)
+
+    def model_forward(self, batch: ForwardBatch, step: StepBatch) -> None:
+        """The "model": write pseudo-random KV bytes for every new token into the real KV arrays."""
+        n = int(step.out_cache_loc.shape[0])
+        if n == 0:
+            return
+        dev = self.device
+        for target in self.targets:
+            data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
+            target[batch.out_cache_loc] = from_host(data, dev)
+        if self.config.swa_window > 0:
+            swa_loc = from_host(self.lut_host[step.out_cache_loc], dev)
+            for target in self.swa_targets:
+                data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
+                target[swa_loc] = from_host(data, dev)
+
+    def advance(self, step: StepBatch) -> None:
+        """Account the step's tokens, publish finished prompt prefixes, retire finished requests."""
+        c = self.config
+        share_len = (c.template_len // self.page_size) * self.page_size
+        for request, n in zip(step.requests, step.extend_lens.tolist()):
+            request.seq_len += n
+            self.tokens_written += n
+            if (request.template >= 0 and share_len and request.template not in self.prefix_cache
+                    and request.seq_len >= share_len):
+                pages = request.pages[:share_len // self.page_size]
+                if _FREED not in pages:
+                    for page in pages:
+                        self.page_ref[page] += 1
+                    self.prefix_cache[request.template] = list(pages)
+        for request in [r for r in self.running if r.remaining <= 0]:
+            self._release(request)
+            self.finished += 1
+
+    def live_requests(self) -> LiveRequests:
+        live = [r for r in self.running if r.seq_len > 0]
+        put = (lambda a: from_host(np.asarray(a, np.int64), self.device))
+        return LiveRequests(req_pool_indices=put([r.row for r in live]), seq_lens=put([r.seq_len for r in live]),
+                            req_ids=[r.rid for r in live])

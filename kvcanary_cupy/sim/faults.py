@@ -1,0 +1,189 @@
+"""Named fault classes the simulator injects into its engine, each recording whom it hurts.
+
+State faults (``kv_bitflip``, ``slot_alias``, ``use_after_free``, ``canary_overwrite``) corrupt the
+engine's memory between steps; batch faults (``stale_position``, ``token_swap``) corrupt the metadata
+of the tokens a step writes, as a buggy batch builder would. Each fault names its victim requests and
+slots, so a violation can be attributed to it (or counted as a false positive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from .._dlpack import from_host
+from .engine import Engine, StepBatch, _FREED
+
+STATE_FAULTS = ("kv_bitflip", "slot_alias", "use_after_free", "canary_overwrite")
+BATCH_FAULTS = ("stale_position", "token_swap")
+FAULT_CLASSES = STATE_FAULTS + BATCH_FAULTS
+_MIN_REMAINING = 8
+
+
+@dataclasses.dataclass
+class Fault:
+    fid: int
+    cls: str
+    step: int
+    victims: set
+    slots: set
+    detail: dict
+    detected_step: Optional[int] = None
+    first_event: Optional[object] = None
+    closed: bool = False
+
+    @property
+    def detected(self) -> bool:
+        return self.detected_step is not None
+
+    @property
+    def latency(self) -> Optional[int]:
+        return None if self.detected_step is None else self.detected_step - self.step
+
+
+class FaultInjector:
+    """Injects ``classes`` in turn, one every ``every`` steps from ``start``.
+
+    ``bitflip_offset`` pins the byte a ``kv_bitflip`` flips (counted inside the canary source's token
+    bytes); ``None`` picks it uniformly.
+    """
+
+    def __init__(self, engine: Engine, classes, *, every: int = 10, start: int = 10, seed: int = 0,
+                 bitflip_offset: Optional[int] = None):
+        unknown = [c for c in classes if c not in FAULT_CLASSES]
+        if unknown:
+            raise ValueError(f"kv-canary: unknown fault class(es) {unknown}; known: {', '.join(FAULT_CLASSES)}")
+        self.engine = engine
+        self.classes = list(classes)
+        self.every = max(1, int(every))
+        self.start = int(start)
+        self.rng = np.random.default_rng(seed + 7)
+        self.bitflip_offset = bitflip_offset
+        self.faults: list[Fault] = []
+        self._turn = 0
+        self._pending_batch: Optional[str] = None
+
+    def _due(self, step: int) -> Optional[str]:
+        if not self.classes or step < self.start or (step - self.start) % self.every:
+            return None
+        return self.classes[self._turn % len(self.classes)]
+
+    def _record(self, cls: str, step: int, victims, slots, **detail) -> Fault:
+        fault = Fault(len(self.faults), cls, step, set(victims), set(slots), detail)
+        self.faults.append(fault)
+        self._turn += 1
+        return fault
+
+    def _victims(self, exclude=()) -> list:
+        running = [r for r in self.engine.running if r.rid not in exclude and r.remaining >= _MIN_REMAINING
+                   and r.seq_len > 0]
+        decoding = [r for r in running if r.decoding]
+        return decoding or running
+
+    # --- state faults -----------------------------------------------------------------------------
+    def before_step(self, step: int) -> Optional[Fault]:
+        cls = self._due(step)
+        if cls is None:
+            return None
+        if cls in BATCH_FAULTS:
+            self._pending_batch = cls
+            return None
+        return getattr(self, f"_{cls}")(step)
+
+    def _pick(self, full_pages_only: bool = False, exclude=()):
+        candidates = []
+        for request in self._victims(exclude):
+            positions = self.engine.exclusive_positions(request, full_pages_only=full_pages_only)
+            if positions:
+                candidates.append((request, positions))
+        if not candidates:
+            return None, None
+        request, positions = candidates[int(self.rng.integers(len(candidates)))]
+        return request, positions
+
+    def _kv_bitflip(self, step: int) -> Optional[Fault]:
+        eng = self.engine
+        request, positions = self._pick()
+        if request is None:
+            return None
+        position = int(self.rng.choice(positions))
+        slot = eng.slot_of(request, position)
+        target_index = int(self.rng.integers(len(eng.targets)))
+        target = eng.targets[target_index]
+        source_bytes = eng.target_source_bytes[target_index]
+        if self.bitflip_offset is None:
+            offset = int(self.rng.integers(target.shape[1]))
+        else:
+            half = int(self.rng.integers(target.shape[1] // source_bytes)) * source_bytes
+            offset = half + min(int(self.bitflip_offset), source_bytes - 1)
+        bit = int(self.rng.integers(8))
+        target[slot, offset] ^= np.uint8(1 << bit)
+        return self._record("kv_bitflip", step, [request.rid], [slot], position=position, byte=offset,
+                            source_offset=offset % source_bytes, bit=bit)
+
+    def _slot_alias(self, step: int) -> Optional[Fault]:
+        eng = self.engine
+        request, positions = self._pick()
+        if request is None:
+            return None
+        other, other_positions = self._pick(exclude=(request.rid,))
+        if other is None:
+            return None
+        position = int(self.rng.choice(positions))
+        other_position = int(self.rng.choice(other_positions))
+        alias = eng.slot_of(other, other_position)
+        eng.table_host[request.row, position] = alias
+        return self._record("slot_alias", step, [request.rid], [alias], position=position,
+                            alias_of=(other.rid, other_position))
+
+    def _use_after_free(self, step: int) -> Optional[Fault]:
+        eng = self.engine
+        request, positions = self._pick(full_pages_only=True)
+        if request is None:
+            return None
+        position = int(self.rng.choice(positions))
+        k = position // eng.page_size
+        page = request.pages[k]
+        request.pages[k] = _FREED
+        eng.release_page(page, front=True)  # the next page allocation reuses it
+        slots = range(page * eng.page_size, (page + 1) * eng.page_size)
+        return self._record("use_after_free", step, [request.rid], slots, position=k * eng.page_size, page=page)
+
+    def _canary_overwrite(self, step: int) -> Optional[Fault]:
+        eng = self.engine
+        request, positions = self._pick()
+        if request is None:
+            return None
+        position = int(self.rng.choice(positions))
+        slot = eng.slot_of(request, position)
+        junk = np.frombuffer(self.rng.bytes(32), np.uint8).copy()
+        eng.canary.context.canary_buf[slot, :32] = from_host(junk, eng.device)
+        return self._record("canary_overwrite", step, [request.rid], [slot], position=position)
+
+    # --- batch faults -----------------------------------------------------------------------------
+    def tamper(self, step: int, batch: StepBatch) -> Optional[Fault]:
+        """Corrupt this step's host batch if a batch fault is due (the expected values stay right)."""
+        cls, self._pending_batch = self._pending_batch, None
+        if cls is None:
+            return None
+        choices = [i for i, r in enumerate(batch.requests) if r.remaining - batch.extend_lens[i] >= _MIN_REMAINING]
+        if not choices:
+            self._pending_batch = cls  # try again next step
+            return None
+        index = choices[int(self.rng.integers(len(choices)))]
+        request = batch.requests[index]
+        lo, hi = batch.entry_range(index)
+        entry = int(self.rng.integers(lo, hi))
+        slot = int(batch.out_cache_loc[entry])
+        position = int(batch.expected_positions[entry])
+        if cls == "stale_position":
+            deltas = [d for d in (-3, -2, -1, 1, 2, 3) if position + d >= 0]
+            batch.positions[entry] = position + int(self.rng.choice(deltas))
+            detail = {"written_position": int(batch.positions[entry])}
+        else:
+            token = int(batch.input_ids[entry])
+            batch.input_ids[entry] = token % (self.engine.config.vocab - 1) + 1
+            detail = {"written_token": int(batch.input_ids[entry]), "token": token}
+        return self._record(cls, step, [request.rid], [slot], position=position, **detail)

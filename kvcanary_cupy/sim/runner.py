@@ -1,0 +1,212 @@
+"""Run the simulated engine with its canary, inject faults, attribute every violation, summarise."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from ..session import CanaryEvent
+from .engine import Engine, SimConfig
+from .faults import FAULT_CLASSES, Fault, FaultInjector
+
+_QUIET = logging.getLogger("kvcanary_cupy.sim")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
+
+
+class Progress:
+    """A minimal progress bar on a terminal stream (a no-op when disabled)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, stream=None, width: int = 30, label: str = "steps"):
+        self.total, self.enabled, self.width, self.label = max(1, total), enabled, width, label
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self._last = -1.0
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if done < self.total and now - self._last < 0.1:
+            return
+        self._last = now
+        filled = int(self.width * done / self.total)
+        rate = done / max(now - self.start, 1e-9)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {self.label} "
+                          f"{rate:6.1f}/s {note}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+@dataclasses.dataclass
+class SimResult:
+    config: SimConfig
+    steps: int
+    tokens: int
+    verified_entries: int
+    requests_finished: int
+    requests_aborted: int
+    shared_tokens: int
+    reused_pages: int
+    wall_s: float
+    canary_s: float
+    faults: list
+    false_positives: list
+    violations_per_step: list
+
+    @property
+    def canary_ms_per_step(self) -> float:
+        return 1e3 * self.canary_s / max(1, self.steps)
+
+    def per_class(self) -> dict:
+        out = {}
+        for cls in FAULT_CLASSES:
+            faults = [f for f in self.faults if f.cls == cls]
+            if not faults:
+                continue
+            detected = [f for f in faults if f.detected]
+            latencies = [f.latency for f in detected]
+            out[cls] = {
+                "injected": len(faults),
+                "detected": len(detected),
+                "detection_rate": len(detected) / len(faults),
+                "median_steps_to_detection": statistics.median(latencies) if latencies else None,
+                "max_steps_to_detection": max(latencies) if latencies else None,
+            }
+        return out
+
+    def to_json(self) -> dict:
+        c = self.config
+        return {
+            "steps": self.steps,
+            "device": str(c.device),
+            "hash_mode": c.hash_mode.name,
+            "layout": c.layout,
+            "seed": c.seed,
+            "tokens": self.tokens,
+            "verified_entries": self.verified_entries,
+            "requests_finished": self.requests_finished,
+            "requests_aborted": self.requests_aborted,
+            "shared_prefix_tokens": self.shared_tokens,
+            "reused_pages": self.reused_pages,
+            "wall_s": round(self.wall_s, 3),
+            "canary_ms_per_step": round(self.canary_ms_per_step, 4),
+            "false_positives": len(self.false_positives),
+            "faults": self.per_class(),
+            "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
+                           "detected_step": f.detected_step,
+                           "detail": {k: (list(v) if isinstance(v, tuple) else v) for k, v in f.detail.items()}}
+                          for f in self.faults],
+            "violations_per_step": self.violations_per_step,
+        }
+
+    def summary(self) -> str:
+        c = self.config
+        lines = [
+            f"kv-canary demo: device={c.device} hash_mode={c.hash_mode.name} layout={c.layout} seed={c.seed}"
+            + (f" swa_window={c.swa_window}" if c.swa_window else ""),
+            f"  steps {self.steps:>10}    tokens written {self.tokens:>9}    verified entries {self.verified_entries:>10}",
+            f"  requests finished {self.requests_finished}, aborted on detection {self.requests_aborted}; "
+            f"prefix-shared tokens {self.shared_tokens}; reused pages {self.reused_pages}",
+            f"  wall {self.wall_s:.2f} s; canary {self.canary_ms_per_step:.3f} ms/step "
+            f"({100 * self.canary_s / max(self.wall_s, 1e-9):.0f}% of the step loop)",
+            "",
+            f"  {'fault class':<18}{'injected':>9}{'detected':>9}{'rate':>8}{'median steps':>14}",
+        ]
+        for cls, row in self.per_class().items():
+            median = "-" if row["median_steps_to_detection"] is None else f"{row['median_steps_to_detection']:g}"
+            lines.append(f"  {cls:<18}{row['injected']:>9}{row['detected']:>9}{row['detection_rate']:>8.0%}"
+                         f"{median:>14}")
+        if not self.faults:
+            lines.append(f"  {'(none injected)':<18}")
+        lines.append(f"  {'false positives':<18}{len(self.false_positives):>9}")
+        return "\n".join(lines)
+
+
+def _attribute(events: Sequence[CanaryEvent], faults: Sequence[Fault], step: int):
+    """Mark the faults the events reveal; return the events no fault explains and the victims hit.
+
+    An event belongs to the latest fault whose victim it names; failing that, to an open fault
+    (one whose victims still run) that touched its slot."""
+    unexplained, hit = [], set()
+    for event in events:
+        owner = next((f for f in reversed(faults) if event.request in f.victims), None)
+        if owner is None and event.group == "full":
+            owner = next((f for f in reversed(faults) if not f.closed and event.slot in f.slots), None)
+        if owner is None:
+            unexplained.append(event)
+            continue
+        if owner.detected_step is None:
+            owner.detected_step = step
+            owner.first_event = event
+        hit |= owner.victims
+    return unexplained, hit
+
+
+def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10, fault_start: int = 10,
+        bitflip_offset: Optional[int] = None, progress: bool = False,
+        on_step: Optional[Callable[[int], None]] = None) -> SimResult:
+    """Simulate ``config.steps`` forward passes with the canary on, injecting ``faults`` in turn."""
+    engine = Engine(config, logger=_QUIET)
+    injector = FaultInjector(engine, faults, every=fault_every, start=fault_start, seed=config.seed,
+                             bitflip_offset=bitflip_offset)
+    canary = engine.canary
+    bar = Progress(config.steps, enabled=progress)
+    false_positives: list = []
+    violations_per_step: list = []
+    canary_s = 0.0
+    start = time.perf_counter()
+    for step in range(config.steps):
+        engine.step_index = step
+        engine.admit_arrivals()
+        injector.before_step(step)
+        host_batch = engine.schedule()
+        injector.tamper(step, host_batch)
+        engine._push_tables()
+        batch = engine.forward_batch(host_batch)
+        t0 = time.perf_counter()
+        canary.before_forward(batch)
+        t1 = time.perf_counter()
+        engine.model_forward(batch, host_batch)
+        t2 = time.perf_counter()
+        canary.after_forward(batch)
+        canary_s += (t1 - t0) + (time.perf_counter() - t2)
+        engine.advance(host_batch)
+        t3 = time.perf_counter()
+        if config.sweep_every and step % config.sweep_every == config.sweep_every - 1:
+            canary.sweep(engine.live_requests())
+        count = 0
+        if step % config.poll_every == config.poll_every - 1 or step == config.steps - 1:
+            report = canary.poll()
+            count = report.total
+            unexplained, hit = _attribute(report.events, injector.faults, step)
+            false_positives.extend((step, e) for e in unexplained)
+            for rid in hit:
+                engine.abort(rid)
+            live = {r.rid for r in engine.running}
+            for fault in injector.faults:
+                fault.closed = fault.closed or not (fault.victims & live)
+        canary_s += time.perf_counter() - t3
+        violations_per_step.append(count)
+        if on_step is not None:
+            on_step(step)
+        bar.update(step + 1, f"faults {sum(f.detected for f in injector.faults)}/{len(injector.faults)} detected")
+    bar.close()
+    wall = time.perf_counter() - start
+    stats = canary.stats()
+    slot_runs = sum(s["slot_run_counter"] for s in stats.values())
+    writes = engine.tokens_written * len(stats)
+    return SimResult(config, config.steps, engine.tokens_written, max(0, slot_runs - writes), engine.finished,
+                     engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
+                     false_positives, violations_per_step)
+
+
+__all__ = ["Progress", "SimResult", "run"]
