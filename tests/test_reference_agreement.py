@@ -1,0 +1,281 @@
+"""The numba backend agrees byte for byte with the plain-Python model ``kvcanary_cupy.reference`` on
+randomized inputs, garbage included: out-of-range and negative indices, UNRESOLVED markers, sources
+too short for the pool, duplicate slots, broken offsets, ring overflow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import reference as ref
+from _builders import random_source
+
+U = kc.UNRESOLVED_SLOT
+SEEDS = range(40)
+
+
+def _index(rng, low, high, extras=(U,), p_extra=0.05):
+    """An int64 index in [low, high), now and then one of ``extras``."""
+    if extras and rng.random() < p_extra:
+        return int(rng.choice(np.array(extras, dtype=np.int64)))
+    return int(rng.integers(low, high))
+
+
+def _sources(rng, num_slots):
+    specs = []
+    for _ in range(int(rng.integers(0, 4))):
+        page = int(rng.choice([1, 2, 3, 4]))
+        bpt = int(rng.choice([16, 32, 64]))
+        read = int(rng.choice([r for r in (16, 32, 48, 64) if r <= bpt]))
+        full_rows = -(-num_slots // page)
+        short = int(rng.integers(0, full_rows + 1)) if rng.random() < 0.3 else 0
+        specs.append(random_source(rng, num_slots, page_size=page, num_bytes_per_token=bpt, read_bytes=read,
+                                   pad_bytes=int(rng.choice([0, 16, 48])), extra_rows=-short))
+    return specs
+
+
+def _context(rng, num_slots, specs, mode, ring_capacity, stride, buf, assert_flag=0):
+    return kc.CanaryContext(canary_buf=buf.copy(), violation_ring=np.full((ring_capacity, 8), -5, np.int64),
+                            violation_write_index=np.zeros(1, np.int32),
+                            slot_run_counter=np.array([7], np.int64), kernel_run_counter=np.array([3], np.int64),
+                            chain_position_assert=np.array([assert_flag], np.int32),
+                            real_kv_sources=tuple(s.build("cpu") for s in specs), hash_mode=mode)
+
+
+def _reference_state(ctx):
+    return (ctx.canary_buf.copy(), ctx.violation_ring.copy(), ctx.violation_write_index.copy(),
+            ctx.slot_run_counter.copy(), ctx.kernel_run_counter.copy())
+
+
+def _assert_same(ctx, state):
+    names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter")
+    for name, expected in zip(names, state):
+        got = getattr(ctx, name)
+        assert got.tobytes() == expected.tobytes(), name
+
+
+def _ref_sources(specs, mode):
+    return [] if mode == kc.HashMode.NONE else [s.reference_tuple(mode) for s in specs]
+
+
+def _random_buffer(rng, num_slots, stride, specs, mode):
+    """A canary buffer holding a few real chains (written by the model) plus random damage."""
+    buf = np.zeros((num_slots, stride), np.uint8)
+    n = int(rng.integers(0, 2 * num_slots))
+    loc = rng.integers(1, num_slots, size=n) if num_slots > 1 else np.zeros(n, np.int64)
+    cuts = np.sort(rng.integers(0, n + 1, size=3))
+    offsets = np.array([0, *cuts, n], np.int64)
+    ring = np.zeros((64, 8), np.int64)
+    ref.write(buf, _ref_sources(specs, mode), ring, np.zeros(1, np.int32), np.zeros(1, np.int64),
+              np.zeros(1, np.int64), offsets=offsets, seed_slots=np.full(4, -1, np.int64),
+              num_valid_reqs=np.array([4], np.int32), input_ids=rng.integers(0, 50, size=n),
+              positions=np.arange(n, dtype=np.int64), out_cache_loc=loc.astype(np.int64), expected_tokens=None,
+              expected_positions=None, chain_position_assert=np.zeros(1, np.int32), tag=0)
+    for _ in range(int(rng.integers(0, 4))):
+        buf[int(rng.integers(0, num_slots)), int(rng.integers(0, 32))] ^= np.uint8(rng.integers(1, 256))
+    return buf
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_verify_agrees(seed):
+    rng = np.random.default_rng(1000 + seed)
+    num_slots = int(rng.integers(1, 40))
+    stride = int(rng.choice([32, 40, 64]))
+    mode = kc.HashMode(int(rng.integers(0, 3)))
+    specs = _sources(rng, num_slots)
+    buf = _random_buffer(rng, num_slots, stride, specs, mode)
+    ctx = _context(rng, num_slots, specs, mode, int(rng.integers(0, 12)), stride, buf)
+    cap = int(rng.integers(0, 3 * num_slots + 2))
+    words = buf.view(np.int64)
+    slots = np.array([_index(rng, -2, num_slots + 2) for _ in range(cap)], np.int64)
+    prevs = np.array([_index(rng, -3, num_slots + 2, extras=(U, -1, 0), p_extra=0.3) for _ in range(cap)], np.int64)
+    in_range = (slots >= 0) & (slots < num_slots)
+    tokens = np.where(rng.random(cap) < 0.5, -1, rng.integers(0, 50, size=cap))
+    tokens = np.where(in_range & (rng.random(cap) < 0.5), words[np.where(in_range, slots, 0), 0], tokens)
+    positions = np.where(in_range & (rng.random(cap) < 0.7), words[np.where(in_range, slots, 0), 1],
+                         rng.integers(0, 9, size=cap))
+    num_valid = np.array([int(rng.integers(-2, cap + 3))], np.int32)
+    enable = np.array([0 if rng.random() < 0.1 else 1], np.int32)
+    check_token = bool(rng.random() < 0.5)
+    tag = int(rng.integers(0, 12))
+
+    state = _context(rng, num_slots, specs, mode, ctx.ring_capacity, stride, buf)
+    expected = _reference_state(state)
+    ref.verify(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+               slots=slots, expected_tokens=tokens, expected_positions=positions, prev_slots=prevs,
+               num_valid=num_valid, enable=enable, check_expected_token=check_token, tag=tag)
+    vplan = kc.VerifyPlan(slot_indices=slots.copy(), expected_tokens=tokens.astype(np.int64),
+                          expected_positions=positions.astype(np.int64), prev_slot_indices=prevs.copy(),
+                          num_valid=num_valid.copy(), enable=enable.copy())
+    kc.verify(ctx, vplan, tag=tag, check_expected_token=check_token)
+    _assert_same(ctx, expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_write_agrees(seed):
+    rng = np.random.default_rng(2000 + seed)
+    num_slots = int(rng.integers(1, 40))
+    stride = int(rng.choice([32, 48]))
+    mode = kc.HashMode(int(rng.integers(0, 3)))
+    specs = _sources(rng, num_slots)
+    buf = _random_buffer(rng, num_slots, stride, specs, mode)
+    assert_flag = int(rng.integers(0, 2))
+    ring_capacity = int(rng.integers(0, 10))
+    ctx = _context(rng, num_slots, specs, mode, ring_capacity, stride, buf, assert_flag)
+    n = int(rng.integers(0, 3 * num_slots + 2))
+    cap = int(rng.integers(0, 6))
+    offsets = np.sort(rng.integers(0, n + 1, size=cap + 1)).astype(np.int64)
+    if cap and rng.random() < 0.3:  # broken offsets: past the entries, negative, or decreasing
+        offsets[int(rng.integers(0, cap + 1))] = int(rng.choice([n + 3, -2, 0]))
+    seeds = np.array([_index(rng, -2, num_slots + 2, extras=(U, -1), p_extra=0.3) for _ in range(cap)], np.int64)
+    loc = np.array([_index(rng, -2, num_slots + 2, extras=(-1, 0), p_extra=0.1) for _ in range(n)], np.int64)
+    ids = rng.integers(0, 30, size=n).astype(np.int64)
+    pos = (np.arange(n) + (rng.random(n) < 0.1) * rng.integers(-3, 4, size=n)).astype(np.int64)
+    has_expected = bool(rng.random() < 0.5)
+    exp_ids = np.where(rng.random(n) < 0.1, ids + 1, ids) if has_expected else None
+    exp_pos = np.where(rng.random(n) < 0.1, pos + 1, pos) if has_expected else None
+    num_valid_reqs = np.array([int(rng.integers(-1, cap + 2))], np.int32)
+    tag = int(rng.integers(0, 12))
+
+    state = _context(rng, num_slots, specs, mode, ring_capacity, stride, buf, assert_flag)
+    expected = _reference_state(state)
+    ref.write(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+              offsets=offsets, seed_slots=seeds, num_valid_reqs=num_valid_reqs, input_ids=ids, positions=pos,
+              out_cache_loc=loc, expected_tokens=exp_ids, expected_positions=exp_pos,
+              chain_position_assert=np.array([assert_flag], np.int32), tag=tag)
+    wplan = kc.WritePlan(offsets=offsets.copy(), seed_slot_indices=seeds.copy(), num_valid_reqs=num_valid_reqs.copy())
+    kc.write(ctx, wplan, tag=tag, input_ids=ids.copy(), positions=pos.copy(), out_cache_loc=loc.copy(),
+             expected_input_tokens=None if exp_ids is None else exp_ids.astype(np.int64),
+             expected_input_positions=None if exp_pos is None else exp_pos.astype(np.int64))
+    _assert_same(ctx, expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_plan_agrees(seed):
+    rng = np.random.default_rng(3000 + seed)
+    rows, width, pool = int(rng.integers(1, 6)), int(rng.integers(1, 10)), int(rng.integers(1, 30))
+    bs = int(rng.integers(0, 6))
+    table = rng.integers(-2, pool + 2, size=(rows, width)).astype(np.int32)
+    rpi = np.array([_index(rng, -1, rows + 2, extras=(0,), p_extra=0.2) for _ in range(bs)], np.int64)
+    prefix = rng.integers(-1, width + 3, size=bs).astype(np.int64)
+    extend = rng.integers(-2, 5, size=bs).astype(np.int64)
+    window = int(rng.choice([0, 0, 1, 2, 5]))
+    lut = rng.integers(-1, pool, size=int(rng.integers(0, pool + 3))).astype(np.int64) if window else None
+    has_expected = bool(rng.random() < 0.5)
+    ctx_len = int(rng.integers(1, width + 3))
+    expected_pool = rng.integers(0, 99, size=(int(rng.integers(1, rows + 2)), ctx_len)).astype(np.int32) \
+        if has_expected else None
+    valid = rng.integers(-1, ctx_len + 3, size=bs).astype(np.int64) if has_expected else None
+    offset = int(rng.choice([-1, 0, 1]))
+    vcap = int(rng.integers(0, bs * (width + 2) + 2))
+    wcap = bs + int(rng.integers(0, 3))
+    garbage = lambda n: rng.integers(-50, 50, size=n).astype(np.int64)  # noqa: E731
+    v_init = [garbage(vcap) for _ in range(4)] + [np.array([77], np.int32), np.array([5], np.int32)]
+    w_init = [garbage(wcap + 1), garbage(wcap), np.array([9], np.int32)]
+
+    v_ref = [a.copy() for a in v_init]
+    w_ref = [a.copy() for a in w_init]
+    ref.plan(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=table, swa_window=window,
+             lut=lut, expected_pool=expected_pool, valid_lens=valid, token_offset=offset,
+             v_slots=v_ref[0], v_tokens=v_ref[1], v_positions=v_ref[2], v_prev=v_ref[3], v_num_valid=v_ref[4],
+             v_enable=v_ref[5], w_offsets=w_ref[0], w_seeds=w_ref[1], w_num_valid_reqs=w_ref[2])
+    v = [a.copy() for a in v_init]
+    w = [a.copy() for a in w_init]
+    vplan = kc.VerifyPlan(*v[:4], num_valid=v[4], enable=v[5])
+    wplan = kc.WritePlan(offsets=w[0], seed_slot_indices=w[1], num_valid_reqs=w[2])
+    kc.plan(vplan, wplan, req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=table,
+            swa_window_size=window, full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=expected_pool,
+            req_to_verify_expected_tokens_valid_lens=valid, kv_token_id_vs_position_offset=offset)
+    for index, (got, want) in enumerate(zip(v + w, v_ref + w_ref)):
+        assert got.tobytes() == want.tobytes(), index
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scatter_agrees(seed):
+    rng = np.random.default_rng(4000 + seed)
+    rows, width, bs, n = (int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(0, 6)),
+                          int(rng.integers(0, 25)))
+    flat = rng.integers(-2**31, 2**31, size=n).astype(np.int64)
+    offsets = (np.concatenate([[0], np.cumsum(rng.integers(-1, 8, size=bs))]) + rng.integers(-2, 3, size=bs + 1))
+    offsets = offsets.astype(np.int64)
+    rpi = rng.integers(-1, rows + 2, size=bs).astype(np.int64)
+    init = rng.integers(-9, 9, size=(rows, width)).astype(np.int32)
+    want, got = init.copy(), init.copy()
+    ref.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=want)
+    kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=got)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_parallel_paths_agree(seed):
+    """Batches large enough for the backend's multi-threaded paths still agree with the model."""
+    rng = np.random.default_rng(5000 + seed)
+    num_slots = 20000
+    specs = [random_source(rng, num_slots, page_size=4, num_bytes_per_token=32, read_bytes=32,
+                           extra_rows=-10)]
+    mode = kc.HashMode.ALL
+    buf = np.zeros((num_slots, 32), np.uint8)
+    ctx = _context(rng, num_slots, specs, mode, 64, 32, buf)
+    n = 17000
+    loc = rng.integers(-1, num_slots + 3, size=n).astype(np.int64)
+    ids = rng.integers(0, 99, size=n).astype(np.int64)
+    pos = np.arange(n, dtype=np.int64)
+    offsets = np.array([0, 5000, 12000, n], np.int64)
+    seeds = np.array([-1, int(loc[4999]), num_slots + 1], np.int64)
+    expected = _reference_state(_context(rng, num_slots, specs, mode, 64, 32, buf))
+    ref.write(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+              offsets=offsets, seed_slots=seeds, num_valid_reqs=np.array([3], np.int32), input_ids=ids,
+              positions=pos, out_cache_loc=loc, expected_tokens=None, expected_positions=None,
+              chain_position_assert=np.zeros(1, np.int32), tag=2)
+    kc.write(ctx, kc.WritePlan(offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=np.array([3], np.int32)),
+             tag=2, input_ids=ids, positions=pos, out_cache_loc=loc)
+    _assert_same(ctx, expected)
+    # Verify every written slot (and some garbage) through the parallel path.
+    slots = np.concatenate([loc, rng.integers(-2, num_slots + 2, size=200)]).astype(np.int64)
+    prevs = np.concatenate([[-1], loc[:-1], rng.integers(-2, num_slots + 2, size=200)]).astype(np.int64)
+    tokens = np.concatenate([ids, rng.integers(-1, 99, size=200)]).astype(np.int64)
+    positions = np.concatenate([pos, rng.integers(0, n, size=200)]).astype(np.int64)
+    ctx.clear_violations()
+    state = _reference_state(ctx)
+    state = (state[0], state[1], state[2], state[3], state[4])
+    ref.verify(state[0], _ref_sources(specs, mode), state[1], state[2], state[3], state[4], slots=slots,
+               expected_tokens=tokens, expected_positions=positions, prev_slots=prevs,
+               num_valid=np.array([len(slots)], np.int32), enable=np.array([1], np.int32),
+               check_expected_token=True, tag=4)
+    kc.verify(ctx, kc.VerifyPlan(slot_indices=slots, expected_tokens=tokens, expected_positions=positions,
+                                 prev_slot_indices=prevs, num_valid=np.array([len(slots)], np.int32),
+                                 enable=np.array([1], np.int32)), tag=4, check_expected_token=True)
+    _assert_same(ctx, state)
+
+
+def test_parallel_plan_agrees():
+    rng = np.random.default_rng(6000)
+    rows, width, bs = 10, 9000, 8
+    table = rng.integers(-1, 80000, size=(rows, width)).astype(np.int32)
+    rpi = np.array([1, 2, 0, 3, 11, 4, 5, 6], np.int64)
+    prefix = np.array([9000, 8999, 50, 9000, 3, 9001, 8000, 9000], np.int64)
+    extend = np.ones(bs, np.int64)
+    lut = rng.integers(0, 70000, size=75000).astype(np.int64)
+    expected_pool = rng.integers(0, 99, size=(rows, width)).astype(np.int32)
+    valid = np.full(bs, width - 5, np.int64)
+    outs = []
+    for run in range(2):
+        v = [np.zeros(80000, np.int64) for _ in range(4)] + [np.zeros(1, np.int32), np.zeros(1, np.int32)]
+        w = [np.zeros(bs + 1, np.int64), np.zeros(bs, np.int64), np.zeros(1, np.int32)]
+        args = dict(req_pool_indices=rpi, prefix_lens=prefix, req_to_token=table, swa_window_size=60000,
+                    full_to_swa_index_mapping=lut, req_to_verify_expected_tokens=expected_pool,
+                    req_to_verify_expected_tokens_valid_lens=valid, kv_token_id_vs_position_offset=1)
+        if run == 0:
+            ref.plan(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=table,
+                     swa_window=60000, lut=lut, expected_pool=expected_pool, valid_lens=valid, token_offset=1,
+                     v_slots=v[0], v_tokens=v[1], v_positions=v[2], v_prev=v[3], v_num_valid=v[4], v_enable=v[5],
+                     w_offsets=w[0], w_seeds=w[1], w_num_valid_reqs=w[2])
+        else:
+            kc.plan(kc.VerifyPlan(*v[:4], num_valid=v[4], enable=v[5]),
+                    kc.WritePlan(offsets=w[0], seed_slot_indices=w[1], num_valid_reqs=w[2]),
+                    extend_seq_lens=extend, **args)
+        outs.append(v + w)
+    assert int(outs[0][4][0]) >= 65536  # the backend's parallel fill
+    for index, (got, want) in enumerate(zip(outs[1], outs[0])):
+        assert got.tobytes() == want.tobytes(), index
