@@ -251,10 +251,10 @@ def test_parallel_paths_agree(seed):
 
 def test_parallel_plan_agrees():
     rng = np.random.default_rng(6000)
-    rows, width, bs = 10, 9000, 8
+    rows, width, bs = 10, 12000, 8
     table = rng.integers(-1, 80000, size=(rows, width)).astype(np.int32)
     rpi = np.array([1, 2, 0, 3, 11, 4, 5, 6], np.int64)
-    prefix = np.array([9000, 8999, 50, 9000, 3, 9001, 8000, 9000], np.int64)
+    prefix = np.array([12000, 11999, 50, 12000, 3, 12001, 10000, 12000], np.int64)
     extend = np.ones(bs, np.int64)
     lut = rng.integers(0, 70000, size=75000).astype(np.int64)
     expected_pool = rng.integers(0, 99, size=(rows, width)).astype(np.int32)
