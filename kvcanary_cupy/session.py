@@ -307,8 +307,11 @@ class Canary:
               req_to_verify_expected_tokens_valid_lens=None if expected is None else (
                   prefix_lens if valid_lens is None else valid_lens),
               kv_token_id_vs_position_offset=self.token_offset, stream=stream)
+
+    def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:
+        _verify(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
         with _on(self.device):
-            group.overflows += 1 - vplan.enable  # counted on the device, read by poll()
+            group.overflows += 1 - vplan.enable  # skipped launches, counted on the device, read by poll()
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
@@ -318,8 +321,7 @@ class Canary:
         for group in self.groups:
             self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
                        batch.extend_seq_lens, batch.expected_valid_lens, stream)
-            _verify(group.ctx, group.vplan, tag=group.head_tag, check_expected_token=self.check_expected_token,
-                    stream=stream)
+            self._check(group, group.vplan, group.head_tag, stream)
             group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
         self._planned = batch
 
@@ -339,8 +341,7 @@ class Canary:
                    out_cache_loc=loc, expected_input_tokens=batch.expected_input_tokens,
                    expected_input_positions=batch.expected_input_positions, stream=stream)
             group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch, write_loc=loc))
-            _verify(group.ctx, group.vplan, tag=group.tail_tag, check_expected_token=self.check_expected_token,
-                    stream=stream)
+            self._check(group, group.vplan, group.tail_tag, stream)
             group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
         self._planned = None
 
@@ -368,8 +369,7 @@ class Canary:
                 group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
             self._plan(group, group.sweep_vplan, group.sweep_wplan, live_requests.req_pool_indices,
                        live_requests.seq_lens, zeros, None, stream)
-            _verify(group.ctx, group.sweep_vplan, tag=group.sweep_tag,
-                    check_expected_token=self.check_expected_token, stream=stream)
+            self._check(group, group.sweep_vplan, group.sweep_tag, stream)
             group.log.append(_Launch("verify", "sweep", group.sweep_tag, self.forwards, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
