@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", type=_faults, default=list(FAULT_CLASSES), metavar="CLASSES",
                         help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
     parser.add_argument("--fault-every", type=int, default=10, help="steps between injected faults (default 10)")
-    parser.add_argument("--hash-mode", default="partial", choices=[m.name.lower() for m in HashMode],
-                        help="how much real KV each slot fingerprints (default partial)")
+    parser.add_argument("--hash-mode", default="all", choices=[m.name.lower() for m in HashMode],
+                        help="how much real KV each slot fingerprints (default all: every fault class is visible; partial is the cheaper production mode, see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
     parser.add_argument("--pool-slots", type=int, default=8192, help="KV slots in the pool (default 8192)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
