@@ -300,3 +300,11 @@ def as_multiset(rows) -> dict:
     for row in rows:
         counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     return counts
+
+
+def assert_rows(device: str, got, expected) -> None:
+    """Ring rows in order on the CPU; as a multiset on a GPU (row order within a launch is unspecified)."""
+    if device == "cpu":
+        assert list(got) == list(expected)
+    else:
+        assert as_multiset(got) == as_multiset(expected)
