@@ -3,6 +3,8 @@ message naming the argument, and a rejected op call changes nothing (every buffe
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -153,7 +155,7 @@ def test_construction_rules(name, make, exc, pattern):
         make()
     assert type(info.value) is exc
     assert str(info.value).startswith("kv-canary: ")
-    assert len(__import__("re").findall(pattern, str(info.value))) == 1, str(info.value)
+    assert len(re.findall(pattern, str(info.value))) == 1, str(info.value)
 
 
 # --- op rules, each leaving every buffer as it was ----------------------------------------------
@@ -309,7 +311,7 @@ def test_op_rules_change_nothing(device, name, call, exc, pattern):
         call(w)
     assert type(info.value) is exc
     assert str(info.value).startswith("kv-canary: ")
-    assert __import__("re").search(pattern, str(info.value)), str(info.value)
+    assert re.search(pattern, str(info.value)), str(info.value)
     for index, (old, new) in enumerate(zip(before, w.buffers())):
         assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
 
