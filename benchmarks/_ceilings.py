@@ -1,0 +1,132 @@
+"""The ceilings every result is read against, measured in the same run on the same device.
+
+* ``copy_gbps``: a large device-to-device copy, counting bytes read plus bytes written (1 GiB each
+  way on a GPU): the memory-bandwidth ceiling ("% of the copy ceiling").
+* ``gather32_entries_per_s``: 16M random 32-byte gathers from a 32M-slot table (1 GiB, far larger
+  than L2) by a minimal RawKernel, each reading its int64 index and writing its 32 bytes: the rate
+  ceiling of any op that touches one canary slot per entry at random.
+* ``empty_kernel_us``: an empty RawKernel launched through CuPy: device time between CUDA events
+  (``empty_kernel_us``), as a one-node graph replay (``empty_graph_us``) and host time per launch
+  (``empty_launch_host_us``). The floor of any single launch.
+
+On the CPU the same three are a NumPy copy, a NumPy row gather and a call of an empty numba function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from _shapes import rand_bytes, rand_u64
+from _timing import CpuTimer, GpuTimer
+
+_GATHER_SOURCE = r"""
+extern "C" __global__ void kvc_bench_gather32(const ulonglong2* __restrict__ src, const long long* __restrict__ idx,
+                                              ulonglong2* __restrict__ dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        long long s = idx[i];
+        ulonglong2 a = src[2 * s], b = src[2 * s + 1];
+        dst[2 * i] = a;
+        dst[2 * i + 1] = b;
+    }
+}
+extern "C" __global__ void kvc_bench_empty() {}
+"""
+
+
+def measure(timer, xp, *, scale: float = 1.0) -> dict[str, Any]:
+    if getattr(timer, "is_gpu", False):
+        return _measure_gpu(timer, xp, scale)
+    return _measure_cpu(timer, scale)
+
+
+def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"device_name": _device_name(cupy)}
+    stream = timer.stream
+    with stream:
+        n_bytes = max(int((1 << 30) * scale), 1 << 24)
+        src = rand_bytes(cupy, (n_bytes,), 7)
+        dst = cupy.empty_like(src)
+        t = timer.eager(lambda _: cupy.copyto(dst, src), 1, warmup=3, reps=20, cold=False)
+        out["copy_bytes"] = 2 * n_bytes
+        out["copy_us"] = t.median_s * 1e6
+        out["copy_gbps"] = 2 * n_bytes / t.median_s / 1e9
+        del src, dst
+
+        module = cupy.RawModule(code=_GATHER_SOURCE)
+        gather = module.get_function("kvc_bench_gather32")
+        empty = module.get_function("kvc_bench_empty")
+        n = max(int((16 << 20) * scale * scale), 1 << 16)
+        pool = 2 * n
+        table = rand_bytes(cupy, (pool, 32), 8)
+        idx = (rand_u64(cupy, n, 9) % cupy.uint64(pool)).astype(cupy.int64)
+        dst = cupy.empty((n, 32), dtype=cupy.uint8)
+        block = 256
+        grid = (n + block - 1) // block
+        launch = lambda _: gather((grid,), (block,), (table, idx, dst, cupy.int64(n)), stream=stream)  # noqa: E731
+        t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
+        assert bool((dst[: min(n, 4096)] == table[idx[: min(n, 4096)]]).all()), "gather ceiling kernel is wrong"
+        out["gather32_entries"] = n
+        out["gather32_us"] = t.median_s * 1e6
+        out["gather32_entries_per_s"] = n / t.median_s
+        out["gather32_gbps"] = n * (8 + 32 + 32) / t.median_s / 1e9
+        del table, idx, dst
+
+        launch = lambda _: empty((1,), (1,), (), stream=stream)  # noqa: E731
+        t = timer.eager(launch, 1, warmup=20, reps=200, cold=False)
+        out["empty_kernel_us"] = t.median_s * 1e6
+        graph = timer.capture(lambda: launch(0))
+        t = timer.graph([graph], warmup=20, reps=200, cold=False)
+        out["empty_graph_us"] = t.median_s * 1e6
+        out["empty_launch_host_us"] = timer.host_per_call(launch, 1, 500) * 1e6
+        out["empty_launch_wall_us"] = timer.wall_per_call(launch, 1, 500) * 1e6
+    return out
+
+
+def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
+    import os  # noqa: PLC0415
+
+    import numba  # noqa: PLC0415
+
+    out: dict[str, Any] = {"device_name": f"cpu ({os.cpu_count()} logical cores, numba {numba.get_num_threads()} "
+                                          f"threads)"}
+    n_bytes = max(int((256 << 20) * scale), 1 << 22)
+    src = rand_bytes(np, (n_bytes,), 7)
+    dst = np.empty_like(src)
+    t = timer.eager(lambda _: np.copyto(dst, src), 1, warmup=1, reps=5)
+    out.update(copy_bytes=2 * n_bytes, copy_us=t.median_s * 1e6, copy_gbps=2 * n_bytes / t.median_s / 1e9)
+    n = max(int((16 << 20) * scale * scale), 1 << 16)
+    table = rand_bytes(np, (2 * n, 32), 8).view(np.int64)
+    idx = (rand_u64(np, n, 9) % np.uint64(2 * n)).astype(np.int64)
+    got = np.empty((n, 4), dtype=np.int64)
+    t = timer.eager(lambda _: np.take(table, idx, axis=0, out=got), 1, warmup=1, reps=5)
+    out.update(gather32_entries=n, gather32_us=t.median_s * 1e6, gather32_entries_per_s=n / t.median_s,
+               gather32_gbps=n * 72 / t.median_s / 1e9)
+
+    @numba.njit
+    def nothing():
+        return 0
+
+    nothing()
+    t = timer.eager(lambda _: nothing(), 1, warmup=10, reps=200)
+    out.update(empty_kernel_us=t.median_s * 1e6, empty_graph_us=None, empty_launch_host_us=t.median_s * 1e6,
+               empty_launch_wall_us=t.median_s * 1e6)
+    return out
+
+
+def _device_name(cupy) -> str:
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # pragma: no cover - informational only
+        return "cuda"
+
+
+def l2_bytes(cupy) -> int:
+    try:
+        return int(cupy.cuda.Device().attributes["L2CacheSize"])
+    except Exception:  # pragma: no cover
+        return 60 << 20

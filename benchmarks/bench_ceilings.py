@@ -1,0 +1,25 @@
+"""The ceilings of this device, measured once per run and stored in this benchmark's extra_info:
+device-to-device copy bandwidth, random 32-byte gather rate, empty-kernel launch latency. The
+benchmark's own statistics are the empty launch (an empty CuPy RawKernel, or an empty numba call on
+the CPU)."""
+
+from __future__ import annotations
+
+import _timing as T
+
+
+def test_ceilings(benchmark, harness):
+    ceilings = harness.ceilings()
+    benchmark.extra_info.update(ceilings, case="ceilings", op="ceilings", device=harness.device, scale=harness.scale)
+    if harness.timer.is_gpu:
+        cupy = harness.cupy
+        empty = cupy.RawKernel('extern "C" __global__ void kvc_bench_nothing() {}', "kvc_bench_nothing")
+        launch = lambda: empty((1,), (1,), (), stream=harness.stream)  # noqa: E731
+    else:
+        import numba  # noqa: PLC0415
+
+        launch = numba.njit(lambda: 0)
+    launch()
+    harness.timer.sync()
+    T.run_pytest_benchmark(benchmark, harness.timer, lambda _: harness.timer.bracket(launch, cold=False),
+                           rounds=200, warmup=10)
