@@ -23,9 +23,11 @@ struct KvcPlanIn {
     const int* req_to_token;
     kvc_i64 rows, width, row_stride;  // row_stride in elements
     kvc_i64 swa_window;
-    const kvc_i64* lut;  // nullptr: no translation
+    bool has_lut;  // a LUT was given (it may be empty: then every slot >= 0 is unresolved)
+    const kvc_i64* lut;
     kvc_i64 lut_len;
-    const int* expected_pool;  // nullptr: no expected tokens
+    bool has_expected;  // an expected-token pool (and its valid lengths) was given
+    const int* expected_pool;
     kvc_i64 exp_rows, exp_cols, exp_stride;
     const kvc_i64* valid_lens;
     kvc_i64 token_offset;
@@ -34,13 +36,13 @@ struct KvcPlanIn {
 __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
     if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
     const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
-    if (in.lut == nullptr || s < 0) return s;
+    if (!in.has_lut || s < 0) return s;
     return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
 }
 
 __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
                                                 kvc_i64 pos) {
-    if (in.expected_pool == nullptr || in.valid_lens == nullptr) return KVC_NO_EXPECTED_TOKEN;
+    if (!in.has_expected) return KVC_NO_EXPECTED_TOKEN;
     // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
     if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
     const kvc_i64 column = pos + in.token_offset;
@@ -95,9 +97,9 @@ __device__ __forceinline__ kvc_i64 kvc_verify_count(const KvcPlanIn& in, kvc_i64
 __global__ void __launch_bounds__(kTile) kvc_plan(
     const kvc_i64* __restrict__ req_pool_indices, const kvc_i64* __restrict__ prefix_lens,
     const kvc_i64* __restrict__ extend_lens, kvc_i64 bs, const int* __restrict__ req_to_token,
-    kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window,
-    const kvc_i64* __restrict__ lut, kvc_i64 lut_len, const int* __restrict__ expected_pool,
-    kvc_i64 exp_rows, kvc_i64 exp_cols, kvc_i64 exp_stride,
+    kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window, kvc_i64 has_lut,
+    const kvc_i64* __restrict__ lut, kvc_i64 lut_len, kvc_i64 has_expected,
+    const int* __restrict__ expected_pool, kvc_i64 exp_rows, kvc_i64 exp_cols, kvc_i64 exp_stride,
     const kvc_i64* __restrict__ valid_lens, kvc_i64 token_offset, kvc_i64* v_slots,
     kvc_i64* v_tokens, kvc_i64* v_positions, kvc_i64* v_prev, int* v_num_valid, int* v_enable,
     kvc_i64 v_capacity, kvc_i64* w_offsets, kvc_i64* w_seeds, int* w_num_valid_reqs,
@@ -108,8 +110,9 @@ __global__ void __launch_bounds__(kTile) kvc_plan(
     __shared__ kvc_i64 s_pos0[kTile];
 
     const KvcPlanIn in = {req_pool_indices, prefix_lens, extend_lens, bs, req_to_token, rows,
-                          width, row_stride, swa_window, lut, lut_len, expected_pool, exp_rows,
-                          exp_cols, exp_stride, valid_lens, token_offset};
+                          width, row_stride, swa_window, has_lut != 0, lut, lut_len,
+                          has_expected != 0, expected_pool, exp_rows, exp_cols, exp_stride,
+                          valid_lens, token_offset};
     const int tid = threadIdx.x;
     const kvc_i64 ntiles = bs > 0 ? (bs + kTile - 1) / kTile : 0;
     const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kTile;

@@ -12,8 +12,8 @@ __global__ void __launch_bounds__(256) kvc_verify(
     const int* __restrict__ num_valid, const int* __restrict__ enable, kvc_i64 capacity,
     kvc_i64* ring_rows, kvc_i64 ring_capacity, int* ring_write_index,
     unsigned long long* slot_run_counter, unsigned long long* kernel_run_counter,
-    const kvc_i64* __restrict__ source_table, int num_sources, kvc_i64 tag,
-    int check_expected_token) {
+    const kvc_i64* __restrict__ source_table, kvc_i64 num_sources, kvc_i64 tag,
+    kvc_i64 check_expected_token) {
     const bool enabled = *enable != 0;
     const kvc_i64 active = kvc_clamp_count(*num_valid, capacity);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(256) kvc_verify(
     if (!enabled) return;
 
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
-    const KvcSources src = {source_table, num_sources};
+    const KvcSources src = {source_table, (int)num_sources};
     const bool check_token = check_expected_token != 0;
     const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
 

@@ -53,12 +53,14 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const int* __restrict__ chain_position_assert, kvc_i64* ring_rows, kvc_i64 ring_capacity,
     int* ring_write_index, unsigned long long* slot_run_counter,
     unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
-    int num_sources, kvc_i64 tag) {
+    kvc_i64 num_sources, kvc_i64 tag) {
     __shared__ unsigned long long s_stored;
     __shared__ int s_count;
     __shared__ kvc_i64 s_lo[kThreads];
     __shared__ kvc_i64 s_hi[kThreads];
     __shared__ kvc_i64 s_j0[kThreads];
+    __shared__ kvc_i64 s_tok[kWarps][kChunk];
+    __shared__ kvc_i64 s_pos[kWarps][kChunk];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
-    const KvcSources src = {source_table, num_sources};
+    const KvcSources src = {source_table, (int)num_sources};
     const bool has_expected = expected_tokens != nullptr && expected_positions != nullptr;
 
     if (threadIdx.x == 0) {
@@ -202,7 +204,24 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             // Serial walk over the stored entries of the chunk, in lockstep on every lane.
             kvc_u64 my_running = running;
             kvc_i64 my_prev = prev_pos;
-            unsigned m = mask;
+            if (mask == KVC_FULL_MASK) {
+                // Every entry is stored (the prefill case): a fixed 32-step walk over the chunk
+                // staged in shared memory; entry j's previous position is entry j-1's.
+                s_tok[warp][lane] = tok;
+                s_pos[warp][lane] = pos;
+                const kvc_i64 up = __shfl_up_sync(KVC_FULL_MASK, pos, 1);
+                if (lane > 0) my_prev = up;
+                __syncwarp();
+#pragma unroll
+                for (int j = 0; j < kChunk; ++j) {
+                    const kvc_u64 t = (kvc_u64)s_tok[warp][j];
+                    const kvc_u64 p = (kvc_u64)s_pos[warp][j];
+                    if (lane == j) my_running = running;
+                    running = kvc_mix3(running, t, p);
+                }
+                prev_pos = __shfl_sync(KVC_FULL_MASK, pos, 31);
+            }
+            unsigned m = mask == KVC_FULL_MASK ? 0u : mask;
             while (m) {
                 const int j = __ffs(m) - 1;
                 m &= m - 1;

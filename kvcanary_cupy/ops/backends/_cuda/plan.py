@@ -1,0 +1,46 @@
+"""plan on a CUDA device (SPEC §3.3): one launch builds the verify plan and the write plan."""
+
+from __future__ import annotations
+
+from . import i64, kernel, launch, ptr, resident_grid
+
+_BLOCK = 1024  # kTile in plan.cu
+
+
+def _table(array):
+    """(pointer, rows, width, row stride in elements) of an int32 table, or zeros for None."""
+    if array is None:
+        return ptr(None), 0, 0, 0
+    rows, width = int(array.shape[0]), int(array.shape[1])
+    stride = int(array.strides[0]) // int(array.itemsize) if rows > 1 else width
+    return ptr(array), rows, width, stride
+
+
+def plan(vplan, wplan, batch, *, stream) -> None:
+    device_id = batch.device.index
+    fn = kernel("plan", "kvc_plan", device_id)
+    v_capacity = int(vplan.capacity)
+    w_capacity = int(wplan.capacity)
+    bs = int(batch.req_pool_indices.shape[0])
+    rtt, rows, width, stride = _table(batch.req_to_token)
+    lut = batch.full_to_swa_index_mapping
+    lut_len = int(lut.shape[0]) if lut is not None else 0
+    pool = batch.req_to_verify_expected_tokens
+    valid_lens = batch.req_to_verify_expected_tokens_valid_lens
+    if pool is None or valid_lens is None:
+        pool = valid_lens = None
+    exp, exp_rows, exp_cols, exp_stride = _table(pool)
+    work = max((v_capacity + _BLOCK - 1) // _BLOCK, (w_capacity + _BLOCK) // _BLOCK, 1)
+    grid = max(1, min(resident_grid("plan", "kvc_plan", device_id, _BLOCK), work))
+    args = (
+        ptr(batch.req_pool_indices), ptr(batch.prefix_lens), ptr(batch.extend_seq_lens), i64(bs),
+        rtt, i64(rows), i64(width), i64(stride), i64(int(batch.swa_window_size)),
+        i64(0 if lut is None else 1), ptr(lut), i64(lut_len),
+        i64(0 if pool is None else 1), exp, i64(exp_rows), i64(exp_cols), i64(exp_stride),
+        ptr(valid_lens), i64(int(batch.kv_token_id_vs_position_offset)),
+        ptr(vplan.slot_indices), ptr(vplan.expected_tokens), ptr(vplan.expected_positions),
+        ptr(vplan.prev_slot_indices), ptr(vplan.num_valid), ptr(vplan.enable), i64(v_capacity),
+        ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs),
+        i64(w_capacity),
+    )
+    launch(fn, grid, _BLOCK, args, stream)

@@ -1,0 +1,26 @@
+"""verify on a CUDA device (SPEC §3.2): one thread per plan entry."""
+
+from __future__ import annotations
+
+from . import i64, kernel, launch, ptr, resident_grid, vec16
+
+_BLOCK = 256
+
+
+def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
+    device_id = ctx.device.index
+    name = "kvc_verify<true>" if vec16(ctx.canary_buf) else "kvc_verify<false>"
+    fn = kernel("verify", name, device_id)
+    capacity = int(vplan.capacity)
+    grid = max(1, min(resident_grid("verify", name, device_id, _BLOCK),
+                      (capacity + _BLOCK - 1) // _BLOCK))
+    table = ctx.source_table
+    args = (
+        ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes),
+        ptr(vplan.slot_indices), ptr(vplan.expected_tokens), ptr(vplan.expected_positions),
+        ptr(vplan.prev_slot_indices), ptr(vplan.num_valid), ptr(vplan.enable), i64(capacity),
+        ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
+        ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter),
+        ptr(table), i64(int(table.shape[0])), i64(int(tag)), i64(1 if check_expected_token else 0),
+    )
+    launch(fn, grid, _BLOCK, args, stream)
