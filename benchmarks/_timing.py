@@ -59,16 +59,15 @@ class Timing:
 class Clock:
     """A timer for pytest-benchmark whose reading advances only by the measured repetition times."""
 
-    __name__ = "device_clock"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "measured") -> None:
         self.now = 0.0
+        self.__name__ = name
 
     def __call__(self) -> float:
         return self.now
 
     def __repr__(self) -> str:
-        return "device_clock"
+        return self.__name__
 
 
 def reps_for(estimate_s: float, *, budget_s: float, lo: int, hi: int) -> int:
@@ -205,7 +204,7 @@ class GpuTimer:
 def run_pytest_benchmark(benchmark, timer, target_rep: Callable[[int], float], *, rounds: int, warmup: int = 1):
     """Hand ``rounds`` repetitions to pytest-benchmark; ``target_rep(i)`` performs repetition ``i``
     and returns its measured seconds, which become the fixture's statistics."""
-    clock = Clock()
+    clock = Clock(getattr(timer, "method", "measured"))
     if hasattr(benchmark, "_timer"):
         benchmark._timer = clock
     counter = iter(range(1 << 30))

@@ -61,10 +61,20 @@ def _scale(config, device: str) -> float:
     return value
 
 
+_CONFIG: Any = None
+
+
 def progress(line: str) -> None:
-    """One line to the real stderr (not captured by pytest), so long runs show where they are."""
-    sys.__stderr__.write(f"[kvcanary-bench {time.strftime('%H:%M:%S')}] {line}\n")
-    sys.__stderr__.flush()
+    """One line to the terminal's stderr, past pytest's output capture, so long runs show where they are."""
+    text = f"[kvcanary-bench {time.strftime('%H:%M:%S')}] {line}\n"
+    capman = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG is not None else None
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            sys.stderr.write(text)
+            sys.stderr.flush()
+    else:
+        sys.__stderr__.write(text)
+        sys.__stderr__.flush()
 
 
 # --- what each op moves --------------------------------------------------------------------------
@@ -100,6 +110,8 @@ class Harness:
     metrics and targets into ``extra_info``, a progress line."""
 
     def __init__(self, config) -> None:
+        global _CONFIG
+        _CONFIG = config
         self.device = _device(config)
         self.scale = _scale(config, self.device)
         self.budget = float(config.getoption("--bench-budget"))
@@ -182,7 +194,7 @@ class Harness:
         entries, nbytes = work_of(case, op)
         info.update(
             case=case.name, op=op, mode="graph" if graph else "eager", device=self.device, scale=self.scale,
-            shape=case.scaled(self.scale).describe(), copies=copies, pool_slots=state.pool_slots,
+            shape=case.describe(), copies=copies, pool_slots=state.pool_slots,
             entries=entries, bytes=nbytes, time_us=seconds * 1e6, **timing.summary("device"),
             entries_per_s=entries / seconds, gbps=nbytes / seconds / 1e9,
             pct_copy_ceiling=100.0 * nbytes / seconds / 1e9 / ceil["copy_gbps"],

@@ -1,0 +1,200 @@
+"""Turn a ``--benchmark-json`` file of this suite into a markdown table and a PNG chart.
+
+    python benchmarks/report.py bench.json [--png chart.png] [--markdown table.md]
+
+The table has one row per (case, op, mode): device time, entries/s, effective GB/s, % of the copy
+ceiling, speedup over the vectorised baseline and over the peer engine, and whether the row's
+targets are met. The ceilings of the run come first and a list of every target (achieved vs wanted,
+cross-case ones included) last. The chart (needs matplotlib) plots each row's effective bandwidth
+against the run's copy ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any, Optional
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+OPS_ORDER = ["step", "plan", "verify", "write", "scatter"]
+# ALL-hash write against the same shape without hashing (target <= 1.2x)
+ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_hash_256b": "e2e_prefill_chunk_first",
+                  "e2e_decode_steady_hash": "e2e_decode_steady"}
+
+
+def load(path: str) -> tuple[Optional[dict], list[dict], dict]:
+    data = json.loads(pathlib.Path(path).read_text())
+    ceilings, rows = None, []
+    for bench in data.get("benchmarks", []):
+        info = dict(bench.get("extra_info") or {})
+        if info.get("op") == "ceilings":
+            ceilings = info
+        elif "case" in info and "time_us" in info:
+            info["_name"] = bench.get("name")
+            rows.append(info)
+    return ceilings, rows, data
+
+
+def _order(rows: list[dict]) -> list[dict]:
+    cases: list[str] = []
+    for r in rows:
+        if r["case"] not in cases:
+            cases.append(r["case"])
+    try:
+        from _shapes import CASES  # noqa: PLC0415
+        known = [c.name for c in CASES]
+        cases.sort(key=lambda c: known.index(c) if c in known else len(known))
+    except Exception:  # the report also runs without the package importable
+        pass
+    key = lambda r: (cases.index(r["case"]), OPS_ORDER.index(r["op"]) if r["op"] in OPS_ORDER else 9,  # noqa: E731
+                     r.get("mode") != "eager")
+    return sorted(rows, key=key)
+
+
+def _num(value: Any, fmt: str = "{:.2f}") -> str:
+    if value is None:
+        return "–"
+    return fmt.format(value)
+
+
+def _si(value: Optional[float]) -> str:
+    if value is None:
+        return "–"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f}"
+
+
+def _met(row: dict) -> str:
+    targets = row.get("targets") or []
+    if not targets:
+        return ""
+    marks = []
+    for t in targets:
+        mark = "✅" if t["met"] else "❌"
+        marks.append(f"{mark} {t['name']} {_num(t['achieved'], '{:.3g}')} (want {t['target']})")
+    return "<br>".join(marks)
+
+
+def cross_targets(rows: list[dict]) -> list[dict]:
+    """Targets spanning two rows: ALL-hash write against its no-hash twin."""
+    writes = {r["case"]: r for r in rows if r["op"] == "write" and r.get("mode") == "eager"}
+    out = []
+    for hashed, plain in ALL_HASH_TWINS.items():
+        if hashed in writes and plain in writes:
+            ratio = writes[hashed]["time_us"] / writes[plain]["time_us"]
+            out.append(dict(name=f"write {hashed} / {plain}", achieved=ratio, target="<= 1.2", met=ratio <= 1.2))
+    return out
+
+
+def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
+    lines = []
+    first = rows[0] if rows else {}
+    device = (ceilings or {}).get("device_name") or first.get("device", "?")
+    lines.append(f"**Device:** {device} · scale {first.get('scale', '?')} · "
+                 f"{data.get('datetime', '')} · commit {str((data.get('commit_info') or {}).get('id', ''))[:10]}")
+    lines.append("")
+    if ceilings:
+        graph = ceilings.get("empty_graph_us")
+        lines.append(
+            f"**Ceilings:** copy {ceilings['copy_gbps']:.0f} GB/s (read+write) · random 32-B gather "
+            f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} G entries/s ({ceilings['gather32_gbps']:.0f} GB/s) · "
+            f"empty kernel {ceilings['empty_kernel_us']:.2f} µs device"
+            + (f", {graph:.2f} µs as graph replay" if graph else "")
+            + f", {ceilings['empty_launch_host_us']:.2f} µs host per launch")
+        lines.append("")
+    header = ["case", "shape", "op", "time µs", "entries/s", "GB/s", "% copy", "× naive", "× peer", "targets"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join(["---"] * len(header)) + "|")
+    for r in _order(rows):
+        op = r["op"] + (" (graph)" if r.get("mode") == "graph" else "")
+        lines.append("| " + " | ".join([
+            r["case"], r.get("shape", ""), op, _num(r["time_us"]), _si(r.get("entries_per_s")) if r.get("entries") else "–",
+            _num(r.get("gbps"), "{:.1f}"), _num(r.get("pct_copy_ceiling"), "{:.1f}"),
+            _num(r.get("x_naive"), "{:.1f}"), _num(r.get("x_peer"), "{:.2f}"), _met(r),
+        ]) + " |")
+    every = [dict(t, row=f"{r['case']} {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}")
+             for r in _order(rows) for t in (r.get("targets") or [])]
+    every += [dict(t, row="cross-case") for t in cross_targets(rows)]
+    if every:
+        met = sum(1 for t in every if t["met"])
+        lines.append("")
+        lines.append(f"**Targets:** {met} of {len(every)} met" +
+                     ("" if first.get("scale", 1) >= 1 and first.get("device") == "cuda"
+                      else " (not binding: a scaled-down or CPU run)"))
+        lines.append("")
+        lines.append("| row | target | achieved | wanted | met |")
+        lines.append("|---|---|---|---|---|")
+        for t in every:
+            lines.append(f"| {t['row']} | {t['name']} | {_num(t['achieved'], '{:.3g}')} | {t['target']} | "
+                         f"{'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print(f"(matplotlib is not installed: no chart written to {path})", file=sys.stderr)
+        return False
+    rows = [r for r in _order(rows) if r.get("gbps") is not None]
+    labels = [f"{r['case']} · {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}" for r in rows]
+    colors = {"step": "#4c72b0", "plan": "#dd8452", "verify": "#55a868", "write": "#c44e52", "scatter": "#8172b3"}
+    fig, ax = plt.subplots(figsize=(11, max(4.0, 0.22 * len(rows) + 1.5)))
+    y = list(range(len(rows)))
+    values = [max(r["gbps"], 1e-3) for r in rows]
+    ax.barh(y, values, color=[colors.get(r["op"], "#999999") for r in rows],
+            hatch=None, alpha=0.9)
+    for yi, r in zip(y, rows):
+        if r.get("mode") == "graph":
+            ax.barh([yi], [max(r["gbps"], 1e-3)], color="none", edgecolor="black", hatch="//", linewidth=0)
+    if ceilings:
+        ax.axvline(ceilings["copy_gbps"], color="black", linestyle="--", linewidth=1.2,
+                   label=f"copy ceiling {ceilings['copy_gbps']:.0f} GB/s")
+        ax.axvline(ceilings["gather32_gbps"], color="grey", linestyle=":", linewidth=1.2,
+                   label=f"random 32-B gather {ceilings['gather32_gbps']:.0f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("effective GB/s (minimum bytes moved / device time), log scale")
+    device = (ceilings or {}).get("device_name") or (rows[0].get("device") if rows else "")
+    ax.set_title(f"kvcanary_cupy throughput against the copy ceiling — {device}")
+    from matplotlib.patches import Patch  # noqa: PLC0415
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Patch(color=c, label=op) for op, c in colors.items()]
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", help="a pytest-benchmark --benchmark-json file of this suite")
+    parser.add_argument("--png", help="write the throughput chart here (needs matplotlib)")
+    parser.add_argument("--markdown", help="also write the table to this file")
+    args = parser.parse_args(argv)
+    ceilings, rows, data = load(args.json)
+    if not rows:
+        print(f"no benchmark rows of this suite in {args.json}", file=sys.stderr)
+        return 1
+    text = markdown(ceilings, rows, data)
+    print(text)
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(text)
+    if args.png:
+        chart(ceilings, rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
