@@ -5,8 +5,9 @@
 * ``gather32_entries_per_s``: 16M random 32-byte gathers from a 32M-slot table (1 GiB, far larger
   than L2) by a minimal RawKernel, each reading its int64 index and writing its 32 bytes: the rate
   ceiling of any op that touches one canary slot per entry at random.
-* ``empty_kernel_us``: an empty RawKernel launched through CuPy: device time between CUDA events
-  (``empty_kernel_us``), as a one-node graph replay (``empty_graph_us``) and host time per launch
+* ``empty_kernel_us``: an empty RawKernel launched through CuPy: device time between CUDA events,
+  bracketed exactly as every op is (``empty_kernel_us``; ``empty_kernel_warm_us`` without the L2
+  eviction before it), as a one-node graph replay (``empty_graph_us``) and host time per launch
   (``empty_launch_host_us``). The floor of any single launch.
 
 On the CPU the same three are a NumPy copy, a NumPy row gather and a call of an empty numba function.
@@ -76,6 +77,9 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
 
         launch = lambda _: empty((1,), (1,), (), stream=stream)  # noqa: E731
         t = timer.eager(launch, 1, warmup=20, reps=200, cold=False)
+        out["empty_kernel_warm_us"] = t.median_s * 1e6
+        # timed exactly as the ops are (after the L2 eviction), the reference of "x empty kernel"
+        t = timer.eager(launch, 1, warmup=0, reps=200, cold=True)
         out["empty_kernel_us"] = t.median_s * 1e6
         graph = timer.capture(lambda: launch(0))
         t = timer.graph([graph], warmup=20, reps=200, cold=False)
