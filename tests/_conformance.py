@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
 
-CASES_PATH = pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance" / "cases.json"
+# KVCANARY_CONFORMANCE points elsewhere (a machine where ../shared is not beside the checkout).
+CASES_PATH = pathlib.Path(os.environ.get(
+    "KVCANARY_CONFORMANCE", pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance" / "cases.json"))
 
 
 def load_cases() -> list[dict]:

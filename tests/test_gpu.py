@@ -34,7 +34,7 @@ def test_differential_against_cpu_oracle(op):
 class Step:
     """One forward of a small engine on the GPU: plan → HEAD verify → write → TAIL verify."""
 
-    def __init__(self, seed: int, num_slots: int = 8192, bs: int = 16, width: int = 512):
+    def __init__(self, seed: int, num_slots: int = 16384, bs: int = 16, width: int = 512):
         rng = np.random.default_rng(seed)
         self.kv = cupy.asarray(rng.integers(0, 256, size=(num_slots, 64), dtype=np.uint8))
         self.ctx = kc.CanaryContext.allocate(
