@@ -231,32 +231,51 @@ __device__ __forceinline__ void kvc_divmod(kvc_i64 slot, kvc_i64 page, kvc_i64& 
     }
 }
 
+// Loads issued where they are written: the compiler may not sink them towards their first use,
+// so a load placed before a long computation overlaps it.
+__device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
+    kvc_i64 v;
+    asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
+    longlong2 v;
+    asm volatile("ld.global.nc.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p));
+    return v;
+}
+
+#define KVC_FOLD_BATCH 8  // 16-byte vectors per batch; the next batch is in flight meanwhile
+
+__device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
+    acc = kvc_sm(acc ^ (kvc_u64)v.x);
+    return kvc_sm(acc ^ (kvc_u64)v.y);
+}
+
 // fold(bytes): acc = sm(acc ^ w) over 8-byte little-endian words; the bytes are 16-byte aligned
-// and a multiple of 16 long.
+// and a multiple of 16 long. Software-pipelined: batch k+1 loads while batch k folds.
 __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
     const longlong2* q = reinterpret_cast<const longlong2*>(p);
     const kvc_i64 n16 = nbytes >> 4;
     kvc_u64 acc = 0;
     kvc_i64 k = 0;
-    for (; k + 4 <= n16; k += 4) {
-        const longlong2 a = __ldg(q + k);
-        const longlong2 b = __ldg(q + k + 1);
-        const longlong2 c = __ldg(q + k + 2);
-        const longlong2 d = __ldg(q + k + 3);
-        acc = kvc_sm(acc ^ (kvc_u64)a.x);
-        acc = kvc_sm(acc ^ (kvc_u64)a.y);
-        acc = kvc_sm(acc ^ (kvc_u64)b.x);
-        acc = kvc_sm(acc ^ (kvc_u64)b.y);
-        acc = kvc_sm(acc ^ (kvc_u64)c.x);
-        acc = kvc_sm(acc ^ (kvc_u64)c.y);
-        acc = kvc_sm(acc ^ (kvc_u64)d.x);
-        acc = kvc_sm(acc ^ (kvc_u64)d.y);
+    if (n16 >= KVC_FOLD_BATCH) {
+        longlong2 cur[KVC_FOLD_BATCH];
+#pragma unroll
+        for (int u = 0; u < KVC_FOLD_BATCH; ++u) cur[u] = kvc_ld16_early(q + u);
+        for (k = KVC_FOLD_BATCH; k + KVC_FOLD_BATCH <= n16; k += KVC_FOLD_BATCH) {
+            longlong2 nxt[KVC_FOLD_BATCH];
+#pragma unroll
+            for (int u = 0; u < KVC_FOLD_BATCH; ++u) nxt[u] = kvc_ld16_early(q + k + u);
+#pragma unroll
+            for (int u = 0; u < KVC_FOLD_BATCH; ++u) acc = kvc_fold16(acc, cur[u]);
+#pragma unroll
+            for (int u = 0; u < KVC_FOLD_BATCH; ++u) cur[u] = nxt[u];
+        }
+#pragma unroll
+        for (int u = 0; u < KVC_FOLD_BATCH; ++u) acc = kvc_fold16(acc, cur[u]);
     }
-    for (; k < n16; ++k) {
-        const longlong2 a = __ldg(q + k);
-        acc = kvc_sm(acc ^ (kvc_u64)a.x);
-        acc = kvc_sm(acc ^ (kvc_u64)a.y);
-    }
+    for (; k < n16; ++k) acc = kvc_fold16(acc, __ldg(q + k));
     return acc;
 }
 

@@ -132,6 +132,19 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         const kvc_i64 e = offsets[r + 1];
         if (b >= e) continue;
         kvc_i64 seed = seed_slots[r];
+        const kvc_i64 hi = e < n ? e : n;
+        // The first chunk's entry loads go out before the seed's slot is read (both in flight).
+        kvc_i64 n_slot = -1, n_tok = 0, n_pos = 0, n_etok = 0, n_epos = 0;
+        if (b >= 0 && b + lane < hi) {
+            const kvc_i64 i = b + lane;
+            n_slot = kvc_ld_early(out_cache_loc + i);
+            n_tok = kvc_ld_early(input_ids + i);
+            n_pos = kvc_ld_early(positions + i);
+            if (has_expected) {
+                n_etok = kvc_ld_early(expected_tokens + i);
+                n_epos = kvc_ld_early(expected_positions + i);
+            }
+        }
         if (seed >= num_slots) {
             if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
             seed = -1;
@@ -152,25 +165,10 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                                       KVC_BIT_OUT_OF_RANGE);
             continue;
         }
-        const kvc_i64 hi = e < n ? e : n;
         const bool inline_hash = hi - b <= kInlineMax;
         // The warp stores real_kv_hash itself unless the grid hashes this request.
         const bool store_hash = src.count == 0 || inline_hash;
 
-        // Entry loads of the next chunk are issued before the current chunk's walk.
-        kvc_i64 n_slot = -1, n_tok = 0, n_pos = 0, n_etok = 0, n_epos = 0;
-        if (b < hi) {
-            const kvc_i64 i = b + lane;
-            if (i < hi) {
-                n_slot = out_cache_loc[i];
-                n_tok = input_ids[i];
-                n_pos = positions[i];
-                if (has_expected) {
-                    n_etok = expected_tokens[i];
-                    n_epos = expected_positions[i];
-                }
-            }
-        }
         for (kvc_i64 base = b; base < hi; base += kChunk) {
             const kvc_i64 i = base + lane;
             const bool valid = i < hi;
@@ -179,12 +177,12 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             if (base + kChunk < hi) {
                 const kvc_i64 i2 = base + kChunk + lane;
                 if (i2 < hi) {
-                    n_slot = out_cache_loc[i2];
-                    n_tok = input_ids[i2];
-                    n_pos = positions[i2];
+                    n_slot = kvc_ld_early(out_cache_loc + i2);
+                    n_tok = kvc_ld_early(input_ids + i2);
+                    n_pos = kvc_ld_early(positions + i2);
                     if (has_expected) {
-                        n_etok = expected_tokens[i2];
-                        n_epos = expected_positions[i2];
+                        n_etok = kvc_ld_early(expected_tokens + i2);
+                        n_epos = kvc_ld_early(expected_positions + i2);
                     }
                 }
             }
