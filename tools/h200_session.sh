@@ -1,41 +1,62 @@
 #!/usr/bin/env bash
-# One GPU session: environment facts, the test suite, the differential fuzz, compute-sanitizer and
-# the benchmarks, each writing its log/JSON under $OUT (default ./out). Pick stages as arguments:
-#   bash tools/h200_session.sh tests fuzz sanitize bench
+# One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
+# compute-sanitizer (memcheck, racecheck, initcheck) and the demo on the GPU, the independent parts
+# concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs.tar.gz;
+# $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo bench.
 set -uo pipefail
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 FUZZ_CASES=${FUZZ_CASES:-10000}
-stages=${*:-tests fuzz sanitize}
+SANITIZE_CASES=${SANITIZE_CASES:-40}
+stages=${*:-tests fuzz sanitize demo}
 summary="$OUT/summary.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "commit: ${KVCANARY_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
 } > "$summary" 2>&1
+has() { [[ " $stages " == *" $1 "* ]]; }
 
-for stage in $stages; do
-  case $stage in
-    tests)
-      python3 -m pytest tests -q -p no:cacheprovider -x -rs 2>&1 | tee "$OUT/tests.log" | tail -n 15
-      echo "tests: $(tail -n 1 "$OUT/tests.log")" >> "$summary" ;;
-    fuzz)
-      python3 tools/differential_fuzz.py --cases "$FUZZ_CASES" --json "$OUT/fuzz.json" 2>&1 | tee "$OUT/fuzz.log" | tail -n 6
-      tail -n 5 "$OUT/fuzz.log" | sed 's/^/fuzz: /' >> "$summary" ;;
-    sanitize)
-      for tool in memcheck racecheck initcheck; do
-        compute-sanitizer --tool "$tool" --target-processes all \
-          python3 tools/differential_fuzz.py --cases "${SANITIZE_CASES:-60}" --max-entries 20000 --large-every 20 \
-          > "$OUT/sanitize-$tool.log" 2>&1
-        echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -n 1) (exit $?)" >> "$summary"
-      done ;;
-    bench)
-      python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-only --benchmark-json "$OUT/bench.json" \
-        2>&1 | tee "$OUT/bench.log" | tail -n 40
-      python3 benchmarks/report.py "$OUT/bench.json" --png "$OUT/bench.png" > "$OUT/bench.md" 2>&1
-      echo "bench: $(tail -n 1 "$OUT/bench.log")" >> "$summary" ;;
-  esac
-done
+if has tests; then
+  python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1
+  echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"
+fi
+pids=()
+if has fuzz; then
+  for op in verify write plan scatter; do
+    python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
+      > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
+  done
+fi
+if has sanitize; then
+  for tool in memcheck racecheck initcheck; do
+    compute-sanitizer --tool "$tool" --target-processes all \
+      python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed 2 \
+      > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
+  done
+fi
+if has demo; then
+  python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
+  pids+=($!)
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+if has fuzz; then
+  for op in verify write plan scatter; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
+fi
+if has sanitize; then
+  for tool in memcheck racecheck initcheck; do
+    echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz $(tail -n 1 "$LOGS/sanitize-$tool.log" | grep -v SUMMARY)" >> "$summary"
+  done
+fi
+if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; fi
+if has bench; then
+  python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-only -k "not bench_cpu" \
+    --benchmark-json "$OUT/bench.json" > "$LOGS/bench.log" 2>&1
+  python3 benchmarks/report.py "$OUT/bench.json" --png "$OUT/bench.png" --markdown "$OUT/bench.md" >> "$LOGS/bench.log" 2>&1
+  echo "bench: $(grep -E 'passed|failed' "$LOGS/bench.log" | tail -n 1)" >> "$summary"
+fi
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 echo "==== summary"; cat "$summary"
