@@ -10,6 +10,7 @@ mkdir -p "$LOGS"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 FUZZ_CASES=${FUZZ_CASES:-10000}
 SANITIZE_CASES=${SANITIZE_CASES:-40}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-300}
 stages=${*:-tests fuzz sanitize demo}
 summary="$OUT/summary.txt"
 {
@@ -21,25 +22,25 @@ summary="$OUT/summary.txt"
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 if has tests; then
-  python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1
+  timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1
   echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"
 fi
 pids=()
 if has fuzz; then
   for op in verify write plan scatter; do
-    python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
+    timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
       > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
   done
 fi
 if has sanitize; then
   for tool in memcheck racecheck initcheck; do
-    compute-sanitizer --tool "$tool" --target-processes all \
+    timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all \
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed 2 \
       > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
   done
 fi
 if has demo; then
-  python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
+  timeout "$STAGE_TIMEOUT" python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
   pids+=($!)
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
