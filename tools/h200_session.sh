@@ -21,11 +21,11 @@ summary="$OUT/summary.txt"
 } > "$summary" 2>&1
 has() { [[ " $stages " == *" $1 "* ]]; }
 
-if has tests; then
-  timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1
-  echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"
-fi
 pids=()
+if has tests; then
+  timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1 &
+  pids+=($!)
+fi
 if has fuzz; then
   for op in verify write plan scatter; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
@@ -44,6 +44,7 @@ if has demo; then
   pids+=($!)
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
+if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
 if has fuzz; then
   for op in verify write plan scatter; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
