@@ -18,9 +18,11 @@ def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
     if device == "cpu":
         return array
     cupy = cupy_module()
-    if keep_strides and array.base is not None and not array.flags.c_contiguous:
-        parent = cupy.asarray(np.ascontiguousarray(array.base))
-        return parent[:, : array.shape[1]]
+    if keep_strides and array.ndim == 2 and not array.flags.c_contiguous:
+        row_items = array.strides[0] // array.itemsize
+        padded = np.lib.stride_tricks.as_strided(array, shape=(array.shape[0], row_items),
+                                                 strides=(array.strides[0], array.itemsize))
+        return cupy.asarray(np.ascontiguousarray(padded))[:, : array.shape[1]]
     return cupy.asarray(array)
 
 

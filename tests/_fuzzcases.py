@@ -396,9 +396,9 @@ def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
     return problems
 
 
-def full_rows(op: str, case: dict) -> Counter:
-    """Every violation row of ``case`` on the CPU with a ring large enough to keep them all."""
+def full_rows(op: str, case: dict, total: int) -> Counter:
+    """Every violation row of ``case`` (``total`` of them) on the CPU, with a ring that keeps all."""
     big = dict(case)
-    big["pool"] = dict(case["pool"], ring_capacity=1 << 16)
+    big["pool"] = dict(case["pool"], ring_capacity=total)
     out = RUNNERS[op](big, "cpu")
-    return Counter(map(tuple, out["ring"][: min(out["write_index"], 1 << 16)].tolist()))
+    return Counter(map(tuple, out["ring"][:total].tolist()))

@@ -23,7 +23,7 @@ def test_differential_against_cpu_oracle(op):
         case = F.MAKERS[op](rng, 200_000 if i % 50 == 49 else 3000)
         oracle = F.RUNNERS[op](case, "cpu")
         if op in ("verify", "write") and oracle["write_index"] > oracle["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows(op, case)
+            case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
         gpu = F.RUNNERS[op](case, "cuda")
         assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
 
@@ -51,7 +51,7 @@ class Step:
         self.input_ids = cupy.zeros(bs * 8, dtype=cupy.int64)
         self.positions = cupy.zeros(bs * 8, dtype=cupy.int64)
         self.out_cache_loc = cupy.full(bs * 8, -1, dtype=cupy.int64)
-        self.rng = rng
+        self.seed = seed
 
     def refresh(self, prefix: int, extend: int) -> None:
         """New batch metadata written in place (what an engine does before a graph replay)."""
@@ -60,7 +60,8 @@ class Step:
         self.extend_lens.fill(extend)
         table = self.req_to_token.get()
         locs = table[:, prefix:prefix + extend].reshape(-1).astype(np.int64)
-        self.input_ids[:n] = cupy.asarray(self.rng.integers(0, 150_000, size=n))
+        ids = np.random.default_rng([self.seed, prefix, extend]).integers(0, 150_000, size=n)
+        self.input_ids[:n] = cupy.asarray(ids)
         self.positions[:n] = cupy.asarray(np.tile(np.arange(prefix, prefix + extend), self.bs))
         self.out_cache_loc[:n] = cupy.asarray(locs)
         self.out_cache_loc[n:] = -1
@@ -185,6 +186,7 @@ def test_dlpack_roundtrip_cupy_torch_jax():
     got = _dlpack_write_roundtrip(lambda a: torch.from_numpy(a).cuda(), lambda t: t.cpu().numpy())
     assert np.array_equal(got, expected)
     jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)  # int64 plans and rings, not JAX's default int32
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
         pytest.skip("JAX without a GPU")

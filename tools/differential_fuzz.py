@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             case = F.MAKERS[op](rng, cap)
             oracle = F.RUNNERS[op](case, "cpu")
             if op in ("verify", "write") and oracle["write_index"] > oracle["ring"].shape[0]:
-                case["_full_rows"] = F.full_rows(op, case)
+                case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
             other = F.RUNNERS[op](case, args.device)
             size = _size(op, case)
             largest, entries = max(largest, size), entries + size
