@@ -43,9 +43,11 @@ class Step:
         self.vplan = kc.VerifyPlan.allocate(bs * width, device="cuda")
         self.wplan = kc.WritePlan.allocate(bs, device="cuda")
         slots = rng.permutation(num_slots - 1)[: bs * width] + 1
-        self.req_to_token = cupy.asarray(slots.reshape(bs, width).astype(np.int32))
+        table = np.zeros((bs + 1, width), dtype=np.int32)  # pool row 0 is the padding row
+        table[1:] = slots.reshape(bs, width)
+        self.req_to_token = cupy.asarray(table)
         self.bs, self.width = bs, width
-        self.req_pool_indices = cupy.asarray(np.arange(bs, dtype=np.int64))  # row 0 is padding
+        self.req_pool_indices = cupy.asarray(np.arange(1, bs + 1, dtype=np.int64))
         self.prefix_lens = cupy.zeros(bs, dtype=cupy.int64)
         self.extend_lens = cupy.zeros(bs, dtype=cupy.int64)
         self.input_ids = cupy.zeros(bs * 8, dtype=cupy.int64)
@@ -59,7 +61,7 @@ class Step:
         self.prefix_lens.fill(prefix)
         self.extend_lens.fill(extend)
         table = self.req_to_token.get()
-        locs = table[:, prefix:prefix + extend].reshape(-1).astype(np.int64)
+        locs = table[1:, prefix:prefix + extend].reshape(-1).astype(np.int64)
         ids = np.random.default_rng([self.seed, prefix, extend]).integers(0, 150_000, size=n)
         self.input_ids[:n] = cupy.asarray(ids)
         self.positions[:n] = cupy.asarray(np.tile(np.arange(prefix, prefix + extend), self.bs))
