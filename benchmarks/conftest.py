@@ -305,3 +305,12 @@ def pytest_terminal_summary(terminalreporter, config):
     for op, entries, fast, slow in rows:
         terminalreporter.write_line(f"{op:>7}: {entries} entries  numba {fast * 1e3:9.3f} ms  "
                                     f"reference {slow * 1e3:10.1f} ms  speedup x{slow / fast:,.0f}")
+
+
+def pytest_benchmark_update_commit_info(config, commit_info):
+    """Where the tree travels without its git metadata (a lent GPU machine), KVCANARY_COMMIT names it."""
+    import os  # noqa: PLC0415
+
+    commit = os.environ.get("KVCANARY_COMMIT")
+    if commit:
+        commit_info.update({"id": commit, "error": None})
