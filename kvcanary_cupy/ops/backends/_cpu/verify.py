@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, link,
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64, link,
                       real_kv_hash, record, slot_words, source_arguments)
 
 _PADDING = L.PADDING_SLOT
@@ -19,7 +19,7 @@ _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
 PARALLEL_MIN_ENTRIES = 16384
 
 
-@numba.njit(**JIT)
+@numba.njit(**INLINE)
 def check_entry(k, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token):
     """The violation row of entry ``k`` as ``(bits, slot, position, token, expected_token, chain, aux)``;
     ``bits == 0`` means the entry is clean."""
