@@ -9,17 +9,8 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, device_of, empty, from_host, native_view, parse_device, to_host
+from ._dlpack import CPU, Device, empty, from_host, parse_device, to_host
 from .sources import RealKvSource
-
-
-def _adopt(owner: Any, fields: dict[str, tuple[Any, str]]) -> dict[str, Device]:
-    """Replace each named field of a frozen dataclass by its native view; returns the devices."""
-    devices = {label: device_of(value, label) for value, label in fields.values()}
-    check.one_device(devices)  # before any view, so mixing devices is reported as such
-    for attribute, (value, label) in fields.items():
-        object.__setattr__(owner, attribute, native_view(value, label, devices[label]))
-    return devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +85,9 @@ class CanaryContext:
     source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        devices = _adopt(self, {
-            "canary_buf": (self.canary_buf, "canary_buf"),
-            "violation_ring": (self.violation_ring, "violation_ring"),
-            "violation_write_index": (self.violation_write_index, "violation_write_index"),
-            "slot_run_counter": (self.slot_run_counter, "slot_run_counter"),
-            "kernel_run_counter": (self.kernel_run_counter, "kernel_run_counter"),
-            "chain_position_assert": (self.chain_position_assert, "chain_position_assert"),
-        })
+        names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+                 "kernel_run_counter", "chain_position_assert")
+        devices = check.adopt_views(self, {name: name for name in names})
         sources = tuple(self.real_kv_sources)
         for index, source in enumerate(sources):
             if not isinstance(source, RealKvSource):
@@ -232,7 +218,7 @@ class VerifyPlan:
 
     def __post_init__(self) -> None:
         names = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices", "num_valid", "enable")
-        devices = _adopt(self, {n: (getattr(self, n), f"VerifyPlan.{n}") for n in names})
+        devices = check.adopt_views(self, {n: f"VerifyPlan.{n}" for n in names})
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("VerifyPlan.slot_indices", self.slot_indices, np.int64)
         capacity = int(self.slot_indices.shape[0])
@@ -266,7 +252,7 @@ class WritePlan:
 
     def __post_init__(self) -> None:
         names = ("offsets", "seed_slot_indices", "num_valid_reqs")
-        devices = _adopt(self, {n: (getattr(self, n), f"WritePlan.{n}") for n in names})
+        devices = check.adopt_views(self, {n: f"WritePlan.{n}" for n in names})
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("WritePlan.seed_slot_indices", self.seed_slot_indices, np.int64)
         capacity = int(self.seed_slot_indices.shape[0])

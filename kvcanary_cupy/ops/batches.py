@@ -9,15 +9,14 @@ import numpy as np
 
 from .. import _layout as L
 from .. import validate as check
-from .._dlpack import Device, device_of, native_view
+from .._dlpack import Device
 
 
-def _adopt_arrays(owner: Any, names: tuple[str, ...]) -> Device:
-    """Turn each non-None named field into a native view; all must share one device."""
-    devices = {name: device_of(getattr(owner, name), name) for name in names if getattr(owner, name) is not None}
-    device = check.one_device(devices)  # before any view, so mixing devices is reported as such
-    for name, where in devices.items():
-        object.__setattr__(owner, name, native_view(getattr(owner, name), name, where))
+def _adopt_arrays(owner: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Device:
+    """Native views of the named array fields (an optional one may be ``None``); sets ``owner.device``."""
+    devices = check.adopt_views(owner, {name: name for name in required})
+    devices.update(check.adopt_views(owner, {name: name for name in optional}, optional=True))
+    device = check.one_device(devices)
     object.__setattr__(owner, "device", device)
     return device
 
@@ -48,8 +47,8 @@ class WriteBatch:
         object.__setattr__(self, "tag", launch_tag(self.tag))
         check.both_or_neither(("expected_input_tokens", self.expected_input_tokens),
                               ("expected_input_positions", self.expected_input_positions))
-        _adopt_arrays(self, ("input_ids", "positions", "out_cache_loc", "expected_input_tokens",
-                             "expected_input_positions"))
+        _adopt_arrays(self, ("input_ids", "positions", "out_cache_loc"),
+                      ("expected_input_tokens", "expected_input_positions"))
         check.vector("input_ids", self.input_ids, np.int64)
         count = int(self.input_ids.shape[0])
         check.fits_int32("input_ids length", count)
@@ -96,9 +95,9 @@ class PlanBatch:
         check.both_or_neither(("req_to_verify_expected_tokens", self.req_to_verify_expected_tokens),
                               ("req_to_verify_expected_tokens_valid_lens",
                                self.req_to_verify_expected_tokens_valid_lens))
-        _adopt_arrays(self, ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token",
-                             "full_to_swa_index_mapping", "req_to_verify_expected_tokens",
-                             "req_to_verify_expected_tokens_valid_lens"))
+        _adopt_arrays(self, ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"),
+                      ("full_to_swa_index_mapping", "req_to_verify_expected_tokens",
+                       "req_to_verify_expected_tokens_valid_lens"))
         check.vector("req_pool_indices", self.req_pool_indices, np.int64)
         bs = self.batch_size
         check.fits_int32("batch size (req_pool_indices length)", bs)

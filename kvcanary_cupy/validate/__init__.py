@@ -5,6 +5,7 @@ The dataclasses and ops call these before any backend runs, so a rejected call c
 
 from .rules import (  # noqa: F401
     PREFIX,
+    adopt_views,
     aligned,
     at_least,
     boolean,

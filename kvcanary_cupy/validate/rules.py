@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .._dlpack import Device, data_pointer
+from .._dlpack import Device, data_pointer, device_of, native_view
 
 PREFIX = "kv-canary: "
 INT32_MAX = (1 << 31) - 1
@@ -149,3 +149,25 @@ def one_of(name: str, value: Any, allowed: Iterable[Any], kind: type) -> Any:
         allowed_text = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"{PREFIX}{name} must be one of {allowed_text}, got {value!r}") from None
     return converted
+
+
+def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False) -> dict[str, Device]:
+    """Swap each named field of a frozen dataclass for a zero-copy native view of it.
+
+    ``labels`` maps attribute names to the names used in messages; ``None`` is refused unless
+    ``optional`` (then it stays ``None``). All arrays must share one device;
+    that is checked before any view is taken, so mixing devices is reported as such. Returns the
+    devices by label.
+    """
+    values = {attribute: getattr(owner, attribute) for attribute in labels}
+    for attribute, value in values.items():
+        if value is None and not optional:
+            raise TypeError(f"{PREFIX}{labels[attribute]} must be an array, got None")
+    values = {attribute: value for attribute, value in values.items() if value is not None}
+    devices = {labels[attribute]: device_of(value, labels[attribute]) for attribute, value in values.items()}
+    if devices:
+        one_device(devices)
+    for attribute, value in values.items():
+        label = labels[attribute]
+        object.__setattr__(owner, attribute, native_view(value, label, devices[label]))
+    return devices
