@@ -103,6 +103,8 @@ def device_of(obj: Any, name: str) -> Device:
     if cupy is not None and isinstance(obj, cupy.ndarray):
         return Device("cuda", int(obj.device.id))
     probe = getattr(obj, "__dlpack_device__", None)
+    if probe is None and hasattr(obj, "__cuda_array_interface__"):
+        return Device("cuda", _cuda_interface_device(obj, name))
     if probe is None:
         raise TypeError(
             f"kv-canary: {name} must be an array supporting DLPack (NumPy, CuPy, PyTorch, JAX...), "
@@ -120,6 +122,15 @@ def device_of(obj: Any, name: str) -> Device:
     )
 
 
+def _cuda_interface_device(obj: Any, name: str) -> int:
+    """The device of an object exposing only ``__cuda_array_interface__`` (numba device arrays)."""
+    cupy = require_cupy(name)
+    pointer = int(obj.__cuda_array_interface__["data"][0])
+    if pointer == 0:
+        return _current_cuda_device()
+    return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
+
+
 def native_view(obj: Any, name: str, device: Device | None = None):
     """A NumPy (host) or CuPy (CUDA) view of ``obj`` sharing its memory."""
     device = device_of(obj, name) if device is None else device
@@ -133,6 +144,9 @@ def native_view(obj: Any, name: str, device: Device | None = None):
     cupy = require_cupy(name)
     if isinstance(obj, cupy.ndarray):
         return obj
+    if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
+        with cupy.cuda.Device(device.index):
+            return cupy.asarray(obj)  # zero-copy over the interface's pointer (numba device arrays)
     try:
         return cupy.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):

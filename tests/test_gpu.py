@@ -215,3 +215,12 @@ def test_torch_bfloat16_source_is_hashed_as_bytes():
         kc.write(ctx, wplan, tag=0, input_ids=to(ids), positions=to(ids), out_cache_loc=to(ids + 1))
         results.append(ctx.canary_buf if device == "cpu" else ctx.canary_buf.get())
     assert np.array_equal(results[0], results[1]) and np.array_equal(results[1], results[2])
+
+
+def test_numba_device_arrays_through_the_cuda_array_interface():
+    numba_cuda = pytest.importorskip("numba.cuda")
+    if not numba_cuda.is_available():
+        pytest.skip("numba without CUDA")
+    expected = _dlpack_write_roundtrip(cupy.asarray, lambda a: a.get())
+    got = _dlpack_write_roundtrip(numba_cuda.to_device, lambda a: a.copy_to_host())
+    assert np.array_equal(got, expected)
