@@ -68,24 +68,74 @@ def link(words, slot):
 
 
 @numba.njit(**INLINE)
+def _first_word(table, j, slot):
+    """Index of ``slot``'s first uint64 word in source ``j`` (0 <= slot), or -1 past the source's rows."""
+    page = table[j, _S_PAGE]
+    row = slot // page
+    if row >= table[j, _S_ROWS]:
+        return -1
+    return (row * table[j, _S_STRIDE] + (slot - row * page) * table[j, _S_BPT]) // 8
+
+
+@numba.njit(**INLINE)
+def _fold(words, first, count):
+    folded = _ZERO
+    for w in range(count):
+        folded = sm(folded ^ words[first + w])
+    return folded
+
+
+@numba.njit(**INLINE)
 def real_kv_hash(sources, table, slot):
-    """``(hash, out_of_range)`` of ``slot`` (0 <= slot) over every source row of ``table``."""
+    """``(hash, out_of_range)`` of ``slot`` (0 <= slot) over every source row of ``table``; a row past
+    a source folds as 0."""
     acc = _ZERO
     out_of_range = False
     for j in range(table.shape[0]):
-        page = table[j, _S_PAGE]
-        row = slot // page
-        if row >= table[j, _S_ROWS]:
-            out_of_range = True
-            acc = sm(acc)
-            continue
-        words = sources[j]
-        first = (row * table[j, _S_STRIDE] + (slot - row * page) * table[j, _S_BPT]) // 8
+        first = _first_word(table, j, slot)
         folded = _ZERO
-        for w in range(table[j, _S_READ] // 8):
-            folded = sm(folded ^ words[first + w])
+        if first < 0:
+            out_of_range = True
+        else:
+            folded = _fold(sources[j], first, table[j, _S_READ] // 8)
         acc = sm(acc ^ folded)
     return acc, out_of_range
+
+
+@numba.njit(**INLINE)
+def real_kv_hash4(sources, table, s0, s1, s2, s3):
+    """:func:`real_kv_hash` of four slots (each >= 0) at once: each fold is a serial chain of
+    splitmix rounds, so four independent chains interleaved keep the multipliers busy."""
+    a0 = a1 = a2 = a3 = _ZERO
+    o0 = o1 = o2 = o3 = False
+    for j in range(table.shape[0]):
+        words = sources[j]
+        count = table[j, _S_READ] // 8
+        b0 = _first_word(table, j, s0)
+        b1 = _first_word(table, j, s1)
+        b2 = _first_word(table, j, s2)
+        b3 = _first_word(table, j, s3)
+        f0 = f1 = f2 = f3 = _ZERO
+        if b0 >= 0 and b1 >= 0 and b2 >= 0 and b3 >= 0:
+            for w in range(count):
+                f0 = sm(f0 ^ words[b0 + w])
+                f1 = sm(f1 ^ words[b1 + w])
+                f2 = sm(f2 ^ words[b2 + w])
+                f3 = sm(f3 ^ words[b3 + w])
+        else:
+            o0 |= b0 < 0
+            o1 |= b1 < 0
+            o2 |= b2 < 0
+            o3 |= b3 < 0
+            f0 = _fold(words, b0, count) if b0 >= 0 else _ZERO
+            f1 = _fold(words, b1, count) if b1 >= 0 else _ZERO
+            f2 = _fold(words, b2, count) if b2 >= 0 else _ZERO
+            f3 = _fold(words, b3, count) if b3 >= 0 else _ZERO
+        a0 = sm(a0 ^ f0)
+        a1 = sm(a1 ^ f1)
+        a2 = sm(a2 ^ f2)
+        a3 = sm(a3 ^ f3)
+    return a0, a1, a2, a3, o0, o1, o2, o3
 
 
 @numba.njit(**INLINE)

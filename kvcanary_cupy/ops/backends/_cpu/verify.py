@@ -7,7 +7,7 @@ import numpy as np
 
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64, link,
-                      real_kv_hash, record, slot_words, source_arguments)
+                      real_kv_hash, real_kv_hash4, record, slot_words, source_arguments)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -20,9 +20,11 @@ PARALLEL_MIN_ENTRIES = 16384
 
 
 @numba.njit(**INLINE)
-def check_entry(k, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token):
+def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token, kv_hash,
+                kv_out_of_range):
     """The violation row of entry ``k`` as ``(bits, slot, position, token, expected_token, chain, aux)``;
-    ``bits == 0`` means the entry is clean."""
+    ``bits == 0`` means the entry is clean. ``kv_hash``/``kv_out_of_range`` are the slot's recomputed
+    real-KV hash (unused when the slot itself is padding or out of range)."""
     num_slots = words.shape[0]
     slot = slots[k]
     report_token = expected_tokens[k] if check_token else _NO_TOKEN
@@ -46,7 +48,6 @@ def check_entry(k, words, sources, table, slots, expected_tokens, expected_posit
         bits |= _BIT_TOKEN
     if position != expected_positions[k]:
         bits |= _BIT_POSITION
-    kv_hash, kv_out_of_range = real_kv_hash(sources, table, slot)
     if kv_out_of_range:
         bits |= BIT_OUT_OF_RANGE
     if words[slot, F_REAL_KV_HASH] != as_i64(kv_hash):
@@ -54,11 +55,33 @@ def check_entry(k, words, sources, table, slots, expected_tokens, expected_posit
     return bits, slot, position, token, report_token, prev_hash, expected_chain
 
 
+@numba.njit(**INLINE)
+def hashable(slot, num_slots):
+    """``slot`` when it indexes the canary, else slot 0 (its hash is then computed and ignored)."""
+    return slot if 0 <= slot < num_slots else 0
+
+
 def _entry_bits(active, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token,
                 bits_out):
-    for k in numba.prange(active):
-        bits_out[k] = check_entry(k, words, sources, table, slots, expected_tokens, expected_positions,
-                                  prev_slots, check_token)[0]
+    """Violation bits of every entry, four entries at a time so their real-KV folds interleave."""
+    num_slots = words.shape[0]
+    for group in numba.prange((active + 3) // 4):
+        k = group * 4
+        last = min(k + 4, active) - 1
+        h0, h1, h2, h3, o0, o1, o2, o3 = real_kv_hash4(
+            sources, table, hashable(slots[k], num_slots), hashable(slots[min(k + 1, last)], num_slots),
+            hashable(slots[min(k + 2, last)], num_slots), hashable(slots[last], num_slots))
+        bits_out[k] = check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
+                                  h0, o0)[0]
+        if k + 1 <= last:
+            bits_out[k + 1] = check_entry(k + 1, words, slots, expected_tokens, expected_positions, prev_slots,
+                                          check_token, h1, o1)[0]
+        if k + 2 <= last:
+            bits_out[k + 2] = check_entry(k + 2, words, slots, expected_tokens, expected_positions, prev_slots,
+                                          check_token, h2, o2)[0]
+        if k + 3 <= last:
+            bits_out[k + 3] = check_entry(k + 3, words, slots, expected_tokens, expected_positions, prev_slots,
+                                          check_token, h3, o3)[0]
 
 
 _entry_bits_parallel = numba.njit(parallel=True, **JIT)(_entry_bits)
@@ -78,11 +101,13 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
                              prev_slots, check_token, bits)
     else:
         bits = np.ones(active, dtype=np.uint8)
+    num_slots = words.shape[0]
     for k in range(active):
         if bits[k] == 0:
             continue
-        row = check_entry(k, words, sources, table, slots, expected_tokens, expected_positions, prev_slots,
-                          check_token)
+        kv_hash, kv_out_of_range = real_kv_hash(sources, table, hashable(slots[k], num_slots))
+        row = check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token, kv_hash,
+                          kv_out_of_range)
         if row[0] != 0:
             record(ring, write_index, tag, row[1], row[2], row[3], row[4], row[5], row[6], row[0])
 
