@@ -103,3 +103,11 @@ def test_demo_default_size_is_fast():
     assert time.perf_counter() - start < 60
     assert result.false_positives == []
     assert all(row["detected"] for cls, row in result.per_class().items() if cls != "kv_bitflip")
+
+
+def test_demo_cli_writes_png_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    assert demo_main(["--device", "cpu", "--steps", "40", "--seed", "2", "--chart", str(path), "--no-progress"]) == 0
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
