@@ -103,6 +103,12 @@ def real_kv_hash(sources, table, slot):
 
 
 @numba.njit(**INLINE)
+def hashable(slot, num_slots):
+    """``slot`` when it indexes the canary, else slot 0 (its hash is then computed and ignored)."""
+    return slot if 0 <= slot < num_slots else 0
+
+
+@numba.njit(**INLINE)
 def real_kv_hash4(sources, table, s0, s1, s2, s3):
     """:func:`real_kv_hash` of four slots (each >= 0) at once: each fold is a serial chain of
     splitmix rounds, so four independent chains interleaved keep the multipliers busy."""

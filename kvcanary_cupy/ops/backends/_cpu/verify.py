@@ -6,8 +6,8 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64, link,
-                      real_kv_hash, real_kv_hash4, record, slot_words, source_arguments)
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64, hashable,
+                      link, real_kv_hash, real_kv_hash4, record, slot_words, source_arguments)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -53,12 +53,6 @@ def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots
     if words[slot, F_REAL_KV_HASH] != as_i64(kv_hash):
         bits |= _BIT_KV
     return bits, slot, position, token, report_token, prev_hash, expected_chain
-
-
-@numba.njit(**INLINE)
-def hashable(slot, num_slots):
-    """``slot`` when it indexes the canary, else slot 0 (its hash is then computed and ignored)."""
-    return slot if 0 <= slot < num_slots else 0
 
 
 def _entry_bits(active, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token,
