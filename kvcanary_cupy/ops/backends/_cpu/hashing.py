@@ -144,6 +144,29 @@ def real_kv_hash4(sources, table, s0, s1, s2, s3):
     return a0, a1, a2, a3, o0, o1, o2, o3
 
 
+def _hash_slots(num_slots, sources, table, slots, hashes, out_of_range):
+    """Real-KV hash of every slot in ``slots`` (slots outside the canary get slot 0's, to be
+    ignored), four at a time so their folds interleave."""
+    count = slots.shape[0]
+    for group in numba.prange((count + 3) // 4):
+        i = group * 4
+        last = min(i + 4, count) - 1
+        h0, h1, h2, h3, o0, o1, o2, o3 = real_kv_hash4(
+            sources, table, hashable(slots[i], num_slots), hashable(slots[min(i + 1, last)], num_slots),
+            hashable(slots[min(i + 2, last)], num_slots), hashable(slots[last], num_slots))
+        hashes[i], out_of_range[i] = h0, o0
+        if i + 1 <= last:
+            hashes[i + 1], out_of_range[i + 1] = h1, o1
+        if i + 2 <= last:
+            hashes[i + 2], out_of_range[i + 2] = h2, o2
+        if i + 3 <= last:
+            hashes[i + 3], out_of_range[i + 3] = h3, o3
+
+
+hash_slots_parallel = numba.njit(parallel=True, **JIT)(_hash_slots)
+hash_slots_serial = numba.njit(**JIT)(_hash_slots)
+
+
 @numba.njit(**INLINE)
 def record(ring, write_index, kind, slot, position, stored_token, expected_token, chain_hash, aux, bits):
     """Claim the next ring row; store it only while the ring has room (fill-once)."""

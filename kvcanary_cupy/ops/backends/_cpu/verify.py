@@ -6,8 +6,8 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64, hashable,
-                      link, real_kv_hash, real_kv_hash4, record, slot_words, source_arguments)
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64,
+                      hash_slots_parallel, hashable, link, real_kv_hash, record, slot_words, source_arguments)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -55,27 +55,11 @@ def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots
     return bits, slot, position, token, report_token, prev_hash, expected_chain
 
 
-def _entry_bits(active, words, sources, table, slots, expected_tokens, expected_positions, prev_slots, check_token,
-                bits_out):
-    """Violation bits of every entry, four entries at a time so their real-KV folds interleave."""
-    num_slots = words.shape[0]
-    for group in numba.prange((active + 3) // 4):
-        k = group * 4
-        last = min(k + 4, active) - 1
-        h0, h1, h2, h3, o0, o1, o2, o3 = real_kv_hash4(
-            sources, table, hashable(slots[k], num_slots), hashable(slots[min(k + 1, last)], num_slots),
-            hashable(slots[min(k + 2, last)], num_slots), hashable(slots[last], num_slots))
+def _entry_bits(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token, hashes,
+                out_of_range, bits_out):
+    for k in numba.prange(active):
         bits_out[k] = check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
-                                  h0, o0)[0]
-        if k + 1 <= last:
-            bits_out[k + 1] = check_entry(k + 1, words, slots, expected_tokens, expected_positions, prev_slots,
-                                          check_token, h1, o1)[0]
-        if k + 2 <= last:
-            bits_out[k + 2] = check_entry(k + 2, words, slots, expected_tokens, expected_positions, prev_slots,
-                                          check_token, h2, o2)[0]
-        if k + 3 <= last:
-            bits_out[k + 3] = check_entry(k + 3, words, slots, expected_tokens, expected_positions, prev_slots,
-                                          check_token, h3, o3)[0]
+                                  hashes[k], out_of_range[k])[0]
 
 
 _entry_bits_parallel = numba.njit(parallel=True, **JIT)(_entry_bits)
@@ -89,13 +73,17 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
         return
     active = min(max(np.int64(num_valid[0]), 0), slots.shape[0])
     slot_run_counter[0] += active
+    num_slots = words.shape[0]
     if active >= PARALLEL_MIN_ENTRIES:
+        hashes = np.zeros(active, dtype=np.uint64)
+        out_of_range = np.zeros(active, dtype=np.bool_)
+        if table.shape[0]:
+            hash_slots_parallel(num_slots, sources, table, slots[:active], hashes, out_of_range)
         bits = np.empty(active, dtype=np.uint8)
-        _entry_bits_parallel(active, words, sources, table, slots, expected_tokens, expected_positions,
-                             prev_slots, check_token, bits)
+        _entry_bits_parallel(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
+                             hashes, out_of_range, bits)
     else:
         bits = np.ones(active, dtype=np.uint8)
-    num_slots = words.shape[0]
     for k in range(active):
         if bits[k] == 0:
             continue

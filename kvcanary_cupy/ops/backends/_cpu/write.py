@@ -6,35 +6,12 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, hashable,
-                      link, mix3, real_kv_hash4, record, slot_words, source_arguments)
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64,
+                      hash_slots_parallel, hash_slots_serial, link, mix3, record, slot_words, source_arguments)
 
 _BIT_TOKEN = int(L.FailReason.WRITE_TOKEN)
 _BIT_POSITION = int(L.FailReason.WRITE_POSITION)
 PARALLEL_MIN_ENTRIES = 4096
-
-
-def _hash_entries(words, sources, table, out_cache_loc, hashes, out_of_range):
-    """Real-KV hash of every entry's slot, four entries at a time so their folds interleave."""
-    num_slots = words.shape[0]
-    count = out_cache_loc.shape[0]
-    for group in numba.prange((count + 3) // 4):
-        i = group * 4
-        last = min(i + 4, count) - 1
-        h0, h1, h2, h3, o0, o1, o2, o3 = real_kv_hash4(
-            sources, table, hashable(out_cache_loc[i], num_slots), hashable(out_cache_loc[min(i + 1, last)], num_slots),
-            hashable(out_cache_loc[min(i + 2, last)], num_slots), hashable(out_cache_loc[last], num_slots))
-        hashes[i], out_of_range[i] = h0, o0
-        if i + 1 <= last:
-            hashes[i + 1], out_of_range[i + 1] = h1, o1
-        if i + 2 <= last:
-            hashes[i + 2], out_of_range[i + 2] = h2, o2
-        if i + 3 <= last:
-            hashes[i + 3], out_of_range[i + 3] = h3, o3
-
-
-_hash_entries_parallel = numba.njit(parallel=True, **JIT)(_hash_entries)
-_hash_entries_serial = numba.njit(**JIT)(_hash_entries)
 
 
 @numba.njit(**JIT)
@@ -104,8 +81,8 @@ def write(ctx, wplan, batch, *, stream=None) -> None:
     out_of_range = np.zeros(count, dtype=np.bool_)
     sources, table = source_arguments(ctx)
     if table.shape[0]:
-        hash_entries = _hash_entries_parallel if count >= PARALLEL_MIN_ENTRIES else _hash_entries_serial
-        hash_entries(words, sources, table, batch.out_cache_loc, hashes, out_of_range)
+        hash_slots = hash_slots_parallel if count >= PARALLEL_MIN_ENTRIES else hash_slots_serial
+        hash_slots(words.shape[0], sources, table, batch.out_cache_loc, hashes, out_of_range)
     unused = batch.input_ids[:0]
     _write(words, hashes, out_of_range, wplan.offsets, wplan.seed_slot_indices, wplan.num_valid_reqs,
            batch.input_ids, batch.positions, batch.out_cache_loc, batch.has_input_assert,
