@@ -32,7 +32,20 @@ def resolve_stream(stream: Any, device: Device):
     else:
         raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
                         f"object with __cuda_stream__, got {type(stream).__name__}")
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14 deprecates ExternalStream in favour of the protocol
+        return from_external(_StreamHandle(int(handle)))
     return cupy.cuda.ExternalStream(int(handle), device.index)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` presented through the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
 
 
 @contextlib.contextmanager
