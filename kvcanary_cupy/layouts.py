@@ -62,38 +62,34 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
                         read_bytes=per_token if read_bytes is None else read_bytes)
 
 
-def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
-              read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
-    """K and V buffers ``[slots, heads, head_dim]`` per layer (one token per row): K of each picked
-    layer, then its V."""
+def _k_then_v(k_buffers: Sequence[Any], v_buffers: Sequence[Any], layers: Optional[Iterable[int]]) -> list:
+    """The picked layers' buffers in source order: each layer's K, then its V (when V is given)."""
     ks = _pick(k_buffers, layers, "k_buffers")
     vs = _pick(v_buffers, layers, "v_buffers") if len(v_buffers) else []
     if vs and len(vs) != len(ks):
         raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
-    out = []
-    for index, k in enumerate(ks):
-        out.append(from_buffer(k, page_size=1, read_bytes=read_bytes))
-        if vs:
-            out.append(from_buffer(vs[index], page_size=1, read_bytes=read_bytes))
-    return tuple(out)
+    return [buffer for index, k in enumerate(ks) for buffer in ((k, vs[index]) if vs else (k,))]
+
+
+def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
+              read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
+    """K and V buffers ``[slots, heads, head_dim]`` per layer (one token per row): K of each picked
+    layer, then its V."""
+    return tuple(from_buffer(buffer, page_size=1, read_bytes=read_bytes)
+                 for buffer in _k_then_v(k_buffers, v_buffers, layers))
 
 
 def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
           read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """Paged K and V buffers ``[pages, page_size, heads, head_dim]`` per layer; ``page_size`` is
     ``shape[1]``."""
-    ks = _pick(k_buffers, layers, "k_buffers")
-    vs = _pick(v_buffers, layers, "v_buffers") if len(v_buffers) else []
-    if vs and len(vs) != len(ks):
-        raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
     out = []
-    for index, k in enumerate(ks):
-        for buffer in (k, vs[index]) if vs else (k,):
-            view = native_view(buffer, "paged buffer")
-            if view.ndim < 3:
-                raise ValueError(f"{check.PREFIX}paged buffer must be [pages, page_size, ...], got shape "
-                                 f"{tuple(view.shape)}")
-            out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes))
+    for buffer in _k_then_v(k_buffers, v_buffers, layers):
+        view = native_view(buffer, "paged buffer")
+        if view.ndim < 3:
+            raise ValueError(f"{check.PREFIX}paged buffer must be [pages, page_size, ...], got shape "
+                             f"{tuple(view.shape)}")
+        out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes))
     return tuple(out)
 
 

@@ -93,6 +93,7 @@ class FaultInjector:
         return getattr(self, f"_{cls}")(step)
 
     def _pick(self, full_pages_only: bool = False, exclude=()):
+        """A random live request and one of the positions only it references, or (None, None)."""
         candidates = []
         for request in self._victims(exclude):
             positions = self.engine.exclusive_positions(request, full_pages_only=full_pages_only)
@@ -101,14 +102,13 @@ class FaultInjector:
         if not candidates:
             return None, None
         request, positions = candidates[int(self.rng.integers(len(candidates)))]
-        return request, positions
+        return request, int(self.rng.choice(positions))
 
     def _kv_bitflip(self, step: int) -> Optional[Fault]:
         eng = self.engine
-        request, positions = self._pick()
+        request, position = self._pick()
         if request is None:
             return None
-        position = int(self.rng.choice(positions))
         slot = eng.slot_of(request, position)
         target_index = int(self.rng.integers(len(eng.targets)))
         target = eng.targets[target_index]
@@ -125,14 +125,12 @@ class FaultInjector:
 
     def _slot_alias(self, step: int) -> Optional[Fault]:
         eng = self.engine
-        request, positions = self._pick()
+        request, position = self._pick()
         if request is None:
             return None
-        other, other_positions = self._pick(exclude=(request.rid,))
+        other, other_position = self._pick(exclude=(request.rid,))
         if other is None:
             return None
-        position = int(self.rng.choice(positions))
-        other_position = int(self.rng.choice(other_positions))
         alias = eng.slot_of(other, other_position)
         eng.table_host[request.row, position] = alias
         return self._record("slot_alias", step, [request.rid], [alias], position=position,
@@ -140,10 +138,9 @@ class FaultInjector:
 
     def _use_after_free(self, step: int) -> Optional[Fault]:
         eng = self.engine
-        request, positions = self._pick(full_pages_only=True)
+        request, position = self._pick(full_pages_only=True)
         if request is None:
             return None
-        position = int(self.rng.choice(positions))
         k = position // eng.page_size
         page = request.pages[k]
         request.pages[k] = _FREED
@@ -153,10 +150,9 @@ class FaultInjector:
 
     def _canary_overwrite(self, step: int) -> Optional[Fault]:
         eng = self.engine
-        request, positions = self._pick()
+        request, position = self._pick()
         if request is None:
             return None
-        position = int(self.rng.choice(positions))
         slot = eng.slot_of(request, position)
         junk = np.frombuffer(self.rng.bytes(32), np.uint8).copy()
         eng.canary.context.canary_buf[slot, :32] = from_host(junk, eng.device)
