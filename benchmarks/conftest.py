@@ -246,8 +246,8 @@ class Harness:
                 ratio = us * 1e-6 / twin
                 info["x_no_hash_twin"] = ratio
                 add(f"ALL-hash write / {S.NO_HASH_TWIN[case.name]} write", ratio, "<= 1.2", ratio <= 1.2)
-        if op in ("plan", "verify", "write", "scatter") and case.decode and gpu:
-            # launch-bound when its bytes move in under 1 us at copy bandwidth
+        if op in ("plan", "verify", "write", "scatter") and case.decode and case.bs <= 1024 and gpu:
+            # decode-shaped (bs <= 1024) and launch-bound: its bytes move in under 1 us at copy bandwidth
             if info["bytes"] / (info["copy_ceiling_gbps"] * 1e9) < 1e-6:
                 add("x empty kernel (decode-shaped)", info["x_empty_kernel"], "<= 2", info["x_empty_kernel"] <= 2)
         if op == "step" and case.peer_us:
