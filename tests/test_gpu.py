@@ -32,7 +32,8 @@ def test_differential_against_cpu_oracle(op):
 
 
 class Step:
-    """One forward of a small engine on the GPU: plan → HEAD verify → write → TAIL verify."""
+    """One forward of a small engine on the GPU: plan → HEAD verify → write, and the new token ids
+    scattered into a per-request token pool."""
 
     def __init__(self, seed: int, num_slots: int = 16384, bs: int = 16, width: int = 512):
         rng = np.random.default_rng(seed)
@@ -53,6 +54,8 @@ class Step:
         self.input_ids = cupy.zeros(bs * 8, dtype=cupy.int64)
         self.positions = cupy.zeros(bs * 8, dtype=cupy.int64)
         self.out_cache_loc = cupy.full(bs * 8, -1, dtype=cupy.int64)
+        self.scatter_offsets = cupy.zeros(bs + 1, dtype=cupy.int64)
+        self.token_pool = cupy.full((bs + 1, width), -1, dtype=cupy.int32)
         self.seed = seed
 
     def refresh(self, prefix: int, extend: int) -> None:
@@ -67,6 +70,7 @@ class Step:
         self.positions[:n] = cupy.asarray(np.tile(np.arange(prefix, prefix + extend), self.bs))
         self.out_cache_loc[:n] = cupy.asarray(locs)
         self.out_cache_loc[n:] = -1
+        self.scatter_offsets[...] = cupy.arange(self.bs + 1, dtype=cupy.int64) * extend
         cupy.cuda.get_current_stream().synchronize()  # graph replays run on a non-blocking stream
 
     def launch(self, stream) -> None:
@@ -75,6 +79,8 @@ class Step:
         kc.verify(self.ctx, self.vplan, tag=kc.LaunchTag.HEAD_K_FULL, stream=stream)
         kc.write(self.ctx, self.wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=self.input_ids,
                  positions=self.positions, out_cache_loc=self.out_cache_loc, stream=stream)
+        kc.scatter_req_token_ids(flat_in=self.input_ids, offsets=self.scatter_offsets,
+                                 req_pool_indices=self.req_pool_indices, pool_out=self.token_pool, stream=stream)
 
 
 def test_graph_replay_matches_eager_launches():
@@ -95,6 +101,8 @@ def test_graph_replay_matches_eager_launches():
         graph.launch(stream)
         stream.synchronize()
         assert cupy.array_equal(eager.ctx.canary_buf, graphed.ctx.canary_buf)
+        assert cupy.array_equal(eager.token_pool, graphed.token_pool)
+        assert int((graphed.token_pool[1:, :extend] >= 0).sum()) == graphed.bs * extend  # scatter ran
         assert eager.ctx.counters() == graphed.ctx.counters()
     assert eager.ctx.violations().total == 0
     assert graphed.ctx.violations().total == 0
