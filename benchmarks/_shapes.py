@@ -234,11 +234,26 @@ class EngineState:
         kc.scatter_req_token_ids(flat_in=c.input_ids, offsets=c.scatter_offsets, req_pool_indices=c.req_pool_indices,
                                  pool_out=self.expected_pool, stream=self.stream)
 
-    def step(self, i: int) -> None:
-        """One forward's canary work: plan, HEAD verify of the prefixes, write of the new tokens."""
+    def step_ops(self, i: int) -> None:
+        """One forward's canary work as three ops: plan, HEAD verify of the prefixes, write of the new tokens."""
         self.plan(i)
         self.verify(i)
         self.write(i)
+
+    def canary_step(self, i: int) -> kc.CanaryStep:
+        """The same work as ``step_ops`` prepared once (``kc.CanaryStep``) for copy i."""
+        steps = self.__dict__.setdefault("_canary_steps", {})
+        if i not in steps:
+            c = self.copies[i]
+            steps[i] = kc.CanaryStep(self.ctx, verify_capacity=c.vplan.capacity, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                                     write_tag=kc.LaunchTag.TAIL_K_FULL, input_ids=c.input_ids,
+                                     positions=c.positions, out_cache_loc=c.out_cache_loc, **self.plan_kwargs(i))
+        return steps[i]
+
+    def step(self, i: int) -> None:
+        """One forward's canary work through ``kc.CanaryStep``: verify entries derived in the kernel,
+        decode-shaped batches in one launch."""
+        self.canary_step(i).launch(stream=self.stream)
 
     # --- the baselines on copy i ----------------------------------------------------------------
     def naive_plan(self, i: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-OPS_ORDER = ["step", "plan", "verify", "write", "scatter"]
+OPS_ORDER = ["step", "step_ops", "plan", "verify", "write", "scatter"]
 # ALL-hash write against the same shape without hashing (target <= 1.2x)
 ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_hash_256b": "e2e_prefill_chunk_first",
                   "e2e_decode_steady_hash": "e2e_decode_steady"}
@@ -148,7 +148,7 @@ def chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
         return False
     rows = [r for r in _order(rows) if r.get("gbps") is not None]
     labels = [f"{r['case']} · {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}" for r in rows]
-    colors = {"step": "#4c72b0", "plan": "#dd8452", "verify": "#55a868", "write": "#c44e52", "scatter": "#8172b3"}
+    colors = {"step": "#4c72b0", "step_ops": "#937860", "plan": "#dd8452", "verify": "#55a868", "write": "#c44e52", "scatter": "#8172b3"}
     fig, ax = plt.subplots(figsize=(11, max(4.0, 0.22 * len(rows) + 1.5)))
     y = list(range(len(rows)))
     values = [max(r["gbps"], 1e-3) for r in rows]

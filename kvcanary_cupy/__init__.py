@@ -9,7 +9,7 @@ RawKernels; host arrays run the numba backend, which is also the GPU's bit-exact
 from ._layout import FailReason, HashMode, LaunchTag, UNRESOLVED_SLOT
 from .capacities import Capacities
 from .context import CanaryContext, Violation, ViolationReport, VerifyPlan, WritePlan
-from .ops import plan, scatter_req_token_ids, verify, write
+from .ops import CanaryStep, plan, scatter_req_token_ids, verify, write
 from .sources import RealKvSource
 from . import layouts
 from .session import (Canary, CanaryEvent, CanaryReport, CanaryViolation, ForwardBatch, LiveRequests,
@@ -21,6 +21,7 @@ __all__ = [
     "Canary",
     "CanaryEvent",
     "CanaryReport",
+    "CanaryStep",
     "CanaryViolation",
     "Capacities",
     "ForwardBatch",

@@ -362,14 +362,167 @@ def run_scatter(case: dict, device: str) -> dict:
     return {"pool_out": _host(pool_out).copy()}
 
 
-MAKERS = {"verify": make_verify_case, "write": make_write_case, "plan": make_plan_case, "scatter": make_scatter_case}
-RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter}
+# --- step ----------------------------------------------------------------------------------------
+
+
+def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
+    """An engine batch with chained prefixes (some corrupted) and new tokens, decode-shaped more often
+    than not; hostile corners as in the plan and write cases. New tokens never write a seed slot and
+    no slot twice (on a GPU those race), but may overwrite another request's prefix slot."""
+    bs = int(rng.choice([0, 1, 2, 7, 32, 256, 1024, 1500]))
+    target = max(1, _log_uniform(rng, max_entries))
+    per_request = max(1, target // max(bs, 1))
+    decode = rng.random() < 0.6
+    prefix = rng.integers(0, per_request + 1, size=bs)
+    extend = np.ones(bs, np.int64) if decode else rng.integers(-1, 6, size=bs)
+    width = int(per_request + 8)
+    rows = bs + int(rng.integers(1, 4))
+    pool_rows = (rng.permutation(rows - 1) + 1)[:bs] if bs <= rows - 1 else rng.integers(1, rows, size=bs)
+    pool_rows = pool_rows.astype(np.int64)
+    pool_rows[rng.random(bs) < 0.05] = 0                 # padding requests
+    pool_rows[rng.random(bs) < 0.01] = rows + 2          # past the table
+    cells = int(rows * width)
+    num_slots = max(8, int(cells * rng.uniform(1.05, 1.5)) + 8)
+    pool = make_pool(rng, num_slots)
+    req_to_token = ((rng.permutation(num_slots - 1)[:cells] + 1).reshape(rows, width)).astype(np.int32)
+    if rng.random() < 0.1:
+        req_to_token[rng.random((rows, width)) < 0.01] = -1
+    swa = int(rng.choice([0, 0, 0, 1, 4, 128]))
+    lut = None
+    if swa:  # a permutation of the pool (the SWA pool has as many slots), a few unmapped
+        lut = (rng.permutation(num_slots)).astype(np.int64)
+        lut[rng.random(num_slots) < 0.01] = -1
+        lut = lut[: num_slots - int(rng.integers(0, 3))]
+
+    def tr(slot: int) -> int:
+        if lut is None or slot < 0:
+            return int(slot)
+        return int(lut[slot]) if slot < len(lut) else UNRESOLVED
+
+    # chain every live prefix on the CPU, so most verify entries start out consistent
+    ctx = build_context(pool, "cpu")
+    tokens = rng.integers(0, 150_000, size=(rows, width), dtype=np.int64)
+    for r in range(bs):
+        rp, p = int(pool_rows[r]), int(prefix[r])
+        if rp <= 0 or rp >= rows or p <= 0:
+            continue
+        loc = np.array([tr(int(s)) for s in req_to_token[rp, :p]], np.int64)
+        loc[(loc < 0) | (loc >= num_slots)] = -1
+        plan = kc.WritePlan.from_host(offsets=[0, p], seed_slot_indices=[-1], num_valid_reqs=1)
+        kc.write(ctx, plan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=tokens[rp, :p].copy(),
+                 positions=np.arange(p, dtype=np.int64), out_cache_loc=loc)
+    pool["canary"] = ctx.canary_buf.copy()
+    _corrupt(pool, rng, int(rng.choice([0, 0, 1, 5])))
+    prefix[rng.random(bs) < 0.01] = width + 5            # past the table's width
+    prefix[rng.random(bs) < 0.01] = -3
+
+    seeds = {tr(int(req_to_token[rp, p - 1])) for rp, p in zip(pool_rows, prefix)
+             if 0 < rp < rows and 0 < p <= width}
+    ids, positions, locs = [], [], []
+    for r in range(bs):
+        rp, p, e = int(pool_rows[r]), int(prefix[r]), int(extend[r])
+        if rp == 0 or e <= 0:
+            continue
+        for j in range(e):
+            pos = max(p, 0) + j
+            slot = tr(int(req_to_token[rp, pos])) if 0 < rp < rows and pos < width else -1
+            locs.append(slot)
+            ids.append(int(rng.integers(0, 150_000)))
+            positions.append(pos)
+    n = len(ids)
+    locs = np.array(locs, np.int64)
+    fresh = rng.permutation(num_slots - 1) + 1
+    taken = set(seeds)
+    for i in range(n):  # no seed slot is written, and no slot twice
+        if locs[i] in taken or (locs[i] >= 0 and rng.random() < 0.02):
+            locs[i] = next(int(s) for s in fresh if int(s) not in taken)
+        if locs[i] >= 0:
+            taken.add(int(locs[i]))
+    hostile = rng.random(n) < rng.choice([0.0, 0.01, 0.05])
+    locs[hostile] = rng.choice([-1, num_slots, num_slots + 100, UNRESOLVED], size=int(hostile.sum()))
+    input_ids = np.array(ids, np.int64)
+    positions = np.array(positions, np.int64)
+    positions[rng.random(n) < 0.02] += 2
+    if n and rng.random() < 0.05:  # fewer entries than the extends add up to
+        keep = n - int(rng.integers(1, min(n, 3) + 1))
+        input_ids, positions, locs = input_ids[:keep], positions[:keep], locs[:keep]
+        n = keep
+    with_assert = rng.random() < 0.3
+    expected = valid = None
+    if rng.random() < 0.5:
+        expected = np.where(rng.random(tokens.shape) < 0.01, tokens + 1, tokens).astype(np.int32)
+        valid = rng.integers(-1, width + 3, size=bs).astype(np.int64)
+    total = int(np.sum(np.where((pool_rows != 0) & (prefix > 0),
+                                prefix - (np.maximum(0, prefix - swa) if swa else 0), 0)))
+    return {
+        "op": "step",
+        "pool": pool,
+        "verify_capacity": max(0, total + int(rng.choice([0, 0, 5, 1000, -1, -total]))),
+        "verify_tag": int(rng.integers(0, 12)),
+        "write_tag": int(rng.integers(0, 12)),
+        "check_expected_token": bool(rng.random() < 0.5),
+        "req_pool_indices": pool_rows,
+        "prefix_lens": prefix.astype(np.int64),
+        "extend_seq_lens": extend.astype(np.int64),
+        "req_to_token": req_to_token,
+        "swa_window_size": swa,
+        "full_to_swa_index_mapping": lut,
+        "req_to_verify_expected_tokens": expected,
+        "req_to_verify_expected_tokens_valid_lens": valid,
+        "kv_token_id_vs_position_offset": int(rng.integers(0, 2)),
+        "input_ids": input_ids,
+        "positions": positions,
+        "out_cache_loc": locs,
+        "expected_input_tokens": np.where(rng.random(n) < 0.03, input_ids + 1, input_ids) if with_assert else None,
+        "expected_input_positions": np.where(rng.random(n) < 0.03, positions - 1, positions) if with_assert else None,
+    }
+
+
+STEP_ARRAYS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "full_to_swa_index_mapping",
+               "req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens", "input_ids", "positions",
+               "out_cache_loc", "expected_input_tokens", "expected_input_positions")
+STEP_SETTINGS = ("verify_capacity", "verify_tag", "write_tag", "check_expected_token", "swa_window_size",
+                 "kv_token_id_vs_position_offset")
+
+
+def run_step(case: dict, device: str, launches: int = 1) -> dict:
+    ctx = build_context(case["pool"], device)
+    arrays = {k: (None if case[k] is None else _to(case[k], device)) for k in STEP_ARRAYS}
+    step = kc.CanaryStep(ctx, **arrays, **{k: case[k] for k in STEP_SETTINGS})
+    for _ in range(launches):
+        step.launch()
+    return _context_outputs(ctx)
+
+
+def run_step_unfused(case: dict, device: str) -> dict:
+    """The same step as kc.plan, kc.verify and kc.write on their own."""
+    ctx = build_context(case["pool"], device)
+    a = {k: (None if case[k] is None else _to(case[k], device)) for k in STEP_ARRAYS}
+    bs = len(case["req_pool_indices"])
+    vplan = kc.VerifyPlan.allocate(case["verify_capacity"], device=device)
+    wplan = kc.WritePlan.allocate(bs, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=a["req_pool_indices"], prefix_lens=a["prefix_lens"],
+            extend_seq_lens=a["extend_seq_lens"], req_to_token=a["req_to_token"],
+            swa_window_size=case["swa_window_size"], full_to_swa_index_mapping=a["full_to_swa_index_mapping"],
+            req_to_verify_expected_tokens=a["req_to_verify_expected_tokens"],
+            req_to_verify_expected_tokens_valid_lens=a["req_to_verify_expected_tokens_valid_lens"],
+            kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"])
+    kc.verify(ctx, vplan, tag=case["verify_tag"], check_expected_token=case["check_expected_token"])
+    kc.write(ctx, wplan, tag=case["write_tag"], input_ids=a["input_ids"], positions=a["positions"],
+             out_cache_loc=a["out_cache_loc"], expected_input_tokens=a["expected_input_tokens"],
+             expected_input_positions=a["expected_input_positions"])
+    return _context_outputs(ctx)
+
+
+MAKERS = {"verify": make_verify_case, "write": make_write_case, "plan": make_plan_case, "scatter": make_scatter_case,
+          "step": make_step_case}
+RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter, "step": run_step}
 
 
 def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
     """Differences between two backends' outputs (ring rows compared as a multiset)."""
     problems = []
-    if op in ("verify", "write"):
+    if op in ("verify", "write", "step"):
         for key in ("canary", "write_index", "slot_run_counter", "kernel_run_counter"):
             if not np.array_equal(np.asarray(oracle[key]), np.asarray(other[key])):
                 problems.append(key)

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
             cap = args.max_entries if i % args.large_every == args.large_every - 1 else args.small_entries
             case = F.MAKERS[op](rng, cap)
             oracle = F.RUNNERS[op](case, "cpu")
-            if op in ("verify", "write") and oracle["write_index"] > oracle["ring"].shape[0]:
+            if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
                 case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
             other = F.RUNNERS[op](case, args.device)
             size = _size(op, case)
@@ -72,6 +72,8 @@ def _size(op: str, case: dict) -> int:
         return len(case["slot_indices"])
     if op == "write":
         return len(case["input_ids"])
+    if op == "step":
+        return int(np.sum(case["prefix_lens"].clip(0))) + len(case["input_ids"])
     if op == "plan":
         return int(case["verify_capacity"])
     return len(case["flat_in"])

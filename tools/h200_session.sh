@@ -27,7 +27,7 @@ if has tests; then
   pids+=($!)
 fi
 if has fuzz; then
-  for op in verify write plan scatter; do
+  for op in verify write plan scatter step; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
       > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
   done
@@ -46,7 +46,7 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
 if has fuzz; then
-  for op in verify write plan scatter; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
+  for op in verify write plan scatter step; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
 if has sanitize; then
   for tool in memcheck racecheck initcheck; do

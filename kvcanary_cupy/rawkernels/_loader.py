@@ -19,26 +19,29 @@ import threading
 from .. import _layout
 
 RAWKERNEL_DIR = pathlib.Path(__file__).resolve().parent
-COMMON_HEADER = "canary_common.cuh"
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """One compilation unit: a ``.cu`` file and the kernels taken from it."""
 
-    name: str                              # "verify", "write", "plan", "scatter"
+    name: str                              # "verify", "write", "plan", "scatter", "step"
     filename: str                          # the .cu file in RAWKERNEL_DIR
     name_expressions: tuple[str, ...]      # templates to instantiate (empty: extern "C" kernels)
     kernels: tuple[str, ...]               # names passed to get_function
 
 
+_WRITE_KERNELS = ("kvc_write<true>", "kvc_write<false>")
+_STEP_KERNELS = tuple(f"kvc_step<{vec16}, {tail}>" for vec16 in ("true", "false")
+                      for tail in ("true", "false"))
+
 _SPECS = (
     KernelSpec("verify", "verify.cu", ("kvc_verify<true>", "kvc_verify<false>"),
                ("kvc_verify<true>", "kvc_verify<false>")),
-    KernelSpec("write", "write.cu", ("kvc_write<true>", "kvc_write<false>"),
-               ("kvc_write<true>", "kvc_write<false>")),
+    KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",)),
     KernelSpec("scatter", "scatter.cu", (), ("kvc_scatter",)),
+    KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS),
 )
 SPECS = {spec.name: spec for spec in _SPECS}
 
@@ -51,8 +54,12 @@ def _read(filename: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _header_digest() -> str:
     # CuPy's kernel cache is keyed by the source text and the options, not by included headers;
-    # the header's digest in the options makes a changed header a new cache entry.
-    return hashlib.sha256(_read(COMMON_HEADER).encode("utf-8")).hexdigest()[:16]
+    # the headers' digest in the options makes a changed header a new cache entry.
+    digest = hashlib.sha256()
+    for header in sorted(RAWKERNEL_DIR.glob("*.cuh")):
+        digest.update(header.name.encode("utf-8"))
+        digest.update(_read(header.name).encode("utf-8"))
+    return digest.hexdigest()[:16]
 
 
 def nvrtc_options() -> tuple[str, ...]:

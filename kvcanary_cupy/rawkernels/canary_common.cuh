@@ -254,10 +254,11 @@ __device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
 
 // fold(bytes): acc = sm(acc ^ w) over 8-byte little-endian words; the bytes are 16-byte aligned
 // and a multiple of 16 long. Software-pipelined: batch k+1 loads while batch k folds.
-__device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
+// kvc_fold_from continues a fold already at acc.
+__device__ __forceinline__ kvc_u64 kvc_fold_from(kvc_u64 acc, const unsigned char* p,
+                                                 kvc_i64 nbytes) {
     const longlong2* q = reinterpret_cast<const longlong2*>(p);
     const kvc_i64 n16 = nbytes >> 4;
-    kvc_u64 acc = 0;
     kvc_i64 k = 0;
     if (n16 >= KVC_FOLD_BATCH) {
         longlong2 cur[KVC_FOLD_BATCH];
@@ -279,6 +280,10 @@ __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbyt
     return acc;
 }
 
+__device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
+    return kvc_fold_from(0ull, p, nbytes);
+}
+
 // True when slot (>= 0) maps to a row past some source's rows; no data is read.
 __device__ __forceinline__ bool kvc_sources_out_of_range(const KvcSources& src, kvc_i64 slot) {
     bool oor = false;
@@ -292,29 +297,81 @@ __device__ __forceinline__ bool kvc_sources_out_of_range(const KvcSources& src, 
     return oor;
 }
 
+// Where source k keeps the bytes of slot (>= 0), or nullptr when its row is out of range.
+__device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSources& src, int k,
+                                                                 kvc_i64 slot, kvc_i64* nread) {
+    const kvc_i64 base = kvc_src_word(src, k, KVC_SRC_BASE_ADDRESS);
+    const kvc_i64 stride = kvc_src_word(src, k, KVC_SRC_ROW_STRIDE_BYTES);
+    const kvc_i64 rows = kvc_src_word(src, k, KVC_SRC_NUM_ROWS);
+    const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
+    const kvc_i64 bpt = kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN);
+    *nread = kvc_src_word(src, k, KVC_SRC_READ_BYTES);
+    if (page < 1 || rows < 0 || slot >= rows * page) return nullptr;
+    kvc_i64 row, col;
+    kvc_divmod(slot, page, row, col);
+    return reinterpret_cast<const unsigned char*>(base) + row * stride + col * bpt;
+}
+
+#define KVC_PREFETCH_SOURCES 4  // sources whose first 32 bytes are all requested before folding
+
 // real_kv_hash(slot) for slot >= 0; sets *oor when a source row is out of range (its fold is 0).
 __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i64 slot,
                                                     bool* oor) {
     kvc_u64 acc = 0;
     bool out = false;
     for (int k = 0; k < src.count; ++k) {
-        const kvc_i64 base = kvc_src_word(src, k, KVC_SRC_BASE_ADDRESS);
-        const kvc_i64 stride = kvc_src_word(src, k, KVC_SRC_ROW_STRIDE_BYTES);
-        const kvc_i64 rows = kvc_src_word(src, k, KVC_SRC_NUM_ROWS);
-        const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
-        const kvc_i64 bpt = kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN);
-        const kvc_i64 nread = kvc_src_word(src, k, KVC_SRC_READ_BYTES);
+        kvc_i64 nread;
+        const unsigned char* p = kvc_source_bytes(src, k, slot, &nread);
         kvc_u64 f = 0;
-        if (page < 1 || rows < 0 || slot >= rows * page) {
+        if (p == nullptr) {
             out = true;
         } else {
-            kvc_i64 row, col;
-            kvc_divmod(slot, page, row, col);
-            const unsigned char* p =
-                reinterpret_cast<const unsigned char*>(base) + row * stride + col * bpt;
             f = kvc_fold(p, nread);
         }
         acc = kvc_sm(acc ^ f);
+    }
+    *oor = out;
+    return acc;
+}
+
+// real_kv_hash(slot) as kvc_real_kv_hash, for a thread that has little else in flight (a decode
+// write): the first 32 bytes of up to KVC_PREFETCH_SOURCES sources are requested at once, so the
+// sources cost one memory latency instead of one each.
+__device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources& src,
+                                                               kvc_i64 slot, bool* oor) {
+    if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash(src, slot, oor);
+    const unsigned char* p[KVC_PREFETCH_SOURCES];
+    kvc_i64 nread[KVC_PREFETCH_SOURCES];
+    longlong2 head[KVC_PREFETCH_SOURCES][2];
+    bool out = false;
+#pragma unroll
+    for (int k = 0; k < KVC_PREFETCH_SOURCES; ++k) {
+        p[k] = nullptr;
+        nread[k] = 0;
+        head[k][0] = head[k][1] = make_longlong2(0, 0);
+        if (k < src.count) {
+            p[k] = kvc_source_bytes(src, k, slot, &nread[k]);
+            if (p[k] == nullptr) {
+                out = true;
+            } else {
+                const longlong2* q = reinterpret_cast<const longlong2*>(p[k]);
+                head[k][0] = kvc_ld16_early(q);  // read bytes are a positive multiple of 16
+                if (nread[k] >= 32) head[k][1] = kvc_ld16_early(q + 1);
+            }
+        }
+    }
+    kvc_u64 acc = 0;
+#pragma unroll
+    for (int k = 0; k < KVC_PREFETCH_SOURCES; ++k) {
+        if (k < src.count) {
+            kvc_u64 f = 0;
+            if (p[k] != nullptr) {
+                f = kvc_fold16(f, head[k][0]);
+                if (nread[k] >= 32) f = kvc_fold16(f, head[k][1]);
+                if (nread[k] > 32) f = kvc_fold_from(f, p[k] + 32, nread[k] - 32);
+            }
+            acc = kvc_sm(acc ^ f);
+        }
     }
     *oor = out;
     return acc;

@@ -114,3 +114,9 @@ def plan(vplan, wplan, batch, *, stream=None) -> None:
              vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions, vplan.prev_slot_indices)
     _write_plan(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.req_to_token, lut, has_lut,
                 wplan.offsets, wplan.seed_slot_indices, wplan.num_valid_reqs)
+
+
+def verify_total(batch) -> int:
+    """How many verify entries ``batch`` has (what ``plan`` compares with the verify capacity)."""
+    starts = np.empty(batch.batch_size, dtype=np.int64)
+    return int(_count_entries(batch.req_pool_indices, batch.prefix_lens, batch.swa_window_size, starts))

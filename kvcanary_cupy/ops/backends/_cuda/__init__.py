@@ -13,7 +13,7 @@ import numpy as np
 
 from ....rawkernels import _loader
 
-__all__ = ["ptr", "i64", "i32", "kernel", "resident_grid", "sm_count", "vec16"]
+__all__ = ["Launch", "ptr", "i64", "i32", "kernel", "resident_grid", "sm_count", "vec16"]
 
 
 _NULL = np.uint64(0)
@@ -50,6 +50,21 @@ def vec16(canary_buf) -> bool:
     return canary_buf.data.ptr % 16 == 0 and int(canary_buf.shape[1]) % 16 == 0
 
 
+class Launch:
+    """One kernel launch with every argument fixed: calling it launches on the given stream."""
+
+    __slots__ = ("fn", "grid", "block", "args")
+
+    def __init__(self, fn, grid: int, block: int, args: tuple):
+        self.fn = fn
+        self.grid = (int(grid),)
+        self.block = (int(block),)
+        self.args = args
+
+    def __call__(self, stream) -> None:
+        with stream:
+            self.fn(self.grid, self.block, self.args)
+
+
 def launch(fn, grid: int, block: int, args: tuple, stream) -> None:
-    with stream:
-        fn((int(grid),), (int(block),), args)
+    Launch(fn, grid, block, args)(stream)

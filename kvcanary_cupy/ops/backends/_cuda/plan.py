@@ -16,12 +16,8 @@ def _table(array):
     return ptr(array), rows, width, stride
 
 
-def plan(vplan, wplan, batch, *, stream) -> None:
-    device_id = batch.device.index
-    fn = kernel("plan", "kvc_plan", device_id)
-    v_capacity = int(vplan.capacity)
-    w_capacity = int(wplan.capacity)
-    bs = int(batch.req_pool_indices.shape[0])
+def batch_args(batch) -> tuple:
+    """The batch metadata in the order plan.cu and step.cu take it (``KvcPlanIn``)."""
     rtt, rows, width, stride = _table(batch.req_to_token)
     lut = batch.full_to_swa_index_mapping
     lut_len = int(lut.shape[0]) if lut is not None else 0
@@ -30,17 +26,32 @@ def plan(vplan, wplan, batch, *, stream) -> None:
     if pool is None or valid_lens is None:
         pool = valid_lens = None
     exp, exp_rows, exp_cols, exp_stride = _table(pool)
-    work = max((v_capacity + _BLOCK - 1) // _BLOCK, (w_capacity + _BLOCK) // _BLOCK, 1)
-    grid = max(1, min(resident_grid("plan", "kvc_plan", device_id, _BLOCK), work))
-    args = (
-        ptr(batch.req_pool_indices), ptr(batch.prefix_lens), ptr(batch.extend_seq_lens), i64(bs),
+    return (
+        ptr(batch.req_pool_indices), ptr(batch.prefix_lens), ptr(batch.extend_seq_lens),
+        i64(int(batch.req_pool_indices.shape[0])),
         rtt, i64(rows), i64(width), i64(stride), i64(int(batch.swa_window_size)),
         i64(0 if lut is None else 1), ptr(lut), i64(lut_len),
         i64(0 if pool is None else 1), exp, i64(exp_rows), i64(exp_cols), i64(exp_stride),
         ptr(valid_lens), i64(int(batch.kv_token_id_vs_position_offset)),
+    )
+
+
+def write_plan_args(wplan) -> tuple:
+    return (ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs),
+            i64(int(wplan.capacity)))
+
+
+def plan(vplan, wplan, batch, *, stream) -> None:
+    device_id = batch.device.index
+    fn = kernel("plan", "kvc_plan", device_id)
+    v_capacity = int(vplan.capacity)
+    w_capacity = int(wplan.capacity)
+    work = max((v_capacity + _BLOCK - 1) // _BLOCK, (w_capacity + _BLOCK) // _BLOCK, 1)
+    grid = max(1, min(resident_grid("plan", "kvc_plan", device_id, _BLOCK), work))
+    args = (
+        *batch_args(batch),
         ptr(vplan.slot_indices), ptr(vplan.expected_tokens), ptr(vplan.expected_positions),
         ptr(vplan.prev_slot_indices), ptr(vplan.num_valid), ptr(vplan.enable), i64(v_capacity),
-        ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs),
-        i64(w_capacity),
+        *write_plan_args(wplan),
     )
     launch(fn, grid, _BLOCK, args, stream)

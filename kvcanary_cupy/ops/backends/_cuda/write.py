@@ -1,41 +1,54 @@
-"""write on a CUDA device (SPEC §3.1): a warp per request chain, hashing spread over the grid."""
+"""write on a CUDA device (SPEC §3.1): a warp per request chain, hashing spread over the grid;
+decode-shaped launches take a thread per request (decided in the kernel)."""
 
 from __future__ import annotations
 
-from . import i64, kernel, launch, ptr, resident_grid, vec16
+from . import Launch, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 256          # kThreads in write.cu
-_WARPS = _BLOCK // 32
 
 
-def write(ctx, wplan, batch, *, stream) -> None:
-    device_id = ctx.device.index
-    name = "kvc_write<true>" if vec16(ctx.canary_buf) else "kvc_write<false>"
-    fn = kernel("write", name, device_id)
-    capacity = int(wplan.capacity)
+def context_args(ctx) -> tuple:
+    """The canary context's ring, counters and sources, in the order every writing kernel takes them."""
     table = ctx.source_table
-    nsrc = int(table.shape[0])
-    resident = resident_grid("write", name, device_id, _BLOCK)
-    if nsrc > 0:
-        grid = resident  # long requests hand their hashing to every block
-    else:
-        grid = max(1, min(resident, capacity))  # one chain per block while requests are few
+    return (ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
+            ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter), ptr(table), i64(int(table.shape[0])))
+
+
+def entry_args(batch) -> tuple:
+    """input_ids, positions, out_cache_loc, the input assert's arrays (or nulls) and the entry count."""
     expected_tokens = batch.expected_input_tokens
     expected_positions = batch.expected_input_positions
     num_entries = min(int(batch.input_ids.shape[0]), int(batch.positions.shape[0]),
                       int(batch.out_cache_loc.shape[0]))
     if expected_tokens is not None and expected_positions is not None:
-        num_entries = min(num_entries, int(expected_tokens.shape[0]),
-                          int(expected_positions.shape[0]))
+        num_entries = min(num_entries, int(expected_tokens.shape[0]), int(expected_positions.shape[0]))
     else:
         expected_tokens = expected_positions = None
+    return (ptr(batch.input_ids), ptr(batch.positions), ptr(batch.out_cache_loc),
+            ptr(expected_tokens), ptr(expected_positions), i64(num_entries))
+
+
+def prepare(ctx, wplan, batch) -> Launch:
+    device_id = ctx.device.index
+    name = "kvc_write<true>" if vec16(ctx.canary_buf) else "kvc_write<false>"
+    fn = kernel("write", name, device_id)
+    capacity = int(wplan.capacity)
+    nsrc = int(ctx.source_table.shape[0])
+    resident = resident_grid("write", name, device_id, _BLOCK)
+    if nsrc > 0:
+        grid = resident  # long requests hand their hashing to every block
+    else:
+        grid = max(1, min(resident, capacity))  # one chain per block while requests are few
+    ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc_arg = context_args(ctx)
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes),
         ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs), i64(capacity),
-        ptr(batch.input_ids), ptr(batch.positions), ptr(batch.out_cache_loc),
-        ptr(expected_tokens), ptr(expected_positions), i64(num_entries),
-        ptr(ctx.chain_position_assert), ptr(ctx.violation_ring), i64(ctx.ring_capacity),
-        ptr(ctx.violation_write_index), ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter),
-        ptr(table), i64(nsrc), i64(int(batch.tag)),
+        *entry_args(batch), ptr(ctx.chain_position_assert), ring, ring_capacity, write_index,
+        slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
-    launch(fn, grid, _BLOCK, args, stream)
+    return Launch(fn, grid, _BLOCK, args)
+
+
+def write(ctx, wplan, batch, *, stream) -> None:
+    prepare(ctx, wplan, batch)(stream)

@@ -1,0 +1,52 @@
+"""The canary step on a CUDA device: one launch for decode-shaped batches (verify entries derived
+from the metadata, then the write by the last block), otherwise the step kernel (verify and the
+write plan) followed by the write kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import Launch, i64, kernel, ptr, resident_grid, vec16
+from .plan import batch_args, write_plan_args
+from .write import context_args, entry_args, prepare as prepare_write
+
+_BLOCK = 512            # kThreads in step.cu
+TAIL_MAX_REQUESTS = 1024  # the last block writes at most two rounds of a thread per request
+
+
+def tail_write(batch_size: int, num_entries: int) -> bool:
+    """Decode-shaped: at most two new tokens per request on average, and few enough requests for
+    one block to write them."""
+    return batch_size <= TAIL_MAX_REQUESTS and num_entries <= 2 * batch_size
+
+
+def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
+            check_expected_token: bool) -> list[Launch]:
+    import cupy
+
+    device_id = ctx.device.index
+    bs = int(batch.req_pool_indices.shape[0])
+    tail = tail_write(bs, writes.num_entries)
+    name = f"kvc_step<{'true' if vec16(ctx.canary_buf) else 'false'}, {'true' if tail else 'false'}>"
+    fn = kernel("step", name, device_id)
+    # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
+    # loop is exact for any grid).
+    width = int(batch.req_to_token.shape[1])
+    per_request = min(width, int(batch.swa_window_size)) if batch.swa_window_size > 0 else width
+    most = min(int(verify_capacity), bs * max(per_request, 1))
+    grid = max(1, min(resident_grid("step", name, device_id, _BLOCK), -(-most // _BLOCK)))
+    with cupy.cuda.Device(device_id):
+        blocks_done = cupy.zeros(1, dtype=np.uint32)
+    ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc = context_args(ctx)
+    args = (
+        ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), ring, ring_capacity,
+        write_index, slot_counter, kernel_counter, table, nsrc, ptr(ctx.chain_position_assert),
+        *batch_args(batch),
+        i64(int(verify_capacity)), i64(int(verify_tag)), i64(1 if check_expected_token else 0),
+        *write_plan_args(wplan),
+        *entry_args(writes), i64(int(writes.tag)), blocks_done,
+    )
+    launches = [Launch(fn, grid, _BLOCK, args)]
+    if not tail:
+        launches.append(prepare_write(ctx, wplan, writes))
+    return launches

@@ -1,0 +1,85 @@
+"""The canary step: one forward's verify of every slot it reads and write of its new tokens, prepared once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from .. import validate as check
+from ..context import CanaryContext, WritePlan
+from ._dispatch import backend_module, launch_scope
+from .batches import PlanBatch, WriteBatch, launch_tag
+
+
+@dataclasses.dataclass(frozen=True)
+class StepVerify:
+    """How the step verifies: the verify plan's capacity it stands in for, the tag, the token check."""
+
+    capacity: int
+    tag: int
+    check_expected_token: bool = False
+
+    def __post_init__(self) -> None:
+        capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", self.capacity))
+        object.__setattr__(self, "capacity", capacity)
+        object.__setattr__(self, "tag", launch_tag(self.tag))
+        object.__setattr__(self, "check_expected_token",
+                           check.boolean("check_expected_token", self.check_expected_token))
+
+
+class CanaryStep:
+    """One forward's canary work, validated once and launched every step.
+
+    ``launch()`` verifies every prefix slot the batch reads (SPEC §3.2, entries as ``kc.plan``
+    derives them) and then writes the batch's new tokens (SPEC §3.1). Every output — canary buffer,
+    violation rows, write index, counters — equals what ``kc.plan`` into a verify plan of
+    ``verify_capacity`` entries, ``kc.verify(tag=verify_tag)`` and ``kc.write(tag=write_tag)`` would
+    leave; a batch with more entries than ``verify_capacity`` skips its verify, as an overflowing plan
+    does. On a GPU no verify plan is materialised: the kernel derives each entry from
+    ``req_to_token`` where it checks it, and a decode-shaped batch (at most two new tokens per
+    request on average, at most 1024 requests) is one launch.
+
+    The arrays are bound here: refill them in place between launches, as for a captured CUDA graph.
+    Call ``launch`` after the forward has written its KV, since the write fingerprints those bytes.
+    """
+
+    def __init__(self, ctx: CanaryContext, *, verify_capacity: int, verify_tag: int, write_tag: int,
+                 req_pool_indices: Any, prefix_lens: Any, extend_seq_lens: Any, req_to_token: Any,
+                 input_ids: Any, positions: Any, out_cache_loc: Any,
+                 swa_window_size: int = 0, full_to_swa_index_mapping: Optional[Any] = None,
+                 req_to_verify_expected_tokens: Optional[Any] = None,
+                 req_to_verify_expected_tokens_valid_lens: Optional[Any] = None,
+                 kv_token_id_vs_position_offset: int = 0, check_expected_token: bool = False,
+                 expected_input_tokens: Optional[Any] = None, expected_input_positions: Optional[Any] = None):
+        if not isinstance(ctx, CanaryContext):
+            raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
+        settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
+        batch = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
+                          req_to_token=req_to_token, swa_window_size=swa_window_size,
+                          full_to_swa_index_mapping=full_to_swa_index_mapping,
+                          req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+                          req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+                          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+        writes = WriteBatch(tag=write_tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+                            expected_input_tokens=expected_input_tokens,
+                            expected_input_positions=expected_input_positions)
+        devices = {"ctx": ctx.device, "req_pool_indices": batch.device, "input_ids": writes.device}
+        self.device = check.one_device(devices)
+        self.ctx, self.settings, self.batch, self.writes = ctx, settings, batch, writes
+        with launch_scope({"step": self.device}, None):
+            self.write_plan = WritePlan.allocate(batch.batch_size, device=self.device)
+            self._launches = backend_module(self.device, "step").prepare(
+                ctx, self.write_plan, batch, writes, verify_capacity=settings.capacity, verify_tag=settings.tag,
+                check_expected_token=settings.check_expected_token)
+
+    @property
+    def num_launches(self) -> int:
+        """Kernel launches per step on this device (1 for a decode-shaped batch on a GPU)."""
+        return len(self._launches)
+
+    def launch(self, *, stream: Any = None) -> None:
+        """Run the step on ``stream`` (default: CuPy's current stream); nothing is validated again."""
+        with launch_scope({"step": self.device}, stream) as (_, resolved):
+            for launch in self._launches:
+                launch(resolved)
+

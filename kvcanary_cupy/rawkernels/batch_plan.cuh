@@ -1,0 +1,192 @@
+// Engine batch metadata and how plan entries are derived from it (SPEC 3.3), shared by the plan
+// kernel, which materialises the entries, and the step kernel, which checks them where it derives
+// them.
+#pragma once
+#include "canary_common.cuh"
+
+struct KvcPlanIn {
+    const kvc_i64* req_pool_indices;
+    const kvc_i64* prefix_lens;
+    const kvc_i64* extend_lens;
+    kvc_i64 bs;
+    const int* req_to_token;
+    kvc_i64 rows, width, row_stride;  // row_stride in elements
+    kvc_i64 swa_window;
+    bool has_lut;  // a LUT was given (it may be empty: then every slot >= 0 is unresolved)
+    const kvc_i64* lut;
+    kvc_i64 lut_len;
+    bool has_expected;  // an expected-token pool (and its valid lengths) was given
+    const int* expected_pool;
+    kvc_i64 exp_rows, exp_cols, exp_stride;
+    const kvc_i64* valid_lens;
+    kvc_i64 token_offset;
+};
+
+// tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
+__device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
+    if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
+    const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
+    if (!in.has_lut || s < 0) return s;
+    return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
+}
+
+__device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
+                                                kvc_i64 pos) {
+    if (!in.has_expected) return KVC_NO_EXPECTED_TOKEN;
+    // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
+    if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
+    const kvc_i64 column = pos + in.token_offset;
+    if (column < 0 || column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
+    if (rp < 0 || rp >= in.exp_rows || column >= in.exp_cols) return KVC_NO_EXPECTED_TOKEN;
+    return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
+}
+
+// Inclusive scan over a block of kThreads threads (saturating or wrapping add). *total gets the
+// block's sum. Uses s_warp[kThreads / 32]; ends with a barrier so s_warp can be reused at once.
+template <int kThreads, bool kSaturate>
+__device__ __forceinline__ kvc_i64 kvc_block_scan(kvc_i64 v, kvc_i64* s_warp, kvc_i64* total) {
+    constexpr int kWarpsInBlock = kThreads / 32;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const kvc_i64 t = __shfl_up_sync(KVC_FULL_MASK, v, off);
+        if (lane >= off) v = kSaturate ? kvc_sat_add(v, t) : kvc_wrap_add(v, t);
+    }
+    if (lane == 31) s_warp[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        kvc_i64 w = lane < kWarpsInBlock ? s_warp[lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const kvc_i64 t = __shfl_up_sync(KVC_FULL_MASK, w, off);
+            if (lane >= off) w = kSaturate ? kvc_sat_add(w, t) : kvc_wrap_add(w, t);
+        }
+        if (lane < kWarpsInBlock) s_warp[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) {
+        const kvc_i64 p = s_warp[warp - 1];
+        v = kSaturate ? kvc_sat_add(p, v) : kvc_wrap_add(p, v);
+    }
+    *total = s_warp[kWarpsInBlock - 1];
+    __syncthreads();
+    return v;
+}
+
+// Verify entries of a request: first position and count (0 for padding or empty prefixes).
+__device__ __forceinline__ kvc_i64 kvc_verify_count(const KvcPlanIn& in, kvc_i64 rp,
+                                                    kvc_i64 prefix, kvc_i64* first_pos) {
+    *first_pos = 0;
+    if (rp == 0 || prefix <= 0) return 0;
+    kvc_i64 start = 0;
+    if (in.swa_window > 0) start = kvc_max64(0, prefix - in.swa_window);
+    *first_pos = start;
+    return prefix - start;
+}
+
+// The verify total of the whole batch (saturating), every thread of the block taking part.
+template <int kThreads>
+__device__ __forceinline__ kvc_i64 kvc_verify_total(const KvcPlanIn& in, kvc_i64* s_warp) {
+    kvc_i64 total = 0;
+    for (kvc_i64 tile = 0; tile < in.bs; tile += kThreads) {
+        const kvc_i64 r = tile + threadIdx.x;
+        kvc_i64 cnt = 0, first;
+        if (r < in.bs) cnt = kvc_verify_count(in, in.req_pool_indices[r], in.prefix_lens[r], &first);
+        kvc_i64 tile_total;
+        kvc_block_scan<kThreads, true>(cnt, s_warp, &tile_total);
+        total = kvc_sat_add(total, tile_total);
+    }
+    return total;
+}
+
+// One tile of requests [tile, tile + kThreads) staged for entry lookup: each request's first
+// entry index (s_start), pool row and first position. Returns the tile's entry count.
+struct KvcEntryTile {
+    kvc_i64* s_start;
+    kvc_i64* s_rp;
+    kvc_i64* s_pos0;
+};
+
+template <int kThreads>
+__device__ __forceinline__ kvc_i64 kvc_stage_tile(const KvcPlanIn& in, kvc_i64 tile,
+                                                  kvc_i64 carry, const KvcEntryTile& t,
+                                                  kvc_i64* s_warp) {
+    const int tid = threadIdx.x;
+    const kvc_i64 r = tile + tid;
+    const bool live_row = r < in.bs;
+    const kvc_i64 rp = live_row ? in.req_pool_indices[r] : 0;
+    const kvc_i64 prefix = live_row ? in.prefix_lens[r] : 0;
+    kvc_i64 first_pos;
+    const kvc_i64 cnt = live_row ? kvc_verify_count(in, rp, prefix, &first_pos) : 0;
+    if (!live_row) first_pos = 0;
+    kvc_i64 tile_total;
+    const kvc_i64 incl = kvc_block_scan<kThreads, true>(cnt, s_warp, &tile_total);
+    // Exact whenever entries are produced (the total then fits the verify capacity).
+    t.s_start[tid] = kvc_sat_add(carry, incl - cnt);
+    t.s_rp[tid] = rp;
+    t.s_pos0[tid] = first_pos;
+    return tile_total;
+}
+
+// Entry k of a staged tile (s_start[0] <= k < the tile's end): its request and position.
+template <int kThreads>
+__device__ __forceinline__ void kvc_find_entry(const KvcPlanIn& in, const KvcEntryTile& t,
+                                               kvc_i64 tile, kvc_i64 k, kvc_i64* request,
+                                               kvc_i64* rp, kvc_i64* pos) {
+    // the last request whose first entry is <= k (requests without entries share it)
+    int a = 0, z = (int)kvc_min64(kThreads, in.bs - tile);
+    while (z - a > 1) {
+        const int mid = (a + z) >> 1;
+        if (t.s_start[mid] <= k) a = mid; else z = mid;
+    }
+    *request = tile + a;
+    *rp = t.s_rp[a];
+    *pos = t.s_pos0[a] + (k - t.s_start[a]);
+}
+
+// Write-plan fields of request r: seed slot (-1: no predecessor) and entry count.
+__device__ __forceinline__ kvc_i64 kvc_write_count(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
+                                                   kvc_i64 prefix, kvc_i64* seed) {
+    const kvc_i64 ext = in.extend_lens[r];
+    const bool live = rp != 0 && ext > 0;
+    *seed = (live && prefix > 0) ? kvc_resolve(in, rp, prefix - 1) : -1;
+    return live ? ext : 0;
+}
+
+// The write plan of requests [tile, tile + kThreads): offsets (wrapping exclusive scan of the
+// entry counts, after carry) and seeds, stored for requests below w_capacity. Every thread of the
+// block takes part; returns the carry for the next tile.
+template <int kThreads>
+__device__ __forceinline__ kvc_i64 kvc_write_plan_tile(const KvcPlanIn& in, kvc_i64 tile,
+                                                       kvc_i64 carry, kvc_i64* w_offsets,
+                                                       kvc_i64* w_seeds, kvc_i64 w_capacity,
+                                                       kvc_i64* s_warp) {
+    const kvc_i64 r = tile + threadIdx.x;
+    const bool live_row = r < in.bs;
+    kvc_i64 seed = -1, cnt = 0;
+    if (live_row) cnt = kvc_write_count(in, r, in.req_pool_indices[r], in.prefix_lens[r], &seed);
+    kvc_i64 total;
+    const kvc_i64 incl = kvc_block_scan<kThreads, false>(cnt, s_warp, &total);
+    if (live_row && r < w_capacity) {
+        w_offsets[r] = kvc_wrap_add(carry, incl - cnt);
+        w_seeds[r] = seed;
+    }
+    return kvc_wrap_add(carry, total);
+}
+
+// The write plan's last offset, its request count, and the rows past the batch (offsets 0, seeds
+// -1), the grid striding over them.
+template <int kThreads>
+__device__ __forceinline__ void kvc_finish_write_plan(kvc_i64 bs, kvc_i64 total,
+                                                      kvc_i64* w_offsets, kvc_i64* w_seeds,
+                                                      int* w_num_valid_reqs, kvc_i64 w_capacity) {
+    const kvc_i64 first = (kvc_i64)blockIdx.x * kThreads + threadIdx.x;
+    const kvc_i64 stride = (kvc_i64)gridDim.x * kThreads;
+    if (first == 0) {
+        if (bs <= w_capacity) w_offsets[bs] = total;
+        *w_num_valid_reqs = (int)bs;
+    }
+    for (kvc_i64 i = bs + 1 + first; i <= w_capacity; i += stride) w_offsets[i] = 0;
+    for (kvc_i64 i = bs + first; i < w_capacity; i += stride) w_seeds[i] = -1;
+}

@@ -1,0 +1,135 @@
+// step: one forward's canary work straight from the engine's batch metadata (SPEC 3.3, 3.2 and
+// 3.1 in one launch): the verify of every prefix slot the batch reads, then the write of its new
+// tokens. Equal to plan (with a verify plan of capacity v_capacity) + verify + write.
+//
+// * Verify entries are derived where they are checked: each block stages a tile of requests
+//   (scan of the entry counts, as the plan kernel does) and the grid strides over the tile's
+//   entries, reading req_to_token (coalesced, 4 bytes an entry) instead of a 32-byte plan row
+//   written by one kernel and read back by the next.
+// * kTailWrite (decode-shaped batches, picked on the host by the entry count): the last block to
+//   finish its verify work writes the new tokens, a thread per request, its write plan scanned in
+//   shared memory. Verify reads every slot before any is written, as with separate launches:
+//   every block publishes its completion (fence + counter) and only the last one writes; it
+//   resets the counter for the next launch or graph replay.
+// * Otherwise block 0 stores the write plan and the write kernel runs next.
+#include "batch_plan.cuh"
+#include "write_request.cuh"
+
+namespace {
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+}
+
+template <bool kVec16, bool kTailWrite>
+__global__ void __launch_bounds__(kThreads) kvc_step(
+    // the canary context
+    unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride, kvc_i64* ring_rows,
+    kvc_i64 ring_capacity, int* ring_write_index, unsigned long long* slot_run_counter,
+    unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
+    kvc_i64 num_sources, const int* __restrict__ chain_position_assert,
+    // the batch metadata, as plan takes it
+    const kvc_i64* __restrict__ req_pool_indices, const kvc_i64* __restrict__ prefix_lens,
+    const kvc_i64* __restrict__ extend_lens, kvc_i64 bs, const int* __restrict__ req_to_token,
+    kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window, kvc_i64 has_lut,
+    const kvc_i64* __restrict__ lut, kvc_i64 lut_len, kvc_i64 has_expected,
+    const int* __restrict__ expected_pool, kvc_i64 exp_rows, kvc_i64 exp_cols, kvc_i64 exp_stride,
+    const kvc_i64* __restrict__ valid_lens, kvc_i64 token_offset,
+    // the verify
+    kvc_i64 v_capacity, kvc_i64 verify_tag, kvc_i64 check_expected_token,
+    // the write plan (stored when the write kernel follows)
+    kvc_i64* w_offsets, kvc_i64* w_seeds, int* w_num_valid_reqs, kvc_i64 w_capacity,
+    // the write (kTailWrite)
+    const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
+    const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
+    const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries, kvc_i64 write_tag,
+    unsigned int* blocks_done) {
+    __shared__ kvc_i64 s_warp[kWarps];
+    __shared__ kvc_i64 s_start[kThreads];
+    __shared__ kvc_i64 s_rp[kThreads];
+    __shared__ kvc_i64 s_pos0[kThreads];
+    __shared__ bool s_last;
+    __shared__ unsigned long long s_stored;
+
+    const KvcPlanIn in = {req_pool_indices, prefix_lens, extend_lens, bs, req_to_token, rows,
+                          width, row_stride, swa_window, has_lut != 0, lut, lut_len,
+                          has_expected != 0, expected_pool, exp_rows, exp_cols, exp_stride,
+                          valid_lens, token_offset};
+    const KvcEntryTile entries = {s_start, s_rp, s_pos0};
+    const KvcCanary c = {canary, num_slots, slot_stride};
+    const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
+    const KvcSources src = {source_table, (int)num_sources};
+    const bool check_token = check_expected_token != 0;
+    const KvcVerifyOut out = {ring, src, verify_tag, check_token};
+    const int tid = threadIdx.x;
+    const kvc_i64 ntiles = bs > 0 ? (bs + kThreads - 1) / kThreads : 0;
+    const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kThreads;
+
+    // ---- verify ----------------------------------------------------------------------------
+    kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
+    kvc_i64 carry_v = 0;
+    kvc_i64 carry_w = 0;
+    for (kvc_i64 tile = 0; tile < bs; tile += kThreads) {
+        const kvc_i64 tile_total = kvc_stage_tile<kThreads>(in, tile, carry_v, entries, s_warp);
+        if (ntiles == 1) total = tile_total;
+        if (!kTailWrite && blockIdx.x == 0)
+            carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
+                                                    w_capacity, s_warp);
+        __syncthreads();
+        if (total <= v_capacity) {
+            // the plan's num_valid is an int32
+            const kvc_i64 active = kvc_min64(total, 0x7FFFFFFFLL);
+            const kvc_i64 hi = kvc_min64(carry_v + tile_total, active);
+            for (kvc_i64 k = carry_v + (kvc_i64)blockIdx.x * kThreads + tid; k < hi;
+                 k += grid_threads) {
+                kvc_i64 rq, rp, pos;
+                kvc_find_entry<kThreads>(in, entries, tile, k, &rq, &rp, &pos);
+                const kvc_i64 slot = kvc_resolve(in, rp, pos);
+                const kvc_i64 prev = pos > 0 ? kvc_resolve(in, rp, pos - 1) : -1;
+                const kvc_i64 expected =
+                    check_token ? kvc_expected(in, rq, rp, pos) : KVC_NO_EXPECTED_TOKEN;
+                kvc_verify_entry<kVec16>(c, out, slot, expected, pos, prev);
+            }
+        }
+        carry_v = kvc_sat_add(carry_v, tile_total);
+        __syncthreads();
+    }
+    if (blockIdx.x == 0 && tid == 0) {
+        atomicAdd(kernel_run_counter, 1ull);
+        if (total <= v_capacity)
+            atomicAdd(slot_run_counter, (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL));
+    }
+
+    if (!kTailWrite) {
+        kvc_finish_write_plan<kThreads>(bs, carry_w, w_offsets, w_seeds, w_num_valid_reqs,
+                                        w_capacity);
+        return;
+    }
+
+    // ---- write, by the last block to finish verifying ---------------------------------------
+    if (tid == 0) {
+        __threadfence();
+        s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, *chain_position_assert != 0, ring, src, write_tag};
+    unsigned long long stored = 0;
+    carry_w = 0;
+    for (kvc_i64 tile = 0; tile < bs; tile += kThreads) {
+        const kvc_i64 r = tile + tid;
+        kvc_i64 seed = -1, cnt = 0;
+        if (r < bs) cnt = kvc_write_count(in, r, req_pool_indices[r], prefix_lens[r], &seed);
+        kvc_i64 tile_total;
+        const kvc_i64 incl = kvc_block_scan<kThreads, false>(cnt, s_warp, &tile_total);
+        if (r < bs) {
+            const kvc_i64 begin = kvc_wrap_add(carry_w, incl - cnt);
+            stored += kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed);
+        }
+        carry_w = kvc_wrap_add(carry_w, tile_total);
+    }
+    kvc_count_stored(&s_stored, stored, slot_run_counter);
+    if (tid == 0) *blocks_done = 0u;
+}

@@ -1,0 +1,118 @@
+"""kc.CanaryStep: one forward's verify and write, prepared once, equal to kc.plan + kc.verify + kc.write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+import _fuzzcases as F
+from _devices import BACKENDS, HAS_CUDA, to_device, to_numpy
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_step_equals_plan_verify_write(device):
+    rng = np.random.default_rng(404)
+    for i in range(120 if device == "cpu" else 300):
+        case = F.make_step_case(rng, 50_000 if i % 40 == 39 else 2000)
+        fused = F.run_step(case, device)
+        unfused = F.run_step_unfused(case, "cpu")
+        if unfused["write_index"] > unfused["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
+        assert F.compare("step", case, unfused, fused) == [], f"case {i}"
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_step_relaunch_accumulates(device):
+    """Launching twice is two steps: the second verifies what the first wrote (and the GPU's
+    block-completion counter is reset between launches)."""
+    rng = np.random.default_rng(7)
+    bs, width, num_slots = 8, 32, 1024
+    ctx = kc.CanaryContext.allocate(num_slots, device=device, ring_capacity=64)
+    table = np.zeros((bs + 1, width), np.int32)
+    table[1:] = (rng.permutation(num_slots - 1)[: bs * width] + 1).reshape(bs, width)
+    rtt = to_device(table, device)
+    rpi = to_device(np.arange(1, bs + 1, dtype=np.int64), device)
+    prefix = to_device(np.zeros(bs, np.int64), device)
+    extend = to_device(np.ones(bs, np.int64), device)
+    ids = to_device(np.zeros(bs, np.int64), device)
+    pos = to_device(np.zeros(bs, np.int64), device)
+    loc = to_device(np.zeros(bs, np.int64), device)
+    step = kc.CanaryStep(ctx, verify_capacity=bs * width, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                         write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=rpi, prefix_lens=prefix,
+                         extend_seq_lens=extend, req_to_token=rtt, input_ids=ids, positions=pos, out_cache_loc=loc)
+    steps = 12
+    for t in range(steps):  # a decode of `steps` tokens, metadata refilled in place
+        prefix[...] = t
+        pos[...] = t
+        ids[...] = to_device(rng.integers(0, 150_000, size=bs).astype(np.int64), device)
+        loc[...] = to_device(table[1:, t].astype(np.int64), device)
+        step.launch()
+    report = ctx.violations()
+    assert report.total == 0
+    verified = bs * sum(range(steps))
+    assert ctx.counters() == {"slot_run_counter": verified + bs * steps, "kernel_run_counter": 2 * steps,
+                              "violations": 0}
+    # a bit flipped in a written slot is found by the next step's verify, once
+    victim = int(table[3, 4])
+    buf = ctx.canary_buf
+    buf[victim, 0] ^= 1
+    prefix[...] = steps
+    pos[...] = steps
+    loc[...] = to_device(table[1:, steps].astype(np.int64), device)
+    step.launch()
+    report = ctx.violations()
+    assert report.total >= 1 and all(v.slot_idx == victim or v.fail_reason & kc.FailReason.CHAIN_HASH
+                                      for v in report)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_step_rejects_bad_arguments_and_changes_nothing(device):
+    ctx = kc.CanaryContext.allocate(64, device=device)
+    good = dict(verify_capacity=16, verify_tag=0, write_tag=2,
+                req_pool_indices=to_device(np.array([1], np.int64), device),
+                prefix_lens=to_device(np.array([2], np.int64), device),
+                extend_seq_lens=to_device(np.array([1], np.int64), device),
+                req_to_token=to_device(np.arange(16, dtype=np.int32).reshape(2, 8), device),
+                input_ids=to_device(np.array([5], np.int64), device),
+                positions=to_device(np.array([2], np.int64), device),
+                out_cache_loc=to_device(np.array([11], np.int64), device))
+    before = [to_numpy(a).copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,
+                                          ctx.slot_run_counter, ctx.kernel_run_counter)]
+    bad = [
+        (dict(verify_capacity=-1), ValueError, "verify_capacity must be non-negative, got -1"),
+        (dict(verify_tag=12), ValueError, "tag must be a LaunchTag value"),
+        (dict(write_tag="x"), TypeError, "tag must be a LaunchTag"),
+        (dict(check_expected_token=1), TypeError, "check_expected_token must be a bool"),
+        (dict(input_ids=to_device(np.array([5], np.int32), device)), TypeError, "input_ids must have dtype int64"),
+        (dict(positions=to_device(np.array([2, 3], np.int64), device)), ValueError, "positions must have length 1"),
+        (dict(prefix_lens=to_device(np.array([2, 2], np.int64), device)), ValueError, "prefix_lens must have length 1"),
+        (dict(swa_window_size=4), ValueError, "full_to_swa_index_mapping is required"),
+    ]
+    for change, error, text in bad:
+        with pytest.raises(error, match="^kv-canary: ") as info:
+            kc.CanaryStep(ctx, **{**good, **change})
+        assert text in str(info.value)
+    with pytest.raises(TypeError, match="^kv-canary: ctx must be a CanaryContext"):
+        kc.CanaryStep(object(), **good)
+    after = [to_numpy(a) for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,
+                                   ctx.slot_run_counter, ctx.kernel_run_counter)]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    kc.CanaryStep(ctx, **good).launch()
+    assert tuple(int(to_numpy(c)[0]) for c in (ctx.slot_run_counter, ctx.kernel_run_counter)) == (3, 2)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs, n, launches", [(1, 1, 1), (256, 256, 1), (1024, 2048, 1), (1025, 1025, 2),
+                                             (32, 4096, 2), (1, 4096, 2)])
+def test_step_launch_count_on_gpu(bs, n, launches):
+    """Decode-shaped batches (at most two new tokens a request on average, bs <= 1024) are one launch."""
+    import cupy
+
+    ctx = kc.CanaryContext.allocate(8192, device="cuda")
+    z = lambda k: cupy.zeros(k, dtype=cupy.int64)  # noqa: E731
+    step = kc.CanaryStep(ctx, verify_capacity=10, verify_tag=0, write_tag=2, req_pool_indices=z(bs),
+                         prefix_lens=z(bs), extend_seq_lens=z(bs), req_to_token=cupy.zeros((2, 4), cupy.int32),
+                         input_ids=z(n), positions=z(n), out_cache_loc=z(n))
+    assert step.num_launches == launches
