@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, empty, from_host, parse_device, to_host
+from ._dlpack import CPU, Device, empty, from_host, parse_device, require_cupy, to_host
 from .sources import RealKvSource
 
 
@@ -170,7 +170,9 @@ class CanaryContext:
 
     # --- host side (these synchronise) -----------------------------------------------------------
     def violations(self) -> ViolationReport:
-        """Decode the ring on the host. On a GPU this waits for the work queued so far."""
+        """Decode the ring on the host. On a GPU this waits for the work queued so far on every
+        stream of the context's device (launches on a non-blocking stream included)."""
+        self._wait_for_device()
         total = int(to_host(self.violation_write_index)[0])
         total = total if total >= 0 else total + (1 << 32)
         kept = min(total, self.ring_capacity)
@@ -179,11 +181,17 @@ class CanaryContext:
 
     def counters(self) -> dict[str, int]:
         """``slot_run_counter``, ``kernel_run_counter`` and the violation count, on the host."""
+        self._wait_for_device()
         return {
             "slot_run_counter": int(to_host(self.slot_run_counter)[0]),
             "kernel_run_counter": int(to_host(self.kernel_run_counter)[0]),
             "violations": int(to_host(self.violation_write_index)[0]),
         }
+
+    def _wait_for_device(self) -> None:
+        if self.device.is_cuda:
+            cupy = require_cupy("device")
+            cupy.cuda.Device(self.device.index).synchronize()
 
     def clear_violations(self) -> None:
         """Empty the ring (rows and write index); counters are kept."""

@@ -112,7 +112,7 @@ def test_graph_replay_matches_eager_launches():
     graphed.ctx.canary_buf[victim, 24] ^= 1
     graphed.refresh(32, 1)
     graph.launch(stream)
-    report = graphed.ctx.violations()
+    report = graphed.ctx.violations()  # waits for the replay on the non-blocking stream
     assert report.total == 1 and report[0].slot_idx == victim
     assert report[0].fail_reason == kc.FailReason.REAL_KV_HASH
 
