@@ -36,8 +36,8 @@ class CanaryStep:
     ``verify_capacity`` entries, ``kc.verify(tag=verify_tag)`` and ``kc.write(tag=write_tag)`` would
     leave; a batch with more entries than ``verify_capacity`` skips its verify, as an overflowing plan
     does. On a GPU no verify plan is materialised: the kernel derives each entry from
-    ``req_to_token`` where it checks it, and a decode-shaped batch (at most two new tokens per
-    request on average, at most 1024 requests) is one launch.
+    ``req_to_token`` where it checks it, and a small decode batch (at most two new tokens per
+    request on average, at most 32 requests) is one launch; otherwise two.
 
     The arrays are bound here: refill them in place between launches, as for a captured CUDA graph.
     Call ``launch`` after the forward has written its KV, since the write fingerprints those bytes.
@@ -74,7 +74,7 @@ class CanaryStep:
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per step on this device (1 for a decode-shaped batch on a GPU)."""
+        """Kernel launches per step on this device (1 for a small decode batch on a GPU)."""
         return len(self._launches)
 
     def launch(self, *, stream: Any = None) -> None:

@@ -6,7 +6,7 @@
 //   (scan of the entry counts, as the plan kernel does) and the grid strides over the tile's
 //   entries, reading req_to_token (coalesced, 4 bytes an entry) instead of a 32-byte plan row
 //   written by one kernel and read back by the next.
-// * kTailWrite (decode-shaped batches, picked on the host by the entry count): the last block to
+// * kTailWrite (small decode batches, picked on the host from the shapes): the last block to
 //   finish its verify work writes the new tokens, a thread per request, its write plan scanned in
 //   shared memory. Verify reads every slot before any is written, as with separate launches:
 //   every block publishes its completion (fence + counter) and only the last one writes; it
@@ -15,13 +15,18 @@
 #include "batch_plan.cuh"
 #include "write_request.cuh"
 
+// Blocks per SM the register budget must allow (verify is a latency-bound gather: it wants warps).
+#ifndef KVC_STEP_MIN_BLOCKS
+#define KVC_STEP_MIN_BLOCKS 1
+#endif
+
 namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 }
 
 template <bool kVec16, bool kTailWrite>
-__global__ void __launch_bounds__(kThreads) kvc_step(
+__global__ void __launch_bounds__(kThreads, KVC_STEP_MIN_BLOCKS) kvc_step(
     // the canary context
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride, kvc_i64* ring_rows,
     kvc_i64 ring_capacity, int* ring_write_index, unsigned long long* slot_run_counter,

@@ -18,14 +18,11 @@
 // * Requests are spread over warps: request r is chained by warp (r / gridDim) % kWarps of block
 //   r % gridDim; offloaded hash chunks go to the block's warps from the last one down.
 //
-// * Decode-shaped launches (at most two entries per request on average, decided in the kernel
-//   from the entry count and num_valid_reqs) take one phase instead: a thread per request walks
-//   its entries in order, the sources' loads issued together.
 //
 // Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
 // Requests run concurrently, so two requests of one launch that write the same slot, or one that
 // seeds from a slot another writes, race (an engine never builds such a batch).
-#include "write_request.cuh"
+#include "canary_common.cuh"
 
 namespace {
 constexpr int kWarps = 8;
@@ -79,19 +76,6 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     if (threadIdx.x == 0) {
         s_stored = 0;
         if (blockIdx.x == 0) atomicAdd(kernel_run_counter, 1ull);
-    }
-    if (n <= 2 * nreq) {
-        if (block * kThreads >= nreq) return;  // the host sized the grid for the warp path
-        const KvcCanary c = {canary, num_slots, slot_stride};
-        const KvcWriteIn w = {input_ids, positions, out_cache_loc,
-                              has_expected ? expected_tokens : nullptr,
-                              has_expected ? expected_positions : nullptr, n,
-                              *chain_position_assert != 0, ring, src, tag};
-        unsigned long long mine = 0;
-        for (kvc_i64 r = block * kThreads + threadIdx.x; r < nreq; r += grid * kThreads)
-            mine += kvc_write_request<kVec16>(c, w, offsets[r], offsets[r + 1], seed_slots[r]);
-        kvc_count_stored(&s_stored, mine, slot_run_counter);
-        return;
     }
 
     // ---- offloaded hashing of long requests --------------------------------------------------

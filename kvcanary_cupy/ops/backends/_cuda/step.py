@@ -1,4 +1,4 @@
-"""The canary step on a CUDA device: one launch for decode-shaped batches (verify entries derived
+"""The canary step on a CUDA device: one launch for small decode batches (verify entries derived
 from the metadata, then the write by the last block), otherwise the step kernel (verify and the
 write plan) followed by the write kernel."""
 
@@ -11,12 +11,14 @@ from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, prepare as prepare_write
 
 _BLOCK = 512            # kThreads in step.cu
-TAIL_MAX_REQUESTS = 1024  # the last block writes at most two rounds of a thread per request
+# The last block writes a request per thread, which beats a second launch only for small batches:
+# on an H200 (tools/decode_probe.py) one launch is faster at bs 1, two launches from bs 128 on.
+TAIL_MAX_REQUESTS = 32
 
 
 def tail_write(batch_size: int, num_entries: int) -> bool:
-    """Decode-shaped: at most two new tokens per request on average, and few enough requests for
-    one block to write them."""
+    """Decode-shaped and small: at most two new tokens per request on average, at most
+    TAIL_MAX_REQUESTS requests."""
     return batch_size <= TAIL_MAX_REQUESTS and num_entries <= 2 * batch_size
 
 

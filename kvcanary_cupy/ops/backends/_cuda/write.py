@@ -1,5 +1,4 @@
-"""write on a CUDA device (SPEC §3.1): a warp per request chain, hashing spread over the grid;
-decode-shaped launches take a thread per request (decided in the kernel)."""
+"""write on a CUDA device (SPEC §3.1): a warp per request chain, hashing spread over the grid."""
 
 from __future__ import annotations
 

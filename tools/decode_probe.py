@@ -1,0 +1,84 @@
+"""Decode-shaped launch costs on a GPU, variant by variant (hot L2; 20 calls captured in one CUDA graph, replayed, median of 30).
+
+    python tools/decode_probe.py
+
+For each decode case: plan, verify and write as separate ops, and kc.CanaryStep as one launch (last block writes) and as two (step
+kernel, then the write kernel). Prints registers per thread of each kernel.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import _shapes as S  # noqa: E402
+from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
+from kvcanary_cupy.rawkernels import _loader  # noqa: E402
+
+
+def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
+    """Device time of one ``fn()`` in us: ``per_graph`` calls captured in one CUDA graph, replayed."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(per_graph):
+            fn()
+        graph = stream.end_capture()
+    graph.launch(stream)
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        graph.launch(stream)
+        b.record(stream)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / per_graph)
+    return float(np.median(times))
+
+
+def use_step_min_blocks(blocks: int) -> None:
+    """Recompile step.cu with KVC_STEP_MIN_BLOCKS=blocks and make the launchers use it."""
+    spec = next(c for c in _loader.compile_specs() if c.name == "step")
+    module = cupy.RawModule(code=spec.code, options=spec.options + (f"-DKVC_STEP_MIN_BLOCKS={blocks}",),
+                            name_expressions=list(_loader.SPECS["step"].name_expressions))
+    for kernel in _loader.SPECS["step"].kernels:
+        _loader._functions[("step", kernel, 0)] = module.get_function(kernel)
+    _loader._resident.clear()
+
+
+def main() -> None:
+    names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "decode_mid_batch", "e2e_decode_steady",
+                             "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    print(f"empty kernel {timed(lambda: empty((1,), (32,), ())):.2f} us")
+    for name in names:
+        case = next(c for c in S.CASES if c.name == name)
+        state = S.build_state(case, "cuda")
+        row = {"plan": timed(lambda: state.plan(0)), "verify": timed(lambda: state.verify(0)),
+               "ops": timed(lambda: state.step_ops(0))}
+        row["write"] = timed(lambda: state.write(0))
+        for blocks in (1, 2, 3):
+            use_step_min_blocks(blocks)
+            for tail_max in (1 << 20, 0):
+                cuda_step.TAIL_MAX_REQUESTS = tail_max
+                state.__dict__.pop("_canary_steps", None)
+                step = state.canary_step(0)
+                row[f"step{blocks} {step.num_launches}L"] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+        use_step_min_blocks(1)
+        cuda_step.TAIL_MAX_REQUESTS = 32
+        assert state.violations() == 0
+        print(f"{name:34s} " + " ".join(f"{k}={v:7.2f}" for k, v in row.items()), flush=True)
+    for spec in _loader.SPECS.values():
+        for kernel in spec.kernels:
+            fn = _loader.get_kernel(spec.name, kernel, 0)
+            print(f"  {kernel:28s} regs {fn.num_regs:4d} smem {fn.shared_size_bytes:6d} local {fn.local_size_bytes}")
+
+
+if __name__ == "__main__":
+    main()
