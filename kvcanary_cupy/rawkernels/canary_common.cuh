@@ -173,6 +173,29 @@ __device__ __forceinline__ kvc_i64* kvc_slot_words(unsigned char* buf, kvc_i64 s
     return reinterpret_cast<kvc_i64*>(buf + slot * stride);
 }
 
+// Stores a slot's fields; without store_hash the real-KV hash word is left to another thread.
+template <bool kVec16>
+__device__ __forceinline__ void kvc_store_slot(unsigned char* buf, kvc_i64 stride, kvc_i64 slot,
+                                               kvc_i64 token, kvc_i64 position, kvc_u64 chain,
+                                               kvc_u64 kv_hash, bool store_hash) {
+    kvc_i64* w = kvc_slot_words(buf, stride, slot);
+    if (kVec16 && store_hash) {
+        kvc_i64 f[4];
+        f[KVC_FIELD_TOKEN] = token;
+        f[KVC_FIELD_POSITION] = position;
+        f[KVC_FIELD_PREV_HASH] = (kvc_i64)chain;
+        f[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)kv_hash;
+        longlong2* q = reinterpret_cast<longlong2*>(w);
+        q[0] = make_longlong2(f[0], f[1]);
+        q[1] = make_longlong2(f[2], f[3]);
+    } else {
+        w[KVC_FIELD_TOKEN] = token;
+        w[KVC_FIELD_POSITION] = position;
+        w[KVC_FIELD_PREV_HASH] = (kvc_i64)chain;
+        if (store_hash) w[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)kv_hash;
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // violation ring
 

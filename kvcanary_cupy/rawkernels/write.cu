@@ -266,22 +266,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
             const unsigned later = lane == 31 ? 0u : (peers >> (lane + 1));
             if (in_range && later == 0u) {
-                kvc_i64* w = kvc_slot_words(canary, slot_stride, slot);
-                if (kVec16 && store_hash) {
-                    kvc_i64 f[4];
-                    f[KVC_FIELD_TOKEN] = tok;
-                    f[KVC_FIELD_POSITION] = pos;
-                    f[KVC_FIELD_PREV_HASH] = (kvc_i64)my_running;
-                    f[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
-                    longlong2* q = reinterpret_cast<longlong2*>(w);
-                    q[0] = make_longlong2(f[0], f[1]);
-                    q[1] = make_longlong2(f[2], f[3]);
-                } else {
-                    w[KVC_FIELD_TOKEN] = tok;
-                    w[KVC_FIELD_POSITION] = pos;
-                    w[KVC_FIELD_PREV_HASH] = (kvc_i64)my_running;
-                    if (store_hash) w[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
-                }
+                kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
+                                       store_hash);
             }
             stored += (unsigned long long)__popc(mask);
             __syncwarp();

@@ -77,22 +77,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
             }
             prev_pos = pos;
         }
-        kvc_i64* words = kvc_slot_words(c.buf, c.slot_stride, slot);
-        if (kVec16) {
-            kvc_i64 f[4];
-            f[KVC_FIELD_TOKEN] = tok;
-            f[KVC_FIELD_POSITION] = pos;
-            f[KVC_FIELD_PREV_HASH] = (kvc_i64)running;
-            f[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
-            longlong2* q = reinterpret_cast<longlong2*>(words);
-            q[0] = make_longlong2(f[0], f[1]);
-            q[1] = make_longlong2(f[2], f[3]);
-        } else {
-            words[KVC_FIELD_TOKEN] = tok;
-            words[KVC_FIELD_POSITION] = pos;
-            words[KVC_FIELD_PREV_HASH] = (kvc_i64)running;
-            words[KVC_FIELD_REAL_KV_HASH] = (kvc_i64)h;
-        }
+        kvc_store_slot<kVec16>(c.buf, c.slot_stride, slot, tok, pos, running, h, true);
         running = kvc_mix3(running, (kvc_u64)tok, (kvc_u64)pos);
         ++stored;
     }
