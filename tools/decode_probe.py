@@ -63,14 +63,14 @@ def main() -> None:
         row = {"plan": timed(lambda: state.plan(0)), "verify": timed(lambda: state.verify(0)),
                "ops": timed(lambda: state.step_ops(0))}
         row["write"] = timed(lambda: state.write(0))
-        for blocks in (1, 2, 3):
+        for blocks in (1, 2):
             use_step_min_blocks(blocks)
             for tail_max in (1 << 20, 0):
                 cuda_step.TAIL_MAX_REQUESTS = tail_max
                 state.__dict__.pop("_canary_steps", None)
                 step = state.canary_step(0)
                 row[f"step{blocks} {step.num_launches}L"] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
-        use_step_min_blocks(1)
+        use_step_min_blocks(2)
         cuda_step.TAIL_MAX_REQUESTS = 32
         assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"{k}={v:7.2f}" for k, v in row.items()), flush=True)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from .. import validate as check
 from ..context import CanaryContext, WritePlan
-from ._dispatch import backend_module, launch_scope
+from ._dispatch import backend_module, launch_scope, resolve_stream
 from .batches import PlanBatch, WriteBatch, launch_tag
 
 
@@ -79,7 +79,15 @@ class CanaryStep:
 
     def launch(self, *, stream: Any = None) -> None:
         """Run the step on ``stream`` (default: CuPy's current stream); nothing is validated again."""
-        with launch_scope({"step": self.device}, stream) as (_, resolved):
-            for launch in self._launches:
-                launch(resolved)
+        if self.device.is_cuda:
+            # The hot path of an eager engine: no context manager beyond the device's own.
+            import cupy
+
+            with cupy.cuda.Device(self.device.index):
+                resolved = cupy.cuda.get_current_stream() if stream is None else resolve_stream(stream, self.device)
+                for launch in self._launches:
+                    launch(resolved)
+            return
+        for launch in self._launches:
+            launch(None)
 

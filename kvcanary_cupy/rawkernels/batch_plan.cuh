@@ -129,20 +129,48 @@ __device__ __forceinline__ kvc_i64 kvc_stage_tile(const KvcPlanIn& in, kvc_i64 t
     return tile_total;
 }
 
-// Entry k of a staged tile (s_start[0] <= k < the tile's end): its request and position.
+// One lane's verify entry k = base + lane of a staged tile of n requests (live: k < hi).
+struct KvcEntry {
+    kvc_i64 request;  // index in the batch
+    kvc_i64 rp;       // its pool row
+    kvc_i64 pos;
+    bool live;
+};
+
+// The entries base .. base + 31 of a staged tile, one per lane (base is the same on every lane and
+// s_start[0] <= base). The warp finds base's request with two ballots over the tile's starts; a
+// lane past that request's end (rare unless requests are short) searches on from there.
 template <int kThreads>
-__device__ __forceinline__ void kvc_find_entry(const KvcPlanIn& in, const KvcEntryTile& t,
-                                               kvc_i64 tile, kvc_i64 k, kvc_i64* request,
-                                               kvc_i64* rp, kvc_i64* pos) {
-    // the last request whose first entry is <= k (requests without entries share it)
-    int a = 0, z = (int)kvc_min64(kThreads, in.bs - tile);
-    while (z - a > 1) {
-        const int mid = (a + z) >> 1;
-        if (t.s_start[mid] <= k) a = mid; else z = mid;
+__device__ __forceinline__ KvcEntry kvc_warp_entry(const KvcEntryTile& t, int n, kvc_i64 tile,
+                                                   kvc_i64 base, kvc_i64 hi) {
+    static_assert(kThreads % 32 == 0 && kThreads <= 1024, "a tile is at most 32 strides of 32");
+    constexpr int kStride = kThreads / 32;
+    const int lane = threadIdx.x & 31;
+    const int coarse_at = lane * kStride;
+    const unsigned coarse =
+        __ballot_sync(KVC_FULL_MASK, coarse_at < n && t.s_start[coarse_at] <= base);
+    const int from = (31 - __clz(coarse)) * kStride;
+    const int fine_at = from + lane;
+    const unsigned fine = __ballot_sync(
+        KVC_FULL_MASK, lane < kStride && fine_at < n && t.s_start[fine_at] <= base);
+    int a = from + 31 - __clz(fine);
+
+    KvcEntry e;
+    const kvc_i64 k = base + lane;
+    e.live = k < hi;
+    if (e.live && a + 1 < n && t.s_start[a + 1] <= k) {
+        // the last request whose first entry is <= k (requests without entries share it)
+        int z = n;
+        ++a;
+        while (z - a > 1) {
+            const int mid = (a + z) >> 1;
+            if (t.s_start[mid] <= k) a = mid; else z = mid;
+        }
     }
-    *request = tile + a;
-    *rp = t.s_rp[a];
-    *pos = t.s_pos0[a] + (k - t.s_start[a]);
+    e.request = tile + a;
+    e.rp = t.s_rp[a];
+    e.pos = t.s_pos0[a] + (k - t.s_start[a]);
+    return e;
 }
 
 // Write-plan fields of request r: seed slot (-1: no predecessor) and entry count.

@@ -268,7 +268,10 @@ __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
     return v;
 }
 
-#define KVC_FOLD_BATCH 8  // 16-byte vectors per batch; the next batch is in flight meanwhile
+// 16-byte vectors per batch of a long fold (the next batch is in flight meanwhile). Each batch in
+// flight holds 4 registers a vector: a kernel with many threads in flight (verify) folds without
+// batches (kvc_fold_from<1>), which keeps its register count and so its occupancy.
+#define KVC_FOLD_BATCH 8
 
 __device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
     acc = kvc_sm(acc ^ (kvc_u64)v.x);
@@ -278,33 +281,35 @@ __device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
 // fold(bytes): acc = sm(acc ^ w) over 8-byte little-endian words; the bytes are 16-byte aligned
 // and a multiple of 16 long. Software-pipelined: batch k+1 loads while batch k folds.
 // kvc_fold_from continues a fold already at acc.
+template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_fold_from(kvc_u64 acc, const unsigned char* p,
                                                  kvc_i64 nbytes) {
     const longlong2* q = reinterpret_cast<const longlong2*>(p);
     const kvc_i64 n16 = nbytes >> 4;
     kvc_i64 k = 0;
-    if (n16 >= KVC_FOLD_BATCH) {
-        longlong2 cur[KVC_FOLD_BATCH];
+    if (kBatch > 1 && n16 >= kBatch) {
+        longlong2 cur[kBatch];
 #pragma unroll
-        for (int u = 0; u < KVC_FOLD_BATCH; ++u) cur[u] = kvc_ld16_early(q + u);
-        for (k = KVC_FOLD_BATCH; k + KVC_FOLD_BATCH <= n16; k += KVC_FOLD_BATCH) {
-            longlong2 nxt[KVC_FOLD_BATCH];
+        for (int u = 0; u < kBatch; ++u) cur[u] = kvc_ld16_early(q + u);
+        for (k = kBatch; k + kBatch <= n16; k += kBatch) {
+            longlong2 nxt[kBatch];
 #pragma unroll
-            for (int u = 0; u < KVC_FOLD_BATCH; ++u) nxt[u] = kvc_ld16_early(q + k + u);
+            for (int u = 0; u < kBatch; ++u) nxt[u] = kvc_ld16_early(q + k + u);
 #pragma unroll
-            for (int u = 0; u < KVC_FOLD_BATCH; ++u) acc = kvc_fold16(acc, cur[u]);
+            for (int u = 0; u < kBatch; ++u) acc = kvc_fold16(acc, cur[u]);
 #pragma unroll
-            for (int u = 0; u < KVC_FOLD_BATCH; ++u) cur[u] = nxt[u];
+            for (int u = 0; u < kBatch; ++u) cur[u] = nxt[u];
         }
 #pragma unroll
-        for (int u = 0; u < KVC_FOLD_BATCH; ++u) acc = kvc_fold16(acc, cur[u]);
+        for (int u = 0; u < kBatch; ++u) acc = kvc_fold16(acc, cur[u]);
     }
     for (; k < n16; ++k) acc = kvc_fold16(acc, __ldg(q + k));
     return acc;
 }
 
+template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
-    return kvc_fold_from(0ull, p, nbytes);
+    return kvc_fold_from<kBatch>(0ull, p, nbytes);
 }
 
 // True when slot (>= 0) maps to a row past some source's rows; no data is read.
@@ -338,6 +343,7 @@ __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSource
 #define KVC_PREFETCH_SOURCES 4  // sources whose first 32 bytes are all requested before folding
 
 // real_kv_hash(slot) for slot >= 0; sets *oor when a source row is out of range (its fold is 0).
+template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i64 slot,
                                                     bool* oor) {
     kvc_u64 acc = 0;
@@ -349,7 +355,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
         if (p == nullptr) {
             out = true;
         } else {
-            f = kvc_fold(p, nread);
+            f = kvc_fold<kBatch>(p, nread);
         }
         acc = kvc_sm(acc ^ f);
     }

@@ -3,7 +3,7 @@
 // One launch. Requests are taken in tiles of kTile (one request per thread). Every block scans
 // the verify entry counts of a tile redundantly (a few KB, L2-resident), keeps each request's
 // first entry index, pool row and first position in shared memory, then the grid strides over
-// the tile's verify entries: each entry finds its request by binary search and the four plan
+// the tile's verify entries: each warp finds its entries' requests (kvc_warp_entry) and the four plan
 // arrays are written coalesced. Block 0 also scans the extend lengths and writes the write plan.
 // With more than one tile, a first pass sums the counts, since the entries are written only when
 // the total fits the verify capacity. Totals are int64; the verify total saturates (it is only
@@ -52,15 +52,18 @@ __global__ void __launch_bounds__(kTile) kvc_plan(
         __syncthreads();
 
         if (total <= v_capacity) {
-            const kvc_i64 lo = carry_v;
             const kvc_i64 hi = carry_v + tile_total;  // <= total <= capacity: no overflow
-            for (kvc_i64 k = lo + (kvc_i64)blockIdx.x * kTile + tid; k < hi; k += grid_threads) {
-                kvc_i64 rq, rpj, pos;
-                kvc_find_entry<kTile>(in, entries, tile, k, &rq, &rpj, &pos);
-                v_slots[k] = kvc_resolve(in, rpj, pos);
-                v_tokens[k] = kvc_expected(in, rq, rpj, pos);
-                v_positions[k] = pos;
-                v_prev[k] = pos > 0 ? kvc_resolve(in, rpj, pos - 1) : -1;
+            const int n = (int)kvc_min64(kTile, bs - tile);
+            // warp-uniform: every lane takes part in the warp's entry search
+            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kTile + (tid & ~31); base < hi;
+                 base += grid_threads) {
+                const KvcEntry e = kvc_warp_entry<kTile>(entries, n, tile, base, hi);
+                if (!e.live) continue;
+                const kvc_i64 k = base + (tid & 31);
+                v_slots[k] = kvc_resolve(in, e.rp, e.pos);
+                v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
+                v_positions[k] = e.pos;
+                v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
             }
         }
         carry_v = kvc_sat_add(carry_v, tile_total);

@@ -15,9 +15,12 @@
 #include "batch_plan.cuh"
 #include "write_request.cuh"
 
-// Blocks per SM the register budget must allow (verify is a latency-bound gather: it wants warps).
+// Blocks per SM the register budget must allow. Verify is a latency-bound gather that wants warps
+// in flight: two blocks (64 registers a thread) fit the verify body without spilling. The last-block
+// write of kTailWrite needs more, and runs for small batches only. KVC_STEP_MIN_BLOCKS overrides
+// the verify variant's bound (tools/decode_probe.py tries others).
 #ifndef KVC_STEP_MIN_BLOCKS
-#define KVC_STEP_MIN_BLOCKS 1
+#define KVC_STEP_MIN_BLOCKS 2
 #endif
 
 namespace {
@@ -25,8 +28,48 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 }
 
+// The check of one lane's entry (kvc_verify_entry's), every lane of the warp taking part. When
+// lane - 1 holds entry k - 1 of the same request, its slot is this entry's predecessor: the slot
+// number and the chain link it gives come from that lane instead of a second read.
+template <bool kVec16>
+__device__ __forceinline__ void kvc_verify_warp_entry(const KvcPlanIn& in, const KvcCanary& c,
+                                                      const KvcVerifyOut& out, const KvcEntry& e) {
+    const int lane = threadIdx.x & 31;
+    const kvc_i64 slot = e.live ? kvc_resolve(in, e.rp, e.pos) : KVC_PADDING_SLOT;
+    const kvc_i64 left_request = __shfl_up_sync(KVC_FULL_MASK, e.live ? e.request : -1, 1);
+    const kvc_i64 left_slot = __shfl_up_sync(KVC_FULL_MASK, slot, 1);
+    const bool from_left = e.live && lane > 0 && left_request == e.request;
+    kvc_i64 prev = -1;
+    if (from_left) prev = left_slot;
+    else if (e.live && e.pos > 0) prev = kvc_resolve(in, e.rp, e.pos - 1);
+
+    const bool readable = e.live && kvc_slot_in_range(c, slot);
+    KvcSlot s = {{0, 0, 0, 0}};
+    kvc_u64 own_link = 0;
+    if (readable) {
+        s = kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, slot);
+        own_link = kvc_slot_link(s);
+    }
+    const kvc_u64 left_link = __shfl_up_sync(KVC_FULL_MASK, own_link, 1);
+    if (!e.live || slot == KVC_PADDING_SLOT) return;
+    const kvc_i64 expected =
+        out.check_token ? kvc_expected(in, e.request, e.rp, e.pos) : KVC_NO_EXPECTED_TOKEN;
+    if (!readable) {
+        kvc_record_out_of_range(out, slot, expected, e.pos);
+        return;
+    }
+    kvc_u64 link = 0;
+    if (kvc_chain_checked(c, prev)) {
+        // from_left with prev in range: the left lane read prev and computed its link
+        if (prev < 0) link = kvc_anchor_link();
+        else if (from_left) link = left_link;
+        else link = kvc_slot_link(kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, prev));
+    }
+    kvc_check_slot(c, out, slot, s, expected, e.pos, prev, link);
+}
+
 template <bool kVec16, bool kTailWrite>
-__global__ void __launch_bounds__(kThreads, KVC_STEP_MIN_BLOCKS) kvc_step(
+__global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS) kvc_step(
     // the canary context
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride, kvc_i64* ring_rows,
     kvc_i64 ring_capacity, int* ring_write_index, unsigned long long* slot_run_counter,
@@ -84,15 +127,12 @@ __global__ void __launch_bounds__(kThreads, KVC_STEP_MIN_BLOCKS) kvc_step(
             // the plan's num_valid is an int32
             const kvc_i64 active = kvc_min64(total, 0x7FFFFFFFLL);
             const kvc_i64 hi = kvc_min64(carry_v + tile_total, active);
-            for (kvc_i64 k = carry_v + (kvc_i64)blockIdx.x * kThreads + tid; k < hi;
-                 k += grid_threads) {
-                kvc_i64 rq, rp, pos;
-                kvc_find_entry<kThreads>(in, entries, tile, k, &rq, &rp, &pos);
-                const kvc_i64 slot = kvc_resolve(in, rp, pos);
-                const kvc_i64 prev = pos > 0 ? kvc_resolve(in, rp, pos - 1) : -1;
-                const kvc_i64 expected =
-                    check_token ? kvc_expected(in, rq, rp, pos) : KVC_NO_EXPECTED_TOKEN;
-                kvc_verify_entry<kVec16>(c, out, slot, expected, pos, prev);
+            const int n = (int)kvc_min64(kThreads, bs - tile);
+            // warp-uniform: the lanes share the entry search and their neighbours' slots
+            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
+                 base += grid_threads) {
+                const KvcEntry e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
+                kvc_verify_warp_entry<kVec16>(in, c, out, e);
             }
         }
         carry_v = kvc_sat_add(carry_v, tile_total);

@@ -9,6 +9,8 @@ the first call of each op on a device does that).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from ....rawkernels import _loader
@@ -50,20 +52,65 @@ def vec16(canary_buf) -> bool:
     return canary_buf.data.ptr % 16 == 0 and int(canary_buf.shape[1]) % 16 == 0
 
 
+# Kernel parameter types: what each launcher passes, as the C value the kernel receives.
+_C_SCALARS = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
+              np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.uint32): ctypes.c_uint32}
+
+
+def _c_parameter(value):
+    """One kernel parameter as a ctypes value: a device array's address or a NumPy scalar."""
+    if isinstance(value, np.generic):
+        ctype = _C_SCALARS.get(value.dtype)
+        if ctype is None:
+            raise TypeError(f"kv-canary: kernel parameter of dtype {value.dtype} has no C type here")
+        return ctype(value.item())
+    data = getattr(value, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return ctypes.c_uint64(int(data.ptr))
+    raise TypeError(f"kv-canary: kernel parameter of type {type(value).__name__} cannot be packed")
+
+
+class _PackedParameters:
+    """The ``void**`` parameter array of one launch, built once: a relaunch is one driver call
+    instead of CuPy converting every argument again (a step kernel takes over fifty)."""
+
+    __slots__ = ("keep_alive", "values", "pointers", "address", "function")
+
+    def __init__(self, fn, args: tuple):
+        self.keep_alive = args  # the arrays whose addresses are packed
+        self.values = [_c_parameter(a) for a in args]
+        self.pointers = (ctypes.c_void_p * max(len(self.values), 1))(
+            *[ctypes.addressof(v) for v in self.values])
+        self.address = ctypes.addressof(self.pointers)
+        self.function = fn.kernel.ptr  # the CUfunction on the current device
+
+
 class Launch:
-    """One kernel launch with every argument fixed: calling it launches on the given stream."""
+    """One kernel launch with every argument fixed: calling it launches on the given stream.
 
-    __slots__ = ("fn", "grid", "block", "args")
+    ``packed``: the parameters are packed once here (the current device must be the kernel's), and
+    each call goes straight to ``cuLaunchKernel``; for launches that are prepared once and run
+    every step."""
 
-    def __init__(self, fn, grid: int, block: int, args: tuple):
+    __slots__ = ("fn", "grid", "block", "args", "_packed")
+
+    def __init__(self, fn, grid: int, block: int, args: tuple, *, packed: bool = False):
         self.fn = fn
         self.grid = (int(grid),)
         self.block = (int(block),)
         self.args = args
+        self._packed = _PackedParameters(fn, args) if packed else None
 
     def __call__(self, stream) -> None:
-        with stream:
-            self.fn(self.grid, self.block, self.args)
+        packed = self._packed
+        if packed is None:
+            with stream:
+                self.fn(self.grid, self.block, self.args)
+            return
+        from cupy.cuda import driver
+
+        driver.launchKernel(packed.function, self.grid[0], 1, 1, self.block[0], 1, 1, 0, stream.ptr,
+                            packed.address, 0)
 
 
 def launch(fn, grid: int, block: int, args: tuple, stream) -> None:

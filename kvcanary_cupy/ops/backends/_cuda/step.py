@@ -48,7 +48,8 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
         *write_plan_args(wplan),
         *entry_args(writes), i64(int(writes.tag)), blocks_done,
     )
-    launches = [Launch(fn, grid, _BLOCK, args)]
+    # Packed once: a step relaunches with the same arguments every forward.
+    launches = [Launch(fn, grid, _BLOCK, args, packed=True)]
     if not tail:
-        launches.append(prepare_write(ctx, wplan, writes))
+        launches.append(prepare_write(ctx, wplan, writes, packed=True))
     return launches

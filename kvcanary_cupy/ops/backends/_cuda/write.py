@@ -28,7 +28,7 @@ def entry_args(batch) -> tuple:
             ptr(expected_tokens), ptr(expected_positions), i64(num_entries))
 
 
-def prepare(ctx, wplan, batch) -> Launch:
+def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     device_id = ctx.device.index
     name = "kvc_write<true>" if vec16(ctx.canary_buf) else "kvc_write<false>"
     fn = kernel("write", name, device_id)
@@ -46,7 +46,7 @@ def prepare(ctx, wplan, batch) -> Launch:
         *entry_args(batch), ptr(ctx.chain_position_assert), ring, ring_capacity, write_index,
         slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
-    return Launch(fn, grid, _BLOCK, args)
+    return Launch(fn, grid, _BLOCK, args, packed=packed)
 
 
 def write(ctx, wplan, batch, *, stream) -> None:
