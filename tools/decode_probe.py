@@ -53,7 +53,7 @@ def use_step_min_blocks(blocks: int) -> None:
 
 
 def main() -> None:
-    names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "decode_mid_batch", "e2e_decode_steady",
+    names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     print(f"empty kernel {timed(lambda: empty((1,), (32,), ())):.2f} us")

@@ -406,6 +406,16 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
     return acc;
 }
 
+// Asks L2 for the 128-byte lines of [p, p + nbytes) without waiting, the block's threads taking a
+// line each: data read late in a kernel (after a grid-wide handoff) arrives from L2, not DRAM.
+__device__ __forceinline__ void kvc_prefetch_l2(const void* p, long long nbytes) {
+    if (p == nullptr || nbytes <= 0) return;
+    const unsigned long long first = (unsigned long long)p & ~127ull;
+    const unsigned long long end = (unsigned long long)p + (unsigned long long)nbytes;
+    for (unsigned long long a = first + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
 // ------------------------------------------------------------------------------------------------
 // small helpers
 

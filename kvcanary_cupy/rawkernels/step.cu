@@ -112,6 +112,17 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const kvc_i64 ntiles = bs > 0 ? (bs + kThreads - 1) / kThreads : 0;
     const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kThreads;
 
+    if (kTailWrite && blockIdx.x == 0) {
+        // what the last block reads once every block has verified
+        kvc_prefetch_l2(chain_position_assert, 4);
+        kvc_prefetch_l2(extend_lens, bs * 8);
+        kvc_prefetch_l2(input_ids, num_entries * 8);
+        kvc_prefetch_l2(positions, num_entries * 8);
+        kvc_prefetch_l2(out_cache_loc, num_entries * 8);
+        kvc_prefetch_l2(expected_tokens, num_entries * 8);
+        kvc_prefetch_l2(expected_positions, num_entries * 8);
+    }
+
     // ---- verify ----------------------------------------------------------------------------
     kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
     kvc_i64 carry_v = 0;
@@ -151,13 +162,17 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     }
 
     // ---- write, by the last block to finish verifying ---------------------------------------
-    if (tid == 0) {
+    if (gridDim.x > 1) {
+        if (tid == 0) {
+            __threadfence();
+            s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!s_last) return;
         __threadfence();
-        s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+    } else {
+        __syncthreads();  // a grid of one block: it is the last
     }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
     if (tid == 0) atomicAdd(kernel_run_counter, 1ull);
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, *chain_position_assert != 0, ring, src, write_tag};
@@ -176,5 +191,5 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         carry_w = kvc_wrap_add(carry_w, tile_total);
     }
     kvc_count_stored(&s_stored, stored, slot_run_counter);
-    if (tid == 0) *blocks_done = 0u;
+    if (tid == 0 && gridDim.x > 1) *blocks_done = 0u;
 }
