@@ -2,8 +2,8 @@
 
     python tools/decode_probe.py
 
-For each decode case: plan, verify and write as separate ops, and kc.CanaryStep as one launch (last block writes) and as two (step
-kernel, then the write kernel). Prints registers per thread of each kernel.
+For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds, verify
+lookahead). Prints registers per thread of each kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
-from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 
@@ -42,14 +41,20 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
-def use_step_min_blocks(blocks: int) -> None:
-    """Recompile step.cu with KVC_STEP_MIN_BLOCKS=blocks and make the launchers use it."""
+def use_step_variant(**defines: int) -> None:
+    """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it."""
     spec = next(c for c in _loader.compile_specs() if c.name == "step")
-    module = cupy.RawModule(code=spec.code, options=spec.options + (f"-DKVC_STEP_MIN_BLOCKS={blocks}",),
+    extra = tuple(f"-DKVC_STEP_{name.upper()}={value}" for name, value in defines.items())
+    module = cupy.RawModule(code=spec.code, options=spec.options + extra,
                             name_expressions=list(_loader.SPECS["step"].name_expressions))
     for kernel in _loader.SPECS["step"].kernels:
         _loader._functions[("step", kernel, 0)] = module.get_function(kernel)
     _loader._resident.clear()
+
+
+# (label, step.cu defines): the shipped variant first
+VARIANTS = (("mb2", dict(min_blocks=2, lookahead=0)), ("mb2+look", dict(min_blocks=2, lookahead=1)),
+            ("mb1+look", dict(min_blocks=1, lookahead=1)), ("mb1", dict(min_blocks=1, lookahead=0)))
 
 
 def main() -> None:
@@ -63,15 +68,12 @@ def main() -> None:
         row = {"plan": timed(lambda: state.plan(0)), "verify": timed(lambda: state.verify(0)),
                "ops": timed(lambda: state.step_ops(0))}
         row["write"] = timed(lambda: state.write(0))
-        for blocks in (1, 2):
-            use_step_min_blocks(blocks)
-            for tail_max in (1 << 20, 0):
-                cuda_step.TAIL_MAX_REQUESTS = tail_max
-                state.__dict__.pop("_canary_steps", None)
-                step = state.canary_step(0)
-                row[f"step{blocks} {step.num_launches}L"] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
-        use_step_min_blocks(2)
-        cuda_step.TAIL_MAX_REQUESTS = 32
+        for label, defines in VARIANTS:
+            use_step_variant(**defines)
+            state.__dict__.pop("_canary_steps", None)
+            step = state.canary_step(0)
+            row[f"step[{label}] {step.num_launches}L"] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+        use_step_variant(**VARIANTS[0][1])
         assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"{k}={v:7.2f}" for k, v in row.items()), flush=True)
     for spec in _loader.SPECS.values():

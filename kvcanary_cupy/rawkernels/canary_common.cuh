@@ -365,10 +365,11 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
 
 // real_kv_hash(slot) as kvc_real_kv_hash, for a thread that has little else in flight (a decode
 // write): the first 32 bytes of up to KVC_PREFETCH_SOURCES sources are requested at once, so the
-// sources cost one memory latency instead of one each.
+// sources cost one memory latency instead of one each. kBatch: the fold batch of what follows.
+template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources& src,
                                                                kvc_i64 slot, bool* oor) {
-    if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash(src, slot, oor);
+    if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash<kBatch>(src, slot, oor);
     const unsigned char* p[KVC_PREFETCH_SOURCES];
     kvc_i64 nread[KVC_PREFETCH_SOURCES];
     longlong2 head[KVC_PREFETCH_SOURCES][2];
@@ -397,7 +398,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
             if (p[k] != nullptr) {
                 f = kvc_fold16(f, head[k][0]);
                 if (nread[k] >= 32) f = kvc_fold16(f, head[k][1]);
-                if (nread[k] > 32) f = kvc_fold_from(f, p[k] + 32, nread[k] - 32);
+                if (nread[k] > 32) f = kvc_fold_from<kBatch>(f, p[k] + 32, nread[k] - 32);
             }
             acc = kvc_sm(acc ^ f);
         }

@@ -22,10 +22,20 @@
 #ifndef KVC_STEP_MIN_BLOCKS
 #define KVC_STEP_MIN_BLOCKS 2
 #endif
+// Whether the verify loop derives a warp's next entries before checking the current ones; it
+// costs registers (tools/decode_probe.py compares both).
+#ifndef KVC_STEP_LOOKAHEAD
+#define KVC_STEP_LOOKAHEAD 0
+#endif
 
 namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr bool kLookahead = KVC_STEP_LOOKAHEAD != 0;
+}
+
+__device__ __forceinline__ kvc_i64 kvc_warp_entry_slot(const KvcPlanIn& in, const KvcEntry& e) {
+    return e.live ? kvc_resolve(in, e.rp, e.pos) : KVC_PADDING_SLOT;
 }
 
 // The check of one lane's entry (kvc_verify_entry's), every lane of the warp taking part. When
@@ -33,9 +43,9 @@ constexpr int kWarps = kThreads / 32;
 // number and the chain link it gives come from that lane instead of a second read.
 template <bool kVec16>
 __device__ __forceinline__ void kvc_verify_warp_entry(const KvcPlanIn& in, const KvcCanary& c,
-                                                      const KvcVerifyOut& out, const KvcEntry& e) {
+                                                      const KvcVerifyOut& out, const KvcEntry& e,
+                                                      kvc_i64 slot) {
     const int lane = threadIdx.x & 31;
-    const kvc_i64 slot = e.live ? kvc_resolve(in, e.rp, e.pos) : KVC_PADDING_SLOT;
     const kvc_i64 left_request = __shfl_up_sync(KVC_FULL_MASK, e.live ? e.request : -1, 1);
     const kvc_i64 left_slot = __shfl_up_sync(KVC_FULL_MASK, slot, 1);
     const bool from_left = e.live && lane > 0 && left_request == e.request;
@@ -140,10 +150,26 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             const kvc_i64 hi = kvc_min64(carry_v + tile_total, active);
             const int n = (int)kvc_min64(kThreads, bs - tile);
             // warp-uniform: the lanes share the entry search and their neighbours' slots
-            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
-                 base += grid_threads) {
-                const KvcEntry e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
-                kvc_verify_warp_entry<kVec16>(in, c, out, e);
+            // (kLookahead: each warp derives its next entries, slots included, before it checks
+            // these, so their req_to_token reads overlap the checks)
+            kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31);
+            KvcEntry e = {0, 0, 0, false};
+            kvc_i64 slot = KVC_PADDING_SLOT;
+            if (kLookahead && base < hi) {
+                e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
+                slot = kvc_warp_entry_slot(in, e);
+            }
+            for (; base < hi; base += grid_threads) {
+                KvcEntry now = e;
+                kvc_i64 now_slot = slot;
+                if (!kLookahead) {
+                    now = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
+                    now_slot = kvc_warp_entry_slot(in, now);
+                } else if (base + grid_threads < hi) {
+                    e = kvc_warp_entry<kThreads>(entries, n, tile, base + grid_threads, hi);
+                    slot = kvc_warp_entry_slot(in, e);
+                }
+                kvc_verify_warp_entry<kVec16>(in, c, out, now, now_slot);
             }
         }
         carry_v = kvc_sat_add(carry_v, tile_total);
