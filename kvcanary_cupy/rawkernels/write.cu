@@ -31,31 +31,12 @@ constexpr int kChunk = 32;       // entries per warp step and per offloaded hash
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
-// Write-plan row r (its offsets and seed) read ahead of the request count, for r < capacity.
-struct KvcWriteRange {
-    kvc_i64 begin, end, seed;
-};
-
-__device__ __forceinline__ KvcWriteRange kvc_write_range_early(const kvc_i64* offsets,
-                                                               const kvc_i64* seeds, kvc_i64 r,
-                                                               kvc_i64 capacity, bool wanted) {
-    KvcWriteRange w = {0, 0, -1};
-    if (wanted && r < capacity) {
-        w.begin = kvc_ld_early(offsets + r);
-        w.end = kvc_ld_early(offsets + r + 1);
-        if (seeds != nullptr) w.seed = kvc_ld_early(seeds + r);
-    }
-    return w;
-}
-
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
-// the request is skipped or stops at once (begin >= end or begin < 0). early: row `early_r` as
-// read ahead.
+// the request is skipped or stops at once (begin >= end or begin < 0).
 __device__ __forceinline__ bool kvc_write_range(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
-                                                kvc_i64 early_r, const KvcWriteRange& early,
                                                 kvc_i64& lo, kvc_i64& hi) {
-    const kvc_i64 b = r == early_r ? early.begin : offsets[r];
-    const kvc_i64 e = r == early_r ? early.end : offsets[r + 1];
+    const kvc_i64 b = offsets[r];
+    const kvc_i64 e = offsets[r + 1];
     if (b >= e || b < 0) return false;
     lo = b;
     hi = e < n ? e : n;
@@ -86,16 +67,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const int warp = threadIdx.x >> 5;
     const kvc_i64 grid = gridDim.x;
     const kvc_i64 block = blockIdx.x;
-    // The plan rows of this thread's first request (hash pass) and its warp's first chain are
-    // requested before the request count arrives: rows below the capacity exist whatever the
-    // count, so a decode write waits for one memory latency here instead of two.
-    const KvcWriteRange first_hashed =
-        kvc_write_range_early(offsets, nullptr, threadIdx.x, capacity, num_sources > 0);
-    const kvc_i64 first_chain = block + grid * warp;
-    const KvcWriteRange first_chained =
-        kvc_write_range_early(offsets, seed_slots, first_chain, capacity, true);
     const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
-    const bool assert_flag = *chain_position_assert != 0;
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, (int)num_sources};
@@ -111,9 +83,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         int mine = 0;
         for (kvc_i64 r = threadIdx.x; r < nreq; r += kThreads) {
             kvc_i64 lo, hi;
-            if (!kvc_write_range(offsets, r, n, threadIdx.x, first_hashed, lo, hi) ||
-                hi - lo <= kInlineMax)
-                continue;
+            if (!kvc_write_range(offsets, r, n, lo, hi) || hi - lo <= kInlineMax) continue;
             const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
             const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
             if (j0 < nch) mine = 1;
@@ -124,8 +94,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 __syncthreads();
                 const kvc_i64 r = window + threadIdx.x;
                 kvc_i64 lo, hi;
-                if (r < nreq && kvc_write_range(offsets, r, n, threadIdx.x, first_hashed, lo, hi) &&
-                    hi - lo > kInlineMax) {
+                if (r < nreq && kvc_write_range(offsets, r, n, lo, hi) && hi - lo > kInlineMax) {
                     const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
                     const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
                     if (j0 < nch) {
@@ -157,13 +126,13 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __syncthreads();
 
     // ---- chains ------------------------------------------------------------------------------
+    const bool assert_flag = *chain_position_assert != 0;
     unsigned long long stored = 0;
     for (kvc_i64 r = block + grid * warp; r < nreq; r += grid * kWarps) {
-        const bool early = r == first_chain;
-        const kvc_i64 b = early ? first_chained.begin : offsets[r];
-        const kvc_i64 e = early ? first_chained.end : offsets[r + 1];
+        const kvc_i64 b = offsets[r];
+        const kvc_i64 e = offsets[r + 1];
         if (b >= e) continue;
-        kvc_i64 seed = early ? first_chained.seed : seed_slots[r];
+        kvc_i64 seed = seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
         kvc_i64 n_slot = -1, n_tok = 0, n_pos = 0, n_etok = 0, n_epos = 0;
@@ -224,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             kvc_u64 h = 0;
             if (in_range && src.count > 0) {
                 if (inline_hash) {
-                    h = kvc_real_kv_hash_prefetched<1>(src, slot, &kv_oor);
+                    h = kvc_real_kv_hash(src, slot, &kv_oor);
                 } else {
                     kv_oor = kvc_sources_out_of_range(src, slot);
                 }
