@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -80,6 +80,12 @@ class PlanBatch:
     req_to_verify_expected_tokens_valid_lens: Optional[Any] = None
     kv_token_id_vs_position_offset: int = 0
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> "PlanBatch":
+        """The batch from the keyword arguments of a public op that takes it (``kc.plan``,
+        ``kc.CanaryStep``): pass the op's ``locals()``."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls) if field.init})
 
     def __post_init__(self) -> None:
         window = check.non_negative("swa_window_size", self.swa_window_size)

@@ -24,12 +24,7 @@ def plan(vplan: VerifyPlan, wplan: WritePlan, *, req_pool_indices: Any, prefix_l
         raise TypeError(f"{check.PREFIX}vplan must be a VerifyPlan, got {type(vplan).__name__}")
     if not isinstance(wplan, WritePlan):
         raise TypeError(f"{check.PREFIX}wplan must be a WritePlan, got {type(wplan).__name__}")
-    batch = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
-                      req_to_token=req_to_token, swa_window_size=swa_window_size,
-                      full_to_swa_index_mapping=full_to_swa_index_mapping,
-                      req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-                      req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+    batch = PlanBatch.from_arguments(locals())
     if batch.batch_size > wplan.capacity:
         raise ValueError(f"{check.PREFIX}batch size must be <= the write plan's capacity {wplan.capacity}, "
                          f"got {batch.batch_size}")

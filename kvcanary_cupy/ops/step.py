@@ -54,12 +54,7 @@ class CanaryStep:
         if not isinstance(ctx, CanaryContext):
             raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
-        batch = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
-                          req_to_token=req_to_token, swa_window_size=swa_window_size,
-                          full_to_swa_index_mapping=full_to_swa_index_mapping,
-                          req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-                          req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-                          kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+        batch = PlanBatch.from_arguments(locals())
         writes = WriteBatch(tag=write_tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                             expected_input_tokens=expected_input_tokens,
                             expected_input_positions=expected_input_positions)

@@ -22,6 +22,22 @@ struct KvcPlanIn {
     kvc_i64 token_offset;
 };
 
+// The batch metadata as kernel parameters (the plan and step kernels take the same ones, in this
+// order: ops/backends/_cuda/plan.py batch_args) and the KvcPlanIn made of them.
+#define KVC_PLAN_IN_PARAMS                                                                         \
+    const kvc_i64 *__restrict__ req_pool_indices, const kvc_i64 *__restrict__ prefix_lens,         \
+        const kvc_i64 *__restrict__ extend_lens, kvc_i64 bs, const int *__restrict__ req_to_token, \
+        kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window, kvc_i64 has_lut,      \
+        const kvc_i64 *__restrict__ lut, kvc_i64 lut_len, kvc_i64 has_expected,                    \
+        const int *__restrict__ expected_pool, kvc_i64 exp_rows, kvc_i64 exp_cols,                 \
+        kvc_i64 exp_stride, const kvc_i64 *__restrict__ valid_lens, kvc_i64 token_offset
+#define KVC_PLAN_IN_FROM_PARAMS                                                                    \
+    KvcPlanIn {                                                                                    \
+        req_pool_indices, prefix_lens, extend_lens, bs, req_to_token, rows, width, row_stride,     \
+            swa_window, has_lut != 0, lut, lut_len, has_expected != 0, expected_pool, exp_rows,    \
+            exp_cols, exp_stride, valid_lens, token_offset                                         \
+    }
+
 // tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
 __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
     if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;

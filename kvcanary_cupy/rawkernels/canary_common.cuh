@@ -312,15 +312,21 @@ __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbyt
     return kvc_fold_from<kBatch>(0ull, p, nbytes);
 }
 
+// Whether slot (>= 0) maps past a source's rows: row = slot / page >= rows  <=>  slot >= rows *
+// page (page >= 1; rows * page is bounded by the source's size in bytes, so it cannot overflow).
+// A bad page reads as out of range.
+__device__ __forceinline__ bool kvc_source_row_out_of_range(kvc_i64 rows, kvc_i64 page,
+                                                            kvc_i64 slot) {
+    return page < 1 || rows < 0 || slot >= rows * page;
+}
+
 // True when slot (>= 0) maps to a row past some source's rows; no data is read.
 __device__ __forceinline__ bool kvc_sources_out_of_range(const KvcSources& src, kvc_i64 slot) {
     bool oor = false;
     for (int k = 0; k < src.count; ++k) {
-        const kvc_i64 rows = kvc_src_word(src, k, KVC_SRC_NUM_ROWS);
-        const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
-        // row = slot / page >= rows  <=>  slot >= rows * page (page >= 1; rows * page is bounded
-        // by the source's size in bytes, so it cannot overflow). A bad page reads as out of range.
-        if (page < 1 || rows < 0 || slot >= rows * page) oor = true;
+        if (kvc_source_row_out_of_range(kvc_src_word(src, k, KVC_SRC_NUM_ROWS),
+                                        kvc_src_word(src, k, KVC_SRC_PAGE_SIZE), slot))
+            oor = true;
     }
     return oor;
 }
@@ -334,7 +340,7 @@ __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSource
     const kvc_i64 page = kvc_src_word(src, k, KVC_SRC_PAGE_SIZE);
     const kvc_i64 bpt = kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN);
     *nread = kvc_src_word(src, k, KVC_SRC_READ_BYTES);
-    if (page < 1 || rows < 0 || slot >= rows * page) return nullptr;
+    if (kvc_source_row_out_of_range(rows, page, slot)) return nullptr;
     kvc_i64 row, col;
     kvc_divmod(slot, page, row, col);
     return reinterpret_cast<const unsigned char*>(base) + row * stride + col * bpt;

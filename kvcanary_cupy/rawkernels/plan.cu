@@ -16,24 +16,15 @@ constexpr int kTileWarps = kTile / 32;
 }
 
 __global__ void __launch_bounds__(kTile) kvc_plan(
-    const kvc_i64* __restrict__ req_pool_indices, const kvc_i64* __restrict__ prefix_lens,
-    const kvc_i64* __restrict__ extend_lens, kvc_i64 bs, const int* __restrict__ req_to_token,
-    kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window, kvc_i64 has_lut,
-    const kvc_i64* __restrict__ lut, kvc_i64 lut_len, kvc_i64 has_expected,
-    const int* __restrict__ expected_pool, kvc_i64 exp_rows, kvc_i64 exp_cols, kvc_i64 exp_stride,
-    const kvc_i64* __restrict__ valid_lens, kvc_i64 token_offset, kvc_i64* v_slots,
-    kvc_i64* v_tokens, kvc_i64* v_positions, kvc_i64* v_prev, int* v_num_valid, int* v_enable,
-    kvc_i64 v_capacity, kvc_i64* w_offsets, kvc_i64* w_seeds, int* w_num_valid_reqs,
-    kvc_i64 w_capacity) {
+    KVC_PLAN_IN_PARAMS, kvc_i64* v_slots, kvc_i64* v_tokens, kvc_i64* v_positions,
+    kvc_i64* v_prev, int* v_num_valid, int* v_enable, kvc_i64 v_capacity, kvc_i64* w_offsets,
+    kvc_i64* w_seeds, int* w_num_valid_reqs, kvc_i64 w_capacity) {
     __shared__ kvc_i64 s_warp[kTileWarps];
     __shared__ kvc_i64 s_start[kTile];
     __shared__ kvc_i64 s_rp[kTile];
     __shared__ kvc_i64 s_pos0[kTile];
 
-    const KvcPlanIn in = {req_pool_indices, prefix_lens, extend_lens, bs, req_to_token, rows,
-                          width, row_stride, swa_window, has_lut != 0, lut, lut_len,
-                          has_expected != 0, expected_pool, exp_rows, exp_cols, exp_stride,
-                          valid_lens, token_offset};
+    const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
     const int tid = threadIdx.x;
     const kvc_i64 ntiles = bs > 0 ? (bs + kTile - 1) / kTile : 0;

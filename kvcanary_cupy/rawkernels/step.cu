@@ -86,12 +86,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
     kvc_i64 num_sources, const int* __restrict__ chain_position_assert,
     // the batch metadata, as plan takes it
-    const kvc_i64* __restrict__ req_pool_indices, const kvc_i64* __restrict__ prefix_lens,
-    const kvc_i64* __restrict__ extend_lens, kvc_i64 bs, const int* __restrict__ req_to_token,
-    kvc_i64 rows, kvc_i64 width, kvc_i64 row_stride, kvc_i64 swa_window, kvc_i64 has_lut,
-    const kvc_i64* __restrict__ lut, kvc_i64 lut_len, kvc_i64 has_expected,
-    const int* __restrict__ expected_pool, kvc_i64 exp_rows, kvc_i64 exp_cols, kvc_i64 exp_stride,
-    const kvc_i64* __restrict__ valid_lens, kvc_i64 token_offset,
+    KVC_PLAN_IN_PARAMS,
     // the verify
     kvc_i64 v_capacity, kvc_i64 verify_tag, kvc_i64 check_expected_token,
     // the write plan (stored when the write kernel follows)
@@ -108,10 +103,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     __shared__ bool s_last;
     __shared__ unsigned long long s_stored;
 
-    const KvcPlanIn in = {req_pool_indices, prefix_lens, extend_lens, bs, req_to_token, rows,
-                          width, row_stride, swa_window, has_lut != 0, lut, lut_len,
-                          has_expected != 0, expected_pool, exp_rows, exp_cols, exp_stride,
-                          valid_lens, token_offset};
+    const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
     const KvcCanary c = {canary, num_slots, slot_stride};
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
