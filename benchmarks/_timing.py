@@ -7,7 +7,7 @@ forward that streams gigabytes of KV through L2, so its data is cold). Inputs ar
 several copies of the batch that live at different slots. Warm-up repetitions run first; the statistic
 reported is the median. Small launches are timed a second way, as CUDA-graph replays. Host-side costs
 are measured separately: the Python call overhead per launch (no synchronisation) and the
-back-to-back wall time per call (throughput of a loop of calls).
+back-to-back wall time per call (throughput of a loop of calls), each the median of several loops.
 
 CPU: the same loop with ``time.perf_counter``.
 
@@ -70,6 +70,10 @@ class Clock:
         return self.__name__
 
 
+# Loops of calls per host-cost measurement; the median loop is reported.
+LOOPS = 5
+
+
 def reps_for(estimate_s: float, *, budget_s: float, lo: int, hi: int) -> int:
     """How many repetitions fit ``budget_s`` (each costs the op plus about 0.1 ms of flush and sync)."""
     return int(max(lo, min(hi, budget_s / max(estimate_s + 1e-4, 1e-6))))
@@ -94,14 +98,17 @@ class CpuTimer:
             fn(i % copies)
         return Timing([self.once(lambda i=i: fn(i % copies)) for i in range(reps)], self.method)
 
-    def host_per_call(self, fn: Callable[[int], Any], copies: int, calls: int) -> float:
-        return self.wall_per_call(fn, copies, calls)
+    def host_per_call(self, fn: Callable[[int], Any], copies: int, calls: int, loops: int = 1) -> float:
+        return self.wall_per_call(fn, copies, calls, loops)
 
-    def wall_per_call(self, fn: Callable[[int], Any], copies: int, calls: int) -> float:
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i % copies)
-        return (time.perf_counter() - start) / calls
+    def wall_per_call(self, fn: Callable[[int], Any], copies: int, calls: int, loops: int = 1) -> float:
+        per_loop = []
+        for _ in range(loops):
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(i % copies)
+            per_loop.append((time.perf_counter() - start) / calls)
+        return statistics.median(per_loop)
 
     def sync(self) -> None:
         pass
@@ -179,26 +186,33 @@ class GpuTimer:
         return Timing([self.bracket(lambda i=i: graphs[i % len(graphs)].launch(self.stream), cold=cold)
                        for i in range(reps)], "cuda_graph_replay" + ("_cold_l2" if cold else ""))
 
-    def host_per_call(self, fn: Callable[[int], Any], copies: int, calls: int) -> float:
-        """Host seconds per call of ``fn`` (Python + validation + launch), not waiting for the GPU.
-        A long spin first keeps the device busy so the launch queue never blocks the host."""
+    def host_per_call(self, fn: Callable[[int], Any], copies: int, calls: int, loops: int = LOOPS) -> float:
+        """Host seconds per call of ``fn`` (Python + validation + launch), not waiting for the GPU:
+        the median over ``loops`` loops of ``calls`` calls. A long spin before each loop keeps the
+        device busy so the launch queue never blocks the host."""
+        per_loop = []
+        for _ in range(loops):
+            self.sync()
+            self.lead(2_000_000)
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(i % copies)
+            per_loop.append((time.perf_counter() - start) / calls)
         self.sync()
-        self.lead(2_000_000)
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i % copies)
-        elapsed = time.perf_counter() - start
-        self.sync()
-        return elapsed / calls
+        return statistics.median(per_loop)
 
-    def wall_per_call(self, fn: Callable[[int], Any], copies: int, calls: int) -> float:
-        """Back-to-back wall seconds per call: ``max(host, device)`` throughput of a loop of calls."""
-        self.sync()
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i % copies)
-        self.sync()
-        return (time.perf_counter() - start) / calls
+    def wall_per_call(self, fn: Callable[[int], Any], copies: int, calls: int, loops: int = LOOPS) -> float:
+        """Back-to-back wall seconds per call: ``max(host, device)`` throughput of a loop of calls,
+        the median over ``loops`` loops (one interpreter or OS hiccup does not decide it)."""
+        per_loop = []
+        for _ in range(loops):
+            self.sync()
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(i % copies)
+            self.sync()
+            per_loop.append((time.perf_counter() - start) / calls)
+        return statistics.median(per_loop)
 
 
 def run_pytest_benchmark(benchmark, timer, target_rep: Callable[[int], float], *, rounds: int, warmup: int = 1):
