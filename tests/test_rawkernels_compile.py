@@ -92,3 +92,26 @@ def test_missing_layout_define_is_an_error():
         assert "KVC_CHAIN_ANCHOR" in _log(prog)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+# The latency-bound gathers: their speed is warps in flight, so their register budget is part of the
+# design. kvc_step<vec16, false> is the step's verify variant (two 512-thread blocks per SM: at most
+# 64 registers); kvc_verify is the plan-driven verify. Names as mangled: kvc_step<bool, false>.
+_VERIFY_KERNELS = {"verify": r"kvc_verifyILb[01]E", "step": r"kvc_stepILb[01]ELb0E"}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("source", sorted(_VERIFY_KERNELS))
+def test_verify_kernels_do_not_spill(source, arch):
+    import re
+
+    from kvcanary_cupy.rawkernels import _ptxas
+
+    spec = next(s for s in SPECS if s.name == source)
+    usage = _ptxas.kernel_usage(spec, arch)
+    checked = [k for k in usage if re.search(_VERIFY_KERNELS[source], k.name)]
+    assert len(checked) == 2, [k.name for k in usage]  # both vec16 instantiations
+    for k in checked:
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} [{arch}] spills: {k}"
+        if source == "step":
+            assert k.registers <= 64, f"{k.name} [{arch}] needs {k.registers} registers, over two blocks' budget"

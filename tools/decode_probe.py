@@ -2,8 +2,7 @@
 
     python tools/decode_probe.py
 
-For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds, verify
-lookahead). Prints registers per thread of each kernel.
+For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds). Prints registers per thread of each kernel.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def use_step_variant(**defines: int) -> None:
 
 
 # (label, step.cu defines): the shipped variant first
-VARIANTS = (("mb2", dict(min_blocks=2, lookahead=0)), ("mb2+look", dict(min_blocks=2, lookahead=1)),
-            ("mb1+look", dict(min_blocks=1, lookahead=1)), ("mb1", dict(min_blocks=1, lookahead=0)))
+VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
 
 def main() -> None:

@@ -22,16 +22,10 @@
 #ifndef KVC_STEP_MIN_BLOCKS
 #define KVC_STEP_MIN_BLOCKS 2
 #endif
-// Whether the verify loop derives a warp's next entries before checking the current ones; it
-// costs registers (tools/decode_probe.py compares both).
-#ifndef KVC_STEP_LOOKAHEAD
-#define KVC_STEP_LOOKAHEAD 0
-#endif
 
 namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr bool kLookahead = KVC_STEP_LOOKAHEAD != 0;
 }
 
 __device__ __forceinline__ kvc_i64 kvc_warp_entry_slot(const KvcPlanIn& in, const KvcEntry& e) {
@@ -141,27 +135,13 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             const kvc_i64 active = kvc_min64(total, 0x7FFFFFFFLL);
             const kvc_i64 hi = kvc_min64(carry_v + tile_total, active);
             const int n = (int)kvc_min64(kThreads, bs - tile);
-            // warp-uniform: the lanes share the entry search and their neighbours' slots
-            // (kLookahead: each warp derives its next entries, slots included, before it checks
-            // these, so their req_to_token reads overlap the checks)
-            kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31);
-            KvcEntry e = {0, 0, 0, false};
-            kvc_i64 slot = KVC_PADDING_SLOT;
-            if (kLookahead && base < hi) {
-                e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
-                slot = kvc_warp_entry_slot(in, e);
-            }
-            for (; base < hi; base += grid_threads) {
-                KvcEntry now = e;
-                kvc_i64 now_slot = slot;
-                if (!kLookahead) {
-                    now = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
-                    now_slot = kvc_warp_entry_slot(in, now);
-                } else if (base + grid_threads < hi) {
-                    e = kvc_warp_entry<kThreads>(entries, n, tile, base + grid_threads, hi);
-                    slot = kvc_warp_entry_slot(in, e);
-                }
-                kvc_verify_warp_entry<kVec16>(in, c, out, now, now_slot);
+            // warp-uniform: the lanes share the entry search and their neighbours' slots.
+            // (Deriving a warp's next entries before checking these measured slower: at 64
+            // registers the lookahead spills.)
+            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
+                 base += grid_threads) {
+                const KvcEntry e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
+                kvc_verify_warp_entry<kVec16>(in, c, out, e, kvc_warp_entry_slot(in, e));
             }
         }
         carry_v = kvc_sat_add(carry_v, tile_total);
