@@ -170,3 +170,48 @@ def test_step_graph_replay_matches_eager(bs):
     assert eager[0].violations().total == 0 and graphed[0].violations().total == 0
     counters = graphed[0].counters()
     assert counters["kernel_run_counter"] == 2 * 10 and counters["violations"] == 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["current", "cupy", "handle", "protocol"])
+def test_step_launches_on_the_given_stream(form):
+    """A relaunch (parameters packed once, one driver call) goes to the stream it is given, in every form
+    the ops take: behind a 50 ms spin on that stream it has not run yet, and it runs once the spin ends."""
+    import cupy
+
+    spin = cupy.RawKernel(r'''
+    extern "C" __global__ void spin(unsigned long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    }''', "spin")
+    bs, width = 4, 8
+    ctx = kc.CanaryContext.allocate(256, device="cuda")
+    table = cupy.asarray(np.arange(bs * width + width, dtype=np.int32).reshape(bs + 1, width))
+    step = kc.CanaryStep(ctx, verify_capacity=bs * width, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                         write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=cupy.arange(1, bs + 1),
+                         prefix_lens=cupy.zeros(bs, cupy.int64), extend_seq_lens=cupy.ones(bs, cupy.int64),
+                         req_to_token=table, input_ids=cupy.arange(bs), positions=cupy.zeros(bs, cupy.int64),
+                         out_cache_loc=table[1:, 0].astype(cupy.int64))
+    step.launch()  # compiles and loads the kernels
+    cupy.cuda.Device().synchronize()
+    stream, probe = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+
+    class Protocol:
+        def __cuda_stream__(self):
+            return (0, stream.ptr)
+
+    with stream:
+        spin((1,), (1,), (cupy.uint64(50_000_000),))
+    if form == "current":
+        with stream:
+            step.launch()
+    else:
+        step.launch(stream={"cupy": stream, "handle": stream.ptr, "protocol": Protocol()}[form])
+    with probe:
+        early = int(ctx.kernel_run_counter.copy()[0])
+    stream.synchronize()
+    # one launch of a small decode step counts two kernel runs (its verify and its write)
+    assert early == 2, "the step ran before the spin on its stream had ended"
+    assert int(ctx.kernel_run_counter[0]) == 4
