@@ -2,7 +2,8 @@
 
     python tools/decode_probe.py
 
-For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds). Prints registers per thread of each kernel.
+For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds), as one
+launch (the last block writes) and as two, whatever the batch size. Prints registers per thread of each kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
+from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 
@@ -51,6 +53,8 @@ def use_step_variant(**defines: int) -> None:
     _loader._resident.clear()
 
 
+TAIL_MAX_REQUESTS = cuda_step.TAIL_MAX_REQUESTS
+
 # (label, step.cu defines): the shipped variant first
 VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
@@ -68,10 +72,15 @@ def main() -> None:
         row["write"] = timed(lambda: state.write(0))
         for label, defines in VARIANTS:
             use_step_variant(**defines)
-            state.__dict__.pop("_canary_steps", None)
-            step = state.canary_step(0)
-            row[f"step[{label}] {step.num_launches}L"] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+            # the one-launch path (the last block writes) forced on and off, whatever the batch size
+            for tail_max in (1 << 20, 0):
+                cuda_step.TAIL_MAX_REQUESTS = tail_max
+                state.__dict__.pop("_canary_steps", None)
+                step = state.canary_step(0)
+                row[f"step[{label}] {step.num_launches}L"] = timed(
+                    lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         use_step_variant(**VARIANTS[0][1])
+        cuda_step.TAIL_MAX_REQUESTS = TAIL_MAX_REQUESTS
         assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"{k}={v:7.2f}" for k, v in row.items()), flush=True)
     for spec in _loader.SPECS.values():
