@@ -371,11 +371,10 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
 
 // real_kv_hash(slot) as kvc_real_kv_hash, for a thread that has little else in flight (a decode
 // write): the first 32 bytes of up to KVC_PREFETCH_SOURCES sources are requested at once, so the
-// sources cost one memory latency instead of one each. kBatch: the fold batch of what follows.
-template <int kBatch = KVC_FOLD_BATCH>
+// sources cost one memory latency instead of one each.
 __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources& src,
                                                                kvc_i64 slot, bool* oor) {
-    if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash<kBatch>(src, slot, oor);
+    if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash(src, slot, oor);
     const unsigned char* p[KVC_PREFETCH_SOURCES];
     kvc_i64 nread[KVC_PREFETCH_SOURCES];
     longlong2 head[KVC_PREFETCH_SOURCES][2];
@@ -404,7 +403,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
             if (p[k] != nullptr) {
                 f = kvc_fold16(f, head[k][0]);
                 if (nread[k] >= 32) f = kvc_fold16(f, head[k][1]);
-                if (nread[k] > 32) f = kvc_fold_from<kBatch>(f, p[k] + 32, nread[k] - 32);
+                if (nread[k] > 32) f = kvc_fold_from(f, p[k] + 32, nread[k] - 32);
             }
             acc = kvc_sm(acc ^ f);
         }
@@ -415,11 +414,11 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
 
 // Asks L2 for the 128-byte lines of [p, p + nbytes) without waiting, the block's threads taking a
 // line each: data read late in a kernel (after a grid-wide handoff) arrives from L2, not DRAM.
-__device__ __forceinline__ void kvc_prefetch_l2(const void* p, long long nbytes) {
+__device__ __forceinline__ void kvc_prefetch_l2(const void* p, kvc_i64 nbytes) {
     if (p == nullptr || nbytes <= 0) return;
-    const unsigned long long first = (unsigned long long)p & ~127ull;
-    const unsigned long long end = (unsigned long long)p + (unsigned long long)nbytes;
-    for (unsigned long long a = first + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x)
+    const kvc_u64 first = (kvc_u64)p & ~127ull;
+    const kvc_u64 end = (kvc_u64)p + (kvc_u64)nbytes;
+    for (kvc_u64 a = first + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 

@@ -28,18 +28,14 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 }
 
-__device__ __forceinline__ kvc_i64 kvc_warp_entry_slot(const KvcPlanIn& in, const KvcEntry& e) {
-    return e.live ? kvc_resolve(in, e.rp, e.pos) : KVC_PADDING_SLOT;
-}
-
 // The check of one lane's entry (kvc_verify_entry's), every lane of the warp taking part. When
 // lane - 1 holds entry k - 1 of the same request, its slot is this entry's predecessor: the slot
 // number and the chain link it gives come from that lane instead of a second read.
 template <bool kVec16>
 __device__ __forceinline__ void kvc_verify_warp_entry(const KvcPlanIn& in, const KvcCanary& c,
-                                                      const KvcVerifyOut& out, const KvcEntry& e,
-                                                      kvc_i64 slot) {
+                                                      const KvcVerifyOut& out, const KvcEntry& e) {
     const int lane = threadIdx.x & 31;
+    const kvc_i64 slot = e.live ? kvc_resolve(in, e.rp, e.pos) : KVC_PADDING_SLOT;
     const kvc_i64 left_request = __shfl_up_sync(KVC_FULL_MASK, e.live ? e.request : -1, 1);
     const kvc_i64 left_slot = __shfl_up_sync(KVC_FULL_MASK, slot, 1);
     const bool from_left = e.live && lane > 0 && left_request == e.request;
@@ -141,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
                  base += grid_threads) {
                 const KvcEntry e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
-                kvc_verify_warp_entry<kVec16>(in, c, out, e, kvc_warp_entry_slot(in, e));
+                kvc_verify_warp_entry<kVec16>(in, c, out, e);
             }
         }
         carry_v = kvc_sat_add(carry_v, tile_total);
