@@ -126,6 +126,20 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __syncthreads();
 
     // ---- chains ------------------------------------------------------------------------------
+    // Entry i's inputs, requested early (kvc_ld_early): a chunk's are in flight while the chunk
+    // before it is chained.
+    struct Inputs {
+        kvc_i64 slot, tok, pos, etok, epos;
+    };
+    const auto request_inputs = [&](kvc_i64 i, Inputs& in) {
+        in.slot = kvc_ld_early(out_cache_loc + i);
+        in.tok = kvc_ld_early(input_ids + i);
+        in.pos = kvc_ld_early(positions + i);
+        if (has_expected) {
+            in.etok = kvc_ld_early(expected_tokens + i);
+            in.epos = kvc_ld_early(expected_positions + i);
+        }
+    };
     const bool assert_flag = *chain_position_assert != 0;
     unsigned long long stored = 0;
     for (kvc_i64 r = block + grid * warp; r < nreq; r += grid * kWarps) {
@@ -135,17 +149,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         kvc_i64 seed = seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
-        kvc_i64 n_slot = -1, n_tok = 0, n_pos = 0, n_etok = 0, n_epos = 0;
-        if (b >= 0 && b + lane < hi) {
-            const kvc_i64 i = b + lane;
-            n_slot = kvc_ld_early(out_cache_loc + i);
-            n_tok = kvc_ld_early(input_ids + i);
-            n_pos = kvc_ld_early(positions + i);
-            if (has_expected) {
-                n_etok = kvc_ld_early(expected_tokens + i);
-                n_epos = kvc_ld_early(expected_positions + i);
-            }
-        }
+        Inputs next = {-1, 0, 0, 0, 0};
+        if (b >= 0 && b + lane < hi) request_inputs(b + lane, next);
         if (seed >= num_slots) {
             if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
             seed = -1;
@@ -173,19 +178,12 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         for (kvc_i64 base = b; base < hi; base += kChunk) {
             const kvc_i64 i = base + lane;
             const bool valid = i < hi;
-            const kvc_i64 slot = n_slot, tok = n_tok, pos = n_pos, etok = n_etok, epos = n_epos;
-            n_slot = -1;
+            const kvc_i64 slot = next.slot, tok = next.tok, pos = next.pos, etok = next.etok,
+                          epos = next.epos;
+            next.slot = -1;
             if (base + kChunk < hi) {
                 const kvc_i64 i2 = base + kChunk + lane;
-                if (i2 < hi) {
-                    n_slot = kvc_ld_early(out_cache_loc + i2);
-                    n_tok = kvc_ld_early(input_ids + i2);
-                    n_pos = kvc_ld_early(positions + i2);
-                    if (has_expected) {
-                        n_etok = kvc_ld_early(expected_tokens + i2);
-                        n_epos = kvc_ld_early(expected_positions + i2);
-                    }
-                }
+                if (i2 < hi) request_inputs(i2, next);
             }
             const bool in_range = valid && slot >= 0 && slot < num_slots;
             const bool too_big = valid && slot >= num_slots;
