@@ -79,7 +79,7 @@ class CanaryStep:
             import cupy
 
             with cupy.cuda.Device(self.device.index):
-                resolved = cupy.cuda.get_current_stream() if stream is None else resolve_stream(stream, self.device)
+                resolved = resolve_stream(stream, self.device)
                 for launch in self._launches:
                     launch(resolved)
             return

@@ -72,12 +72,12 @@ def _c_parameter(value):
 
 class _PackedParameters:
     """The ``void**`` parameter array of one launch, built once: a relaunch is one driver call
-    instead of CuPy converting every argument again (a step kernel takes over fifty)."""
+    instead of CuPy converting every argument again (a step kernel takes over fifty). The arrays
+    whose addresses it holds are kept alive by the owning :class:`Launch`'s ``args``."""
 
-    __slots__ = ("keep_alive", "values", "pointers", "address", "function")
+    __slots__ = ("values", "pointers", "address", "function")
 
     def __init__(self, fn, args: tuple):
-        self.keep_alive = args  # the arrays whose addresses are packed
         self.values = [_c_parameter(a) for a in args]
         self.pointers = (ctypes.c_void_p * max(len(self.values), 1))(
             *[ctypes.addressof(v) for v in self.values])
