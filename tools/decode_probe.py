@@ -1,6 +1,7 @@
 """Decode-shaped launch costs on a GPU, variant by variant (hot L2; 20 calls captured in one CUDA graph, replayed, median of 30).
 
-    python tools/decode_probe.py
+    python tools/decode_probe.py [case ...]
+    python tools/decode_probe.py --cuts [case ...]   # where the one-launch step's time goes
 
 For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds), as one
 launch (the last block writes) and as two, whatever the batch size. Prints registers per thread of each kernel.
@@ -42,11 +43,16 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
-def use_step_variant(**defines: int) -> None:
-    """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it."""
+def use_step_variant(cut: str = "", **defines: int) -> None:
+    """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it.
+    ``cut``: every thread returns just before that line of step.cu (the work after it is left out)."""
     spec = next(c for c in _loader.compile_specs() if c.name == "step")
     extra = tuple(f"-DKVC_STEP_{name.upper()}={value}" for name, value in defines.items())
-    module = cupy.RawModule(code=spec.code, options=spec.options + extra,
+    code = spec.code
+    if cut:
+        assert code.count(cut) == 1, cut
+        code = code.replace(cut, "return;\n" + cut)
+    module = cupy.RawModule(code=code, options=spec.options + extra,
                             name_expressions=list(_loader.SPECS["step"].name_expressions))
     for kernel in _loader.SPECS["step"].kernels:
         _loader._functions[("step", kernel, 0)] = module.get_function(kernel)
@@ -59,7 +65,37 @@ TAIL_MAX_REQUESTS = cuda_step.TAIL_MAX_REQUESTS
 VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
 
+# where the one-launch step's time goes: each cut leaves out the work from that line on
+CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0) {"),
+        ("+ prefetch", "    // ---- verify ---"),
+        ("+ verify", "    if (blockIdx.x == 0 && tid == 0) {\n        atomicAdd(kernel_run_counter"),
+        ("+ counters", "    // ---- write, by the last block"),
+        ("+ last-block hand-off", "    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);\n    const KvcWriteIn"),
+        ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
+        ("+ write", "    kvc_count_stored(&s_stored"),
+        ("whole step", ""))
+
+
+def cuts(names: list[str]) -> None:
+    """The one-launch step of each case with the work after each cut point left out."""
+    for name in names:
+        case = next(c for c in S.CASES if c.name == name)
+        state = S.build_state(case, "cuda")
+        cuda_step.TAIL_MAX_REQUESTS = 1 << 20
+        row = {}
+        for label, line in CUTS:
+            use_step_variant(cut=line, **VARIANTS[0][1])
+            state.__dict__.pop("_canary_steps", None)
+            step = state.canary_step(0)
+            row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+        use_step_variant(**VARIANTS[0][1])
+        cuda_step.TAIL_MAX_REQUESTS = TAIL_MAX_REQUESTS
+        print(f"{name:34s} " + " ".join(f"[{k}] {v:6.2f}" for k, v in row.items()), flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--cuts"]:
+        return cuts(sys.argv[2:] or ["smoke_decode_empty", "e2e_decode_tail", "decode_mid_batch"])
     names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")

@@ -1,0 +1,124 @@
+"""The serial hash chains on a GPU: a bare one-thread chain against the write kernel's chain.
+
+    python tools/chain_probe.py
+
+Bare chains (one thread, inputs staged in shared memory, so nothing but the chain is serial):
+``mix3`` is the write's chain step (running = mix3(running, token, position)) and ``fold`` a
+real-KV fold step (acc = sm(acc ^ word)), each as written (``plain``) and on the pending form
+(``kvc_sm_next``). Both forms must give the same value. Then the write op on the prefill cases, in
+ns per chained token, for comparison with the bare chain in the same run.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import _shapes as S  # noqa: E402
+from kvcanary_cupy.rawkernels import _loader  # noqa: E402
+
+TOKENS = 2048   # staged in shared memory (2 x 16 KB)
+ROUNDS = 16     # passes over them: 32768 chained steps a launch
+
+SOURCE = r"""
+#include "canary_common.cuh"
+#define KVC_PROBE_TOKENS %(tokens)d
+
+template <int kForm, int kKind>  // kForm 0 plain, 1 pending; kKind 0 mix3, 1 fold
+__global__ void chain_probe(const kvc_u64* a, const kvc_u64* b, int rounds, kvc_u64* out,
+                            long long* cycles) {
+    __shared__ kvc_u64 s_a[KVC_PROBE_TOKENS];
+    __shared__ kvc_u64 s_b[KVC_PROBE_TOKENS];
+    for (int i = threadIdx.x; i < KVC_PROBE_TOKENS; i += blockDim.x) {
+        // the pending form takes its inputs through kvc_xs1, done here off the chain
+        s_a[i] = kForm == 1 ? kvc_xs1(a[i]) : a[i];
+        s_b[i] = kForm == 1 ? kvc_xs1(b[i]) : b[i];
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    kvc_u64 x = kForm == 1 ? kvc_sm_unvalue(0x1234567890ABCDEFull) : 0x1234567890ABCDEFull;
+    const long long t0 = clock64();
+    for (int r = 0; r < rounds; ++r) {
+#pragma unroll 8
+        for (int i = 0; i < KVC_PROBE_TOKENS; ++i) {
+            if (kKind == 0) {
+                x = kForm == 1 ? kvc_mix3_next(x, s_a[i], s_b[i]) : kvc_mix3(x, s_a[i], s_b[i]);
+            } else {
+                x = kForm == 1 ? kvc_sm_next(x, s_a[i]) : kvc_sm(x ^ s_a[i]);
+            }
+        }
+    }
+    const long long t1 = clock64();
+    out[0] = kForm == 1 ? kvc_sm_value(x) : x;
+    cycles[0] = t1 - t0;
+}
+"""
+
+NAMES = [f"chain_probe<{form}, {kind}>" for kind in (0, 1) for form in (0, 1)]
+
+
+def time_us(fn, reps: int = 10) -> float:
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+    return float(np.median(times))
+
+
+def bare_chains() -> dict:
+    module = cupy.RawModule(code=SOURCE % {"tokens": TOKENS}, options=_loader.nvrtc_options(),
+                            name_expressions=NAMES)
+    rng = np.random.default_rng(7)
+    a = cupy.asarray(rng.integers(0, 2**63, TOKENS, dtype=np.int64).view(np.uint64))
+    b = cupy.asarray(rng.integers(0, 2**63, TOKENS, dtype=np.int64).view(np.uint64))
+    out = cupy.zeros(1, dtype=cupy.uint64)
+    cycles = cupy.zeros(1, dtype=cupy.int64)
+    steps = TOKENS * ROUNDS
+    rows = {}
+    for kind, kind_name in ((0, "mix3"), (1, "fold")):
+        values = []
+        for form, form_name in ((0, "plain"), (1, "pending")):
+            fn = module.get_function(f"chain_probe<{form}, {kind}>")
+            launch = lambda: fn((1,), (256,), (a, b, np.int32(ROUNDS), out, cycles))  # noqa: E731
+            us = time_us(launch)
+            values.append(int(out.get()[0]))
+            rows[f"{kind_name} {form_name}"] = {"ns_per_step": us * 1e3 / steps,
+                                                 "cycles_per_step": int(cycles.get()[0]) / steps,
+                                                 "regs": fn.num_regs}
+        assert values[0] == values[1], f"{kind_name}: plain and pending forms differ"
+    return rows
+
+
+def write_ops() -> dict:
+    rows = {}
+    for name in ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch"):
+        case = next(c for c in S.CASES if c.name == name)
+        state = S.build_state(case, "cuda")
+        us = time_us(lambda: state.write(0))
+        # requests chain in parallel: the serial length is one request's new tokens
+        rows[name] = {"us": us, "ns_per_chained_token": us * 1e3 / case.extend}
+        assert state.violations() == 0
+    return rows
+
+
+def main() -> None:
+    print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+          f"SM clock {cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0) / 1e3:.0f} MHz")
+    for label, row in bare_chains().items():
+        print(f"bare {label:14s} {row['ns_per_step']:7.1f} ns/step {row['cycles_per_step']:7.1f} cycles/step regs {row['regs']}")
+    for label, row in write_ops().items():
+        print(f"write {label:28s} {row['us']:9.1f} us {row['ns_per_chained_token']:7.1f} ns/chained token")
+
+
+if __name__ == "__main__":
+    main()
