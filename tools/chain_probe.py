@@ -1,6 +1,6 @@
 """The serial hash chains on a GPU: a bare one-thread chain against the write kernel's chain.
 
-    python tools/chain_probe.py
+    python tools/chain_probe.py [DIR ...]   # DIR: write.cu and its headers to compare with
 
 Bare chains (one thread, inputs staged in shared memory, so nothing but the chain is serial):
 ``mix3`` is the write's chain step (running = mix3(running, token, position)) and ``fold`` a
@@ -99,6 +99,17 @@ def bare_chains() -> dict:
     return rows
 
 
+def use_write_sources(directory: pathlib.Path) -> None:
+    """Make the write op launch write.cu compiled from ``directory`` (its headers beside it)."""
+    spec = _loader.SPECS["write"]
+    options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in _loader.nvrtc_options())
+    module = cupy.RawModule(code=(directory / spec.filename).read_text(), options=options,
+                            name_expressions=list(spec.name_expressions))
+    for kernel in spec.kernels:
+        _loader._functions[("write", kernel, 0)] = module.get_function(kernel)
+    _loader._resident.clear()
+
+
 def write_ops() -> dict:
     rows = {}
     for name in ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch"):
@@ -118,6 +129,11 @@ def main() -> None:
         print(f"bare {label:14s} {row['ns_per_step']:7.1f} ns/step {row['cycles_per_step']:7.1f} cycles/step regs {row['regs']}")
     for label, row in write_ops().items():
         print(f"write {label:28s} {row['us']:9.1f} us {row['ns_per_chained_token']:7.1f} ns/chained token")
+    # the same with write.cu and its headers from another directory (e.g. an earlier commit's)
+    for directory in sys.argv[1:]:
+        use_write_sources(pathlib.Path(directory).resolve())
+        for label, row in write_ops().items():
+            print(f"write[{directory}] {label:28s} {row['us']:9.1f} us {row['ns_per_chained_token']:7.1f} ns/chained token")
 
 
 if __name__ == "__main__":
