@@ -177,7 +177,7 @@ def test_step_graph_replay_matches_eager(bs):
 @pytest.mark.parametrize("form", ["current", "cupy", "handle", "protocol"])
 def test_step_launches_on_the_given_stream(form):
     """A relaunch (parameters packed once, one driver call) goes to the stream it is given, in every form
-    the ops take: behind a 50 ms spin on that stream it has not run yet, and it runs once the spin ends."""
+    the ops take: behind a 200 ms spin on that stream it has not run yet, and it runs once the spin ends."""
     import cupy
 
     spin = cupy.RawKernel(r'''
@@ -194,23 +194,30 @@ def test_step_launches_on_the_given_stream(form):
                          prefix_lens=cupy.zeros(bs, cupy.int64), extend_seq_lens=cupy.ones(bs, cupy.int64),
                          req_to_token=table, input_ids=cupy.arange(bs), positions=cupy.zeros(bs, cupy.int64),
                          out_cache_loc=table[1:, 0].astype(cupy.int64))
-    step.launch()  # compiles and loads the kernels
-    cupy.cuda.Device().synchronize()
     stream, probe = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+
+    def runs_seen_by_probe() -> int:
+        with probe:
+            return int(ctx.kernel_run_counter.copy()[0])
+
+    # compile and load everything the timed part uses: the step's kernels, the spin, the probe's copy
+    step.launch()
+    spin((1,), (1,), (cupy.uint64(0),))
+    cupy.cuda.Device().synchronize()
+    assert runs_seen_by_probe() == 2
 
     class Protocol:
         def __cuda_stream__(self):
             return (0, stream.ptr)
 
     with stream:
-        spin((1,), (1,), (cupy.uint64(50_000_000),))
+        spin((1,), (1,), (cupy.uint64(200_000_000),))
     if form == "current":
         with stream:
             step.launch()
     else:
         step.launch(stream={"cupy": stream, "handle": stream.ptr, "protocol": Protocol()}[form])
-    with probe:
-        early = int(ctx.kernel_run_counter.copy()[0])
+    early = runs_seen_by_probe()
     stream.synchronize()
     # one launch of a small decode step counts two kernel runs (its verify and its write)
     assert early == 2, "the step ran before the spin on its stream had ended"

@@ -72,7 +72,7 @@ CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0) {"),
         ("+ counters", "    // ---- write, by the last block"),
         ("+ last-block hand-off", "    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);\n    const KvcWriteIn"),
         ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
-        ("+ write", "    kvc_count_stored(&s_stored"),
+        ("+ write", "    kvc_count_stored(stored"),
         ("whole step", ""))
 
 

@@ -123,43 +123,6 @@ __device__ __forceinline__ kvc_u64 kvc_mix3(kvc_u64 a, kvc_u64 b, kvc_u64 c) {
     return kvc_sm(kvc_sm(kvc_sm(a) ^ b) ^ c);
 }
 
-#if KVC_SPLITMIX_SHIFT_1 + KVC_SPLITMIX_SHIFT_3 >= 64 || 2 * KVC_SPLITMIX_SHIFT_3 >= 64
-#error "kv-canary: the pending sm form needs SHIFT_1 + SHIFT_3 < 64 and 2 * SHIFT_3 < 64"
-#endif
-// Serial chains of sm (the write's chain, a fold) carry sm's value with its last xor-shift still
-// to do ("pending": sm(x) == kvc_sm_value(kvc_sm_pending(x))). That xor-shift and the next sm's
-// first one are both linear over GF(2), so they fold into one xor of four shifts: one dependent
-// instruction fewer per sm on the chain's critical path.
-__device__ __forceinline__ kvc_u64 kvc_xs1(kvc_u64 x) { return x ^ (x >> KVC_SPLITMIX_SHIFT_1); }
-
-// sm from just after its first xor-shift up to just before its last
-__device__ __forceinline__ kvc_u64 kvc_sm_core(kvc_u64 a) {
-    const kvc_u64 b = a * (kvc_u64)KVC_SPLITMIX_MUL_1;
-    return (b ^ (b >> KVC_SPLITMIX_SHIFT_2)) * (kvc_u64)KVC_SPLITMIX_MUL_2;
-}
-
-__device__ __forceinline__ kvc_u64 kvc_sm_pending(kvc_u64 x) { return kvc_sm_core(kvc_xs1(x)); }
-
-__device__ __forceinline__ kvc_u64 kvc_sm_value(kvc_u64 d) {
-    return d ^ (d >> KVC_SPLITMIX_SHIFT_3);
-}
-
-// The pending form of a known value v: kvc_sm_value(kvc_sm_unvalue(v)) == v.
-__device__ __forceinline__ kvc_u64 kvc_sm_unvalue(kvc_u64 v) {
-    return v ^ (v >> KVC_SPLITMIX_SHIFT_3) ^ (v >> (2 * KVC_SPLITMIX_SHIFT_3));
-}
-
-// kvc_sm_pending(kvc_sm_value(d) ^ k) given kx = kvc_xs1(k) (computed off the chain).
-__device__ __forceinline__ kvc_u64 kvc_sm_next(kvc_u64 d, kvc_u64 kx) {
-    return kvc_sm_core(d ^ (d >> KVC_SPLITMIX_SHIFT_3) ^ (d >> KVC_SPLITMIX_SHIFT_1) ^
-                       (d >> (KVC_SPLITMIX_SHIFT_1 + KVC_SPLITMIX_SHIFT_3)) ^ kx);
-}
-
-// kvc_sm_pending(kvc_mix3(kvc_sm_value(d), b, c)) given bx = kvc_xs1(b), cx = kvc_xs1(c).
-__device__ __forceinline__ kvc_u64 kvc_mix3_next(kvc_u64 d, kvc_u64 bx, kvc_u64 cx) {
-    return kvc_sm_next(kvc_sm_next(kvc_sm_next(d, 0ull), bx), cx);
-}
-
 __device__ __forceinline__ kvc_u64 kvc_anchor_link() {
     return kvc_sm((kvc_u64)KVC_CHAIN_ANCHOR);
 }
@@ -310,16 +273,14 @@ __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
 // batches (kvc_fold_from<1>), which keeps its register count and so its occupancy.
 #define KVC_FOLD_BATCH 8
 
-// Two words of a fold, on its pending form (see kvc_sm_next).
-__device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 pending, const longlong2& v) {
-    pending = kvc_sm_next(pending, kvc_xs1((kvc_u64)v.x));
-    return kvc_sm_next(pending, kvc_xs1((kvc_u64)v.y));
+__device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
+    acc = kvc_sm(acc ^ (kvc_u64)v.x);
+    return kvc_sm(acc ^ (kvc_u64)v.y);
 }
 
 // fold(bytes): acc = sm(acc ^ w) over 8-byte little-endian words; the bytes are 16-byte aligned
 // and a multiple of 16 long. Software-pipelined: batch k+1 loads while batch k folds.
-// kvc_fold_from continues a fold whose pending form is acc (0 for a new fold: sm's value 0 is
-// pending 0) and returns the pending form; kvc_fold returns the value.
+// kvc_fold_from continues a fold already at acc.
 template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_fold_from(kvc_u64 acc, const unsigned char* p,
                                                  kvc_i64 nbytes) {
@@ -348,7 +309,7 @@ __device__ __forceinline__ kvc_u64 kvc_fold_from(kvc_u64 acc, const unsigned cha
 
 template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbytes) {
-    return kvc_sm_value(kvc_fold_from<kBatch>(0ull, p, nbytes));
+    return kvc_fold_from<kBatch>(0ull, p, nbytes);
 }
 
 // Whether slot (>= 0) maps past a source's rows: row = slot / page >= rows  <=>  slot >= rows *
@@ -396,13 +357,13 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
     for (int k = 0; k < src.count; ++k) {
         kvc_i64 nread;
         const unsigned char* p = kvc_source_bytes(src, k, slot, &nread);
-        kvc_u64 f = 0;  // the fold's pending form; a source out of range folds to 0
+        kvc_u64 f = 0;
         if (p == nullptr) {
             out = true;
         } else {
-            f = kvc_fold_from<kBatch>(0ull, p, nread);
+            f = kvc_fold<kBatch>(p, nread);
         }
-        acc = kvc_sm_value(kvc_sm_next(f, kvc_xs1(acc)));  // sm(acc ^ fold)
+        acc = kvc_sm(acc ^ f);
     }
     *oor = out;
     return acc;
@@ -444,7 +405,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
                 if (nread[k] >= 32) f = kvc_fold16(f, head[k][1]);
                 if (nread[k] > 32) f = kvc_fold_from(f, p[k] + 32, nread[k] - 32);
             }
-            acc = kvc_sm_value(kvc_sm_next(f, kvc_xs1(acc)));  // sm(acc ^ fold)
+            acc = kvc_sm(acc ^ f);
         }
     }
     *oor = out;

@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __shared__ kvc_i64 s_lo[kThreads];
     __shared__ kvc_i64 s_hi[kThreads];
     __shared__ kvc_i64 s_j0[kThreads];
-    __shared__ kvc_u64 s_tok_xs[kWarps][kChunk];  // kvc_xs1 of each token and position
-    __shared__ kvc_u64 s_pos_xs[kWarps][kChunk];
+    __shared__ kvc_i64 s_tok[kWarps][kChunk];
+    __shared__ kvc_i64 s_pos[kWarps][kChunk];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -155,21 +155,19 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
             seed = -1;
         }
-        // The chain runs on its pending form (kvc_sm_next); the running value of the
-        // reference is kvc_sm_value(chain), computed off the serial path where it is needed.
-        kvc_u64 chain;
+        kvc_u64 running;
         kvc_i64 prev_pos;
         if (seed >= 0) {
             const KvcSlot s = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
-            chain = kvc_sm_unvalue(kvc_slot_link(s));
+            running = kvc_slot_link(s);
             prev_pos = s.w[KVC_FIELD_POSITION];
         } else {
-            chain = kvc_sm_unvalue(kvc_anchor_link());
+            running = kvc_anchor_link();
             prev_pos = 0;
         }
         const bool pos_assert = seed >= 0 && assert_flag;
         if (b < 0) {
-            if (lane == 0) kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)kvc_sm_value(chain), 0,
+            if (lane == 0) kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0,
                                       KVC_BIT_OUT_OF_RANGE);
             continue;
         }
@@ -200,26 +198,23 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             }
             const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);
 
-            // Serial walk over the stored entries of the chunk, in lockstep on every lane. Each
-            // lane's token and position enter the chain through kvc_xs1, taken here in parallel.
-            const kvc_u64 tok_xs = kvc_xs1((kvc_u64)tok);
-            const kvc_u64 pos_xs = kvc_xs1((kvc_u64)pos);
-            kvc_u64 my_chain = chain;
+            // Serial walk over the stored entries of the chunk, in lockstep on every lane.
+            kvc_u64 my_running = running;
             kvc_i64 my_prev = prev_pos;
             if (mask == KVC_FULL_MASK) {
                 // Every entry is stored (the prefill case): a fixed 32-step walk over the chunk
                 // staged in shared memory; entry j's previous position is entry j-1's.
-                s_tok_xs[warp][lane] = tok_xs;
-                s_pos_xs[warp][lane] = pos_xs;
+                s_tok[warp][lane] = tok;
+                s_pos[warp][lane] = pos;
                 const kvc_i64 up = __shfl_up_sync(KVC_FULL_MASK, pos, 1);
                 if (lane > 0) my_prev = up;
                 __syncwarp();
 #pragma unroll
                 for (int j = 0; j < kChunk; ++j) {
-                    const kvc_u64 t = s_tok_xs[warp][j];
-                    const kvc_u64 p = s_pos_xs[warp][j];
-                    if (lane == j) my_chain = chain;
-                    chain = kvc_mix3_next(chain, t, p);
+                    const kvc_u64 t = (kvc_u64)s_tok[warp][j];
+                    const kvc_u64 p = (kvc_u64)s_pos[warp][j];
+                    if (lane == j) my_running = running;
+                    running = kvc_mix3(running, t, p);
                 }
                 prev_pos = __shfl_sync(KVC_FULL_MASK, pos, 31);
             }
@@ -227,16 +222,15 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             while (m) {
                 const int j = __ffs(m) - 1;
                 m &= m - 1;
-                const kvc_u64 t = __shfl_sync(KVC_FULL_MASK, tok_xs, j);
-                const kvc_u64 p = __shfl_sync(KVC_FULL_MASK, pos_xs, j);
-                chain = kvc_mix3_next(chain, t, p);
-                prev_pos = __shfl_sync(KVC_FULL_MASK, pos, j);
+                const kvc_i64 t = __shfl_sync(KVC_FULL_MASK, tok, j);
+                const kvc_i64 p = __shfl_sync(KVC_FULL_MASK, pos, j);
+                running = kvc_mix3(running, (kvc_u64)t, (kvc_u64)p);
+                prev_pos = p;
                 if (lane > j) {
-                    my_chain = chain;
+                    my_running = running;
                     my_prev = prev_pos;
                 }
             }
-            const kvc_u64 my_running = kvc_sm_value(my_chain);
 
             if (too_big) {
                 kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
@@ -277,8 +271,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             __syncwarp();
         }
         if (e > n && lane == 0) {
-            kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)kvc_sm_value(chain), 0,
-                       KVC_BIT_OUT_OF_RANGE);
+            kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
         }
     }
     if (lane == 0 && stored) atomicAdd(&s_stored, stored);
