@@ -50,7 +50,49 @@ __device__ __forceinline__ kvc_u64 kvc_mix3_next(kvc_u64 d, kvc_u64 bx, kvc_u64 
     return kvc_sm_next(kvc_sm_next(kvc_sm_next(d, 0ull), bx), cx);
 }
 
-template <int kForm, int kKind>  // kForm 0 plain, 1 pending; kKind 0 mix3, 1 fold
+// A 64-bit multiply by a constant as three independent 32-bit products and one add of three
+// (two dependent steps instead of three), written in PTX. kVariant 1 takes the cross products
+// from wide multiplies, which ptxas cannot fold into a multiply-add chain.
+template <int kVariant>
+__device__ __forceinline__ kvc_u64 kvc_mul_split(kvc_u64 x, kvc_u64 m) {
+    const unsigned ml = (unsigned)m, mh = (unsigned)(m >> 32);
+    kvc_u64 r;
+    if (kVariant == 0) {
+        asm("{\n\t.reg .u32 xl, xh, a, b, wl, wh;\n\t"
+            "mov.b64 {xl, xh}, %%1;\n\t"
+            "mul.lo.u32 a, xh, %%2;\n\t"
+            "mul.lo.u32 b, xl, %%3;\n\t"
+            "mul.wide.u32 %%0, xl, %%2;\n\t"
+            "mov.b64 {wl, wh}, %%0;\n\t"
+            "add.u32 a, a, b;\n\t"
+            "add.u32 wh, wh, a;\n\t"
+            "mov.b64 %%0, {wl, wh};\n\t}"
+            : "=l"(r) : "l"(x), "r"(ml), "r"(mh));
+    } else {
+        asm("{\n\t.reg .u32 xl, xh, wl, wh, al, ah, bl, bh;\n\t.reg .u64 a, b;\n\t"
+            "mov.b64 {xl, xh}, %%1;\n\t"
+            "mul.wide.u32 a, xh, %%2;\n\t"
+            "mul.wide.u32 b, xl, %%3;\n\t"
+            "mul.wide.u32 %%0, xl, %%2;\n\t"
+            "mov.b64 {wl, wh}, %%0;\n\t"
+            "mov.b64 {al, ah}, a;\n\t"
+            "mov.b64 {bl, bh}, b;\n\t"
+            "add.u32 al, al, bl;\n\t"
+            "add.u32 wh, wh, al;\n\t"
+            "mov.b64 %%0, {wl, wh};\n\t}"
+            : "=l"(r) : "l"(x), "r"(ml), "r"(mh));
+    }
+    return r;
+}
+template <int kVariant>
+__device__ __forceinline__ kvc_u64 kvc_sm_split(kvc_u64 x) {
+    x = kvc_mul_split<kVariant>(x ^ (x >> KVC_SPLITMIX_SHIFT_1), (kvc_u64)KVC_SPLITMIX_MUL_1);
+    x = kvc_mul_split<kVariant>(x ^ (x >> KVC_SPLITMIX_SHIFT_2), (kvc_u64)KVC_SPLITMIX_MUL_2);
+    return x ^ (x >> KVC_SPLITMIX_SHIFT_3);
+}
+
+// kForm 0 plain, 1 pending, 2 and 3 split multiplies (variants 0 and 1); kKind 0 mix3, 1 fold
+template <int kForm, int kKind>
 __global__ void chain_probe(const kvc_u64* a, const kvc_u64* b, int rounds, kvc_u64* out,
                             long long* cycles) {
     __shared__ kvc_u64 s_a[KVC_PROBE_TOKENS];
@@ -67,7 +109,11 @@ __global__ void chain_probe(const kvc_u64* a, const kvc_u64* b, int rounds, kvc_
     for (int r = 0; r < rounds; ++r) {
 #pragma unroll 8
         for (int i = 0; i < KVC_PROBE_TOKENS; ++i) {
-            if (kKind == 0) {
+            if (kForm >= 2) {
+                constexpr int v = kForm - 2;
+                x = kKind == 0 ? kvc_sm_split<v>(kvc_sm_split<v>(kvc_sm_split<v>(x) ^ s_a[i]) ^ s_b[i])
+                               : kvc_sm_split<v>(x ^ s_a[i]);
+            } else if (kKind == 0) {
                 x = kForm == 1 ? kvc_mix3_next(x, s_a[i], s_b[i]) : kvc_mix3(x, s_a[i], s_b[i]);
             } else {
                 x = kForm == 1 ? kvc_sm_next(x, s_a[i]) : kvc_sm(x ^ s_a[i]);
@@ -80,7 +126,8 @@ __global__ void chain_probe(const kvc_u64* a, const kvc_u64* b, int rounds, kvc_
 }
 """
 
-NAMES = [f"chain_probe<{form}, {kind}>" for kind in (0, 1) for form in (0, 1)]
+FORMS = ((0, "plain"), (1, "pending"), (2, "split"), (3, "split-wide"))
+NAMES = [f"chain_probe<{form}, {kind}>" for kind in (0, 1) for form, _ in FORMS]
 
 
 def time_us(fn, reps: int = 10) -> float:
@@ -109,7 +156,7 @@ def bare_chains() -> dict:
     rows = {}
     for kind, kind_name in ((0, "mix3"), (1, "fold")):
         values = []
-        for form, form_name in ((0, "plain"), (1, "pending")):
+        for form, form_name in FORMS:
             fn = module.get_function(f"chain_probe<{form}, {kind}>")
             launch = lambda: fn((1,), (256,), (a, b, np.int32(ROUNDS), out, cycles))  # noqa: E731
             us = time_us(launch)
@@ -117,7 +164,7 @@ def bare_chains() -> dict:
             rows[f"{kind_name} {form_name}"] = {"ns_per_step": us * 1e3 / steps,
                                                  "cycles_per_step": int(cycles.get()[0]) / steps,
                                                  "regs": fn.num_regs}
-        assert values[0] == values[1], f"{kind_name}: plain and pending forms differ"
+        assert len(set(values)) == 1, f"{kind_name}: the forms differ: {values}"
     return rows
 
 
@@ -134,7 +181,8 @@ def use_write_sources(directory: pathlib.Path) -> None:
 
 def write_ops() -> dict:
     rows = {}
-    for name in ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch"):
+    for name in ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
+                 "e2e_decode_steady", "e2e_decode_steady_hash"):
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
         us = time_us(lambda: state.write(0))

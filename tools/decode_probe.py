@@ -43,7 +43,7 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
-def use_step_variant(cut: str = "", **defines: int) -> None:
+def use_step_variant(cut: str = "", patch: tuple = (), **defines: int) -> None:
     """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it.
     ``cut``: every thread returns just before that line of step.cu (the work after it is left out)."""
     spec = next(c for c in _loader.compile_specs() if c.name == "step")
@@ -52,6 +52,9 @@ def use_step_variant(cut: str = "", **defines: int) -> None:
     if cut:
         assert code.count(cut) == 1, cut
         code = code.replace(cut, "return;\n" + cut)
+    for old, new in patch:  # (old, new) source replacements
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
     module = cupy.RawModule(code=code, options=spec.options + extra,
                             name_expressions=list(_loader.SPECS["step"].name_expressions))
     for kernel in _loader.SPECS["step"].kernels:
@@ -72,8 +75,12 @@ CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0) {"),
         ("+ counters", "    // ---- write, by the last block"),
         ("+ last-block hand-off", "    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);\n    const KvcWriteIn"),
         ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
-        ("+ write", "    kvc_count_stored(stored"),
+        ("+ write", "    kvc_count_stored(&s_stored"),
         ("whole step", ""))
+
+# whole-step variants timed beside the cuts: (label, ((old, new), ...)) applied to step.cu
+PATCHES = (("no L2 prefetch in a one-block grid",
+            (("    if (kTailWrite && blockIdx.x == 0) {", "    if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {"),)),)
 
 
 def cuts(names: list[str]) -> None:
@@ -88,8 +95,14 @@ def cuts(names: list[str]) -> None:
             state.__dict__.pop("_canary_steps", None)
             step = state.canary_step(0)
             row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+        for label, patch in PATCHES:
+            use_step_variant(patch=patch, **VARIANTS[0][1])
+            state.__dict__.pop("_canary_steps", None)
+            step = state.canary_step(0)
+            row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         use_step_variant(**VARIANTS[0][1])
         cuda_step.TAIL_MAX_REQUESTS = TAIL_MAX_REQUESTS
+        assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"[{k}] {v:6.2f}" for k, v in row.items()), flush=True)
 
 

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     __shared__ kvc_i64 s_rp[kThreads];
     __shared__ kvc_i64 s_pos0[kThreads];
     __shared__ bool s_last;
+    __shared__ unsigned long long s_stored;
 
     const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
@@ -183,6 +184,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         }
         carry_w = kvc_wrap_add(carry_w, tile_total);
     }
-    kvc_count_stored(stored, slot_run_counter);
+    kvc_count_stored(&s_stored, stored, slot_run_counter);
     if (tid == 0 && gridDim.x > 1) *blocks_done = 0u;
 }

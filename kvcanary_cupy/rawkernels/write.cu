@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             kvc_u64 h = 0;
             if (in_range && src.count > 0) {
                 if (inline_hash) {
+                    kvc_prefetch_sources_l1(src, slot);
                     h = kvc_real_kv_hash(src, slot, &kv_oor);
                 } else {
                     kv_oor = kvc_sources_out_of_range(src, slot);

@@ -84,13 +84,14 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
     return stored;
 }
 
-// Adds the warp's stored counts to the slot-run counter: a reduction across the warp and one
-// atomic from its first lane, with no block barrier on the way out of the kernel (a block of 512
-// threads makes at most 16 atomics). Every lane of the warp calls it.
-__device__ __forceinline__ void kvc_count_stored(unsigned long long mine,
+// Adds the block's stored counts to the slot-run counter with one atomic. Every thread of the
+// block calls it.
+__device__ __forceinline__ void kvc_count_stored(unsigned long long* s_total,
+                                                 unsigned long long mine,
                                                  unsigned long long* slot_run_counter) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        mine += __shfl_xor_sync(KVC_FULL_MASK, mine, offset);
-    if ((threadIdx.x & 31) == 0 && mine) atomicAdd(slot_run_counter, mine);
+    if (threadIdx.x == 0) *s_total = 0;
+    __syncthreads();
+    if (mine) atomicAdd(s_total, mine);
+    __syncthreads();
+    if (threadIdx.x == 0 && *s_total) atomicAdd(slot_run_counter, *s_total);
 }
