@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -168,24 +169,43 @@ def bare_chains() -> dict:
     return rows
 
 
-def use_write_sources(directory: pathlib.Path) -> None:
-    """Make the write op launch write.cu compiled from ``directory`` (its headers beside it)."""
+def use_write_sources(directory: pathlib.Path, patch: tuple = ()) -> None:
+    """Make the write op launch write.cu compiled from ``directory`` (its headers beside it), with
+    ``patch`` ((old, new) source replacements) applied."""
     spec = _loader.SPECS["write"]
     options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in _loader.nvrtc_options())
-    module = cupy.RawModule(code=(directory / spec.filename).read_text(), options=options,
-                            name_expressions=list(spec.name_expressions))
+    code = (directory / spec.filename).read_text()
+    for old, new in patch:
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    module = cupy.RawModule(code=code, options=options, name_expressions=list(spec.name_expressions))
     for kernel in spec.kernels:
         _loader._functions[("write", kernel, 0)] = module.get_function(kernel)
     _loader._resident.clear()
 
 
-def write_ops() -> dict:
+WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
+               "e2e_decode_steady", "e2e_decode_steady_hash")
+
+# write.cu with parts of the chunk loop left out, to see what the chain's serial path carries
+# besides the chain (e2e_prefill_chunk_first: distinct slots, no sources, no expected tokens)
+WRITE_PATCHES = (
+    ("no chain (xor instead of mix3)", (("                    running = kvc_mix3(running, t, p);",
+                                         "                    running ^= t ^ p;"),)),
+    ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
+                                  "const unsigned peers = 1u << lane;"),)),
+)
+
+
+def write_ops(names=WRITE_CASES) -> dict:
+    """Device time of the write op on each case (graph replays, no host time) in us, and per chained token."""
+    from decode_probe import timed
+
     rows = {}
-    for name in ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
-                 "e2e_decode_steady", "e2e_decode_steady_hash"):
+    for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
-        us = time_us(lambda: state.write(0))
+        us = timed(lambda: state.write(0), reps=10, per_graph=5)
         # requests chain in parallel: the serial length is one request's new tokens
         rows[name] = {"us": us, "ns_per_chained_token": us * 1e3 / case.extend}
         assert state.violations() == 0
@@ -197,13 +217,19 @@ def main() -> None:
           f"SM clock {cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0) / 1e3:.0f} MHz")
     for label, row in bare_chains().items():
         print(f"bare {label:14s} {row['ns_per_step']:7.1f} ns/step {row['cycles_per_step']:7.1f} cycles/step regs {row['regs']}")
-    for label, row in write_ops().items():
-        print(f"write {label:28s} {row['us']:9.1f} us {row['ns_per_chained_token']:7.1f} ns/chained token")
+
+    def show(label: str, rows: dict) -> None:
+        for name, row in rows.items():
+            print(f"write[{label}] {name:26s} {row['us']:9.2f} us {row['ns_per_chained_token']:9.1f} ns/chained token")
+
+    show("this tree", write_ops())
+    for label, patch in WRITE_PATCHES:
+        use_write_sources(_loader.RAWKERNEL_DIR, patch)
+        show(label, write_ops(("e2e_prefill_chunk_first",)))
     # the same with write.cu and its headers from another directory (e.g. an earlier commit's)
     for directory in sys.argv[1:]:
         use_write_sources(pathlib.Path(directory).resolve())
-        for label, row in write_ops().items():
-            print(f"write[{directory}] {label:28s} {row['us']:9.1f} us {row['ns_per_chained_token']:7.1f} ns/chained token")
+        show(directory, write_ops())
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
 
 # where the one-launch step's time goes: each cut leaves out the work from that line on
-CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0) {"),
+CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {"),
         ("+ prefetch", "    // ---- verify ---"),
         ("+ verify", "    if (blockIdx.x == 0 && tid == 0) {\n        atomicAdd(kernel_run_counter"),
         ("+ counters", "    // ---- write, by the last block"),
@@ -79,8 +79,11 @@ CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0) {"),
         ("whole step", ""))
 
 # whole-step variants timed beside the cuts: (label, ((old, new), ...)) applied to step.cu
-PATCHES = (("no L2 prefetch in a one-block grid",
-            (("    if (kTailWrite && blockIdx.x == 0) {", "    if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {"),)),)
+PATCHES = (("slot counter per thread",
+            (("    kvc_count_stored(&s_stored, stored, slot_run_counter);",
+              "    if (stored) atomicAdd(slot_run_counter, stored);"),)),
+           ("no slot counter (floor)",
+            (("    kvc_count_stored(&s_stored, stored, slot_run_counter);", ""),)))
 
 
 def cuts(names: list[str]) -> None:
