@@ -194,6 +194,7 @@ WRITE_PATCHES = (
                                          "                    running ^= t ^ p;"),)),
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
+    ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
 )
 
 

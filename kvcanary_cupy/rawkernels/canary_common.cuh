@@ -374,25 +374,6 @@ __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSource
 
 #define KVC_PREFETCH_SOURCES 4  // sources whose first 32 bytes are all requested before folding
 
-// Asks L1 for the first KVC_PREFETCH_LINES 128-byte lines of every source's bytes of slot (>= 0),
-// holding no registers for the data: the fold that follows reads them one source after another,
-// and every source then costs one memory latency together instead of one each.
-#define KVC_PREFETCH_LINES 2
-__device__ __forceinline__ void kvc_prefetch_sources_l1(const KvcSources& src, kvc_i64 slot) {
-    for (int k = 0; k < src.count; ++k) {
-        kvc_i64 nread;
-        const unsigned char* p = kvc_source_bytes(src, k, slot, &nread);
-        if (p == nullptr) continue;
-        const kvc_u64 first = (kvc_u64)p & ~127ull;
-        const kvc_u64 end = (kvc_u64)p + (kvc_u64)nread;
-#pragma unroll
-        for (int line = 0; line < KVC_PREFETCH_LINES; ++line) {
-            const kvc_u64 a = first + 128ull * line;
-            if (a < end) asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-        }
-    }
-}
-
 // real_kv_hash(slot) for slot >= 0; sets *oor when a source row is out of range (its fold is 0).
 template <int kBatch = KVC_FOLD_BATCH>
 __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i64 slot,

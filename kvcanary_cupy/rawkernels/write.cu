@@ -191,13 +191,19 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             kvc_u64 h = 0;
             if (in_range && src.count > 0) {
                 if (inline_hash) {
-                    kvc_prefetch_sources_l1(src, slot);
                     h = kvc_real_kv_hash(src, slot, &kv_oor);
                 } else {
                     kv_oor = kvc_sources_out_of_range(src, slot);
                 }
             }
             const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);
+            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
+            // of their own (negative, so never equal to a slot). The match needs the slots
+            // alone: asked before the walk, its latency (hundreds of cycles) hides behind the
+            // chain instead of stalling the warp after it.
+            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
+            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
+            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
             // Serial walk over the stored entries of the chunk, in lockstep on every lane.
             kvc_u64 my_running = running;
@@ -209,6 +215,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 s_pos[warp][lane] = pos;
                 const kvc_i64 up = __shfl_up_sync(KVC_FULL_MASK, pos, 1);
                 if (lane > 0) my_prev = up;
+                const kvc_i64 last_pos = __shfl_sync(KVC_FULL_MASK, pos, 31);
                 __syncwarp();
 #pragma unroll
                 for (int j = 0; j < kChunk; ++j) {
@@ -217,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                     if (lane == j) my_running = running;
                     running = kvc_mix3(running, t, p);
                 }
-                prev_pos = __shfl_sync(KVC_FULL_MASK, pos, 31);
+                prev_pos = last_pos;
             }
             unsigned m = mask == KVC_FULL_MASK ? 0u : mask;
             while (m) {
@@ -259,12 +266,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                     }
                 }
             }
-            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
-            // of their own (negative, so never equal to a slot).
-            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
-            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
-            const unsigned later = lane == 31 ? 0u : (peers >> (lane + 1));
-            if (in_range && later == 0u) {
+            if (in_range && last_of_slot) {
                 kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
                                        store_hash);
             }
