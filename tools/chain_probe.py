@@ -195,6 +195,9 @@ WRITE_PATCHES = (
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
     ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
+    *((f"walk unrolled {u}", (("#pragma unroll\n                for (int j = 0; j < kChunk; ++j) {",
+                               f"#pragma unroll {u}\n                for (int j = 0; j < kChunk; ++j) {{"),))
+      for u in (4, 8, 16)),
 )
 
 
