@@ -35,8 +35,8 @@ SOURCE = r"""
 // IMAD chain of each 64-bit multiply dominates), 4 %% on the fold; the kernels keep the plain form.
 __device__ __forceinline__ kvc_u64 kvc_xs1(kvc_u64 x) { return x ^ (x >> KVC_SPLITMIX_SHIFT_1); }
 __device__ __forceinline__ kvc_u64 kvc_sm_core(kvc_u64 a) {
-    const kvc_u64 b = a * (kvc_u64)KVC_SPLITMIX_MUL_1;
-    return (b ^ (b >> KVC_SPLITMIX_SHIFT_2)) * (kvc_u64)KVC_SPLITMIX_MUL_2;
+    const kvc_u64 b = kvc_mul64(a, (kvc_u64)KVC_SPLITMIX_MUL_1);
+    return kvc_mul64(b ^ (b >> KVC_SPLITMIX_SHIFT_2), (kvc_u64)KVC_SPLITMIX_MUL_2);
 }
 __device__ __forceinline__ kvc_u64 kvc_sm_value(kvc_u64 d) { return d ^ (d >> KVC_SPLITMIX_SHIFT_3); }
 __device__ __forceinline__ kvc_u64 kvc_sm_unvalue(kvc_u64 v) {
@@ -195,9 +195,9 @@ WRITE_PATCHES = (
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
     ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
-    *((f"walk unrolled {u}", (("#pragma unroll\n                for (int j = 0; j < kChunk; ++j) {",
+    *((f"walk unrolled {u}", (("#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {",
                                f"#pragma unroll {u}\n                for (int j = 0; j < kChunk; ++j) {{"),))
-      for u in (4, 8, 16)),
+      for u in (4, 16, 32)),
 )
 
 
