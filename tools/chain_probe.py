@@ -182,6 +182,38 @@ def use_write_sources(directory: pathlib.Path, patch: tuple = ()) -> None:
     for kernel in spec.kernels:
         _loader._functions[("write", kernel, 0)] = module.get_function(kernel)
     _loader._resident.clear()
+    return module
+
+
+# clock64 stamps in the walk of a full chunk and around the chunk loop (lane 0 of each warp),
+# summed into two device counters: cycles in walks and cycles in chunks
+CLOCK_PATCH = (
+    ("#include \"canary_common.cuh\"",
+     "#include \"canary_common.cuh\"\n__device__ unsigned long long kvc_probe_cycles[2];"),
+    ("            const kvc_i64 i = base + lane;\n",
+     "            const long long probe_chunk0 = clock64();\n            const kvc_i64 i = base + lane;\n"),
+    ("#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {",
+     "const long long probe_walk0 = clock64();\n#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {"),
+    ("                prev_pos = last_pos;\n",
+     "                prev_pos = last_pos;\n                if (lane == 0) atomicAdd(&kvc_probe_cycles[0], (unsigned long long)(clock64() - probe_walk0));\n"),
+    ("            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n",
+     "            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n            if (lane == 0) atomicAdd(&kvc_probe_cycles[1], (unsigned long long)(clock64() - probe_chunk0));\n"),
+)
+
+
+def clock_breakdown(name: str = "e2e_prefill_chunk_first") -> None:
+    """Cycles per token in the walk and in the whole chunk loop, one write of ``name``."""
+    module = use_write_sources(_loader.RAWKERNEL_DIR, CLOCK_PATCH)
+    case = next(c for c in S.CASES if c.name == name)
+    state = S.build_state(case, "cuda")
+    counters = module.get_global("kvc_probe_cycles")
+    for _ in range(3):
+        counters.memset(0, 16)
+        state.write(0)
+        state.sync()
+        walk, chunk = (int(v) for v in cupy.ndarray((2,), cupy.uint64, counters).get())
+        tokens = case.n_write
+        print(f"clock {name}: walk {walk / tokens:.1f} cycles/token, chunk loop {chunk / tokens:.1f} cycles/token")
 
 
 WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
@@ -195,9 +227,6 @@ WRITE_PATCHES = (
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
     ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
-    *((f"walk unrolled {u}", (("#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {",
-                               f"#pragma unroll {u}\n                for (int j = 0; j < kChunk; ++j) {{"),))
-      for u in (4, 16, 32)),
 )
 
 
@@ -227,6 +256,7 @@ def main() -> None:
             print(f"write[{label}] {name:26s} {row['us']:9.2f} us {row['ns_per_chained_token']:9.1f} ns/chained token")
 
     show("this tree", write_ops())
+    clock_breakdown()
     for label, patch in WRITE_PATCHES:
         use_write_sources(_loader.RAWKERNEL_DIR, patch)
         show(label, write_ops(("e2e_prefill_chunk_first",)))

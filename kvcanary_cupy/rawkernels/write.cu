@@ -3,14 +3,13 @@
 //
 // Work split
 // * The chain of a request is serial: running = mix3(running, token, position). One warp owns a
-//   request. Its 32 lanes load and check a span of 2 chunks of 32 entries at a time (the loads
-//   of the next span are in flight meanwhile); then every lane walks the stored entries of the
-//   span in lockstep, reading each entry's token and position from shared memory (or by
-//   shuffle), so the serial part is a chain of mix3 with no global memory access on it, and the
-//   fixed cost of a walk is paid once per 64 tokens. Each lane keeps the chain value (and the
-//   previous position) seen just before each of its entries, then records its violations and
-//   stores its slots in parallel. When a slot repeats inside a chunk only its last entry stores;
-//   chunks are ordered by __syncwarp, so the slot ends up as the reference leaves it.
+//   request. Its 32 lanes load and check 32 entries at a time (the loads of the next 32 are in
+//   flight meanwhile); then every lane walks the stored entries of the chunk in lockstep,
+//   receiving each entry's token and position by shuffle, so the serial part is a chain of mix3
+//   with no memory access on it. Each lane keeps the chain value (and the previous position) seen
+//   just before its own entry, then records its violations and stores its slot in parallel. When
+//   a slot repeats inside a chunk only its last entry stores; chunks are ordered by __syncwarp, so
+//   the slot ends up as the reference leaves it.
 // * real_kv_hash(slot) depends on the slot alone, not on the chain, and every entry that is
 //   stored gets the same value whichever entry stores it. Requests of up to kInlineMax entries
 //   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
@@ -29,8 +28,6 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 32;       // entries per warp step and per offloaded hash task
-constexpr int kSpanChunks = 2;   // chunks chained in one walk
-constexpr int kSpan = kSpanChunks * kChunk;
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
@@ -63,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __shared__ kvc_i64 s_lo[kThreads];
     __shared__ kvc_i64 s_hi[kThreads];
     __shared__ kvc_i64 s_j0[kThreads];
-    __shared__ kvc_i64 s_tok[kWarps][kSpan];
-    __shared__ kvc_i64 s_pos[kWarps][kSpan];
+    __shared__ kvc_i64 s_tok[kWarps][kChunk];
+    __shared__ kvc_i64 s_pos[kWarps][kChunk];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -129,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __syncthreads();
 
     // ---- chains ------------------------------------------------------------------------------
-    // Entry i's inputs, requested early (kvc_ld_early): a span's are in flight while the span
+    // Entry i's inputs, requested early (kvc_ld_early): a chunk's are in flight while the chunk
     // before it is chained.
     struct Inputs {
         kvc_i64 slot, tok, pos, etok, epos;
@@ -151,13 +148,9 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         if (b >= e) continue;
         kvc_i64 seed = seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
-        // The first span's entry loads go out before the seed's slot is read (both in flight).
-        Inputs next[kSpanChunks];
-#pragma unroll
-        for (int c = 0; c < kSpanChunks; ++c) {
-            next[c].slot = -1;
-            if (b >= 0 && b + c * kChunk + lane < hi) request_inputs(b + c * kChunk + lane, next[c]);
-        }
+        // The first chunk's entry loads go out before the seed's slot is read (both in flight).
+        Inputs next = {-1, 0, 0, 0, 0};
+        if (b >= 0 && b + lane < hi) request_inputs(b + lane, next);
         if (seed >= num_slots) {
             if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
             seed = -1;
@@ -182,126 +175,105 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         // The warp stores real_kv_hash itself unless the grid hashes this request.
         const bool store_hash = src.count == 0 || inline_hash;
 
-        for (kvc_i64 base = b; base < hi; base += kSpan) {
-            // Each chunk of the span: its entries' checks, and the match of repeated slots (it
-            // needs the slots alone: asked before the walk, its latency hides behind the chain).
-            Inputs cur[kSpanChunks];
-            bool in_range[kSpanChunks], too_big[kSpanChunks], kv_oor[kSpanChunks];
-            bool last_of_slot[kSpanChunks];
-            kvc_u64 h[kSpanChunks];
-            unsigned mask[kSpanChunks];
-#pragma unroll
-            for (int c = 0; c < kSpanChunks; ++c) {
-                const bool valid = base + c * kChunk + lane < hi;
-                cur[c] = next[c];
-                next[c].slot = -1;
-                const kvc_i64 i2 = base + kSpan + c * kChunk + lane;
-                if (i2 < hi) request_inputs(i2, next[c]);
-                const kvc_i64 slot = cur[c].slot;
-                in_range[c] = valid && slot >= 0 && slot < num_slots;
-                too_big[c] = valid && slot >= num_slots;
-                kv_oor[c] = false;
-                h[c] = 0;
-                if (in_range[c] && src.count > 0) {
-                    if (inline_hash) {
-                        h[c] = kvc_real_kv_hash(src, slot, &kv_oor[c]);
-                    } else {
-                        kv_oor[c] = kvc_sources_out_of_range(src, slot);
-                    }
-                }
-                mask[c] = __ballot_sync(KVC_FULL_MASK, in_range[c]);
-                // Only the last entry of a repeated slot stores; lanes that store nothing get
-                // keys of their own (negative, so never equal to a slot).
-                const kvc_i64 key = in_range[c] ? slot : (kvc_i64)(-2 - lane);
-                const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
-                last_of_slot[c] = lane == 31 || (peers >> (lane + 1)) == 0u;
-                // Chunks where every entry is stored (prefill) are walked from shared memory.
-                if (mask[c] == KVC_FULL_MASK) {
-                    s_tok[warp][c * kChunk + lane] = cur[c].tok;
-                    s_pos[warp][c * kChunk + lane] = cur[c].pos;
+        for (kvc_i64 base = b; base < hi; base += kChunk) {
+            const kvc_i64 i = base + lane;
+            const bool valid = i < hi;
+            const kvc_i64 slot = next.slot, tok = next.tok, pos = next.pos, etok = next.etok,
+                          epos = next.epos;
+            next.slot = -1;
+            if (base + kChunk < hi) {
+                const kvc_i64 i2 = base + kChunk + lane;
+                if (i2 < hi) request_inputs(i2, next);
+            }
+            const bool in_range = valid && slot >= 0 && slot < num_slots;
+            const bool too_big = valid && slot >= num_slots;
+            bool kv_oor = false;
+            kvc_u64 h = 0;
+            if (in_range && src.count > 0) {
+                if (inline_hash) {
+                    h = kvc_real_kv_hash(src, slot, &kv_oor);
+                } else {
+                    kv_oor = kvc_sources_out_of_range(src, slot);
                 }
             }
-            __syncwarp();
+            const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);
+            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
+            // of their own (negative, so never equal to a slot). The match needs the slots
+            // alone: asked before the walk, its latency (hundreds of cycles) hides behind the
+            // chain instead of stalling the warp after it.
+            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
+            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
+            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
-            // Serial walk over the stored entries of the span, in lockstep on every lane: each
-            // lane keeps the chain value (and the previous position) seen just before its entry.
-            kvc_u64 my_running[kSpanChunks];
-            kvc_i64 my_prev[kSpanChunks];
-#pragma unroll
-            for (int c = 0; c < kSpanChunks; ++c) {
-                my_running[c] = running;
-                my_prev[c] = prev_pos;
-                if (mask[c] == KVC_FULL_MASK) {
-                    // a fixed 32-step walk; entry j's previous position is entry j-1's
-                    const kvc_i64 up = __shfl_up_sync(KVC_FULL_MASK, cur[c].pos, 1);
-                    if (lane > 0) my_prev[c] = up;
-                    prev_pos = __shfl_sync(KVC_FULL_MASK, cur[c].pos, 31);
-                    const kvc_i64* tok_row = s_tok[warp] + c * kChunk;
-                    const kvc_i64* pos_row = s_pos[warp] + c * kChunk;
-                    // Unrolled by 8, not 32: the fully unrolled walk is 4x the code and
-                    // measured 3 % slower (tools/chain_probe.py).
-#pragma unroll 8
-                    for (int j = 0; j < kChunk; ++j) {
-                        const kvc_u64 t = (kvc_u64)tok_row[j];
-                        const kvc_u64 p = (kvc_u64)pos_row[j];
-                        if (lane == j) my_running[c] = running;
-                        running = kvc_mix3(running, t, p);
-                    }
-                    continue;
-                }
-                unsigned m = mask[c];
-                while (m) {
-                    const int j = __ffs(m) - 1;
-                    m &= m - 1;
-                    const kvc_i64 t = __shfl_sync(KVC_FULL_MASK, cur[c].tok, j);
-                    const kvc_i64 p = __shfl_sync(KVC_FULL_MASK, cur[c].pos, j);
-                    running = kvc_mix3(running, (kvc_u64)t, (kvc_u64)p);
-                    prev_pos = p;
-                    if (lane > j) {
-                        my_running[c] = running;
-                        my_prev[c] = prev_pos;
-                    }
-                }
-            }
-
-            // Violations and stores, chunk after chunk: a slot repeated across the span's chunks
-            // is stored by the later chunk after the earlier one (__syncwarp orders them).
-#pragma unroll
-            for (int c = 0; c < kSpanChunks; ++c) {
-                const kvc_i64 slot = cur[c].slot, tok = cur[c].tok, pos = cur[c].pos;
-                const kvc_i64 link = (kvc_i64)my_running[c];
-                if (too_big[c]) {
-                    kvc_record(ring, tag, slot, pos, tok, tok, link, pos, KVC_BIT_OUT_OF_RANGE);
-                }
-                if (in_range[c]) {
-                    if (kv_oor[c]) {
-                        kvc_record(ring, tag, slot, pos, tok, tok, link, pos,
-                                   KVC_BIT_OUT_OF_RANGE);
-                    }
-                    if (has_expected) {
-                        kvc_i64 bits = 0;
-                        if (tok != cur[c].etok) bits |= KVC_BIT_WRITE_TOKEN;
-                        if (pos != cur[c].epos) bits |= KVC_BIT_WRITE_POSITION;
-                        if (bits) {
-                            kvc_record(ring, tag, slot, pos, tok, cur[c].etok, link,
-                                       cur[c].epos, bits);
-                        }
-                    }
-                    if (pos_assert) {
-                        const kvc_i64 want = kvc_wrap_add(my_prev[c], 1);
-                        if (pos != want) {
-                            kvc_record(ring, tag, slot, pos, tok, tok, link, want,
-                                       KVC_BIT_WRITE_POSITION);
-                        }
-                    }
-                    if (last_of_slot[c]) {
-                        kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos,
-                                               my_running[c], h[c], store_hash);
-                    }
-                }
-                stored += (unsigned long long)__popc(mask[c]);
+            // Serial walk over the stored entries of the chunk, in lockstep on every lane.
+            kvc_u64 my_running = running;
+            kvc_i64 my_prev = prev_pos;
+            if (mask == KVC_FULL_MASK) {
+                // Every entry is stored (the prefill case): a fixed 32-step walk over the chunk
+                // staged in shared memory; entry j's previous position is entry j-1's.
+                s_tok[warp][lane] = tok;
+                s_pos[warp][lane] = pos;
+                const kvc_i64 up = __shfl_up_sync(KVC_FULL_MASK, pos, 1);
+                if (lane > 0) my_prev = up;
+                const kvc_i64 last_pos = __shfl_sync(KVC_FULL_MASK, pos, 31);
                 __syncwarp();
+                // Unrolled by 8, not 32: the fully unrolled walk is 4x the code and measured 3 %
+                // slower (tools/chain_probe.py).
+#pragma unroll 8
+                for (int j = 0; j < kChunk; ++j) {
+                    const kvc_u64 t = (kvc_u64)s_tok[warp][j];
+                    const kvc_u64 p = (kvc_u64)s_pos[warp][j];
+                    if (lane == j) my_running = running;
+                    running = kvc_mix3(running, t, p);
+                }
+                prev_pos = last_pos;
             }
+            unsigned m = mask == KVC_FULL_MASK ? 0u : mask;
+            while (m) {
+                const int j = __ffs(m) - 1;
+                m &= m - 1;
+                const kvc_i64 t = __shfl_sync(KVC_FULL_MASK, tok, j);
+                const kvc_i64 p = __shfl_sync(KVC_FULL_MASK, pos, j);
+                running = kvc_mix3(running, (kvc_u64)t, (kvc_u64)p);
+                prev_pos = p;
+                if (lane > j) {
+                    my_running = running;
+                    my_prev = prev_pos;
+                }
+            }
+
+            if (too_big) {
+                kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
+                           KVC_BIT_OUT_OF_RANGE);
+            }
+            if (in_range) {
+                if (kv_oor) {
+                    kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
+                               KVC_BIT_OUT_OF_RANGE);
+                }
+                if (has_expected) {
+                    kvc_i64 bits = 0;
+                    if (tok != etok) bits |= KVC_BIT_WRITE_TOKEN;
+                    if (pos != epos) bits |= KVC_BIT_WRITE_POSITION;
+                    if (bits) {
+                        kvc_record(ring, tag, slot, pos, tok, etok, (kvc_i64)my_running, epos,
+                                   bits);
+                    }
+                }
+                if (pos_assert) {
+                    const kvc_i64 want = kvc_wrap_add(my_prev, 1);
+                    if (pos != want) {
+                        kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, want,
+                                   KVC_BIT_WRITE_POSITION);
+                    }
+                }
+            }
+            if (in_range && last_of_slot) {
+                kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
+                                       store_hash);
+            }
+            stored += (unsigned long long)__popc(mask);
+            __syncwarp();
         }
         if (e > n && lane == 0) {
             kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
