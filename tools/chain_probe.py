@@ -185,64 +185,51 @@ def use_write_sources(directory: pathlib.Path, patch: tuple = ()) -> None:
     return module
 
 
-# clock64 stamps in the walk of a full chunk and around the chunk loop (lane 0 of each warp),
-# summed into two device counters: cycles in walks and cycles in chunks
-CLOCK_PATCH = (
-    ("#include \"canary_common.cuh\"",
-     "#include \"canary_common.cuh\"\n__device__ unsigned long long kvc_probe_cycles[2];"),
-    ("            const kvc_i64 i = base + lane;\n",
-     "            const long long probe_chunk0 = clock64();\n            const kvc_i64 i = base + lane;\n"),
-    ("#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {",
-     "const long long probe_walk0 = clock64();\n#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {"),
-    ("                prev_pos = last_pos;\n",
-     "                prev_pos = last_pos;\n                if (lane == 0) atomicAdd(&kvc_probe_cycles[0], (unsigned long long)(clock64() - probe_walk0));\n"),
-    ("            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n",
-     "            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n            if (lane == 0) atomicAdd(&kvc_probe_cycles[1], (unsigned long long)(clock64() - probe_chunk0));\n"),
+# clock64 stamps at points of the chunk loop (lane 0 of each warp), the cycles between successive
+# points summed into device counters
+CLOCK_POINTS = (
+    ("start", "            const kvc_i64 i = base + lane;\n"),
+    ("loads issued, checks", "            const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);\n"),
+    ("ballot, match", "            // Serial walk over the stored entries of the chunk, in lockstep on every lane.\n"),
+    ("staging", "#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {"),
+    ("walk", "            unsigned m = mask == KVC_FULL_MASK ? 0u : mask;\n"),
+    ("records", "            if (in_range && last_of_slot) {"),
+    ("store, sync", None),
 )
+_END = "            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n"
+
+
+def clock_patch() -> tuple:
+    n = len(CLOCK_POINTS)
+    patch = [("#include \"canary_common.cuh\"",
+              f"#include \"canary_common.cuh\"\n__device__ unsigned long long kvc_probe_cycles[{n}];")]
+    for k, (_, line) in enumerate(CLOCK_POINTS):
+        stamp = f"probe_t[{k}] = clock64();\n"
+        if k == 0:
+            stamp = f"long long probe_t[{n}];\n" + stamp
+        if line is None:
+            sums = "".join(f"atomicAdd(&kvc_probe_cycles[{j}], (unsigned long long)(probe_t[{j + 1}] - probe_t[{j}]));"
+                           for j in range(n - 1))
+            patch.append((_END, _END + stamp + f"if (lane == 0) {{ {sums} }}\n"))
+        else:
+            patch.append((line, stamp + line))
+    return tuple(patch)
 
 
 def clock_breakdown(name: str = "e2e_prefill_chunk_first") -> None:
-    """Cycles per token in the walk and in the whole chunk loop, one write of ``name``."""
-    module = use_write_sources(_loader.RAWKERNEL_DIR, CLOCK_PATCH)
+    """Cycles per token between the points of CLOCK_POINTS, one write of ``name``."""
+    module = use_write_sources(_loader.RAWKERNEL_DIR, clock_patch())
     case = next(c for c in S.CASES if c.name == name)
     state = S.build_state(case, "cuda")
     counters = module.get_global("kvc_probe_cycles")
-    for _ in range(3):
-        counters.memset(0, 16)
+    n = len(CLOCK_POINTS)
+    for _ in range(2):
+        counters.memset(0, 8 * n)
         state.write(0)
         state.sync()
-        walk, chunk = (int(v) for v in cupy.ndarray((2,), cupy.uint64, counters).get())
-        tokens = case.n_write
-        print(f"clock {name}: walk {walk / tokens:.1f} cycles/token, chunk loop {chunk / tokens:.1f} cycles/token")
-
-
-WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
-               "e2e_decode_steady", "e2e_decode_steady_hash")
-
-# write.cu with parts of the chunk loop left out, to see what the chain's serial path carries
-# besides the chain (e2e_prefill_chunk_first: distinct slots, no sources, no expected tokens)
-WRITE_PATCHES = (
-    ("no chain (xor instead of mix3)", (("                    running = kvc_mix3(running, t, p);",
-                                         "                    running ^= t ^ p;"),)),
-    ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
-                                  "const unsigned peers = 1u << lane;"),)),
-    ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
-)
-
-
-def write_ops(names=WRITE_CASES) -> dict:
-    """Device time of the write op on each case (graph replays, no host time) in us, and per chained token."""
-    from decode_probe import timed
-
-    rows = {}
-    for name in names:
-        case = next(c for c in S.CASES if c.name == name)
-        state = S.build_state(case, "cuda")
-        us = timed(lambda: state.write(0), reps=10, per_graph=5)
-        # requests chain in parallel: the serial length is one request's new tokens
-        rows[name] = {"us": us, "ns_per_chained_token": us * 1e3 / case.extend}
-        assert state.violations() == 0
-    return rows
+        cycles = cupy.ndarray((n,), cupy.uint64, counters).get()
+        parts = " ".join(f"[{label}] {cycles[k - 1] / case.n_write:.1f}" for k, (label, _) in enumerate(CLOCK_POINTS) if k)
+        print(f"clock {name}, cycles per token up to: {parts}")
 
 
 def main() -> None:
