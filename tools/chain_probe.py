@@ -169,7 +169,7 @@ def bare_chains() -> dict:
     return rows
 
 
-def use_write_sources(directory: pathlib.Path, patch: tuple = ()) -> None:
+def use_write_sources(directory: pathlib.Path, patch: tuple = ()):
     """Make the write op launch write.cu compiled from ``directory`` (its headers beside it), with
     ``patch`` ((old, new) source replacements) applied."""
     spec = _loader.SPECS["write"]
@@ -214,6 +214,35 @@ def clock_patch() -> tuple:
         else:
             patch.append((line, stamp + line))
     return tuple(patch)
+
+
+WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
+               "e2e_decode_steady", "e2e_decode_steady_hash")
+
+# write.cu with parts of the chunk loop left out, to see what the chain's serial path carries
+# besides the chain (e2e_prefill_chunk_first: distinct slots, no sources, no expected tokens)
+WRITE_PATCHES = (
+    ("no chain (xor instead of mix3)", (("                    running = kvc_mix3(running, t, p);",
+                                         "                    running ^= t ^ p;"),)),
+    ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
+                                  "const unsigned peers = 1u << lane;"),)),
+    ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
+)
+
+
+def write_ops(names=WRITE_CASES) -> dict:
+    """Device time of the write op on each case (graph replays, no host time) in us, and per chained token."""
+    from decode_probe import timed
+
+    rows = {}
+    for name in names:
+        case = next(c for c in S.CASES if c.name == name)
+        state = S.build_state(case, "cuda")
+        us = timed(lambda: state.write(0), reps=10, per_graph=5)
+        # requests chain in parallel: the serial length is one request's new tokens
+        rows[name] = {"us": us, "ns_per_chained_token": us * 1e3 / case.extend}
+        assert state.violations() == 0
+    return rows
 
 
 def clock_breakdown(name: str = "e2e_prefill_chunk_first") -> None:
