@@ -193,7 +193,7 @@ CLOCK_POINTS = (
     ("ballot, match", "            // Serial walk over the stored entries of the chunk, in lockstep on every lane.\n"),
     ("staging", "#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {"),
     ("walk", "            unsigned m = mask == KVC_FULL_MASK ? 0u : mask;\n"),
-    ("records", "            if (in_range && last_of_slot) {"),
+    ("records", "            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n"),
     ("store, sync", None),
 )
 _END = "            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n"
