@@ -11,6 +11,7 @@ ns per chained token, for comparison with the bare chain in the same run.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -276,10 +277,15 @@ def main() -> None:
     for label, patch in WRITE_PATCHES:
         use_write_sources(_loader.RAWKERNEL_DIR, patch)
         show(label, write_ops(("e2e_prefill_chunk_first",)))
-    # the same with write.cu and its headers from another directory (e.g. an earlier commit's)
-    for directory in sys.argv[1:]:
-        use_write_sources(pathlib.Path(directory).resolve())
-        show(directory, write_ops())
+    # the same with write.cu and its headers from other directories (e.g. an earlier commit's),
+    # each measured ROUNDS_AB times in turn with this tree's, so the spread is seen too
+    prefill = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash")
+    for _ in range(int(os.environ.get("ROUNDS_AB", "1"))):
+        for directory in sys.argv[1:]:
+            use_write_sources(pathlib.Path(directory).resolve())
+            show(directory, write_ops(prefill))
+        use_write_sources(_loader.RAWKERNEL_DIR)
+        show("this tree", write_ops(prefill))
 
 
 if __name__ == "__main__":
