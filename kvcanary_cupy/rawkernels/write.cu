@@ -180,19 +180,13 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             const bool valid = i < hi;
             const kvc_i64 slot = next.slot, tok = next.tok, pos = next.pos, etok = next.etok,
                           epos = next.epos;
-            const bool in_range = valid && slot >= 0 && slot < num_slots;
-            const bool too_big = valid && slot >= num_slots;
-            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
-            // of their own (negative, so never equal to a slot). The match needs the slots alone:
-            // asked first, its latency (hundreds of cycles) hides behind the rest of the chunk
-            // and the walk; its result is first used by the store.
-            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
-            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
             next.slot = -1;
             if (base + kChunk < hi) {
                 const kvc_i64 i2 = base + kChunk + lane;
                 if (i2 < hi) request_inputs(i2, next);
             }
+            const bool in_range = valid && slot >= 0 && slot < num_slots;
+            const bool too_big = valid && slot >= num_slots;
             bool kv_oor = false;
             kvc_u64 h = 0;
             if (in_range && src.count > 0) {
@@ -203,10 +197,13 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 }
             }
             const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);
-            // Whether any lane can have a violation to record: when none can (the usual case),
-            // the checks after the walk are one warp-uniform branch.
-            const bool any_record = __any_sync(
-                KVC_FULL_MASK, too_big || (in_range && (kv_oor || has_expected || pos_assert)));
+            // Only the last entry of a repeated slot stores; lanes that store nothing get keys
+            // of their own (negative, so never equal to a slot). The match needs the slots
+            // alone: asked before the walk, its latency (hundreds of cycles) hides behind the
+            // chain instead of stalling the warp after it.
+            const kvc_i64 key = in_range ? slot : (kvc_i64)(-2 - lane);
+            const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
+            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
             // Serial walk over the stored entries of the chunk, in lockstep on every lane.
             kvc_u64 my_running = running;
@@ -245,11 +242,11 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 }
             }
 
-            if (any_record && too_big) {
+            if (too_big) {
                 kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
                            KVC_BIT_OUT_OF_RANGE);
             }
-            if (any_record && in_range) {
+            if (in_range) {
                 if (kv_oor) {
                     kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
                                KVC_BIT_OUT_OF_RANGE);
@@ -271,7 +268,6 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                     }
                 }
             }
-            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
             if (in_range && last_of_slot) {
                 kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
                                        store_hash);
