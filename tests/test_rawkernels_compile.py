@@ -9,50 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+pytest.importorskip("cuda.bindings.nvrtc")
 
-from kvcanary_cupy.rawkernels import _loader  # noqa: E402
+from kvcanary_cupy.rawkernels import _loader, _ptxas  # noqa: E402
 
 ARCHES = ("sm_80", "sm_90")
 SPECS = _loader.compile_specs()
-
-
-def _check(result, what: str):
-    err = result[0]
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{what}: {err}"
-    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
-
-
-def _log(prog) -> str:
-    size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-    if size <= 1:
-        return ""
-    buf = b" " * size
-    _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-    return buf.rstrip(b"\x00 ").decode("utf-8", "replace").strip()
-
-
-def _compile(spec, arch: str) -> tuple[str, dict[str, str]]:
-    prog = _check(
-        nvrtc.nvrtcCreateProgram(spec.code.encode(), spec.filename.encode(), 0, [], []),
-        "nvrtcCreateProgram",
-    )
-    try:
-        for expr in spec.name_expressions:
-            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), "nvrtcAddNameExpression")
-        options = [opt.encode() for opt in spec.options] + [f"--gpu-architecture={arch}".encode()]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-        log = _log(prog)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"{spec.filename} [{arch}]: {err}\n{log}"
-        lowered = {}
-        for expr in spec.name_expressions:
-            name = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), "nvrtcGetLoweredName")
-            lowered[expr] = name.decode() if isinstance(name, bytes) else str(name)
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        assert size > 0, f"{spec.filename} [{arch}]: empty cubin"
-        return log, lowered
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def test_every_source_has_a_spec():
@@ -71,27 +33,22 @@ def test_options_carry_layout_and_std():
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_compiles_cleanly(spec, arch):
-    log, lowered = _compile(spec, arch)
-    assert "warning" not in log.lower() and "error" not in log.lower(), (
-        f"{spec.filename} [{arch}] log:\n{log}")
+    compiled = _ptxas.compile_spec(spec, arch)
+    assert compiled.ok, f"{spec.filename} [{arch}]: {compiled.error}\n{compiled.log}"
+    assert "warning" not in compiled.log.lower() and "error" not in compiled.log.lower(), (
+        f"{spec.filename} [{arch}] log:\n{compiled.log}")
     for expr in spec.name_expressions:
-        assert lowered[expr], expr
+        assert compiled.lowered[expr], expr
+    assert compiled.cubin, f"{spec.filename} [{arch}]: empty cubin"
 
 
 def test_missing_layout_define_is_an_error():
     spec = SPECS[0]
-    prog = _check(
-        nvrtc.nvrtcCreateProgram(spec.code.encode(), spec.filename.encode(), 0, [], []),
-        "nvrtcCreateProgram",
-    )
-    try:
-        options = [o.encode() for o in spec.options if not o.startswith("-DKVC_CHAIN_ANCHOR=")]
-        options.append(b"--gpu-architecture=sm_90")
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
-        assert err != nvrtc.nvrtcResult.NVRTC_SUCCESS
-        assert "KVC_CHAIN_ANCHOR" in _log(prog)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    options = [o for o in spec.options if not o.startswith("-DKVC_CHAIN_ANCHOR=")]
+    compiled = _ptxas.nvrtc_compile(spec.code, spec.filename, spec.name_expressions,
+                                    [*options, "--gpu-architecture=sm_90"])
+    assert not compiled.ok
+    assert "KVC_CHAIN_ANCHOR" in compiled.log
 
 
 # The latency-bound gathers: their speed is warps in flight, so their register budget is part of the
@@ -104,8 +61,6 @@ _VERIFY_KERNELS = {"verify": r"kvc_verifyILb[01]E", "step": r"kvc_stepILb[01]ELb
 @pytest.mark.parametrize("source", sorted(_VERIFY_KERNELS))
 def test_verify_kernels_do_not_spill(source, arch):
     import re
-
-    from kvcanary_cupy.rawkernels import _ptxas
 
     spec = next(s for s in SPECS if s.name == source)
     usage = _ptxas.kernel_usage(spec, arch)

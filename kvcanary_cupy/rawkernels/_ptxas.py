@@ -1,10 +1,10 @@
-"""ptxas's resource report of every canary kernel, without a GPU.
+"""NVRTC without a GPU: compiles the canary sources and reports ptxas's resources per kernel.
 
 Compiles a source exactly as the loader does, through NVRTC (the ``nvidia-cuda-nvrtc-cu12`` wheel,
-driven by ``cuda-bindings``), with ``-Xptxas -v`` for a given architecture, and parses what ptxas
-says about each kernel instantiation: registers per thread, spill bytes, shared memory. Used by
-``tools/kernel_registers.py`` and by the compile tests, which keep the latency-bound verify kernels
-inside their register budget.
+driven by ``cuda-bindings``), for a given architecture (:func:`compile_spec`: log, mangled names,
+cubin). With ``-Xptxas -v`` it parses what ptxas says about each kernel instantiation: registers
+per thread, spill bytes, shared memory. Used by ``tools/kernel_registers.py`` and by the compile
+tests, which also keep the latency-bound verify kernels inside their register budget.
 """
 
 from __future__ import annotations
@@ -33,25 +33,59 @@ def _ok(result):
     return rest[0] if len(rest) == 1 else rest
 
 
-def ptxas_log(spec: _loader.CompileSpec, arch: str, defines: tuple[str, ...] = ()) -> str:
-    """NVRTC's log of compiling ``spec`` for ``arch`` (e.g. ``sm_90``) with ptxas verbose."""
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What NVRTC made of one program: whether it compiled, its log, and on success the mangled name
+    of each name expression and the cubin."""
+
+    ok: bool
+    error: str
+    log: str
+    lowered: dict
+    cubin: bytes
+
+
+def nvrtc_compile(code: str, filename: str, name_expressions: tuple[str, ...], options: list[str]) -> Compiled:
+    """Compiles ``code`` with exactly ``options`` (give a real ``--gpu-architecture=sm_XX`` for a cubin)."""
     from cuda.bindings import nvrtc
 
-    prog = _ok(nvrtc.nvrtcCreateProgram(spec.code.encode(), spec.filename.encode(), 0, [], []))
+    prog = _ok(nvrtc.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []))
     try:
-        for expr in spec.name_expressions:
+        for expr in name_expressions:
             _ok(nvrtc.nvrtcAddNameExpression(prog, expr.encode()))
-        options = [*spec.options, *(f"-D{d}" for d in defines), f"--gpu-architecture={arch}", "-Xptxas=-v"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         size = _ok(nvrtc.nvrtcGetProgramLogSize(prog))
         log = b" " * size
         _ok(nvrtc.nvrtcGetProgramLog(prog, log))
-        text = log.rstrip(b"\x00 ").decode("utf-8", "replace")
+        text = log.rstrip(b"\x00 ").decode("utf-8", "replace").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{spec.filename} [{arch}]: {err}\n{text}")
-        return text
+            return Compiled(False, str(err), text, {}, b"")
+        lowered = {}
+        for expr in name_expressions:
+            name = _ok(nvrtc.nvrtcGetLoweredName(prog, expr.encode()))
+            lowered[expr] = name.decode() if isinstance(name, bytes) else str(name)
+        cubin = b""
+        if any(o.startswith("--gpu-architecture=sm_") for o in options):
+            cubin = b" " * _ok(nvrtc.nvrtcGetCUBINSize(prog))
+            _ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return Compiled(True, "", text, lowered, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_spec(spec: _loader.CompileSpec, arch: str, defines: tuple[str, ...] = (),
+                 extra: tuple[str, ...] = ()) -> Compiled:
+    """``spec`` compiled for ``arch`` (e.g. ``sm_90``) as the loader compiles it, plus ``-D`` defines."""
+    options = [*spec.options, *(f"-D{d}" for d in defines), *extra, f"--gpu-architecture={arch}"]
+    return nvrtc_compile(spec.code, spec.filename, spec.name_expressions, options)
+
+
+def ptxas_log(spec: _loader.CompileSpec, arch: str, defines: tuple[str, ...] = ()) -> str:
+    """NVRTC's log of compiling ``spec`` for ``arch`` with ptxas verbose."""
+    compiled = compile_spec(spec, arch, defines, extra=("-Xptxas=-v",))
+    if not compiled.ok:
+        raise RuntimeError(f"{spec.filename} [{arch}]: {compiled.error}\n{compiled.log}")
+    return compiled.log
 
 
 def kernel_usage(spec: _loader.CompileSpec, arch: str, defines: tuple[str, ...] = ()) -> list[KernelUsage]:
