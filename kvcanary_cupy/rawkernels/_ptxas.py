@@ -36,12 +36,13 @@ def _ok(result):
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """What NVRTC made of one program: whether it compiled, its log, and on success the mangled name
-    of each name expression and the cubin."""
+    of each name expression, the PTX and the cubin (for a real architecture)."""
 
     ok: bool
     error: str
     log: str
     lowered: dict
+    ptx: str
     cubin: bytes
 
 
@@ -59,16 +60,18 @@ def nvrtc_compile(code: str, filename: str, name_expressions: tuple[str, ...], o
         _ok(nvrtc.nvrtcGetProgramLog(prog, log))
         text = log.rstrip(b"\x00 ").decode("utf-8", "replace").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return Compiled(False, str(err), text, {}, b"")
+            return Compiled(False, str(err), text, {}, "", b"")
         lowered = {}
         for expr in name_expressions:
             name = _ok(nvrtc.nvrtcGetLoweredName(prog, expr.encode()))
             lowered[expr] = name.decode() if isinstance(name, bytes) else str(name)
+        ptx = b" " * _ok(nvrtc.nvrtcGetPTXSize(prog))
+        _ok(nvrtc.nvrtcGetPTX(prog, ptx))
         cubin = b""
         if any(o.startswith("--gpu-architecture=sm_") for o in options):
             cubin = b" " * _ok(nvrtc.nvrtcGetCUBINSize(prog))
             _ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return Compiled(True, "", text, lowered, cubin)
+        return Compiled(True, "", text, lowered, ptx.rstrip(b"\x00 ").decode(), cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -189,6 +189,45 @@ __device__ __forceinline__ KvcEntry kvc_warp_entry(const KvcEntryTile& t, int n,
     return e;
 }
 
+// Every verify entry of the batch, shared by the grid: requests in tiles of kThreads, each tile
+// staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands them,
+// their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile) runs
+// on every thread once a tile is staged (the write plan is scanned there). Entries are visited only
+// when the batch's total fits `capacity`, and only below `limit` (the plan's int32 count). Every
+// thread of the block calls it; returns the total (saturating).
+template <int kThreads, class OnTile, class OnEntries>
+__device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
+                                                          const KvcEntryTile& entries,
+                                                          kvc_i64* s_warp, kvc_i64 capacity,
+                                                          kvc_i64 limit, OnTile on_tile,
+                                                          OnEntries on_entries) {
+    const int tid = threadIdx.x;
+    const kvc_i64 ntiles = in.bs > 0 ? (in.bs + kThreads - 1) / kThreads : 0;
+    const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kThreads;
+    // With several tiles the total is needed before any entry is visited.
+    kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
+    kvc_i64 carry = 0;
+    for (kvc_i64 tile = 0; tile < in.bs; tile += kThreads) {
+        const kvc_i64 tile_total = kvc_stage_tile<kThreads>(in, tile, carry, entries, s_warp);
+        if (ntiles == 1) total = tile_total;
+        on_tile(tile);
+        __syncthreads();
+        if (total <= capacity) {
+            // carry + tile_total <= total <= capacity: no overflow
+            const kvc_i64 hi = kvc_min64(carry + tile_total, kvc_min64(total, limit));
+            const int n = (int)kvc_min64(kThreads, in.bs - tile);
+            // warp-uniform: every lane takes part in the warp's entry search
+            for (kvc_i64 base = carry + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
+                 base += grid_threads) {
+                on_entries(kvc_warp_entry<kThreads>(entries, n, tile, base, hi), base);
+            }
+        }
+        carry = kvc_sat_add(carry, tile_total);
+        __syncthreads();
+    }
+    return total;
+}
+
 // Write-plan fields of request r: seed slot (-1: no predecessor) and entry count.
 __device__ __forceinline__ kvc_i64 kvc_write_count(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
                                                    kvc_i64 prefix, kvc_i64* seed) {

@@ -26,42 +26,24 @@ __global__ void __launch_bounds__(kTile) kvc_plan(
 
     const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
-    const int tid = threadIdx.x;
-    const kvc_i64 ntiles = bs > 0 ? (bs + kTile - 1) / kTile : 0;
-    const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kTile;
-
-    // With several tiles the total is needed before any entry is written.
-    kvc_i64 total = ntiles > 1 ? kvc_verify_total<kTile>(in, s_warp) : 0;
-
-    kvc_i64 carry_v = 0;
     kvc_i64 carry_w = 0;
-    for (kvc_i64 tile = 0; tile < bs; tile += kTile) {
-        const kvc_i64 tile_total = kvc_stage_tile<kTile>(in, tile, carry_v, entries, s_warp);
-        if (ntiles == 1) total = tile_total;
-        if (blockIdx.x == 0) carry_w = kvc_write_plan_tile<kTile>(in, tile, carry_w, w_offsets,
-                                                                  w_seeds, w_capacity, s_warp);
-        __syncthreads();
+    const kvc_i64 total = kvc_for_verify_entries<kTile>(
+        in, entries, s_warp, v_capacity, KVC_I64_MAX,
+        [&](kvc_i64 tile) {
+            if (blockIdx.x == 0)
+                carry_w = kvc_write_plan_tile<kTile>(in, tile, carry_w, w_offsets, w_seeds,
+                                                     w_capacity, s_warp);
+        },
+        [&](const KvcEntry& e, kvc_i64 base) {
+            if (!e.live) return;
+            const kvc_i64 k = base + (threadIdx.x & 31);
+            v_slots[k] = kvc_resolve(in, e.rp, e.pos);
+            v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
+            v_positions[k] = e.pos;
+            v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
+        });
 
-        if (total <= v_capacity) {
-            const kvc_i64 hi = carry_v + tile_total;  // <= total <= capacity: no overflow
-            const int n = (int)kvc_min64(kTile, bs - tile);
-            // warp-uniform: every lane takes part in the warp's entry search
-            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kTile + (tid & ~31); base < hi;
-                 base += grid_threads) {
-                const KvcEntry e = kvc_warp_entry<kTile>(entries, n, tile, base, hi);
-                if (!e.live) continue;
-                const kvc_i64 k = base + (tid & 31);
-                v_slots[k] = kvc_resolve(in, e.rp, e.pos);
-                v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
-                v_positions[k] = e.pos;
-                v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
-            }
-        }
-        carry_v = kvc_sat_add(carry_v, tile_total);
-        __syncthreads();
-    }
-
-    if (blockIdx.x == 0 && tid == 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
         const kvc_i64 nv = kvc_min64(total, v_capacity);
         *v_num_valid = (int)kvc_min64(nv, 0x7FFFFFFFLL);
         *v_enable = total <= v_capacity ? 1 : 0;

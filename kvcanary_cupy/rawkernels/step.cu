@@ -101,8 +101,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const bool check_token = check_expected_token != 0;
     const KvcVerifyOut out = {ring, src, verify_tag, check_token};
     const int tid = threadIdx.x;
-    const kvc_i64 ntiles = bs > 0 ? (bs + kThreads - 1) / kThreads : 0;
-    const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kThreads;
 
     if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {
         // what the last block reads once every block has verified (a grid of one block reads it
@@ -117,33 +115,18 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     }
 
     // ---- verify ----------------------------------------------------------------------------
-    kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
-    kvc_i64 carry_v = 0;
     kvc_i64 carry_w = 0;
-    for (kvc_i64 tile = 0; tile < bs; tile += kThreads) {
-        const kvc_i64 tile_total = kvc_stage_tile<kThreads>(in, tile, carry_v, entries, s_warp);
-        if (ntiles == 1) total = tile_total;
-        if (!kTailWrite && blockIdx.x == 0)
-            carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
-                                                    w_capacity, s_warp);
-        __syncthreads();
-        if (total <= v_capacity) {
-            // the plan's num_valid is an int32
-            const kvc_i64 active = kvc_min64(total, 0x7FFFFFFFLL);
-            const kvc_i64 hi = kvc_min64(carry_v + tile_total, active);
-            const int n = (int)kvc_min64(kThreads, bs - tile);
-            // warp-uniform: the lanes share the entry search and their neighbours' slots.
-            // (Deriving a warp's next entries before checking these measured slower: at 64
-            // registers the lookahead spills.)
-            for (kvc_i64 base = carry_v + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
-                 base += grid_threads) {
-                const KvcEntry e = kvc_warp_entry<kThreads>(entries, n, tile, base, hi);
-                kvc_verify_warp_entry<kVec16>(in, c, out, e);
-            }
-        }
-        carry_v = kvc_sat_add(carry_v, tile_total);
-        __syncthreads();
-    }
+    // The lanes of a warp share the entry search and their neighbours' slots. (Deriving a warp's
+    // next entries before checking these measured slower: at 64 registers the lookahead spills.)
+    // The plan's num_valid is an int32: no entry at or past 2^31 - 1 is checked.
+    const kvc_i64 total = kvc_for_verify_entries<kThreads>(
+        in, entries, s_warp, v_capacity, 0x7FFFFFFFLL,
+        [&](kvc_i64 tile) {
+            if (!kTailWrite && blockIdx.x == 0)
+                carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
+                                                        w_capacity, s_warp);
+        },
+        [&](const KvcEntry& e, kvc_i64) { kvc_verify_warp_entry<kVec16>(in, c, out, e); });
     if (blockIdx.x == 0 && tid == 0) {
         atomicAdd(kernel_run_counter, 1ull);
         if (total <= v_capacity)
