@@ -6,8 +6,14 @@ reinterpreted, never converted, so every bit matches the CUDA kernels.
 
 from __future__ import annotations
 
+import types
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils
+from numba.core import types as nbtypes
+from numba.extending import intrinsic
 
 from .... import _layout as L
 
@@ -34,6 +40,43 @@ _S_PAGE = L.SRC_PAGE_SIZE
 _S_BPT = L.SRC_BYTES_PER_TOKEN
 _S_READ = L.SRC_READ_BYTES
 BIT_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
+
+
+def serial_and_parallel(fn):
+    """``(serial, parallel)`` jitted builds of ``fn`` (whose loop is a ``numba.prange``). numba's
+    on-disk cache is keyed by the function's name and line, not by its compile flags: two builds
+    of one function would share a cache entry and load each other's code, so each build gets a
+    copy of ``fn`` under a name of its own."""
+
+    def renamed(suffix):
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
+                                  fn.__closure__)
+        copy.__qualname__ = fn.__qualname__ + suffix
+        copy.__module__ = fn.__module__
+        return copy
+
+    return numba.njit(**JIT)(renamed("_serial")), numba.njit(parallel=True, **JIT)(renamed("_parallel"))
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Asks the CPU to bring the cache line of element ``index`` of the C-contiguous ``array``
+    (counted as if flat) closer, without waiting and without faulting: random reads issued ahead
+    of their use overlap instead of stalling one after another."""
+    if not isinstance(array, nbtypes.Array) or not isinstance(index, nbtypes.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        int32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32])
+        # read, keep in every cache level, data cache
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0"),
+                     [address, int32(0), int32(3), int32(1)])
+        return context.get_dummy_value()
+
+    return nbtypes.void(array, index), codegen
 
 
 @numba.njit(**JIT)
@@ -71,6 +114,8 @@ def link(words, slot):
 def _first_word(table, j, slot):
     """Index of ``slot``'s first uint64 word in source ``j`` (0 <= slot), or -1 past the source's rows."""
     page = table[j, _S_PAGE]
+    if page == 1:  # the common layout: no division
+        return (slot * table[j, _S_STRIDE]) // 8 if slot < table[j, _S_ROWS] else -1
     row = slot // page
     if row >= table[j, _S_ROWS]:
         return -1
@@ -144,12 +189,30 @@ def real_kv_hash4(sources, table, s0, s1, s2, s3):
     return a0, a1, a2, a3, o0, o1, o2, o3
 
 
+# Entries ahead of the one being hashed (or checked) whose rows are prefetched: the source rows
+# of a batch are random reads, and issued one group at a time they dominated the CPU verify.
+PREFETCH_AHEAD = 32
+
+
+@numba.njit(**INLINE)
+def prefetch_source_rows(sources, table, slot):
+    """Prefetches the bytes each source reads for ``slot`` (0 <= slot)."""
+    for j in range(table.shape[0]):
+        first = _first_word(table, j, slot)
+        if first >= 0:
+            prefetch(sources[j], first)
+            prefetch(sources[j], first + table[j, _S_READ] // 8 - 1)
+
+
 def _hash_slots(num_slots, sources, table, slots, hashes, out_of_range):
     """Real-KV hash of every slot in ``slots`` (slots outside the canary get slot 0's, to be
-    ignored), four at a time so their folds interleave."""
+    ignored), four at a time so their folds interleave, the rows PREFETCH_AHEAD entries on asked for
+    meanwhile."""
     count = slots.shape[0]
     for group in numba.prange((count + 3) // 4):
         i = group * 4
+        for ahead in range(i + PREFETCH_AHEAD, min(i + PREFETCH_AHEAD + 4, count)):
+            prefetch_source_rows(sources, table, hashable(slots[ahead], num_slots))
         last = min(i + 4, count) - 1
         h0, h1, h2, h3, o0, o1, o2, o3 = real_kv_hash4(
             sources, table, hashable(slots[i], num_slots), hashable(slots[min(i + 1, last)], num_slots),
@@ -163,8 +226,7 @@ def _hash_slots(num_slots, sources, table, slots, hashes, out_of_range):
             hashes[i + 3], out_of_range[i + 3] = h3, o3
 
 
-hash_slots_parallel = numba.njit(parallel=True, **JIT)(_hash_slots)
-hash_slots_serial = numba.njit(**JIT)(_hash_slots)
+hash_slots_serial, hash_slots_parallel = serial_and_parallel(_hash_slots)
 
 
 @numba.njit(**INLINE)

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import JIT
+from .hashing import JIT, serial_and_parallel
 
 _UNRESOLVED = L.UNRESOLVED_SLOT
 _NO_PREDECESSOR = L.NO_PREDECESSOR
@@ -59,8 +59,7 @@ def _fill_entries(starts, req_pool_indices, prefix_lens, req_to_token, swa_windo
             k += 1
 
 
-_fill_entries_parallel = numba.njit(parallel=True, **JIT)(_fill_entries)
-_fill_entries_serial = numba.njit(**JIT)(_fill_entries)
+_fill_entries_serial, _fill_entries_parallel = serial_and_parallel(_fill_entries)
 
 
 @numba.njit(**JIT)

@@ -6,8 +6,9 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, as_i64,
-                      hash_slots_parallel, hashable, link, real_kv_hash, record, slot_words, source_arguments)
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD,
+                      as_i64, hash_slots_parallel, hashable, link, prefetch, real_kv_hash, record, slot_words,
+                      source_arguments)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -57,7 +58,16 @@ def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots
 
 def _entry_bits(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token, hashes,
                 out_of_range, bits_out):
+    num_slots, slot_words_ = words.shape[0], words.shape[1]
     for k in numba.prange(active):
+        # the slot and predecessor of an entry further on: random reads, asked for ahead of use
+        ahead = k + PREFETCH_AHEAD
+        if ahead < active:
+            slot, prev = slots[ahead], prev_slots[ahead]
+            if 0 <= slot < num_slots:
+                prefetch(words, slot * slot_words_)
+            if 0 <= prev < num_slots:
+                prefetch(words, prev * slot_words_)
         bits_out[k] = check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
                                   hashes[k], out_of_range[k])[0]
 
