@@ -71,8 +71,10 @@ def prefetch(typingctx, array, index):
         address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
         int32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32])
+        # the intrinsic is named after its pointer type: "ptr" (opaque pointers) or "i8*" (older LLVM)
+        name = "llvm.prefetch.p0" if str(address.type) == "ptr" else "llvm.prefetch.p0i8"
         # read, keep in every cache level, data cache
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0"),
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name),
                      [address, int32(0), int32(3), int32(1)])
         return context.get_dummy_value()
 
