@@ -279,3 +279,108 @@ def test_parallel_plan_agrees():
     assert int(outs[0][4][0]) >= 65536  # the backend's parallel fill
     for index, (got, want) in enumerate(zip(outs[1], outs[0])):
         assert got.tobytes() == want.tobytes(), index
+
+
+# The CPU ops switch to their parallel builds (threads, rows prefetched ahead) from
+# PARALLEL_MIN_ENTRIES entries on: batches past it, garbage included, agree with the model too.
+LARGE = 20_000
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_large_verify_agrees(seed):
+    from kvcanary_cupy.ops.backends._cpu.verify import PARALLEL_MIN_ENTRIES
+
+    rng = np.random.default_rng(5000 + seed)
+    num_slots, cap = LARGE, LARGE
+    assert cap >= PARALLEL_MIN_ENTRIES
+    stride, mode = 32, kc.HashMode.ALL
+    specs = [random_source(rng, num_slots, page_size=1, num_bytes_per_token=64, read_bytes=64),
+             random_source(rng, num_slots, page_size=4, num_bytes_per_token=32, read_bytes=16, extra_rows=-9)]
+    buf = _random_buffer(rng, num_slots, stride, specs, mode)
+    ctx = _context(rng, num_slots, specs, mode, 4096, stride, buf)
+    words = buf.view(np.int64)
+    slots = rng.integers(-2, num_slots + 2, size=cap).astype(np.int64)
+    prevs = np.where(rng.random(cap) < 0.9, np.roll(slots, 1), rng.integers(-3, num_slots + 2, size=cap))
+    in_range = (slots >= 0) & (slots < num_slots)
+    tokens = np.where(in_range, words[np.where(in_range, slots, 0), 0], -1)
+    positions = np.where(in_range & (rng.random(cap) < 0.99), words[np.where(in_range, slots, 0), 1], 3)
+    num_valid, enable = np.array([cap], np.int32), np.array([1], np.int32)
+
+    state = _context(rng, num_slots, specs, mode, ctx.ring_capacity, stride, buf)
+    expected = _reference_state(state)
+    ref.verify(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+               slots=slots, expected_tokens=tokens, expected_positions=positions, prev_slots=prevs,
+               num_valid=num_valid, enable=enable, check_expected_token=True, tag=1)
+    vplan = kc.VerifyPlan(slot_indices=slots.copy(), expected_tokens=tokens.astype(np.int64),
+                          expected_positions=positions.astype(np.int64), prev_slot_indices=prevs.astype(np.int64),
+                          num_valid=num_valid.copy(), enable=enable.copy())
+    kc.verify(ctx, vplan, tag=1, check_expected_token=True)
+    assert int(ctx.violation_write_index[0]) > 0  # the damage and the random predecessors are seen
+    _assert_same(ctx, expected)
+
+
+def test_large_write_agrees():
+    from kvcanary_cupy.ops.backends._cpu.write import PARALLEL_MIN_ENTRIES
+
+    rng = np.random.default_rng(6000)
+    num_slots, n = LARGE + 5, LARGE
+    mode = kc.HashMode.ALL
+    specs = [random_source(rng, num_slots, page_size=2, num_bytes_per_token=64, read_bytes=48, pad_bytes=16)]
+    buf = np.zeros((num_slots, 32), np.uint8)
+    ctx = _context(rng, num_slots, specs, mode, 64, 32, buf, 1)
+    offsets = np.array([0, n // 3, n // 2, n], np.int64)
+    seeds = np.array([-1, 7, U], np.int64)
+    loc = rng.permutation(num_slots)[:n].astype(np.int64)
+    loc[rng.integers(0, n, size=20)] = num_slots + 1  # out of range
+    ids = rng.integers(0, 150_000, size=n).astype(np.int64)
+    pos = np.arange(n, dtype=np.int64)
+    assert n >= PARALLEL_MIN_ENTRIES
+
+    state = _context(rng, num_slots, specs, mode, 64, 32, buf, 1)
+    expected = _reference_state(state)
+    ref.write(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+              offsets=offsets, seed_slots=seeds, num_valid_reqs=np.array([3], np.int32), input_ids=ids, positions=pos,
+              out_cache_loc=loc, expected_tokens=None, expected_positions=None,
+              chain_position_assert=np.array([1], np.int32), tag=2)
+    kc.write(ctx, kc.WritePlan(offsets=offsets.copy(), seed_slot_indices=seeds.copy(),
+                               num_valid_reqs=np.array([3], np.int32)),
+             tag=2, input_ids=ids, positions=pos, out_cache_loc=loc)
+    _assert_same(ctx, expected)
+
+
+def test_large_plan_agrees():
+    from kvcanary_cupy.ops.backends._cpu.plan import PARALLEL_MIN_ENTRIES
+
+    rng = np.random.default_rng(7000)
+    bs, width = 24, 4096
+    rows = bs + 1
+    table = rng.integers(-2, 50_000, size=(rows, width)).astype(np.int32)
+    rpi = np.arange(1, bs + 1, dtype=np.int64)
+    prefix = rng.integers(3000, width, size=bs).astype(np.int64)
+    extend = np.ones(bs, np.int64)
+    vcap = int(prefix.sum()) + 5
+    v_ref = [np.zeros(vcap, np.int64) for _ in range(4)] + [np.zeros(1, np.int32), np.zeros(1, np.int32)]
+    w_ref = [np.zeros(bs + 1, np.int64), np.zeros(bs, np.int64), np.zeros(1, np.int32)]
+    ref.plan(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=table, swa_window=0,
+             lut=None, expected_pool=None, valid_lens=None, token_offset=0,
+             v_slots=v_ref[0], v_tokens=v_ref[1], v_positions=v_ref[2], v_prev=v_ref[3], v_num_valid=v_ref[4],
+             v_enable=v_ref[5], w_offsets=w_ref[0], w_seeds=w_ref[1], w_num_valid_reqs=w_ref[2])
+    assert int(v_ref[4][0]) >= PARALLEL_MIN_ENTRIES
+    v = [np.zeros(vcap, np.int64) for _ in range(4)] + [np.zeros(1, np.int32), np.zeros(1, np.int32)]
+    w = [np.zeros(bs + 1, np.int64), np.zeros(bs, np.int64), np.zeros(1, np.int32)]
+    kc.plan(kc.VerifyPlan(*v[:4], num_valid=v[4], enable=v[5]),
+            kc.WritePlan(offsets=w[0], seed_slot_indices=w[1], num_valid_reqs=w[2]),
+            req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=table)
+    for index, (got, want) in enumerate(zip(v + w, v_ref + w_ref)):
+        assert got.tobytes() == want.tobytes(), index
+
+
+def test_serial_and_parallel_builds_are_distinct():
+    """numba caches a build under its function's name, not its flags: the serial and parallel builds of
+    one function must carry names of their own, or either may run the other's cached code."""
+    from kvcanary_cupy.ops.backends._cpu import hashing, plan
+
+    for serial, parallel in ((hashing.hash_slots_serial, hashing.hash_slots_parallel),
+                             (plan._fill_entries_serial, plan._fill_entries_parallel)):
+        assert serial.py_func.__qualname__ != parallel.py_func.__qualname__
+        assert not serial.targetoptions.get("parallel") and parallel.targetoptions.get("parallel")
