@@ -1,12 +1,18 @@
 """The serial hash chains on a GPU: a bare one-thread chain against the write kernel's chain.
 
     python tools/chain_probe.py [DIR ...]   # DIR: write.cu and its headers to compare with
+    ROUNDS_AB=3 python tools/chain_probe.py DIR   # alternate DIR and this tree three times
 
-Bare chains (one thread, inputs staged in shared memory, so nothing but the chain is serial):
-``mix3`` is the write's chain step (running = mix3(running, token, position)) and ``fold`` a
-real-KV fold step (acc = sm(acc ^ word)), each as written (``plain``) and on the pending form
-(``kvc_sm_next``). Both forms must give the same value. Then the write op on the prefill cases, in
-ns per chained token, for comparison with the bare chain in the same run.
+1. Bare chains (one thread, inputs staged in shared memory, so nothing but the chain is serial):
+   ``mix3`` is the write's chain step (running = mix3(running, token, position)) and ``fold`` a
+   real-KV fold step (acc = sm(acc ^ word)). FORMS: as the kernels write it (``plain``, with the
+   split multiply of ``kvc_mul64``), on the "pending" form, and with the multiply written two other
+   ways. Every form must give the same value.
+2. The write op, graph-timed (no host time), on prefill and decode cases: us and ns per chained
+   token, for comparison with the bare chain of the same run.
+3. WRITE_PATCHES: write.cu with parts of the chunk loop left out.
+4. clock64 stamps at CLOCK_POINTS of the chunk loop: cycles per token between them. The stamps
+   perturb the schedule, so the breakdown shows where time goes, not exact totals.
 """
 
 from __future__ import annotations
