@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
+from _probe import install_variant, timed  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 TOKENS = 2048   # staged in shared memory (2 x 16 KB)
@@ -179,17 +180,9 @@ def bare_chains() -> dict:
 def use_write_sources(directory: pathlib.Path, patch: tuple = ()):
     """Make the write op launch write.cu compiled from ``directory`` (its headers beside it), with
     ``patch`` ((old, new) source replacements) applied."""
-    spec = _loader.SPECS["write"]
     options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in _loader.nvrtc_options())
-    code = (directory / spec.filename).read_text()
-    for old, new in patch:
-        assert code.count(old) == 1, old
-        code = code.replace(old, new)
-    module = cupy.RawModule(code=code, options=options, name_expressions=list(spec.name_expressions))
-    for kernel in spec.kernels:
-        _loader._functions[("write", kernel, 0)] = module.get_function(kernel)
-    _loader._resident.clear()
-    return module
+    code = (directory / _loader.SPECS["write"].filename).read_text()
+    return install_variant("write", code, options, patch)
 
 
 # clock64 stamps at points of the chunk loop (lane 0 of each warp), the cycles between successive
@@ -239,8 +232,6 @@ WRITE_PATCHES = (
 
 def write_ops(names=WRITE_CASES) -> dict:
     """Device time of the write op on each case (graph replays, no host time) in us, and per chained token."""
-    from decode_probe import timed
-
     rows = {}
     for name in names:
         case = next(c for c in S.CASES if c.name == name)

@@ -13,34 +13,12 @@ import pathlib
 import sys
 
 import cupy
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
+from _probe import install_variant, timed  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
-
-
-def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
-    """Device time of one ``fn()`` in us: ``per_graph`` calls captured in one CUDA graph, replayed."""
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(per_graph):
-            fn()
-        graph = stream.end_capture()
-    graph.launch(stream)
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record(stream)
-        graph.launch(stream)
-        b.record(stream)
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / per_graph)
-    return float(np.median(times))
 
 
 def use_step_variant(cut: str = "", patch: tuple = (), **defines: int) -> None:
@@ -48,18 +26,8 @@ def use_step_variant(cut: str = "", patch: tuple = (), **defines: int) -> None:
     ``cut``: every thread returns just before that line of step.cu (the work after it is left out)."""
     spec = next(c for c in _loader.compile_specs() if c.name == "step")
     extra = tuple(f"-DKVC_STEP_{name.upper()}={value}" for name, value in defines.items())
-    code = spec.code
-    if cut:
-        assert code.count(cut) == 1, cut
-        code = code.replace(cut, "return;\n" + cut)
-    for old, new in patch:  # (old, new) source replacements
-        assert code.count(old) == 1, old
-        code = code.replace(old, new)
-    module = cupy.RawModule(code=code, options=spec.options + extra,
-                            name_expressions=list(_loader.SPECS["step"].name_expressions))
-    for kernel in _loader.SPECS["step"].kernels:
-        _loader._functions[("step", kernel, 0)] = module.get_function(kernel)
-    _loader._resident.clear()
+    cut_patch = ((cut, "return;\n" + cut),) if cut else ()
+    install_variant("step", spec.code, spec.options + extra, cut_patch + tuple(patch))
 
 
 TAIL_MAX_REQUESTS = cuda_step.TAIL_MAX_REQUESTS
