@@ -35,15 +35,18 @@ def _ok(result):
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """What NVRTC made of one program: whether it compiled, its log, and on success the mangled name
-    of each name expression, the PTX and the cubin (for a real architecture)."""
+    """What NVRTC made of one program: its error (empty when it compiled), its log, and on success
+    the mangled name of each name expression, the PTX and the cubin (for a real architecture)."""
 
-    ok: bool
     error: str
     log: str
     lowered: dict
     ptx: str
     cubin: bytes
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
 
 
 def nvrtc_compile(code: str, filename: str, name_expressions: tuple[str, ...], options: list[str]) -> Compiled:
@@ -60,7 +63,7 @@ def nvrtc_compile(code: str, filename: str, name_expressions: tuple[str, ...], o
         _ok(nvrtc.nvrtcGetProgramLog(prog, log))
         text = log.rstrip(b"\x00 ").decode("utf-8", "replace").strip()
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return Compiled(False, str(err), text, {}, "", b"")
+            return Compiled(str(err), text, {}, "", b"")
         lowered = {}
         for expr in name_expressions:
             name = _ok(nvrtc.nvrtcGetLoweredName(prog, expr.encode()))
@@ -71,7 +74,7 @@ def nvrtc_compile(code: str, filename: str, name_expressions: tuple[str, ...], o
         if any(o.startswith("--gpu-architecture=sm_") for o in options):
             cubin = b" " * _ok(nvrtc.nvrtcGetCUBINSize(prog))
             _ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return Compiled(True, "", text, lowered, ptx.rstrip(b"\x00 ").decode(), cubin)
+        return Compiled("", text, lowered, ptx.rstrip(b"\x00 ").decode(), cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

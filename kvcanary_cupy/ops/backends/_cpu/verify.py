@@ -58,16 +58,16 @@ def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots
 
 def _entry_bits(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token, hashes,
                 out_of_range, bits_out):
-    num_slots, slot_words_ = words.shape[0], words.shape[1]
+    num_slots, words_per_slot = words.shape[0], words.shape[1]
     for k in numba.prange(active):
         # the slot and predecessor of an entry further on: random reads, asked for ahead of use
         ahead = k + PREFETCH_AHEAD
         if ahead < active:
             slot, prev = slots[ahead], prev_slots[ahead]
             if 0 <= slot < num_slots:
-                prefetch(words, slot * slot_words_)
+                prefetch(words, slot * words_per_slot)
             if 0 <= prev < num_slots:
-                prefetch(words, prev * slot_words_)
+                prefetch(words, prev * words_per_slot)
         bits_out[k] = check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
                                   hashes[k], out_of_range[k])[0]
 
