@@ -227,6 +227,17 @@ WRITE_PATCHES = (
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
     ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
+    # candidate changes (same results, other schedules)
+    ("walk reads the chunk by shuffle", (("const kvc_u64 t = (kvc_u64)s_tok[warp][j];",
+                                          "const kvc_u64 t = (kvc_u64)__shfl_sync(KVC_FULL_MASK, tok, j);"),
+                                         ("const kvc_u64 p = (kvc_u64)s_pos[warp][j];",
+                                          "const kvc_u64 p = (kvc_u64)__shfl_sync(KVC_FULL_MASK, pos, j);"))),
+    ("walk unrolled by 4", (("#pragma unroll 8\n", "#pragma unroll 4\n"),)),
+    ("walk unrolled by 16", (("#pragma unroll 8\n", "#pragma unroll 16\n"),)),
+    ("last_of_slot after the walk", (("            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n", ""),
+                                     ("            if (in_range && last_of_slot) {",
+                                      "            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n"
+                                      "            if (in_range && last_of_slot) {"))),
 )
 
 

@@ -43,15 +43,15 @@ CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1)
         ("+ counters", "    // ---- write, by the last block"),
         ("+ last-block hand-off", "    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);\n    const KvcWriteIn"),
         ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
-        ("+ write", "    kvc_count_stored(&s_stored"),
+        ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
         ("whole step", ""))
 
 # whole-step variants timed beside the cuts: (label, ((old, new), ...)) applied to step.cu
-PATCHES = (("slot counter per thread",
-            (("    kvc_count_stored(&s_stored, stored, slot_run_counter);",
-              "    if (stored) atomicAdd(slot_run_counter, stored);"),)),
-           ("no slot counter (floor)",
-            (("    kvc_count_stored(&s_stored, stored, slot_run_counter);", ""),)))
+PATCHES = (("no slot counter (floor)",
+            (("        if (stored) atomicAdd(slot_run_counter, stored);", ""),)),
+           ("no write metadata preload",
+            (("    if (kTailWrite && tid < 32) first_meta = kvc_request_write_meta(in, tid);", ""),
+             ("tile == 0 ? first_meta : kvc_request_write_meta(in, r)", "kvc_request_write_meta(in, r)"))))
 
 
 def cuts(names: list[str]) -> None:

@@ -57,6 +57,18 @@ __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, 
     return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
 }
 
+// Inclusive scan over the 32 lanes of a warp (saturating or wrapping add), every lane taking part.
+template <bool kSaturate>
+__device__ __forceinline__ kvc_i64 kvc_warp_scan(kvc_i64 v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const kvc_i64 t = __shfl_up_sync(KVC_FULL_MASK, v, off);
+        if (lane >= off) v = kSaturate ? kvc_sat_add(v, t) : kvc_wrap_add(v, t);
+    }
+    return v;
+}
+
 // Inclusive scan over a block of kThreads threads (saturating or wrapping add). *total gets the
 // block's sum. Uses s_warp[kThreads / 32]; ends with a barrier so s_warp can be reused at once.
 template <int kThreads, bool kSaturate>
@@ -64,20 +76,11 @@ __device__ __forceinline__ kvc_i64 kvc_block_scan(kvc_i64 v, kvc_i64* s_warp, kv
     constexpr int kWarpsInBlock = kThreads / 32;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const kvc_i64 t = __shfl_up_sync(KVC_FULL_MASK, v, off);
-        if (lane >= off) v = kSaturate ? kvc_sat_add(v, t) : kvc_wrap_add(v, t);
-    }
+    v = kvc_warp_scan<kSaturate>(v);
     if (lane == 31) s_warp[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        kvc_i64 w = lane < kWarpsInBlock ? s_warp[lane] : 0;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const kvc_i64 t = __shfl_up_sync(KVC_FULL_MASK, w, off);
-            if (lane >= off) w = kSaturate ? kvc_sat_add(w, t) : kvc_wrap_add(w, t);
-        }
+        const kvc_i64 w = kvc_warp_scan<kSaturate>(lane < kWarpsInBlock ? s_warp[lane] : 0);
         if (lane < kWarpsInBlock) s_warp[lane] = w;
     }
     __syncthreads();
@@ -228,10 +231,10 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
     return total;
 }
 
-// Write-plan fields of request r: seed slot (-1: no predecessor) and entry count.
-__device__ __forceinline__ kvc_i64 kvc_write_count(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
-                                                   kvc_i64 prefix, kvc_i64* seed) {
-    const kvc_i64 ext = in.extend_lens[r];
+// Write-plan fields of a request (pool row rp, prefix and extend lengths): seed slot (-1: no
+// predecessor) and entry count.
+__device__ __forceinline__ kvc_i64 kvc_write_count(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 prefix,
+                                                   kvc_i64 ext, kvc_i64* seed) {
     const bool live = rp != 0 && ext > 0;
     *seed = (live && prefix > 0) ? kvc_resolve(in, rp, prefix - 1) : -1;
     return live ? ext : 0;
@@ -248,7 +251,10 @@ __device__ __forceinline__ kvc_i64 kvc_write_plan_tile(const KvcPlanIn& in, kvc_
     const kvc_i64 r = tile + threadIdx.x;
     const bool live_row = r < in.bs;
     kvc_i64 seed = -1, cnt = 0;
-    if (live_row) cnt = kvc_write_count(in, r, in.req_pool_indices[r], in.prefix_lens[r], &seed);
+    if (live_row) {
+        cnt = kvc_write_count(in, in.req_pool_indices[r], in.prefix_lens[r], in.extend_lens[r],
+                              &seed);
+    }
     kvc_i64 total;
     const kvc_i64 incl = kvc_block_scan<kThreads, false>(cnt, s_warp, &total);
     if (live_row && r < w_capacity) {

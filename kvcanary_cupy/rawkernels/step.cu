@@ -7,10 +7,12 @@
 //   entries, reading req_to_token (coalesced, 4 bytes an entry) instead of a 32-byte plan row
 //   written by one kernel and read back by the next.
 // * kTailWrite (small decode batches, picked on the host from the shapes): the last block to
-//   finish its verify work writes the new tokens, a thread per request, its write plan scanned in
-//   shared memory. Verify reads every slot before any is written, as with separate launches:
-//   every block publishes its completion (fence + counter) and only the last one writes; it
-//   resets the counter for the next launch or graph replay.
+//   finish its verify work writes the new tokens, a lane of its first warp per request, the write
+//   plan scanned with shuffles. Verify reads every slot before any is written, as with separate
+//   launches: every block publishes its completion (fence + counter) and only the last one writes;
+//   it resets the counter for the next launch or graph replay. A decode step is a chain of memory
+//   round trips, so the write's metadata is requested when the kernel starts and each request's
+//   first entry beside its seed (kvc_write_request).
 // * Otherwise block 0 stores the write plan and the write kernel runs next.
 #include "batch_plan.cuh"
 #include "write_request.cuh"
@@ -26,6 +28,21 @@
 namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+}
+
+// What the write plan needs of request r (pool row, prefix and extend lengths), requested early.
+struct KvcWriteMeta {
+    kvc_i64 rp, prefix, ext;
+};
+
+__device__ __forceinline__ KvcWriteMeta kvc_request_write_meta(const KvcPlanIn& in, kvc_i64 r) {
+    KvcWriteMeta m = {0, 0, 0};
+    if (r < in.bs) {
+        m.rp = kvc_ld_early(in.req_pool_indices + r);
+        m.prefix = kvc_ld_early(in.prefix_lens + r);
+        m.ext = kvc_ld_early(in.extend_lens + r);
+    }
+    return m;
 }
 
 // The check of one lane's entry (kvc_verify_entry's), every lane of the warp taking part. When
@@ -91,7 +108,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     __shared__ kvc_i64 s_rp[kThreads];
     __shared__ kvc_i64 s_pos0[kThreads];
     __shared__ bool s_last;
-    __shared__ unsigned long long s_stored;
 
     const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
@@ -102,6 +118,9 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const KvcVerifyOut out = {ring, src, verify_tag, check_token};
     const int tid = threadIdx.x;
 
+    // in flight while the block verifies (requests past the first 32 are read when written)
+    KvcWriteMeta first_meta = {0, 0, 0};
+    if (kTailWrite && tid < 32) first_meta = kvc_request_write_meta(in, tid);
     if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {
         // what the last block reads once every block has verified (a grid of one block reads it
         // soon enough: there the prefetch measured 0.5 us slower)
@@ -151,23 +170,30 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     } else {
         __syncthreads();  // a grid of one block: it is the last
     }
+    // A thread per request: the first warp writes, scanning with shuffles, with no barrier left on
+    // its path.
+    if (tid >= 32) return;
     if (tid == 0) atomicAdd(kernel_run_counter, 1ull);
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, *chain_position_assert != 0, ring, src, write_tag};
     unsigned long long stored = 0;
     carry_w = 0;
-    for (kvc_i64 tile = 0; tile < bs; tile += kThreads) {
+    for (kvc_i64 tile = 0; tile < bs; tile += 32) {
         const kvc_i64 r = tile + tid;
+        const KvcWriteMeta m = tile == 0 ? first_meta : kvc_request_write_meta(in, r);
         kvc_i64 seed = -1, cnt = 0;
-        if (r < bs) cnt = kvc_write_count(in, r, req_pool_indices[r], prefix_lens[r], &seed);
-        kvc_i64 tile_total;
-        const kvc_i64 incl = kvc_block_scan<kThreads, false>(cnt, s_warp, &tile_total);
+        if (r < bs) cnt = kvc_write_count(in, m.rp, m.prefix, m.ext, &seed);
+        const kvc_i64 incl = kvc_warp_scan<false>(cnt);
         if (r < bs) {
             const kvc_i64 begin = kvc_wrap_add(carry_w, incl - cnt);
             stored += kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed);
         }
-        carry_w = kvc_wrap_add(carry_w, tile_total);
+        carry_w = kvc_wrap_add(carry_w, __shfl_sync(KVC_FULL_MASK, incl, 31));
     }
-    kvc_count_stored(&s_stored, stored, slot_run_counter);
-    if (tid == 0 && gridDim.x > 1) *blocks_done = 0u;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);
+    if (tid == 0) {
+        if (stored) atomicAdd(slot_run_counter, stored);
+        if (gridDim.x > 1) *blocks_done = 0u;
+    }
 }

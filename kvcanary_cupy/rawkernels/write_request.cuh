@@ -17,6 +17,28 @@ struct KvcWriteIn {
     kvc_i64 tag;
 };
 
+// One new token's inputs, requested with kvc_ld_early where they are written: a decode write has
+// little else in flight, so entry i + 1's loads (and the first entry's, beside the seed's) overlap
+// other round trips instead of following them.
+struct KvcWriteEntry {
+    kvc_i64 slot, tok, pos, etok, epos;
+};
+
+__device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteIn& w, kvc_i64 i,
+                                                                 bool has_expected) {
+    KvcWriteEntry e = {-1, 0, 0, 0, 0};
+    if (i >= 0 && i < w.num_entries) {
+        e.slot = kvc_ld_early(w.out_cache_loc + i);
+        e.tok = kvc_ld_early(w.input_ids + i);
+        e.pos = kvc_ld_early(w.positions + i);
+        if (has_expected) {
+            e.etok = kvc_ld_early(w.expected_tokens + i);
+            e.epos = kvc_ld_early(w.expected_positions + i);
+        }
+    }
+    return e;
+}
+
 // Writes entries [begin, end) chained from seed; returns how many slots it stored.
 template <bool kVec16>
 __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary& c,
@@ -25,6 +47,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
                                                                 kvc_i64 seed) {
     if (begin >= end) return 0;
     const bool has_expected = w.expected_tokens != nullptr && w.expected_positions != nullptr;
+    KvcWriteEntry next = kvc_request_write_entry(w, begin, has_expected);
     if (seed >= c.num_slots) {
         kvc_record(w.ring, w.tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
         seed = -1;
@@ -46,10 +69,12 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
             kvc_record(w.ring, w.tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
             break;
         }
-        const kvc_i64 slot = w.out_cache_loc[i];
+        const KvcWriteEntry e = next;
+        if (i + 1 < end) next = kvc_request_write_entry(w, i + 1, has_expected);
+        const kvc_i64 slot = e.slot;
         if (slot < 0) continue;
-        const kvc_i64 tok = w.input_ids[i];
-        const kvc_i64 pos = w.positions[i];
+        const kvc_i64 tok = e.tok;
+        const kvc_i64 pos = e.pos;
         if (slot >= c.num_slots) {
             kvc_record(w.ring, w.tag, slot, pos, tok, tok, (kvc_i64)running, pos,
                        KVC_BIT_OUT_OF_RANGE);
@@ -62,12 +87,12 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
                        KVC_BIT_OUT_OF_RANGE);
         }
         if (has_expected) {
-            const kvc_i64 etok = w.expected_tokens[i];
-            const kvc_i64 epos = w.expected_positions[i];
             kvc_i64 bits = 0;
-            if (tok != etok) bits |= KVC_BIT_WRITE_TOKEN;
-            if (pos != epos) bits |= KVC_BIT_WRITE_POSITION;
-            if (bits) kvc_record(w.ring, w.tag, slot, pos, tok, etok, (kvc_i64)running, epos, bits);
+            if (tok != e.etok) bits |= KVC_BIT_WRITE_TOKEN;
+            if (pos != e.epos) bits |= KVC_BIT_WRITE_POSITION;
+            if (bits) {
+                kvc_record(w.ring, w.tag, slot, pos, tok, e.etok, (kvc_i64)running, e.epos, bits);
+            }
         }
         if (position_assert) {
             const kvc_i64 want = kvc_wrap_add(prev_pos, 1);
@@ -82,16 +107,4 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
         ++stored;
     }
     return stored;
-}
-
-// Adds the block's stored counts to the slot-run counter with one atomic. Every thread of the
-// block calls it.
-__device__ __forceinline__ void kvc_count_stored(unsigned long long* s_total,
-                                                 unsigned long long mine,
-                                                 unsigned long long* slot_run_counter) {
-    if (threadIdx.x == 0) *s_total = 0;
-    __syncthreads();
-    if (mine) atomicAdd(s_total, mine);
-    __syncthreads();
-    if (threadIdx.x == 0 && *s_total) atomicAdd(slot_run_counter, *s_total);
 }
