@@ -37,21 +37,23 @@ VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
 
 # where the one-launch step's time goes: each cut leaves out the work from that line on
-CUTS = (("launch only", "    if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {"),
-        ("+ prefetch", "    // ---- verify ---"),
-        ("+ verify", "    if (blockIdx.x == 0 && tid == 0) {\n        atomicAdd(kernel_run_counter"),
-        ("+ counters", "    // ---- write, by the last block"),
-        ("+ last-block hand-off", "    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);\n    const KvcWriteIn"),
+CUTS = (("launch only", "    const bool small_batch = kTailWrite && bs <= 32;"),
+        ("+ early reads", "    // ---- verify ---"),
+        ("+ verify", "    // slots the verify counts as checked"),
+        ("+ last-block hand-off", "    if (tid >= 32) return;\n    unsigned long long stored"),
         ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
         ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
         ("whole step", ""))
 
 # whole-step variants timed beside the cuts: (label, ((old, new), ...)) applied to step.cu
-PATCHES = (("no slot counter (floor)",
-            (("        if (stored) atomicAdd(slot_run_counter, stored);", ""),)),
-           ("no write metadata preload",
-            (("    if (kTailWrite && tid < 32) first_meta = kvc_request_write_meta(in, tid);", ""),
-             ("tile == 0 ? first_meta : kvc_request_write_meta(in, r)", "kvc_request_write_meta(in, r)"))))
+PATCHES = (("no counters (floor)",
+            (("        atomicAdd(kernel_run_counter, 2ull);\n", ""),
+             ("        if (verified + stored) atomicAdd(slot_run_counter, verified + stored);\n", ""))),
+           ("no early entry read",
+            (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
+             ("guess, begin == (kvc_i64)tid);", "guess, false);"))),
+           ("block-scan staging",
+            (("    if (small_batch) {\n        total", "    if (false) {\n        total"),)))
 
 
 def cuts(names: list[str]) -> None:

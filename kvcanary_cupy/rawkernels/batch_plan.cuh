@@ -231,6 +231,38 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
     return total;
 }
 
+// Every verify entry of a batch of at most 32 requests, as kvc_for_verify_entries visits them but
+// without a block barrier: each warp stages the whole batch itself (lane r holds request r, read
+// by the caller: its pool row rp and prefix length) in its own 32-row slice of the tile arrays,
+// then takes its entries of the grid's stride. A small decode step is a chain of latencies, and a
+// block scan adds four barriers to it. Returns the total (saturating).
+template <int kThreads, class OnEntries>
+__device__ __forceinline__ kvc_i64 kvc_for_small_batch_verify_entries(
+    const KvcPlanIn& in, const KvcEntryTile& entries, kvc_i64 rp, kvc_i64 prefix,
+    kvc_i64 capacity, kvc_i64 limit, OnEntries on_entries) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    kvc_i64 first_pos = 0;
+    const kvc_i64 cnt = lane < in.bs ? kvc_verify_count(in, rp, prefix, &first_pos) : 0;
+    const kvc_i64 incl = kvc_warp_scan<true>(cnt);
+    const kvc_i64 total = __shfl_sync(KVC_FULL_MASK, incl, 31);
+    const KvcEntryTile mine = {entries.s_start + warp * 32, entries.s_rp + warp * 32,
+                               entries.s_pos0 + warp * 32};
+    mine.s_start[lane] = incl - cnt;  // exact whenever entries are produced
+    mine.s_rp[lane] = rp;
+    mine.s_pos0[lane] = first_pos;
+    __syncwarp();
+    if (total <= capacity) {
+        const kvc_i64 hi = kvc_min64(total, limit);
+        const int n = (int)kvc_min64(32, in.bs);
+        for (kvc_i64 base = (kvc_i64)blockIdx.x * kThreads + warp * 32; base < hi;
+             base += (kvc_i64)gridDim.x * kThreads) {
+            on_entries(kvc_warp_entry<32>(mine, n, 0, base, hi), base);
+        }
+    }
+    return total;
+}
+
 // Write-plan fields of a request (pool row rp, prefix and extend lengths): seed slot (-1: no
 // predecessor) and entry count.
 __device__ __forceinline__ kvc_i64 kvc_write_count(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 prefix,

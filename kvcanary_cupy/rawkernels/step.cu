@@ -10,9 +10,11 @@
 //   finish its verify work writes the new tokens, a lane of its first warp per request, the write
 //   plan scanned with shuffles. Verify reads every slot before any is written, as with separate
 //   launches: every block publishes its completion (fence + counter) and only the last one writes;
-//   it resets the counter for the next launch or graph replay. A decode step is a chain of memory
-//   round trips, so the write's metadata is requested when the kernel starts and each request's
-//   first entry beside its seed (kvc_write_request).
+//   it resets the counter for the next launch or graph replay.
+//   Such a step is a chain of memory round trips with little else in flight, so it shortens the
+//   chain: batches of at most 32 requests stage their verify entries per warp (no block scan), the
+//   write's metadata and the entry each request writes in a decode batch are requested when the
+//   kernel starts, and the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan and the write kernel runs next.
 #include "batch_plan.cuh"
 #include "write_request.cuh"
@@ -118,13 +120,27 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const KvcVerifyOut out = {ring, src, verify_tag, check_token};
     const int tid = threadIdx.x;
 
-    // in flight while the block verifies (requests past the first 32 are read when written)
+    // kTailWrite: what the write needs first is requested now, in flight while the block verifies.
+    // Every warp reads the first 32 requests' metadata (a batch of at most 32 is staged per warp);
+    // the first warp also reads entry `lane`, the entry a decode batch's request `lane` writes.
+    const bool small_batch = kTailWrite && bs <= 32;
+    const KvcWriteIn w = {input_ids,
+                          positions,
+                          out_cache_loc,
+                          expected_tokens,
+                          expected_positions,
+                          num_entries,
+                          kTailWrite && *chain_position_assert != 0,
+                          ring,
+                          src,
+                          write_tag};
     KvcWriteMeta first_meta = {0, 0, 0};
-    if (kTailWrite && tid < 32) first_meta = kvc_request_write_meta(in, tid);
+    KvcWriteEntry guess = {-1, 0, 0, 0, 0};
+    if (kTailWrite) first_meta = kvc_request_write_meta(in, tid & 31);
+    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);
     if (kTailWrite && blockIdx.x == 0 && gridDim.x > 1) {
         // what the last block reads once every block has verified (a grid of one block reads it
         // soon enough: there the prefetch measured 0.5 us slower)
-        kvc_prefetch_l2(chain_position_assert, 4);
         kvc_prefetch_l2(extend_lens, bs * 8);
         kvc_prefetch_l2(input_ids, num_entries * 8);
         kvc_prefetch_l2(positions, num_entries * 8);
@@ -138,21 +154,32 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     // The lanes of a warp share the entry search and their neighbours' slots. (Deriving a warp's
     // next entries before checking these measured slower: at 64 registers the lookahead spills.)
     // The plan's num_valid is an int32: no entry at or past 2^31 - 1 is checked.
-    const kvc_i64 total = kvc_for_verify_entries<kThreads>(
-        in, entries, s_warp, v_capacity, 0x7FFFFFFFLL,
-        [&](kvc_i64 tile) {
-            if (!kTailWrite && blockIdx.x == 0)
-                carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
-                                                        w_capacity, s_warp);
-        },
-        [&](const KvcEntry& e, kvc_i64) { kvc_verify_warp_entry<kVec16>(in, c, out, e); });
-    if (blockIdx.x == 0 && tid == 0) {
-        atomicAdd(kernel_run_counter, 1ull);
-        if (total <= v_capacity)
-            atomicAdd(slot_run_counter, (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL));
+    const auto verify = [&](const KvcEntry& e, kvc_i64) {
+        kvc_verify_warp_entry<kVec16>(in, c, out, e);
+    };
+    kvc_i64 total;
+    if (small_batch) {
+        total = kvc_for_small_batch_verify_entries<kThreads>(
+            in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL, verify);
+    } else {
+        total = kvc_for_verify_entries<kThreads>(
+            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL,
+            [&](kvc_i64 tile) {
+                if (!kTailWrite && blockIdx.x == 0)
+                    carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
+                                                            w_capacity, s_warp);
+            },
+            verify);
     }
+    // slots the verify counts as checked (none when the plan would overflow)
+    const unsigned long long verified =
+        total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
 
     if (!kTailWrite) {
+        if (blockIdx.x == 0 && tid == 0) {
+            atomicAdd(kernel_run_counter, 1ull);
+            if (verified) atomicAdd(slot_run_counter, verified);
+        }
         kvc_finish_write_plan<kThreads>(bs, carry_w, w_offsets, w_seeds, w_num_valid_reqs,
                                         w_capacity);
         return;
@@ -160,6 +187,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
 
     // ---- write, by the last block to finish verifying ---------------------------------------
     if (gridDim.x > 1) {
+        if (small_batch) __syncthreads();  // the block's verify is done before it says so
         if (tid == 0) {
             __threadfence();
             s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
@@ -173,9 +201,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     // A thread per request: the first warp writes, scanning with shuffles, with no barrier left on
     // its path.
     if (tid >= 32) return;
-    if (tid == 0) atomicAdd(kernel_run_counter, 1ull);
-    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
-                          num_entries, *chain_position_assert != 0, ring, src, write_tag};
     unsigned long long stored = 0;
     carry_w = 0;
     for (kvc_i64 tile = 0; tile < bs; tile += 32) {
@@ -186,14 +211,18 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         const kvc_i64 incl = kvc_warp_scan<false>(cnt);
         if (r < bs) {
             const kvc_i64 begin = kvc_wrap_add(carry_w, incl - cnt);
-            stored += kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed);
+            // guess holds entry tid's inputs
+            stored += kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed,
+                                                guess, begin == (kvc_i64)tid);
         }
         carry_w = kvc_wrap_add(carry_w, __shfl_sync(KVC_FULL_MASK, incl, 31));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);
     if (tid == 0) {
-        if (stored) atomicAdd(slot_run_counter, stored);
+        // the verify's run and the write's, counted once the launch has done both
+        atomicAdd(kernel_run_counter, 2ull);
+        if (verified + stored) atomicAdd(slot_run_counter, verified + stored);
         if (gridDim.x > 1) *blocks_done = 0u;
     }
 }

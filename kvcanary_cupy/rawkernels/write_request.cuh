@@ -24,8 +24,12 @@ struct KvcWriteEntry {
     kvc_i64 slot, tok, pos, etok, epos;
 };
 
-__device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteIn& w, kvc_i64 i,
-                                                                 bool has_expected) {
+__device__ __forceinline__ bool kvc_checks_expected(const KvcWriteIn& w) {
+    return w.expected_tokens != nullptr && w.expected_positions != nullptr;
+}
+
+__device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteIn& w, kvc_i64 i) {
+    const bool has_expected = kvc_checks_expected(w);
     KvcWriteEntry e = {-1, 0, 0, 0, 0};
     if (i >= 0 && i < w.num_entries) {
         e.slot = kvc_ld_early(w.out_cache_loc + i);
@@ -39,15 +43,18 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
     return e;
 }
 
-// Writes entries [begin, end) chained from seed; returns how many slots it stored.
+// Writes entries [begin, end) chained from seed; returns how many slots it stored. With
+// have_first, `first` holds entry begin's inputs, requested by the caller already.
 template <bool kVec16>
 __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary& c,
                                                                 const KvcWriteIn& w,
                                                                 kvc_i64 begin, kvc_i64 end,
-                                                                kvc_i64 seed) {
+                                                                kvc_i64 seed,
+                                                                const KvcWriteEntry& first,
+                                                                bool have_first) {
     if (begin >= end) return 0;
-    const bool has_expected = w.expected_tokens != nullptr && w.expected_positions != nullptr;
-    KvcWriteEntry next = kvc_request_write_entry(w, begin, has_expected);
+    const bool has_expected = kvc_checks_expected(w);
+    KvcWriteEntry next = have_first ? first : kvc_request_write_entry(w, begin);
     if (seed >= c.num_slots) {
         kvc_record(w.ring, w.tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
         seed = -1;
@@ -70,7 +77,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
             break;
         }
         const KvcWriteEntry e = next;
-        if (i + 1 < end) next = kvc_request_write_entry(w, i + 1, has_expected);
+        if (i + 1 < end) next = kvc_request_write_entry(w, i + 1);
         const kvc_i64 slot = e.slot;
         if (slot < 0) continue;
         const kvc_i64 tok = e.tok;
