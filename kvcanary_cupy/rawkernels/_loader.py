@@ -31,7 +31,7 @@ class KernelSpec:
     kernels: tuple[str, ...]               # names passed to get_function
 
 
-_WRITE_KERNELS = ("kvc_write<true>", "kvc_write<false>")
+_WRITE_KERNELS = tuple(f"kvc_write<{vec16}, {paired}>" for vec16 in ("true", "false") for paired in ("true", "false"))
 _STEP_KERNELS = tuple(f"kvc_step<{vec16}, {tail}>" for vec16 in ("true", "false")
                       for tail in ("true", "false"))
 

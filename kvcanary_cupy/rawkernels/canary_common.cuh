@@ -149,8 +149,22 @@ __device__ __forceinline__ kvc_u64 kvc_mix3(kvc_u64 a, kvc_u64 b, kvc_u64 c) {
     return kvc_sm(kvc_sm(kvc_sm(a) ^ b) ^ c);
 }
 
+// sm in plain arithmetic, for values the compiler can fold (kvc_mul64's asm is opaque to it).
+__host__ __device__ constexpr kvc_u64 kvc_xorshift_constant(kvc_u64 x, int shift) {
+    return x ^ (x >> shift);
+}
+__host__ __device__ constexpr kvc_u64 kvc_sm_constant(kvc_u64 x) {
+    return kvc_xorshift_constant(
+        kvc_xorshift_constant(kvc_xorshift_constant(x, KVC_SPLITMIX_SHIFT_1) *
+                                  (kvc_u64)KVC_SPLITMIX_MUL_1,
+                              KVC_SPLITMIX_SHIFT_2) *
+            (kvc_u64)KVC_SPLITMIX_MUL_2,
+        KVC_SPLITMIX_SHIFT_3);
+}
+
 __device__ __forceinline__ kvc_u64 kvc_anchor_link() {
-    return kvc_sm((kvc_u64)KVC_CHAIN_ANCHOR);
+    constexpr kvc_u64 kLink = kvc_sm_constant((kvc_u64)KVC_CHAIN_ANCHOR);
+    return kLink;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -15,8 +15,15 @@
 //   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
 //   request r goes to block (r + 1 + j) mod gridDim, which stores the real_kv_hash word of the
 //   slot itself, so hashing runs on many SMs beside the chain.
-// * Requests are spread over warps: request r is chained by warp (r / gridDim) % kWarps of block
-//   r % gridDim; offloaded hash chunks go to the block's warps from the last one down.
+// * kPaired (requests of several chunks, picked on the host from the shapes): two warps chain a
+//   request, walking its chunks in turn. The warp that walked chunk k stores its slots and hands
+//   the chain value (and last position) to its partner through shared memory and a named barrier,
+//   then records chunk k's violations while the partner walks chunk k + 1; the partner checked and
+//   staged chunk k + 1 while chunk k was walked. The serial path is then the walks and one handoff
+//   a chunk, instead of every chunk's loads, checks, stores and records as well.
+// * Requests are spread over warps (pairs of warps when kPaired): request r is chained by team
+//   (r / gridDim) % teams of block r % gridDim; offloaded hash chunks go to the block's warps from
+//   the last one down.
 //
 //
 // Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
@@ -31,6 +38,15 @@ constexpr int kChunk = 32;       // entries per warp step and per offloaded hash
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
+// Named barriers 1 + warp: warp `warp` waits on its own (64 threads: itself and its partner);
+// 1 + kWarps + team closes a request for both warps of a team.
+__device__ __forceinline__ void kvc_team_wait(int warp) {
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + warp) : "memory");
+}
+__device__ __forceinline__ void kvc_team_signal(int partner) {
+    asm volatile("bar.arrive %0, 64;" ::"r"(1 + partner) : "memory");
+}
+
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
 // the request is skipped or stops at once (begin >= end or begin < 0).
 __device__ __forceinline__ bool kvc_write_range(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
@@ -43,7 +59,7 @@ __device__ __forceinline__ bool kvc_write_range(const kvc_i64* offsets, kvc_i64 
     return true;
 }
 
-template <bool kVec16>
+template <bool kVec16, bool kPaired>
 __global__ void __launch_bounds__(kThreads) kvc_write(
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
     const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
@@ -62,6 +78,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __shared__ kvc_i64 s_j0[kThreads];
     __shared__ kvc_i64 s_tok[kWarps][kChunk];
     __shared__ kvc_i64 s_pos[kWarps][kChunk];
+    __shared__ kvc_u64 s_handoff_chain[kWarps];  // indexed by the receiving warp
+    __shared__ kvc_i64 s_handoff_pos[kWarps];
 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -142,7 +160,12 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     };
     const bool assert_flag = *chain_position_assert != 0;
     unsigned long long stored = 0;
-    for (kvc_i64 r = block + grid * warp; r < nreq; r += grid * kWarps) {
+    constexpr int kTeamWarps = kPaired ? 2 : 1;
+    constexpr int kTeams = kWarps / kTeamWarps;
+    const int team = warp / kTeamWarps;
+    const int turn = warp % kTeamWarps;  // this warp walks chunks turn, turn + kTeamWarps, ...
+    const kvc_i64 team_stride = (kvc_i64)kTeamWarps * kChunk;
+    for (kvc_i64 r = block + grid * team; r < nreq; r += grid * kTeams) {
         const kvc_i64 b = offsets[r];
         const kvc_i64 e = offsets[r + 1];
         if (b >= e) continue;
@@ -150,9 +173,11 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
         Inputs next = {-1, 0, 0, 0, 0};
-        if (b >= 0 && b + lane < hi) request_inputs(b + lane, next);
+        if (b >= 0 && b + turn * kChunk + lane < hi) request_inputs(b + turn * kChunk + lane, next);
         if (seed >= num_slots) {
-            if (lane == 0) kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
+            if (lane == 0 && turn == 0) {
+                kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
+            }
             seed = -1;
         }
         kvc_u64 running;
@@ -167,22 +192,23 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         }
         const bool pos_assert = seed >= 0 && assert_flag;
         if (b < 0) {
-            if (lane == 0) kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0,
-                                      KVC_BIT_OUT_OF_RANGE);
+            if (lane == 0 && turn == 0) {
+                kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
+            }
             continue;
         }
         const bool inline_hash = hi - b <= kInlineMax;
         // The warp stores real_kv_hash itself unless the grid hashes this request.
         const bool store_hash = src.count == 0 || inline_hash;
 
-        for (kvc_i64 base = b; base < hi; base += kChunk) {
+        for (kvc_i64 base = b + turn * kChunk; base < hi; base += team_stride) {
             const kvc_i64 i = base + lane;
             const bool valid = i < hi;
             const kvc_i64 slot = next.slot, tok = next.tok, pos = next.pos, etok = next.etok,
                           epos = next.epos;
             next.slot = -1;
-            if (base + kChunk < hi) {
-                const kvc_i64 i2 = base + kChunk + lane;
+            if (base + team_stride < hi) {
+                const kvc_i64 i2 = base + team_stride + lane;
                 if (i2 < hi) request_inputs(i2, next);
             }
             const bool in_range = valid && slot >= 0 && slot < num_slots;
@@ -205,6 +231,12 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
             const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
+            if (kPaired && base != b) {
+                // the chain up to this chunk, from the partner that walked the chunk before it
+                kvc_team_wait(warp);
+                running = s_handoff_chain[warp];
+                prev_pos = s_handoff_pos[warp];
+            }
             // Serial walk over the stored entries of the chunk, in lockstep on every lane.
             kvc_u64 my_running = running;
             kvc_i64 my_prev = prev_pos;
@@ -242,6 +274,20 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 }
             }
 
+            const bool hand_over = kPaired && base + kChunk < hi;
+            if (hand_over) {
+                // Stored before the partner can store the next chunk: a slot repeated across
+                // chunks keeps its later entry's fields, as the reference leaves it.
+                if (in_range && last_of_slot) {
+                    kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
+                                           store_hash);
+                }
+                if (lane == 0) {
+                    s_handoff_chain[warp ^ 1] = running;
+                    s_handoff_pos[warp ^ 1] = prev_pos;
+                }
+                kvc_team_signal(warp ^ 1);
+            }
             if (too_big) {
                 kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
                            KVC_BIT_OUT_OF_RANGE);
@@ -268,16 +314,22 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                     }
                 }
             }
-            if (in_range && last_of_slot) {
+            if (!hand_over && in_range && last_of_slot) {
                 kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,
                                        store_hash);
             }
             stored += (unsigned long long)__popc(mask);
             __syncwarp();
         }
-        if (e > n && lane == 0) {
+        // the final chain value is the warp's that walked the last chunk
+        const kvc_i64 nchunks = hi > b ? (hi - b + kChunk - 1) / kChunk : 0;
+        const int last_turn = nchunks > 0 ? (int)((nchunks - 1) % kTeamWarps) : 0;
+        if (e > n && lane == 0 && turn == last_turn) {
             kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
         }
+        // Every handoff of this request is taken before the next request's can be given (a second
+        // arrival on a partner's barrier would otherwise count as the partner's own).
+        if (kPaired) asm volatile("bar.sync %0, 64;" ::"r"(1 + kWarps + team) : "memory");
     }
     if (lane == 0 && stored) atomicAdd(&s_stored, stored);
     __syncthreads();

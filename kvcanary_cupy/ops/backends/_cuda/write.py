@@ -5,6 +5,14 @@ from __future__ import annotations
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 256          # kThreads in write.cu
+_CHUNK = 32           # kChunk in write.cu
+
+
+def paired(num_entries: int, max_requests: int) -> bool:
+    """Two warps a request (write.cu's kPaired) unless the batch is decode-shaped (at most two new
+    tokens a request on average, counted over the plan's capacity) or no request can reach a second
+    chunk: while one warp walks a chunk's chain, the other checks, stages and stores another."""
+    return num_entries > _CHUNK and num_entries > 2 * max(max_requests, 1)
 
 
 def context_args(ctx) -> tuple:
@@ -30,9 +38,11 @@ def entry_args(batch) -> tuple:
 
 def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     device_id = ctx.device.index
-    name = "kvc_write<true>" if vec16(ctx.canary_buf) else "kvc_write<false>"
-    fn = kernel("write", name, device_id)
     capacity = int(wplan.capacity)
+    entries = entry_args(batch)
+    team = "true" if paired(int(entries[-1]), capacity) else "false"
+    name = f"kvc_write<{'true' if vec16(ctx.canary_buf) else 'false'}, {team}>"
+    fn = kernel("write", name, device_id)
     nsrc = int(ctx.source_table.shape[0])
     resident = resident_grid("write", name, device_id, _BLOCK)
     if nsrc > 0:
@@ -43,7 +53,7 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes),
         ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs), i64(capacity),
-        *entry_args(batch), ptr(ctx.chain_position_assert), ring, ring_capacity, write_index,
+        *entries, ptr(ctx.chain_position_assert), ring, ring_capacity, write_index,
         slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
     return Launch(fn, grid, _BLOCK, args, packed=packed)
