@@ -10,7 +10,8 @@
    ways. Every form must give the same value.
 2. The write op, graph-timed (no host time), on prefill and decode cases: us and ns per chained
    token, for comparison with the bare chain of the same run.
-3. WRITE_PATCHES: write.cu with parts of the chunk loop left out.
+3. The write op with one warp a request and with two (write.cu's kPaired), forced.
+   WRITE_PATCHES: write.cu with parts of the chunk loop left out.
 4. clock64 stamps at CLOCK_POINTS of the chunk loop: cycles per token between them. The stamps
    perturb the schedule, so the breakdown shows where time goes, not exact totals.
 """
@@ -226,18 +227,9 @@ WRITE_PATCHES = (
                                          "                    running ^= t ^ p;"),)),
     ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
                                   "const unsigned peers = 1u << lane;"),)),
-    ("no stores", (("            if (in_range && last_of_slot) {", "            if (false) {"),)),
-    # candidate changes (same results, other schedules)
-    ("walk reads the chunk by shuffle", (("const kvc_u64 t = (kvc_u64)s_tok[warp][j];",
-                                          "const kvc_u64 t = (kvc_u64)__shfl_sync(KVC_FULL_MASK, tok, j);"),
-                                         ("const kvc_u64 p = (kvc_u64)s_pos[warp][j];",
-                                          "const kvc_u64 p = (kvc_u64)__shfl_sync(KVC_FULL_MASK, pos, j);"))),
-    ("walk unrolled by 4", (("#pragma unroll 8\n", "#pragma unroll 4\n"),)),
-    ("walk unrolled by 16", (("#pragma unroll 8\n", "#pragma unroll 16\n"),)),
-    ("last_of_slot after the walk", (("            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n", ""),
-                                     ("            if (in_range && last_of_slot) {",
-                                      "            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n"
-                                      "            if (in_range && last_of_slot) {"))),
+    ("no stores", (("            if (!hand_over && in_range && last_of_slot) {", "            if (false) {"),
+                   ("                if (in_range && last_of_slot) {\n                    kvc_store_slot",
+                    "                if (false) {\n                    kvc_store_slot"))),
 )
 
 
@@ -281,6 +273,13 @@ def main() -> None:
             print(f"write[{label}] {name:26s} {row['us']:9.2f} us {row['ns_per_chained_token']:9.1f} ns/chained token")
 
     show("this tree", write_ops())
+    # one warp a request against two (write.cu's kPaired), whatever the host would pick
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+    auto = cuda_write.paired
+    for label, team in (("one warp a request", False), ("two warps a request", True)):
+        cuda_write.paired = lambda *_, team=team: team
+        show(label, write_ops(("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "small_extend_batch")))
+    cuda_write.paired = auto
     clock_breakdown()
     for label, patch in WRITE_PATCHES:
         use_write_sources(_loader.RAWKERNEL_DIR, patch)

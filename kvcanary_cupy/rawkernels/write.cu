@@ -3,13 +3,13 @@
 //
 // Work split
 // * The chain of a request is serial: running = mix3(running, token, position). One warp owns a
-//   request. Its 32 lanes load and check 32 entries at a time (the loads of the next 32 are in
-//   flight meanwhile); then every lane walks the stored entries of the chunk in lockstep,
-//   receiving each entry's token and position by shuffle, so the serial part is a chain of mix3
-//   with no memory access on it. Each lane keeps the chain value (and the previous position) seen
+//   request (or a pair of warps, below). Its 32 lanes load and check 32 entries at a time (the
+//   loads of its next 32 are in flight meanwhile); then every lane walks the stored entries of
+//   the chunk in lockstep, reading each entry's token and position from shared memory, so the
+//   serial part is a chain of mix3 with no global memory access on it. Each lane keeps the chain value (and the previous position) seen
 //   just before its own entry, then records its violations and stores its slot in parallel. When
-//   a slot repeats inside a chunk only its last entry stores; chunks are ordered by __syncwarp, so
-//   the slot ends up as the reference leaves it.
+//   a slot repeats inside a chunk only its last entry stores; chunks are ordered by __syncwarp (by
+//   the handoff with kPaired), so the slot ends up as the reference leaves it.
 // * real_kv_hash(slot) depends on the slot alone, not on the chain, and every entry that is
 //   stored gets the same value whichever entry stores it. Requests of up to kInlineMax entries
 //   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
