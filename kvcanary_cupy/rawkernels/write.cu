@@ -17,7 +17,8 @@
 //   slot itself, so hashing runs on many SMs beside the chain.
 // * kPaired (requests of several chunks, picked on the host from the shapes): two warps chain a
 //   request, walking its chunks in turn. The warp that walked chunk k stores its slots and hands
-//   the chain value (and last position) to its partner through shared memory and a named barrier,
+//   the chain value (and last position) to its partner through shared memory and a named barrier
+//   of the two warps,
 //   then records chunk k's violations while the partner walks chunk k + 1; the partner checked and
 //   staged chunk k + 1 while chunk k was walked. The serial path is then the walks and one handoff
 //   a chunk, instead of every chunk's loads, checks, stores and records as well.
@@ -38,13 +39,11 @@ constexpr int kChunk = 32;       // entries per warp step and per offloaded hash
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
-// Named barriers 1 + warp: warp `warp` waits on its own (64 threads: itself and its partner);
-// 1 + kWarps + team closes a request for both warps of a team.
-__device__ __forceinline__ void kvc_team_wait(int warp) {
-    asm volatile("bar.sync %0, 64;" ::"r"(1 + warp) : "memory");
-}
-__device__ __forceinline__ void kvc_team_signal(int partner) {
-    asm volatile("bar.arrive %0, 64;" ::"r"(1 + partner) : "memory");
+// Named barrier 1 + team: both warps of a team (64 threads) meet at each handoff and at the end of
+// each request. The giver reaches it after its walk; the taker has by then checked and staged its
+// chunk and usually waits there already. (barrier.sync, not bar.sync: lanes may arrive diverged.)
+__device__ __forceinline__ void kvc_team_sync(int team) {
+    asm volatile("barrier.sync %0, 64;" ::"r"(1 + team) : "memory");
 }
 
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
 
             if (kPaired && base != b) {
                 // the chain up to this chunk, from the partner that walked the chunk before it
-                kvc_team_wait(warp);
+                kvc_team_sync(team);
                 running = s_handoff_chain[warp];
                 prev_pos = s_handoff_pos[warp];
             }
@@ -286,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                     s_handoff_chain[warp ^ 1] = running;
                     s_handoff_pos[warp ^ 1] = prev_pos;
                 }
-                kvc_team_signal(warp ^ 1);
+                kvc_team_sync(team);
             }
             if (too_big) {
                 kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
@@ -327,9 +326,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         if (e > n && lane == 0 && turn == last_turn) {
             kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
         }
-        // Every handoff of this request is taken before the next request's can be given (a second
-        // arrival on a partner's barrier would otherwise count as the partner's own).
-        if (kPaired) asm volatile("bar.sync %0, 64;" ::"r"(1 + kWarps + team) : "memory");
+        // Every handoff of this request is taken before the next request's can be given.
+        if (kPaired) kvc_team_sync(team);
     }
     if (lane == 0 && stored) atomicAdd(&s_stored, stored);
     __syncthreads();
