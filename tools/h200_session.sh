@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
 # compute-sanitizer (memcheck, racecheck, initcheck) and the demo on the GPU, the independent parts
-# concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs.tar.gz;
+# concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo bench.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -60,5 +60,6 @@ if has bench; then
   python3 benchmarks/report.py "$OUT/bench.json" --png "$OUT/bench.png" --markdown "$OUT/bench.md" >> "$LOGS/bench.log" 2>&1
   echo "bench: $(grep -E 'passed|failed' "$LOGS/bench.log" | tail -n 1)" >> "$summary"
 fi
-tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+# one archive per stage set, so a later bench run in the same $OUT keeps the tests' logs
+tar -czf "$OUT/logs-${stages// /-}.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 echo "==== summary"; cat "$summary"
