@@ -6,10 +6,11 @@
 //   request (or a pair of warps, below). Its 32 lanes load and check 32 entries at a time (the
 //   loads of its next 32 are in flight meanwhile); then every lane walks the stored entries of
 //   the chunk in lockstep, reading each entry's token and position from shared memory, so the
-//   serial part is a chain of mix3 with no global memory access on it. Each lane keeps the chain value (and the previous position) seen
-//   just before its own entry, then records its violations and stores its slot in parallel. When
-//   a slot repeats inside a chunk only its last entry stores; chunks are ordered by __syncwarp (by
-//   the handoff with kPaired), so the slot ends up as the reference leaves it.
+//   serial part is a chain of mix3 with no global memory access on it. Each lane keeps the chain
+//   value (and the previous position) seen just before its own entry, then records its violations
+//   and stores its slot in parallel. When a slot repeats inside a chunk only its last entry
+//   stores; chunks are ordered by __syncwarp (by the handoff with kPaired), so the slot ends up as
+//   the reference leaves it.
 // * real_kv_hash(slot) depends on the slot alone, not on the chain, and every entry that is
 //   stored gets the same value whichever entry stores it. Requests of up to kInlineMax entries
 //   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
@@ -18,10 +19,9 @@
 // * kPaired (requests of several chunks, picked on the host from the shapes): two warps chain a
 //   request, walking its chunks in turn. The warp that walked chunk k stores its slots and hands
 //   the chain value (and last position) to its partner through shared memory and a named barrier
-//   of the two warps,
-//   then records chunk k's violations while the partner walks chunk k + 1; the partner checked and
-//   staged chunk k + 1 while chunk k was walked. The serial path is then the walks and one handoff
-//   a chunk, instead of every chunk's loads, checks, stores and records as well.
+//   of the two warps, then records chunk k's violations while the partner walks chunk k + 1; the
+//   partner checked and staged chunk k + 1 while chunk k was walked. The serial path is then the
+//   walks and one handoff a chunk, instead of every chunk's loads, checks, stores and records too.
 // * Requests are spread over warps (pairs of warps when kPaired): request r is chained by team
 //   (r / gridDim) % teams of block r % gridDim; offloaded hash chunks go to the block's warps from
 //   the last one down.
