@@ -10,7 +10,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import reference as ref
 from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_hash, fields, link_of, pipeline, random_batch,
                        random_source, ring_rows, signed, slot_words)
-from _devices import BACKENDS, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
 UNRESOLVED = kc.UNRESOLVED_SLOT
@@ -297,3 +297,56 @@ def test_ring_overflow_on_write(device):
     if device == "cpu":
         assert [r[1] for r in rows] == [1, 2]
     assert all(r[7] == 8 for r in rows)
+
+
+# --- the CUDA write's two forms (one warp a request, or two walking its chunks in turn) ----------
+
+def test_cuda_write_team_follows_the_batch_shape():
+    """Two warps a request unless the batch is decode-shaped (at most two new tokens a request over
+    the plan's capacity) or no request can reach a second 32-entry chunk."""
+    from kvcanary_cupy.ops.backends._cuda.write import paired
+
+    assert paired(4096, 1)            # one prefill chunk
+    assert paired(4096, 256)          # the same with a plan sized for a large batch
+    assert paired(32 * 128, 32)       # an extend batch
+    assert not paired(256, 256)       # decode
+    assert not paired(512, 256)       # two tokens a request
+    assert not paired(32, 1)          # a single chunk at most
+
+
+def _long_requests_case(rng: np.random.Generator) -> dict:
+    """Requests of several chunks with slots repeated across chunk boundaries, a negative and an
+    out-of-range slot, input-assert mismatches, a position jump after a seed, and a request whose
+    end is past the entries."""
+    n0, n1 = 100, 70
+    slots = [1 + (i % 40) for i in range(n0)] + [60 + (i % 45) for i in range(n1)]
+    slots[17], slots[55] = -1, 10_000
+    positions = list(range(n0)) + [1 + i + (i >= 33) for i in range(n1)]
+    ids = [int(t) for t in rng.integers(0, 50_000, size=n0 + n1)]
+    expected_ids = list(ids)
+    expected_ids[5] += 1
+    expected_ids[n0 + 40] += 1
+    return dict(offsets=[0, n0, n0 + n1, n0 + n1 + 9], seeds=[-1, 50, -1], ids=ids, positions=positions,
+                slots=slots, expected=(expected_ids, positions))
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("team", ["one", "two"])
+def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+
+    monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
+    case = _long_requests_case(np.random.default_rng(11))
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, 256, ring_capacity=64)
+        _write(ctx, [0, 1], [-1], [7], [0], [50], device=device)  # the seed of request 1, position 0
+        ctx.set_chain_position_assert(True)
+        _write(ctx, case["offsets"], case["seeds"], case["ids"], case["positions"], case["slots"], device=device,
+               expected=case["expected"])
+        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert cpu[2], "the case records violations"
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
