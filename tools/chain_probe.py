@@ -191,11 +191,11 @@ def use_write_sources(directory: pathlib.Path, patch: tuple = ()):
 CLOCK_POINTS = (
     ("start", "            const kvc_i64 i = base + lane;\n"),
     ("loads issued, checks", "            const unsigned mask = __ballot_sync(KVC_FULL_MASK, in_range);\n"),
-    ("ballot, match", "            // Serial walk over the stored entries of the chunk, in lockstep on every lane.\n"),
+    ("ballot, match, handoff wait", "            // Serial walk over the stored entries of the chunk, in lockstep on every lane.\n"),
     ("staging", "#pragma unroll 8\n                for (int j = 0; j < kChunk; ++j) {"),
     ("walk", "            unsigned m = mask == KVC_FULL_MASK ? 0u : mask;\n"),
-    ("records", "            const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;\n"),
-    ("store, sync", None),
+    ("partial walk", "            const bool hand_over = kPaired && base + kChunk < hi;\n"),
+    ("handoff, records, store", None),
 )
 _END = "            stored += (unsigned long long)__popc(mask);\n            __syncwarp();\n"
 
@@ -220,16 +220,56 @@ def clock_patch() -> tuple:
 WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_hash_256b", "small_extend_batch",
                "e2e_decode_steady", "e2e_decode_steady_hash")
 
-# write.cu with parts of the chunk loop left out, to see what the chain's serial path carries
-# besides the chain (e2e_prefill_chunk_first: distinct slots, no sources, no expected tokens)
+_PREFILL = ("e2e_prefill_chunk_first",)
+_DECODE_HASH = ("e2e_decode_steady_hash", "e2e_decode_steady")
+
+# The inline real-KV hash of a short request spread over lanes: lane t folds source t % nsrc of the
+# chunk's entry t / nsrc (one memory latency for all sources instead of one each), then each entry's
+# lane combines its sources in order. A candidate for decode writes with several sources.
+_LANE_SOURCES = (("""            bool kv_oor = false;
+            kvc_u64 h = 0;
+            if (in_range && src.count > 0) {""", """            bool kv_oor = false;
+            kvc_u64 h = 0;
+            const kvc_i64 lane_tasks = kvc_min64(hi - base, kChunk) * src.count;
+            if (src.count > 0 && inline_hash && lane_tasks <= 32) {
+                const int nsrc = src.count;
+                const int j = lane / nsrc;
+                const int k = lane - j * nsrc;
+                const kvc_i64 slot_j = __shfl_sync(KVC_FULL_MASK, slot, j);
+                const bool fold_j = __shfl_sync(KVC_FULL_MASK, (int)in_range, j) != 0 && lane < lane_tasks;
+                kvc_u64 f = 0;
+                int oor_k = 0;
+                if (fold_j) {
+                    kvc_i64 nread;
+                    const unsigned char* p = kvc_source_bytes(src, k, slot_j, &nread);
+                    if (p == nullptr) oor_k = 1;
+                    else f = kvc_fold<1>(p, nread);
+                }
+                kvc_u64 acc = 0;
+                int out = 0;
+                for (int kk = 0; kk < nsrc; ++kk) {
+                    const int from = (lane * nsrc + kk) & 31;
+                    acc = kvc_sm(acc ^ __shfl_sync(KVC_FULL_MASK, f, from));
+                    out |= __shfl_sync(KVC_FULL_MASK, oor_k, from);
+                }
+                if (in_range) {
+                    h = acc;
+                    kv_oor = out != 0;
+                }
+            } else if (in_range && src.count > 0) {"""),)
+
+# write.cu variants: (label, cases, ((old, new), ...)). Parts of the chunk loop left out show what the
+# chain's serial path carries besides the chain (e2e_prefill_chunk_first: distinct slots, no sources,
+# no expected tokens); candidates are changes with the same results and another schedule.
 WRITE_PATCHES = (
-    ("no chain (xor instead of mix3)", (("                    running = kvc_mix3(running, t, p);",
-                                         "                    running ^= t ^ p;"),)),
-    ("no duplicate-slot match", (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
-                                  "const unsigned peers = 1u << lane;"),)),
-    ("no stores", (("            if (!hand_over && in_range && last_of_slot) {", "            if (false) {"),
-                   ("                if (in_range && last_of_slot) {\n                    kvc_store_slot",
-                    "                if (false) {\n                    kvc_store_slot"))),
+    ("no chain (xor instead of mix3)", _PREFILL, (("                    running = kvc_mix3(running, t, p);",
+                                                   "                    running ^= t ^ p;"),)),
+    ("no duplicate-slot match", _PREFILL, (("const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);",
+                                            "const unsigned peers = 1u << lane;"),)),
+    ("no stores", _PREFILL, (("            if (!hand_over && in_range && last_of_slot) {", "            if (false) {"),
+                             ("                if (in_range && last_of_slot) {\n                    kvc_store_slot",
+                              "                if (false) {\n                    kvc_store_slot"))),
+    ("candidate: sources hashed across lanes", _DECODE_HASH, _LANE_SOURCES),
 )
 
 
@@ -281,9 +321,10 @@ def main() -> None:
         show(label, write_ops(("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "small_extend_batch")))
     cuda_write.paired = auto
     clock_breakdown()
-    for label, patch in WRITE_PATCHES:
+    show("this tree", write_ops(_DECODE_HASH))
+    for label, cases, patch in WRITE_PATCHES:
         use_write_sources(_loader.RAWKERNEL_DIR, patch)
-        show(label, write_ops(("e2e_prefill_chunk_first",)))
+        show(label, write_ops(cases))
     # the same with write.cu and its headers from other directories (e.g. an earlier commit's),
     # each measured ROUNDS_AB times in turn with this tree's, so the spread is seen too
     prefill = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash")
