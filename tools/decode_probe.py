@@ -52,6 +52,15 @@ PATCHES = (("no counters (floor)",
            ("no early entry read",
             (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
              ("guess, begin == (kvc_i64)tid);", "guess, false);"))),
+           # the kTailWrite kernel spills 144 B at its 128-register cap with the early reads held across
+           # the verify; without them it spills 4 B (tools/kernel_registers.py)
+           ("no early reads held",
+            (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
+             ("guess, begin == (kvc_i64)tid);", "guess, false);"),
+             ("    if (kTailWrite) first_meta = kvc_request_write_meta(in, tid & 31);", ""),
+             ("first_meta.rp, first_meta.prefix",
+              "kvc_request_write_meta(in, tid & 31).rp, kvc_request_write_meta(in, tid & 31).prefix"),
+             ("tile == 0 ? first_meta : kvc_request_write_meta(in, r)", "kvc_request_write_meta(in, r)"))),
            ("block-scan staging",
             (("    if (small_batch) {\n        total", "    if (false) {\n        total"),)))
 
