@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import pathlib
 import threading
 
@@ -31,13 +32,23 @@ class KernelSpec:
     kernels: tuple[str, ...]               # names passed to get_function
 
 
-_WRITE_KERNELS = tuple(f"kvc_write<{vec16}, {paired}>" for vec16 in ("true", "false") for paired in ("true", "false"))
-_STEP_KERNELS = tuple(f"kvc_step<{vec16}, {tail}>" for vec16 in ("true", "false")
-                      for tail in ("true", "false"))
+def instance(template: str, *flags: bool) -> str:
+    """A kernel template's name with its bool parameters: ``instance("kvc_write", True, False)`` is
+    ``"kvc_write<true, false>"``. The launchers and the specs below both name kernels with it."""
+    return f"{template}<{', '.join('true' if flag else 'false' for flag in flags)}>"
+
+
+def _instances(template: str, arity: int) -> tuple[str, ...]:
+    """Every instantiation of a template of ``arity`` bool parameters."""
+    return tuple(instance(template, *flags) for flags in itertools.product((True, False), repeat=arity))
+
+
+_VERIFY_KERNELS = _instances("kvc_verify", 1)
+_WRITE_KERNELS = _instances("kvc_write", 2)
+_STEP_KERNELS = _instances("kvc_step", 2)
 
 _SPECS = (
-    KernelSpec("verify", "verify.cu", ("kvc_verify<true>", "kvc_verify<false>"),
-               ("kvc_verify<true>", "kvc_verify<false>")),
+    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",)),
     KernelSpec("scatter", "scatter.cu", (), ("kvc_scatter",)),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....rawkernels import _loader
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, prepare as prepare_write
@@ -29,7 +30,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     device_id = ctx.device.index
     bs = int(batch.req_pool_indices.shape[0])
     tail = tail_write(bs, writes.num_entries)
-    name = f"kvc_step<{'true' if vec16(ctx.canary_buf) else 'false'}, {'true' if tail else 'false'}>"
+    name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail)
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
     # loop is exact for any grid).

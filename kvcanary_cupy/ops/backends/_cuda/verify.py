@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ....rawkernels import _loader
 from . import i64, kernel, launch, ptr, resident_grid, vec16
 
 _BLOCK = 256
@@ -9,7 +10,7 @@ _BLOCK = 256
 
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
     device_id = ctx.device.index
-    name = "kvc_verify<true>" if vec16(ctx.canary_buf) else "kvc_verify<false>"
+    name = _loader.instance("kvc_verify", vec16(ctx.canary_buf))
     fn = kernel("verify", name, device_id)
     capacity = int(vplan.capacity)
     grid = max(1, min(resident_grid("verify", name, device_id, _BLOCK),

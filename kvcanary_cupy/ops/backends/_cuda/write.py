@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ....rawkernels import _loader
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 256          # kThreads in write.cu
@@ -40,8 +41,7 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     device_id = ctx.device.index
     capacity = int(wplan.capacity)
     entries = entry_args(batch)
-    team = "true" if paired(int(entries[-1]), capacity) else "false"
-    name = f"kvc_write<{'true' if vec16(ctx.canary_buf) else 'false'}, {team}>"
+    name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity))
     fn = kernel("write", name, device_id)
     nsrc = int(ctx.source_table.shape[0])
     resident = resident_grid("write", name, device_id, _BLOCK)
