@@ -192,6 +192,20 @@ __device__ __forceinline__ KvcEntry kvc_warp_entry(const KvcEntryTile& t, int n,
     return e;
 }
 
+// The entries [first, hi) of a staged tile of n requests (kTileRows at most), the grid's warps
+// striding over them 32 at a time (a block of kThreads threads takes kThreads entries a stride):
+// on_entries(e, base) on every lane, base warp-uniform, so every lane takes part in the entry
+// search.
+template <int kThreads, int kTileRows, class OnEntries>
+__device__ __forceinline__ void kvc_for_tile_entries(const KvcEntryTile& entries, int n,
+                                                     kvc_i64 tile, kvc_i64 first, kvc_i64 hi,
+                                                     OnEntries on_entries) {
+    for (kvc_i64 base = first + (kvc_i64)blockIdx.x * kThreads + (threadIdx.x & ~31); base < hi;
+         base += (kvc_i64)gridDim.x * kThreads) {
+        on_entries(kvc_warp_entry<kTileRows>(entries, n, tile, base, hi), base);
+    }
+}
+
 // Every verify entry of the batch, shared by the grid: requests in tiles of kThreads, each tile
 // staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands them,
 // their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile) runs
@@ -204,9 +218,7 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
                                                           kvc_i64* s_warp, kvc_i64 capacity,
                                                           kvc_i64 limit, OnTile on_tile,
                                                           OnEntries on_entries) {
-    const int tid = threadIdx.x;
     const kvc_i64 ntiles = in.bs > 0 ? (in.bs + kThreads - 1) / kThreads : 0;
-    const kvc_i64 grid_threads = (kvc_i64)gridDim.x * kThreads;
     // With several tiles the total is needed before any entry is visited.
     kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
     kvc_i64 carry = 0;
@@ -219,11 +231,7 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
             // carry + tile_total <= total <= capacity: no overflow
             const kvc_i64 hi = kvc_min64(carry + tile_total, kvc_min64(total, limit));
             const int n = (int)kvc_min64(kThreads, in.bs - tile);
-            // warp-uniform: every lane takes part in the warp's entry search
-            for (kvc_i64 base = carry + (kvc_i64)blockIdx.x * kThreads + (tid & ~31); base < hi;
-                 base += grid_threads) {
-                on_entries(kvc_warp_entry<kThreads>(entries, n, tile, base, hi), base);
-            }
+            kvc_for_tile_entries<kThreads, kThreads>(entries, n, tile, carry, hi, on_entries);
         }
         carry = kvc_sat_add(carry, tile_total);
         __syncthreads();
@@ -254,11 +262,7 @@ __device__ __forceinline__ kvc_i64 kvc_for_small_batch_verify_entries(
     __syncwarp();
     if (total <= capacity) {
         const kvc_i64 hi = kvc_min64(total, limit);
-        const int n = (int)kvc_min64(32, in.bs);
-        for (kvc_i64 base = (kvc_i64)blockIdx.x * kThreads + warp * 32; base < hi;
-             base += (kvc_i64)gridDim.x * kThreads) {
-            on_entries(kvc_warp_entry<32>(mine, n, 0, base, hi), base);
-        }
+        kvc_for_tile_entries<kThreads, 32>(mine, (int)kvc_min64(32, in.bs), 0, 0, hi, on_entries);
     }
     return total;
 }
