@@ -124,15 +124,8 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     // Every warp reads the first 32 requests' metadata (a batch of at most 32 is staged per warp);
     // the first warp also reads entry `lane`, the entry a decode batch's request `lane` writes.
     const bool small_batch = kTailWrite && bs <= 32;
-    const KvcWriteIn w = {input_ids,
-                          positions,
-                          out_cache_loc,
-                          expected_tokens,
-                          expected_positions,
-                          num_entries,
-                          kTailWrite && *chain_position_assert != 0,
-                          ring,
-                          src,
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, kTailWrite && *chain_position_assert != 0, ring, src,
                           write_tag};
     KvcWriteMeta first_meta = {0, 0, 0};
     KvcWriteEntry guess = {-1, 0, 0, 0, 0};

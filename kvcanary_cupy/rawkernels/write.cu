@@ -30,7 +30,7 @@
 // Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
 // Requests run concurrently, so two requests of one launch that write the same slot, or one that
 // seeds from a slot another writes, race (an engine never builds such a batch).
-#include "canary_common.cuh"
+#include "write_request.cuh"
 
 namespace {
 constexpr int kWarps = 8;
@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, (int)num_sources};
-    const bool has_expected = expected_tokens != nullptr && expected_positions != nullptr;
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, *chain_position_assert != 0, ring, src, tag};
+    const bool has_expected = kvc_checks_expected(w);
 
     if (threadIdx.x == 0) {
         s_stored = 0;
@@ -143,21 +145,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     __syncthreads();
 
     // ---- chains ------------------------------------------------------------------------------
-    // Entry i's inputs, requested early (kvc_ld_early): a chunk's are in flight while the chunk
-    // before it is chained.
-    struct Inputs {
-        kvc_i64 slot, tok, pos, etok, epos;
-    };
-    const auto request_inputs = [&](kvc_i64 i, Inputs& in) {
-        in.slot = kvc_ld_early(out_cache_loc + i);
-        in.tok = kvc_ld_early(input_ids + i);
-        in.pos = kvc_ld_early(positions + i);
-        if (has_expected) {
-            in.etok = kvc_ld_early(expected_tokens + i);
-            in.epos = kvc_ld_early(expected_positions + i);
-        }
-    };
-    const bool assert_flag = *chain_position_assert != 0;
+    // Entry i's inputs are requested early (kvc_request_write_entry): a chunk's are in flight
+    // while the chunk before it is chained.
     unsigned long long stored = 0;
     constexpr int kTeamWarps = kPaired ? 2 : 1;
     constexpr int kTeams = kWarps / kTeamWarps;
@@ -171,8 +160,10 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         kvc_i64 seed = seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
-        Inputs next = {-1, 0, 0, 0, 0};
-        if (b >= 0 && b + turn * kChunk + lane < hi) request_inputs(b + turn * kChunk + lane, next);
+        KvcWriteEntry next = {-1, 0, 0, 0, 0};
+        if (b >= 0 && b + turn * kChunk + lane < hi) {
+            next = kvc_request_write_entry(w, b + turn * kChunk + lane);
+        }
         if (seed >= num_slots) {
             if (lane == 0 && turn == 0) {
                 kvc_record(ring, tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
@@ -189,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             running = kvc_anchor_link();
             prev_pos = 0;
         }
-        const bool pos_assert = seed >= 0 && assert_flag;
+        const bool pos_assert = seed >= 0 && w.chain_position_assert;
         if (b < 0) {
             if (lane == 0 && turn == 0) {
                 kvc_record(ring, tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
@@ -208,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             next.slot = -1;
             if (base + team_stride < hi) {
                 const kvc_i64 i2 = base + team_stride + lane;
-                if (i2 < hi) request_inputs(i2, next);
+                if (i2 < hi) next = kvc_request_write_entry(w, i2);
             }
             const bool in_range = valid && slot >= 0 && slot < num_slots;
             const bool too_big = valid && slot >= num_slots;

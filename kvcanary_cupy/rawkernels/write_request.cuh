@@ -1,4 +1,5 @@
-// One request's write (SPEC 3.1) walked by a single thread, for batches whose requests write a
+// The write's inputs (SPEC 3.1) and how an entry's are requested, shared by the write kernel and
+// the step; and one request's write walked by a single thread, for batches whose requests write a
 // token or a few each (decode): a thread per request has nothing to hand to other lanes, and the
 // serial walk is the reference's order, entry by entry.
 #pragma once
@@ -17,9 +18,9 @@ struct KvcWriteIn {
     kvc_i64 tag;
 };
 
-// One new token's inputs, requested with kvc_ld_early where they are written: a decode write has
-// little else in flight, so entry i + 1's loads (and the first entry's, beside the seed's) overlap
-// other round trips instead of following them.
+// One new token's inputs, requested with kvc_ld_early where they are written so that they overlap
+// other work: the write kernel requests a chunk while it chains the one before; a decode write,
+// with little else in flight, requests entry i + 1 (and the first entry beside the seed) early.
 struct KvcWriteEntry {
     kvc_i64 slot, tok, pos, etok, epos;
 };
