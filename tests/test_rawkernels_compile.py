@@ -70,3 +70,53 @@ def test_verify_kernels_do_not_spill(source, arch):
         assert k.spill_stores == 0 and k.spill_loads == 0, f"{k.name} [{arch}] spills: {k}"
         if source == "step":
             assert k.registers <= 64, f"{k.name} [{arch}] needs {k.registers} registers, over two blocks' budget"
+
+
+def _probe_variants():
+    """The source variants the GPU probes time (tools/chain_probe.py, tools/decode_probe.py), as
+    (spec name, label, ((old, new), ...)). The probes import CuPy at the top; their tables need none,
+    so a stand-in module is enough to read them on a machine without it."""
+    import importlib
+    import pathlib
+    import sys
+    import types
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in (root / "tools", root / "benchmarks"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    stand_in = "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None
+    if stand_in:
+        sys.modules["cupy"] = types.ModuleType("cupy")
+    try:
+        chain = importlib.import_module("chain_probe")
+        decode = importlib.import_module("decode_probe")
+    finally:
+        if stand_in:
+            del sys.modules["cupy"]
+            from kvcanary_cupy._dlpack import cupy_module
+
+            cupy_module.cache_clear()  # in case anything asked for CuPy while the stand-in was there
+    variants = [("write", label, patch) for label, _, patch in chain.WRITE_PATCHES]
+    variants.append(("write", "clock64 stamps", chain.clock_patch()))
+    variants += [("step", label, patch) for label, patch in decode.PATCHES]
+    variants += [("step", f"cut: {label}", ((line, "return;\n" + line),)) for label, line in decode.CUTS if line]
+    return variants
+
+
+_PROBE_VARIANTS = _probe_variants()
+
+
+@pytest.mark.parametrize("source, label, patch", _PROBE_VARIANTS, ids=[f"{s}: {l}" for s, l, _ in _PROBE_VARIANTS])
+def test_probe_variants_apply_and_compile(source, label, patch):
+    """Each probe patch matches its kernel source exactly once and the patched source compiles, so the
+    probes keep working as the kernels change."""
+    import dataclasses
+
+    spec = next(s for s in SPECS if s.name == source)
+    code = spec.code
+    for old, new in patch:
+        assert code.count(old) == 1, f"{label}: {old!r} matches {code.count(old)} times in {spec.filename}"
+        code = code.replace(old, new)
+    compiled = _ptxas.compile_spec(dataclasses.replace(spec, code=code), "sm_90")
+    assert compiled.ok, f"{label}: {compiled.error}\n{compiled.log}"

@@ -202,8 +202,8 @@ _END = "            stored += (unsigned long long)__popc(mask);\n            __s
 
 def clock_patch() -> tuple:
     n = len(CLOCK_POINTS)
-    patch = [("#include \"canary_common.cuh\"",
-              f"#include \"canary_common.cuh\"\n__device__ unsigned long long kvc_probe_cycles[{n}];")]
+    patch = [("#include \"write_request.cuh\"",
+              f"#include \"write_request.cuh\"\n__device__ unsigned long long kvc_probe_cycles[{n}];")]
     for k, (_, line) in enumerate(CLOCK_POINTS):
         stamp = f"probe_t[{k}] = clock64();\n"
         if k == 0:
