@@ -226,37 +226,10 @@ _DECODE_HASH = ("e2e_decode_steady_hash", "e2e_decode_steady")
 # The inline real-KV hash of a short request spread over lanes: lane t folds source t % nsrc of the
 # chunk's entry t / nsrc (one memory latency for all sources instead of one each), then each entry's
 # lane combines its sources in order. A candidate for decode writes with several sources.
-_LANE_SOURCES = (("""            bool kv_oor = false;
-            kvc_u64 h = 0;
-            if (in_range && src.count > 0) {""", """            bool kv_oor = false;
-            kvc_u64 h = 0;
-            const kvc_i64 lane_tasks = kvc_min64(hi - base, kChunk) * src.count;
-            if (src.count > 0 && inline_hash && lane_tasks <= 32) {
-                const int nsrc = src.count;
-                const int j = lane / nsrc;
-                const int k = lane - j * nsrc;
-                const kvc_i64 slot_j = __shfl_sync(KVC_FULL_MASK, slot, j);
-                const bool fold_j = __shfl_sync(KVC_FULL_MASK, (int)in_range, j) != 0 && lane < lane_tasks;
-                kvc_u64 f = 0;
-                int oor_k = 0;
-                if (fold_j) {
-                    kvc_i64 nread;
-                    const unsigned char* p = kvc_source_bytes(src, k, slot_j, &nread);
-                    if (p == nullptr) oor_k = 1;
-                    else f = kvc_fold<1>(p, nread);
-                }
-                kvc_u64 acc = 0;
-                int out = 0;
-                for (int kk = 0; kk < nsrc; ++kk) {
-                    const int from = (lane * nsrc + kk) & 31;
-                    acc = kvc_sm(acc ^ __shfl_sync(KVC_FULL_MASK, f, from));
-                    out |= __shfl_sync(KVC_FULL_MASK, oor_k, from);
-                }
-                if (in_range) {
-                    h = acc;
-                    kv_oor = out != 0;
-                }
-            } else if (in_range && src.count > 0) {"""),)
+# write.cu's decode-shaped hash (kvc_real_kv_hash_across_lanes) against one lane folding its entry's
+# sources one after another, as before it
+_ENTRY_LANE_SOURCES = (("if (src.count > 0 && inline_hash && entries * src.count <= 32) {",
+                        "if (false) {"),)
 
 # write.cu variants: (label, cases, ((old, new), ...)). Parts of the chunk loop left out show what the
 # chain's serial path carries besides the chain (e2e_prefill_chunk_first: distinct slots, no sources,
@@ -269,7 +242,7 @@ WRITE_PATCHES = (
     ("no stores", _PREFILL, (("            if (!hand_over && in_range && last_of_slot) {", "            if (false) {"),
                              ("                if (in_range && last_of_slot) {\n                    kvc_store_slot",
                               "                if (false) {\n                    kvc_store_slot"))),
-    ("candidate: sources hashed across lanes", _DECODE_HASH, _LANE_SOURCES),
+    ("sources hashed by the entry's lane alone", _DECODE_HASH, _ENTRY_LANE_SOURCES),
 )
 
 

@@ -37,11 +37,11 @@ VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 
 
 # where the one-launch step's time goes: each cut leaves out the work from that line on
-CUTS = (("launch only", "    const bool small_batch = kTailWrite && bs <= 32;"),
+CUTS = (("launch only", "    // kTailWrite: what the write needs first is requested now"),
         ("+ early reads", "    // ---- verify ---"),
         ("+ verify", "    // slots the verify counts as checked"),
         ("+ last-block hand-off", "    if (tid >= 32) return;\n    unsigned long long stored"),
-        ("+ write scan", "        if (r < bs) {\n            const kvc_i64 begin"),
+        ("+ write scan", "    if (tid < bs) {\n        const kvc_i64 begin"),
         ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
         ("whole step", ""))
 
@@ -49,28 +49,26 @@ CUTS = (("launch only", "    const bool small_batch = kTailWrite && bs <= 32;"),
 PATCHES = (("no counters (floor)",
             (("        atomicAdd(kernel_run_counter, 2ull);\n", ""),
              ("        if (verified + stored) atomicAdd(slot_run_counter, verified + stored);\n", ""))),
+           # the launch's run count does not wait for the write (nothing reads it before the launch ends)
+           ("run counter before the write",
+            (("    if (tid >= 32) return;\n    unsigned long long stored = 0;\n",
+              "    if (tid >= 32) return;\n    if (tid == 0) atomicAdd(kernel_run_counter, 2ull);\n    unsigned long long stored = 0;\n"),
+             ("        atomicAdd(kernel_run_counter, 2ull);\n", ""))),
            ("no early entry read",
             (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
-             ("guess, begin == (kvc_i64)tid);", "guess, false);"))),
-           # the kTailWrite kernel spills 144 B at its 128-register cap with the early reads held across
-           # the verify; without them it spills 4 B (tools/kernel_registers.py)
-           ("no early reads held",
-            (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
-             ("guess, begin == (kvc_i64)tid);", "guess, false);"),
-             ("    if (kTailWrite) first_meta = kvc_request_write_meta(in, tid & 31);", ""),
-             ("first_meta.rp, first_meta.prefix",
-              "kvc_request_write_meta(in, tid & 31).rp, kvc_request_write_meta(in, tid & 31).prefix"),
-             ("tile == 0 ? first_meta : kvc_request_write_meta(in, r)", "kvc_request_write_meta(in, r)"))),
+             ("guess,\n                                           begin == (kvc_i64)tid);", "guess, false);"))),
            ("block-scan staging",
-            (("    if (small_batch) {\n        total", "    if (false) {\n        total"),)))
+            (("    if (kTailWrite) {\n        total", "    if (false) {\n        total"),)))
 
 
 def cuts(names: list[str]) -> None:
     """The one-launch step of each case with the work after each cut point left out."""
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
+        if case.bs > TAIL_MAX_REQUESTS:
+            print(f"{name}: bs {case.bs} takes two launches (one launch takes at most {TAIL_MAX_REQUESTS} requests)")
+            continue
         state = S.build_state(case, "cuda")
-        cuda_step.TAIL_MAX_REQUESTS = 1 << 20
         row = {}
         for label, line in CUTS:
             use_step_variant(cut=line, **VARIANTS[0][1])
@@ -83,14 +81,13 @@ def cuts(names: list[str]) -> None:
             step = state.canary_step(0)
             row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         use_step_variant(**VARIANTS[0][1])
-        cuda_step.TAIL_MAX_REQUESTS = TAIL_MAX_REQUESTS
         assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"[{k}] {v:6.2f}" for k, v in row.items()), flush=True)
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--cuts"]:
-        return cuts(sys.argv[2:] or ["smoke_decode_empty", "e2e_decode_tail", "decode_mid_batch"])
+        return cuts(sys.argv[2:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch"])
     names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
@@ -103,8 +100,9 @@ def main() -> None:
         row["write"] = timed(lambda: state.write(0))
         for label, defines in VARIANTS:
             use_step_variant(**defines)
-            # the one-launch path (the last block writes) forced on and off, whatever the batch size
-            for tail_max in (1 << 20, 0):
+            # the one-launch path (the last block writes) and two launches; one launch takes at most
+            # TAIL_MAX_REQUESTS requests
+            for tail_max in ((TAIL_MAX_REQUESTS, 0) if case.bs <= TAIL_MAX_REQUESTS else (0,)):
                 cuda_step.TAIL_MAX_REQUESTS = tail_max
                 state.__dict__.pop("_canary_steps", None)
                 step = state.canary_step(0)

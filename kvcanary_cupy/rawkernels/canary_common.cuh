@@ -409,6 +409,39 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
     return acc;
 }
 
+// real_kv_hash of the slots of up to 32 entries, one entry a lane, with the (entry, source)
+// folds spread over the warp: lane t folds source t % nsrc of entry t / nsrc, then each entry's
+// lane combines its sources' folds in order. A short request's sources are then read at once by
+// several lanes instead of one after another by one. Needs entries * src.count <= 32 and the whole
+// warp converged; lanes with !in_range get 0 and no out-of-range flag.
+__device__ __forceinline__ kvc_u64 kvc_real_kv_hash_across_lanes(const KvcSources& src,
+                                                                 kvc_i64 slot, bool in_range,
+                                                                 int entries, bool* oor) {
+    const int lane = (int)(threadIdx.x & 31);
+    const int nsrc = src.count;
+    const int entry = lane / nsrc;
+    const int k = lane - entry * nsrc;
+    const kvc_i64 entry_slot = __shfl_sync(KVC_FULL_MASK, slot, entry);
+    const bool fold = __shfl_sync(KVC_FULL_MASK, (int)in_range, entry) != 0 && entry < entries;
+    kvc_u64 f = 0;
+    int source_oor = 0;
+    if (fold) {
+        kvc_i64 nread;
+        const unsigned char* p = kvc_source_bytes(src, k, entry_slot, &nread);
+        if (p == nullptr) source_oor = 1;
+        else f = kvc_fold<1>(p, nread);
+    }
+    kvc_u64 acc = 0;
+    int any_oor = 0;
+    for (int kk = 0; kk < nsrc; ++kk) {
+        const int from = (lane * nsrc + kk) & 31;  // past entries * nsrc only for lanes not in range
+        acc = kvc_sm(acc ^ __shfl_sync(KVC_FULL_MASK, f, from));
+        any_oor |= __shfl_sync(KVC_FULL_MASK, source_oor, from);
+    }
+    *oor = in_range && any_oor != 0;
+    return in_range ? acc : 0ull;
+}
+
 // real_kv_hash(slot) as kvc_real_kv_hash, for a thread that has little else in flight (a decode
 // write): the first 32 bytes of up to KVC_PREFETCH_SOURCES sources are requested at once, so the
 // sources cost one memory latency instead of one each.

@@ -6,15 +6,15 @@
 //   (scan of the entry counts, as the plan kernel does) and the grid strides over the tile's
 //   entries, reading req_to_token (coalesced, 4 bytes an entry) instead of a 32-byte plan row
 //   written by one kernel and read back by the next.
-// * kTailWrite (small decode batches, picked on the host from the shapes): the last block to
-//   finish its verify work writes the new tokens, a lane of its first warp per request, the write
-//   plan scanned with shuffles. Verify reads every slot before any is written, as with separate
-//   launches: every block publishes its completion (fence + counter) and only the last one writes;
-//   it resets the counter for the next launch or graph replay.
+// * kTailWrite (decode batches of at most 32 requests, picked on the host from the shapes): the
+//   last block to finish its verify work writes the new tokens, a lane of its first warp per
+//   request, the write plan scanned with shuffles. Verify reads every slot before any is written,
+//   as with separate launches: every block publishes its completion (fence + counter) and only the
+//   last one writes; it resets the counter for the next launch or graph replay.
 //   Such a step is a chain of memory round trips with little else in flight, so it shortens the
-//   chain: batches of at most 32 requests stage their verify entries per warp (no block scan), the
-//   write's metadata and the entry each request writes in a decode batch are requested when the
-//   kernel starts, and the launch's counters take one atomic each.
+//   chain: the batch's verify entries are staged per warp (no block scan), the write's metadata
+//   and the entry each request writes in a decode batch are requested when the kernel starts, and
+//   the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan and the write kernel runs next.
 #include "batch_plan.cuh"
 #include "write_request.cuh"
@@ -30,6 +30,7 @@
 namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kTailMaxRequests = 32;  // a request per lane of one warp
 }
 
 // What the write plan needs of request r (pool row, prefix and extend lengths), requested early.
@@ -120,10 +121,12 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const KvcVerifyOut out = {ring, src, verify_tag, check_token};
     const int tid = threadIdx.x;
 
+    // kTailWrite is for batches of at most 32 requests (the host's tail_write), so that its kernel
+    // holds the small-batch path alone: less code to fetch on a cold SM and no spills.
+    if (kTailWrite && bs > kTailMaxRequests) return;
     // kTailWrite: what the write needs first is requested now, in flight while the block verifies.
-    // Every warp reads the first 32 requests' metadata (a batch of at most 32 is staged per warp);
-    // the first warp also reads entry `lane`, the entry a decode batch's request `lane` writes.
-    const bool small_batch = kTailWrite && bs <= 32;
+    // Every warp reads the batch's metadata (its verify entries are staged per warp); the first
+    // warp also reads entry `lane`, the entry a decode batch's request `lane` writes.
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, kTailWrite && *chain_position_assert != 0, ring, src,
                           write_tag};
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         kvc_verify_warp_entry<kVec16>(in, c, out, e);
     };
     kvc_i64 total;
-    if (small_batch) {
+    if (kTailWrite) {
         total = kvc_for_small_batch_verify_entries<kThreads>(
             in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL, verify);
     } else {
@@ -180,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
 
     // ---- write, by the last block to finish verifying ---------------------------------------
     if (gridDim.x > 1) {
-        if (small_batch) __syncthreads();  // the block's verify is done before it says so
+        __syncthreads();  // the block's verify is done before it says so
         if (tid == 0) {
             __threadfence();
             s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
@@ -195,20 +198,14 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     // its path.
     if (tid >= 32) return;
     unsigned long long stored = 0;
-    carry_w = 0;
-    for (kvc_i64 tile = 0; tile < bs; tile += 32) {
-        const kvc_i64 r = tile + tid;
-        const KvcWriteMeta m = tile == 0 ? first_meta : kvc_request_write_meta(in, r);
-        kvc_i64 seed = -1, cnt = 0;
-        if (r < bs) cnt = kvc_write_count(in, m.rp, m.prefix, m.ext, &seed);
-        const kvc_i64 incl = kvc_warp_scan<false>(cnt);
-        if (r < bs) {
-            const kvc_i64 begin = kvc_wrap_add(carry_w, incl - cnt);
-            // guess holds entry tid's inputs
-            stored += kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed,
-                                                guess, begin == (kvc_i64)tid);
-        }
-        carry_w = kvc_wrap_add(carry_w, __shfl_sync(KVC_FULL_MASK, incl, 31));
+    kvc_i64 seed = -1, cnt = 0;
+    if (tid < bs) cnt = kvc_write_count(in, first_meta.rp, first_meta.prefix, first_meta.ext, &seed);
+    const kvc_i64 incl = kvc_warp_scan<false>(cnt);
+    if (tid < bs) {
+        const kvc_i64 begin = kvc_wrap_add(incl, -cnt);
+        // guess holds entry tid's inputs
+        stored = kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed, guess,
+                                           begin == (kvc_i64)tid);
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);

@@ -205,7 +205,11 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             const bool too_big = valid && slot >= num_slots;
             bool kv_oor = false;
             kvc_u64 h = 0;
-            if (in_range && src.count > 0) {
+            const int entries = (int)kvc_min64(hi - base, kChunk);
+            if (src.count > 0 && inline_hash && entries * src.count <= 32) {
+                // decode-shaped: a few entries, their sources folded by several lanes at once
+                h = kvc_real_kv_hash_across_lanes(src, slot, in_range, entries, &kv_oor);
+            } else if (in_range && src.count > 0) {
                 if (inline_hash) {
                     h = kvc_real_kv_hash(src, slot, &kv_oor);
                 } else {

@@ -12,8 +12,9 @@ from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, prepare as prepare_write
 
 _BLOCK = 512            # kThreads in step.cu
-# The last block writes a request per thread, which beats a second launch only for small batches:
-# on an H200 (tools/decode_probe.py) one launch is faster at bs 1, two launches from bs 128 on.
+# The last block writes a request per lane of its first warp, which beats a second launch only for
+# small batches: on an H200 (tools/decode_probe.py) one launch is faster at bs 1, two launches from
+# bs 128 on. 32 at most: step.cu's kTailMaxRequests (its kTailWrite kernel writes nothing past it).
 TAIL_MAX_REQUESTS = 32
 
 
