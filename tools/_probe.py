@@ -31,6 +31,18 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
+def timed_cold(fn, reps: int = 60) -> float:
+    """Device time of one ``fn()`` in us as the benchmarks take it: a one-call CUDA graph replayed
+    after a host head start and an L2 eviction, median of ``reps``."""
+    import _ceilings
+    from _timing import GpuTimer
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    timer = GpuTimer(cupy, stream, l2_bytes=_ceilings.l2_bytes(cupy))
+    graph = timer.capture(fn)
+    return timer.graph([graph], warmup=5, reps=reps, cold=True).median_s * 1e6
+
+
 def install_variant(source: str, code: str, options: tuple[str, ...], patch: tuple = ()):
     """Compiles ``code`` (with ``patch``, (old, new) replacements each matching once) as the source
     ``source`` ("step", "write", ...) and makes the launchers use its kernels; returns the module."""

@@ -2,6 +2,7 @@
 
     python tools/decode_probe.py [case ...]
     python tools/decode_probe.py --cuts [case ...]   # where the one-launch step's time goes
+    python tools/decode_probe.py --cold [--cuts] [case ...]  # one call a replay, L2 evicted before each
 
 For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds), as one
 launch (the last block writes) and as two, whatever the batch size. Prints registers per thread of each kernel.
@@ -16,7 +17,7 @@ import cupy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
-from _probe import install_variant, timed  # noqa: E402
+from _probe import install_variant, timed, timed_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -57,11 +58,14 @@ PATCHES = (("no counters (floor)",
            ("no early entry read",
             (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
              ("guess,\n                                           begin == (kvc_i64)tid);", "guess, false);"))),
+           ("no counter prefetch",
+            (("        kvc_prefetch_word(kernel_run_counter);\n        kvc_prefetch_word(slot_run_counter);\n", ""),
+             ("        if (kTailWrite && gridDim.x > 1) kvc_prefetch_word(blocks_done);\n", ""))),
            ("block-scan staging",
             (("    if (kTailWrite) {\n        total", "    if (false) {\n        total"),)))
 
 
-def cuts(names: list[str]) -> None:
+def cuts(names: list[str], timing=timed) -> None:
     """The one-launch step of each case with the work after each cut point left out."""
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
@@ -74,30 +78,33 @@ def cuts(names: list[str]) -> None:
             use_step_variant(cut=line, **VARIANTS[0][1])
             state.__dict__.pop("_canary_steps", None)
             step = state.canary_step(0)
-            row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+            row[label] = timing(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         for label, patch in PATCHES:
             use_step_variant(patch=patch, **VARIANTS[0][1])
             state.__dict__.pop("_canary_steps", None)
             step = state.canary_step(0)
-            row[label] = timed(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+            row[label] = timing(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         use_step_variant(**VARIANTS[0][1])
         assert state.violations() == 0
         print(f"{name:34s} " + " ".join(f"[{k}] {v:6.2f}" for k, v in row.items()), flush=True)
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--cuts"]:
-        return cuts(sys.argv[2:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch"])
-    names = sys.argv[1:] or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
+    args = sys.argv[1:]
+    timing = timed_cold if args[:1] == ["--cold"] else timed
+    args = args[1:] if args[:1] == ["--cold"] else args
+    if args[:1] == ["--cuts"]:
+        return cuts(args[1:] or ["smoke_decode_empty", "e2e_decode_tail"], timing)
+    names = args or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
-    print(f"empty kernel {timed(lambda: empty((1,), (32,), ())):.2f} us")
+    print(f"empty kernel {timing(lambda: empty((1,), (32,), ())):.2f} us")
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
-        row = {"plan": timed(lambda: state.plan(0)), "verify": timed(lambda: state.verify(0)),
-               "ops": timed(lambda: state.step_ops(0))}
-        row["write"] = timed(lambda: state.write(0))
+        row = {"plan": timing(lambda: state.plan(0)), "verify": timing(lambda: state.verify(0)),
+               "ops": timing(lambda: state.step_ops(0))}
+        row["write"] = timing(lambda: state.write(0))
         for label, defines in VARIANTS:
             use_step_variant(**defines)
             # the one-launch path (the last block writes) and two launches; one launch takes at most
@@ -106,7 +113,7 @@ def main() -> None:
                 cuda_step.TAIL_MAX_REQUESTS = tail_max
                 state.__dict__.pop("_canary_steps", None)
                 step = state.canary_step(0)
-                row[f"step[{label}] {step.num_launches}L"] = timed(
+                row[f"step[{label}] {step.num_launches}L"] = timing(
                     lambda: step.launch(stream=cupy.cuda.get_current_stream()))
         use_step_variant(**VARIANTS[0][1])
         cuda_step.TAIL_MAX_REQUESTS = TAIL_MAX_REQUESTS

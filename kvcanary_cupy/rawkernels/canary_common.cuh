@@ -485,6 +485,13 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
     return acc;
 }
 
+// Asks L2 for the line of a word that the kernel updates atomically near its end: an atomic on a
+// line that is not in L2 (the forward before the canary step evicted it) waits for DRAM at the
+// point where the launch has nothing else left to do.
+__device__ __forceinline__ void kvc_prefetch_word(const void* p) {
+    if (p != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Asks L2 for the 128-byte lines of [p, p + nbytes) without waiting, the block's threads taking a
 // line each: data read late in a kernel (after a grid-wide handoff) arrives from L2, not DRAM.
 __device__ __forceinline__ void kvc_prefetch_l2(const void* p, kvc_i64 nbytes) {

@@ -130,6 +130,11 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, kTailWrite && *chain_position_assert != 0, ring, src,
                           write_tag};
+    if (blockIdx.x == 0 && tid == 0) {
+        kvc_prefetch_word(kernel_run_counter);
+        kvc_prefetch_word(slot_run_counter);
+        if (kTailWrite && gridDim.x > 1) kvc_prefetch_word(blocks_done);
+    }
     KvcWriteMeta first_meta = {0, 0, 0};
     KvcWriteEntry guess = {-1, 0, 0, 0, 0};
     if (kTailWrite) first_meta = kvc_request_write_meta(in, tid & 31);

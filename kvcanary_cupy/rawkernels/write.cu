@@ -94,7 +94,10 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
 
     if (threadIdx.x == 0) {
         s_stored = 0;
-        if (blockIdx.x == 0) atomicAdd(kernel_run_counter, 1ull);
+        if (blockIdx.x == 0) {
+            atomicAdd(kernel_run_counter, 1ull);
+            kvc_prefetch_word(slot_run_counter);  // the blocks add their stored slots at the end
+        }
     }
 
     // ---- offloaded hashing of long requests --------------------------------------------------
