@@ -48,10 +48,8 @@ __device__ __forceinline__ void kvc_team_sync(int team) {
 
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
 // the request is skipped or stops at once (begin >= end or begin < 0).
-__device__ __forceinline__ bool kvc_write_range(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
-                                                kvc_i64& lo, kvc_i64& hi) {
-    const kvc_i64 b = offsets[r];
-    const kvc_i64 e = offsets[r + 1];
+__device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n, kvc_i64& lo,
+                                                kvc_i64& hi) {
     if (b >= e || b < 0) return false;
     lo = b;
     hi = e < n ? e : n;
@@ -84,13 +82,30 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const int warp = threadIdx.x >> 5;
     const kvc_i64 grid = gridDim.x;
     const kvc_i64 block = blockIdx.x;
-    const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
+    constexpr int kTeamWarps = kPaired ? 2 : 1;
+    constexpr int kTeams = kWarps / kTeamWarps;
+    const int team = warp / kTeamWarps;
+    const int turn = warp % kTeamWarps;  // this warp walks chunks turn, turn + kTeamWarps, ...
+    const kvc_i64 first_request = block + grid * team;
+    // Requested before the request count arrives (every plan row below the capacity exists, and
+    // offsets has one more, SPEC's write plan): the warp's first request's offsets and seed, and the entries it
+    // writes if it begins at entry first_request (a decode batch, a token a request). A small
+    // write is then a chain of two memory round trips, not four.
+    kvc_i64 first_b = 0, first_e = 0, first_seed = -1;
+    if (first_request < capacity) {
+        first_b = kvc_ld_early(offsets + first_request);
+        first_e = kvc_ld_early(offsets + first_request + 1);
+        first_seed = kvc_ld_early(seed_slots + first_request);
+    }
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, (int)num_sources};
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, *chain_position_assert != 0, ring, src, tag};
     const bool has_expected = kvc_checks_expected(w);
+    const KvcWriteEntry guess =
+        kvc_request_write_entry(w, first_request + turn * kChunk + lane);
+    const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
 
     if (threadIdx.x == 0) {
         s_stored = 0;
@@ -102,10 +117,20 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
 
     // ---- offloaded hashing of long requests --------------------------------------------------
     if (src.count > 0) {
+        // which requests are long, their offsets also requested before the count arrives
+        kvc_i64 row_b = 0, row_e = 0;
+        if ((kvc_i64)threadIdx.x < capacity) {
+            row_b = kvc_ld_early(offsets + threadIdx.x);
+            row_e = kvc_ld_early(offsets + threadIdx.x + 1);
+        }
         int mine = 0;
         for (kvc_i64 r = threadIdx.x; r < nreq; r += kThreads) {
+            if (r != threadIdx.x) {
+                row_b = offsets[r];
+                row_e = offsets[r + 1];
+            }
             kvc_i64 lo, hi;
-            if (!kvc_write_range(offsets, r, n, lo, hi) || hi - lo <= kInlineMax) continue;
+            if (!kvc_write_range(row_b, row_e, n, lo, hi) || hi - lo <= kInlineMax) continue;
             const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
             const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
             if (j0 < nch) mine = 1;
@@ -116,7 +141,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
                 __syncthreads();
                 const kvc_i64 r = window + threadIdx.x;
                 kvc_i64 lo, hi;
-                if (r < nreq && kvc_write_range(offsets, r, n, lo, hi) && hi - lo > kInlineMax) {
+                if (r < nreq && kvc_write_range(offsets[r], offsets[r + 1], n, lo, hi) &&
+                    hi - lo > kInlineMax) {
                     const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
                     const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
                     if (j0 < nch) {
@@ -151,21 +177,19 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     // Entry i's inputs are requested early (kvc_request_write_entry): a chunk's are in flight
     // while the chunk before it is chained.
     unsigned long long stored = 0;
-    constexpr int kTeamWarps = kPaired ? 2 : 1;
-    constexpr int kTeams = kWarps / kTeamWarps;
-    const int team = warp / kTeamWarps;
-    const int turn = warp % kTeamWarps;  // this warp walks chunks turn, turn + kTeamWarps, ...
     const kvc_i64 team_stride = (kvc_i64)kTeamWarps * kChunk;
-    for (kvc_i64 r = block + grid * team; r < nreq; r += grid * kTeams) {
-        const kvc_i64 b = offsets[r];
-        const kvc_i64 e = offsets[r + 1];
+    for (kvc_i64 r = first_request; r < nreq; r += grid * kTeams) {
+        const bool first = r == first_request;
+        const kvc_i64 b = first ? first_b : offsets[r];
+        const kvc_i64 e = first ? first_e : offsets[r + 1];
         if (b >= e) continue;
-        kvc_i64 seed = seed_slots[r];
+        kvc_i64 seed = first ? first_seed : seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
         KvcWriteEntry next = {-1, 0, 0, 0, 0};
         if (b >= 0 && b + turn * kChunk + lane < hi) {
-            next = kvc_request_write_entry(w, b + turn * kChunk + lane);
+            next = first && b == first_request ? guess
+                                               : kvc_request_write_entry(w, b + turn * kChunk + lane);
         }
         if (seed >= num_slots) {
             if (lane == 0 && turn == 0) {
@@ -173,16 +197,20 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             }
             seed = -1;
         }
-        kvc_u64 running;
-        kvc_i64 prev_pos;
-        if (seed >= 0) {
-            const KvcSlot s = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
-            running = kvc_slot_link(s);
-            prev_pos = s.w[KVC_FIELD_POSITION];
-        } else {
-            running = kvc_anchor_link();
-            prev_pos = 0;
-        }
+        // The seed's slot is requested now. One warp a request (short requests, where one memory
+        // round trip counts) takes its link just before the first walk, so the first chunk's
+        // real-KV reads go out while it is in flight; a pair (long requests) takes it at once,
+        // which keeps the registers of its chain loop free.
+        KvcSlot seed_words = {{0, 0, 0, 0}};
+        if (seed >= 0) seed_words = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
+        kvc_u64 running = 0;
+        kvc_i64 prev_pos = 0;
+        const auto start_chain = [&]() {
+            running = seed >= 0 ? kvc_slot_link(seed_words) : kvc_anchor_link();
+            prev_pos = seed >= 0 ? seed_words.w[KVC_FIELD_POSITION] : 0;
+        };
+        const kvc_i64 first_base = b + turn * kChunk;
+        if (kPaired || b < 0 || first_base >= hi) start_chain();
         const bool pos_assert = seed >= 0 && w.chain_position_assert;
         if (b < 0) {
             if (lane == 0 && turn == 0) {
@@ -194,7 +222,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         // The warp stores real_kv_hash itself unless the grid hashes this request.
         const bool store_hash = src.count == 0 || inline_hash;
 
-        for (kvc_i64 base = b + turn * kChunk; base < hi; base += team_stride) {
+        for (kvc_i64 base = first_base; base < hi; base += team_stride) {
             const kvc_i64 i = base + lane;
             const bool valid = i < hi;
             const kvc_i64 slot = next.slot, tok = next.tok, pos = next.pos, etok = next.etok,
@@ -228,6 +256,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             const unsigned peers = __match_any_sync(KVC_FULL_MASK, key);
             const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
+            if (!kPaired && base == first_base) start_chain();
             if (kPaired && base != b) {
                 // the chain up to this chunk, from the partner that walked the chunk before it
                 kvc_team_sync(team);
