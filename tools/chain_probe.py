@@ -2,6 +2,7 @@
 
     python tools/chain_probe.py [DIR ...]   # DIR: write.cu and its headers to compare with
     ROUNDS_AB=3 python tools/chain_probe.py DIR   # alternate DIR and this tree three times
+    (DIR from an earlier commit: git archive REV kvcanary_cupy/rawkernels | tar -x -C DIR --strip-components=2)
 
 1. Bare chains (one thread, inputs staged in shared memory, so nothing but the chain is serial):
    ``mix3`` is the write's chain step (running = mix3(running, token, position)) and ``fold`` a
@@ -28,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import install_variant, timed  # noqa: E402
+from _probe import install_variant, timed, timed_cold  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 TOKENS = 2048   # staged in shared memory (2 x 16 KB)
@@ -221,6 +222,8 @@ WRITE_CASES = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash", "prefill_has
                "e2e_decode_steady", "e2e_decode_steady_hash")
 
 _PREFILL = ("e2e_prefill_chunk_first",)
+DECODE_CASES = ("smoke_decode_empty", "e2e_decode_tail", "e2e_decode_steady", "e2e_decode_steady_hash",
+                "decode_large_batch_short_prefix")
 _DECODE_HASH = ("e2e_decode_steady_hash", "e2e_decode_steady")
 
 # The inline real-KV hash of a short request spread over lanes: lane t folds source t % nsrc of the
@@ -246,13 +249,14 @@ WRITE_PATCHES = (
 )
 
 
-def write_ops(names=WRITE_CASES) -> dict:
-    """Device time of the write op on each case (graph replays, no host time) in us, and per chained token."""
+def write_ops(names=WRITE_CASES, cold: bool = False) -> dict:
+    """Device time of the write op on each case (graph replays, no host time) in us, and per chained
+    token; ``cold``: one write a replay with L2 evicted before it, as the benchmarks time it."""
     rows = {}
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
-        us = timed(lambda: state.write(0), reps=10, per_graph=5)
+        us = timed_cold(lambda: state.write(0), reps=40) if cold else timed(lambda: state.write(0), reps=10, per_graph=5)
         # requests chain in parallel: the serial length is one request's new tokens
         rows[name] = {"us": us, "ns_per_chained_token": us * 1e3 / case.extend}
         assert state.violations() == 0
@@ -299,14 +303,16 @@ def main() -> None:
         use_write_sources(_loader.RAWKERNEL_DIR, patch)
         show(label, write_ops(cases))
     # the same with write.cu and its headers from other directories (e.g. an earlier commit's),
-    # each measured ROUNDS_AB times in turn with this tree's, so the spread is seen too
+    # each measured ROUNDS_AB times in turn with this tree's, so the spread is seen too: prefill
+    # hot, decode-shaped writes cold (a chain of memory round trips, which a warm L2 hides)
     prefill = ("e2e_prefill_chunk_first", "e2e_prefill_chunk_hash")
     for _ in range(int(os.environ.get("ROUNDS_AB", "1"))):
-        for directory in sys.argv[1:]:
-            use_write_sources(pathlib.Path(directory).resolve())
-            show(directory, write_ops(prefill))
-        use_write_sources(_loader.RAWKERNEL_DIR)
-        show("this tree", write_ops(prefill))
+        for directory in sys.argv[1:] + [None]:
+            where = pathlib.Path(directory).resolve() if directory else _loader.RAWKERNEL_DIR
+            label = directory or "this tree"
+            use_write_sources(where)
+            show(label, write_ops(prefill))
+            show(label + ", cold L2", write_ops(DECODE_CASES, cold=True))
 
 
 if __name__ == "__main__":
