@@ -231,7 +231,7 @@ _DECODE_HASH = ("e2e_decode_steady_hash", "e2e_decode_steady")
 # lane combines its sources in order. A candidate for decode writes with several sources.
 # write.cu's decode-shaped hash (kvc_real_kv_hash_across_lanes) against one lane folding its entry's
 # sources one after another, as before it
-_ENTRY_LANE_SOURCES = (("if (src.count > 0 && inline_hash && entries * src.count <= 32) {",
+_ENTRY_LANE_SOURCES = (("if (src.count > 0 && inline_hash && (kvc_i64)entries * src.count <= 32) {",
                         "if (false) {"),)
 
 # write.cu variants: (label, cases, ((old, new), ...)). Parts of the chunk loop left out show what the

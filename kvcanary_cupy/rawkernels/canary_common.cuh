@@ -434,7 +434,8 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_across_lanes(const KvcSource
     kvc_u64 acc = 0;
     int any_oor = 0;
     for (int kk = 0; kk < nsrc; ++kk) {
-        const int from = (lane * nsrc + kk) & 31;  // past entries * nsrc only for lanes not in range
+        // past entries * nsrc only for lanes that are not in range
+        const int from = (lane * nsrc + kk) & 31;
         acc = kvc_sm(acc ^ __shfl_sync(KVC_FULL_MASK, f, from));
         any_oor |= __shfl_sync(KVC_FULL_MASK, source_oor, from);
     }

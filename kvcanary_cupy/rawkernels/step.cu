@@ -204,7 +204,9 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     if (tid >= 32) return;
     unsigned long long stored = 0;
     kvc_i64 seed = -1, cnt = 0;
-    if (tid < bs) cnt = kvc_write_count(in, first_meta.rp, first_meta.prefix, first_meta.ext, &seed);
+    if (tid < bs) {
+        cnt = kvc_write_count(in, first_meta.rp, first_meta.prefix, first_meta.ext, &seed);
+    }
     const kvc_i64 incl = kvc_warp_scan<false>(cnt);
     if (tid < bs) {
         const kvc_i64 begin = kvc_wrap_add(incl, -cnt);

@@ -13,9 +13,10 @@
 //   the reference leaves it.
 // * real_kv_hash(slot) depends on the slot alone, not on the chain, and every entry that is
 //   stored gets the same value whichever entry stores it. Requests of up to kInlineMax entries
-//   hash inside their own warp. Longer requests hand their hashing to the whole grid: chunk j of
-//   request r goes to block (r + 1 + j) mod gridDim, which stores the real_kv_hash word of the
-//   slot itself, so hashing runs on many SMs beside the chain.
+//   hash inside their own warp (a chunk of a few entries spreads its sources over the lanes).
+//   Longer requests hand their hashing to the whole grid: chunk j of request r goes to block
+//   (r + 1 + j) mod gridDim, which stores the real_kv_hash word of the slot itself, so hashing
+//   runs on many SMs beside the chain.
 // * kPaired (requests of several chunks, picked on the host from the shapes): two warps chain a
 //   request, walking its chunks in turn. The warp that walked chunk k stores its slots and hands
 //   the chain value (and last position) to its partner through shared memory and a named barrier
@@ -87,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const int team = warp / kTeamWarps;
     const int turn = warp % kTeamWarps;  // this warp walks chunks turn, turn + kTeamWarps, ...
     const kvc_i64 first_request = block + grid * team;
-    // Requested before the request count arrives (every plan row below the capacity exists, and
-    // offsets has one more, SPEC's write plan): the warp's first request's offsets and seed, and the entries it
+    // Requested before the request count arrives (every write plan row below the capacity exists,
+    // and offsets has one more): the warp's first request's offsets and seed, and the entries it
     // writes if it begins at entry first_request (a decode batch, a token a request). A small
     // write is then a chain of two memory round trips, not four.
     kvc_i64 first_b = 0, first_e = 0, first_seed = -1;
@@ -187,9 +188,9 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
         const kvc_i64 hi = e < n ? e : n;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
         KvcWriteEntry next = {-1, 0, 0, 0, 0};
-        if (b >= 0 && b + turn * kChunk + lane < hi) {
-            next = first && b == first_request ? guess
-                                               : kvc_request_write_entry(w, b + turn * kChunk + lane);
+        const kvc_i64 first_entry = b + turn * kChunk + lane;
+        if (b >= 0 && first_entry < hi) {
+            next = first && b == first_request ? guess : kvc_request_write_entry(w, first_entry);
         }
         if (seed >= num_slots) {
             if (lane == 0 && turn == 0) {
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
             bool kv_oor = false;
             kvc_u64 h = 0;
             const int entries = (int)kvc_min64(hi - base, kChunk);
-            if (src.count > 0 && inline_hash && entries * src.count <= 32) {
+            if (src.count > 0 && inline_hash && (kvc_i64)entries * src.count <= 32) {
                 // decode-shaped: a few entries, their sources folded by several lanes at once
                 h = kvc_real_kv_hash_across_lanes(src, slot, in_range, entries, &kv_oor);
             } else if (in_range && src.count > 0) {
