@@ -310,7 +310,9 @@ __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
 
 // 16-byte vectors per batch of a long fold (the next batch is in flight meanwhile). Each batch in
 // flight holds 4 registers a vector: a kernel with many threads in flight (verify) folds without
-// batches (kvc_fold_from<1>), which keeps its register count and so its occupancy.
+// batches (kvc_fold_from<1>), which keeps its register count and so its occupancy. The write's
+// hashing keeps the batches: unbatched, a 2 x 256 B ALL-mode prefill write measured 445 against
+// 396 us on an H200, and the decode writes were no faster for their 20 % smaller code.
 #define KVC_FOLD_BATCH 8
 
 __device__ __forceinline__ kvc_u64 kvc_fold16(kvc_u64 acc, const longlong2& v) {
