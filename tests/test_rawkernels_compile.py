@@ -101,6 +101,7 @@ def _probe_variants():
     variants.append(("write", "clock64 stamps", chain.clock_patch()))
     variants += [("step", label, patch) for label, patch in decode.PATCHES]
     variants += [("step", f"cut: {label}", ((line, "return;\n" + line),)) for label, line in decode.CUTS if line]
+    variants.append(("step", "globaltimer stamps", decode.stamp_patch()))
     return variants
 
 

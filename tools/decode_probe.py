@@ -3,6 +3,7 @@
     python tools/decode_probe.py [case ...]
     python tools/decode_probe.py --cuts [case ...]   # where the one-launch step's time goes
     python tools/decode_probe.py --cold [--cuts] [case ...]  # one call a replay, L2 evicted before each
+    python tools/decode_probe.py --stamps [case]   # %globaltimer stamps at the cut points, cold replays
 
 For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds), as one
 launch (the last block writes) and as two, whatever the batch size. Prints registers per thread of each kernel.
@@ -22,13 +23,14 @@ from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 
-def use_step_variant(cut: str = "", patch: tuple = (), **defines: int) -> None:
-    """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it.
-    ``cut``: every thread returns just before that line of step.cu (the work after it is left out)."""
+def use_step_variant(cut: str = "", patch: tuple = (), **defines: int):
+    """Recompile step.cu with -DKVC_STEP_<NAME>=value for each define and make the launchers use it;
+    returns the module. ``cut``: every thread returns just before that line of step.cu (the work
+    after it is left out)."""
     spec = next(c for c in _loader.compile_specs() if c.name == "step")
     extra = tuple(f"-DKVC_STEP_{name.upper()}={value}" for name, value in defines.items())
     cut_patch = ((cut, "return;\n" + cut),) if cut else ()
-    install_variant("step", spec.code, spec.options + extra, cut_patch + tuple(patch))
+    return install_variant("step", spec.code, spec.options + extra, cut_patch + tuple(patch))
 
 
 TAIL_MAX_REQUESTS = cuda_step.TAIL_MAX_REQUESTS
@@ -65,6 +67,55 @@ PATCHES = (("no counters (floor)",
             (("    if (kTailWrite) {\n        total", "    if (false) {\n        total"),)))
 
 
+# %globaltimer stamps by thread 0 at each cut point and at the kernel's end: the kernel's own time,
+# phase by phase, apart from the launch and the drain that an event pair also measures. For one-block
+# grids (smoke_decode_empty): with more blocks, the early stamps are whichever block wrote last.
+_STAMP_DEFS = r"""
+__device__ unsigned long long kvc_probe_stamps[16];
+#define KVC_PROBE_STAMP(k) do { if (threadIdx.x == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); kvc_probe_stamps[k] = t_; } } while (0)
+"""
+_KERNEL_END = "        if (gridDim.x > 1) *blocks_done = 0u;\n    }\n}"
+
+
+def stamp_patch() -> tuple:
+    points = [line for _, line in CUTS if line]
+    patch = [('#include "batch_plan.cuh"', _STAMP_DEFS + '#include "batch_plan.cuh"')]
+    patch += [(line, f"KVC_PROBE_STAMP({k});\n" + line) for k, line in enumerate(points)]
+    patch.append((_KERNEL_END, _KERNEL_END[:-1] + f"    KVC_PROBE_STAMP({len(points)});\n}}"))
+    return tuple(patch)
+
+
+def stamps(name: str = "smoke_decode_empty", reps: int = 60) -> None:
+    """Cold one-step replays of ``name`` (as the benchmarks time them), each with the kernel's stamps:
+    median us between successive cut points, and the event-timed total."""
+    import _ceilings
+    import numpy as np
+    from _timing import GpuTimer
+
+    case = next(c for c in S.CASES if c.name == name)
+    state = S.build_state(case, "cuda")
+    module = use_step_variant(patch=stamp_patch(), **VARIANTS[0][1])
+    step = state.canary_step(0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    timer = GpuTimer(cupy, stream, l2_bytes=_ceilings.l2_bytes(cupy))
+    graph = timer.capture(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+    cells = module.get_global("kvc_probe_stamps")
+    n = len([line for _, line in CUTS if line]) + 1
+    totals, rows = [], []
+    for _ in range(reps):
+        cells.memset_async(0, 8 * 16, stream)
+        totals.append(timer.bracket(lambda: graph.launch(stream), cold=True) * 1e6)
+        rows.append(cupy.ndarray((16,), cupy.uint64, cells).get()[:n].astype(np.int64))
+    use_step_variant(**VARIANTS[0][1])
+    assert state.violations() == 0
+    deltas = np.median(np.diff(np.array(rows), axis=1), axis=0) / 1e3
+    inside = float(np.median([r[-1] - r[0] for r in rows])) / 1e3
+    labels = [label for label, line in CUTS if line][1:] + ["counters and end"]
+    print(f"{name}: event-timed {np.median(totals):.2f} us; stamped from the first point to the end {inside:.2f} us; "
+          + " ".join(f"[{label}] {d:.2f}" for label, d in zip(labels, deltas)), flush=True)
+
+
 def cuts(names: list[str], timing=timed) -> None:
     """The one-launch step of each case with the work after each cut point left out."""
     for name in names:
@@ -93,6 +144,8 @@ def main() -> None:
     args = sys.argv[1:]
     timing = timed_cold if args[:1] == ["--cold"] else timed
     args = args[1:] if args[:1] == ["--cold"] else args
+    if args[:1] == ["--stamps"]:
+        return stamps(*(args[1:2] or ["smoke_decode_empty"]))
     if args[:1] == ["--cuts"]:
         return cuts(args[1:] or ["smoke_decode_empty", "e2e_decode_tail"], timing)
     names = args or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
