@@ -43,7 +43,7 @@ VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 CUTS = (("launch only", "    // kTailWrite: what the write needs first is requested now"),
         ("+ early reads", "    // ---- verify ---"),
         ("+ verify", "    // slots the verify counts as checked"),
-        ("+ last-block hand-off", "    if (tid >= 32) return;\n    unsigned long long stored"),
+        ("+ last-block hand-off", "    if (tid >= 32) return;\n    w.chain_position_assert"),
         ("+ write scan", "    if (tid < bs) {\n        const kvc_i64 begin"),
         ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
         ("whole step", ""))
@@ -52,11 +52,6 @@ CUTS = (("launch only", "    // kTailWrite: what the write needs first is reques
 PATCHES = (("no counters (floor)",
             (("        atomicAdd(kernel_run_counter, 2ull);\n", ""),
              ("        if (verified + stored) atomicAdd(slot_run_counter, verified + stored);\n", ""))),
-           # the launch's run count does not wait for the write (nothing reads it before the launch ends)
-           ("run counter before the write",
-            (("    if (tid >= 32) return;\n    unsigned long long stored = 0;\n",
-              "    if (tid >= 32) return;\n    if (tid == 0) atomicAdd(kernel_run_counter, 2ull);\n    unsigned long long stored = 0;\n"),
-             ("        atomicAdd(kernel_run_counter, 2ull);\n", ""))),
            ("no early entry read",
             (("    if (kTailWrite && tid < 32) guess = kvc_request_write_entry(w, tid);", ""),
              ("guess,\n                                           begin == (kvc_i64)tid);", "guess, false);"))),
