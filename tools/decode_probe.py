@@ -43,7 +43,7 @@ VARIANTS = (("mb2", dict(min_blocks=2)), ("mb1", dict(min_blocks=1)))
 CUTS = (("launch only", "    // kTailWrite: what the write needs first is requested now"),
         ("+ early reads", "    // ---- verify ---"),
         ("+ verify", "    // slots the verify counts as checked"),
-        ("+ last-block hand-off", "    if (tid >= 32) return;\n    w.chain_position_assert"),
+        ("+ last-block hand-off", "    if (tid >= 32) return;\n    unsigned long long stored"),
         ("+ write scan", "    if (tid < bs) {\n        const kvc_i64 begin"),
         ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
         ("whole step", ""))

@@ -302,12 +302,6 @@ __device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
     return v;
 }
 
-__device__ __forceinline__ int kvc_ld_early_int(const int* p) {
-    int v;
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
     longlong2 v;
     asm volatile("ld.global.nc.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p));

@@ -126,12 +126,10 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     if (kTailWrite && bs > kTailMaxRequests) return;
     // kTailWrite: what the write needs first is requested now, in flight while the block verifies.
     // Every warp reads the batch's metadata (its verify entries are staged per warp); the first
-    // warp also reads entry `lane`, the entry a decode batch's request `lane` writes. The position
-    // assert's cell is read the same way and looked at only by the write (a flag tested where it is
-    // read would hold every later request back by a memory round trip).
-    const int position_assert_cell = kTailWrite ? kvc_ld_early_int(chain_position_assert) : 0;
-    KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
-                    num_entries, false, ring, src, write_tag};
+    // warp also reads entry `lane`, the entry a decode batch's request `lane` writes.
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, kTailWrite && *chain_position_assert != 0, ring, src,
+                          write_tag};
     if (blockIdx.x == 0 && tid == 0) {
         kvc_prefetch_word(kernel_run_counter);
         kvc_prefetch_word(slot_run_counter);
@@ -204,7 +202,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     // A thread per request: the first warp writes, scanning with shuffles, with no barrier left on
     // its path.
     if (tid >= 32) return;
-    w.chain_position_assert = position_assert_cell != 0;
     unsigned long long stored = 0;
     kvc_i64 seed = -1, cnt = 0;
     if (tid < bs) {

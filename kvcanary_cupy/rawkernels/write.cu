@@ -88,9 +88,6 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const int team = warp / kTeamWarps;
     const int turn = warp % kTeamWarps;  // this warp walks chunks turn, turn + kTeamWarps, ...
     const kvc_i64 first_request = block + grid * team;
-    // read now, looked at by the chains (a flag tested where it is read would hold the reads
-    // below back by a memory round trip)
-    const int position_assert_cell = kvc_ld_early_int(chain_position_assert);
     // Requested before the request count arrives (every write plan row below the capacity exists,
     // and offsets has one more): the warp's first request's offsets and seed, and the entries it
     // writes if it begins at entry first_request (a decode batch, a token a request). A small
@@ -104,8 +101,8 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, (int)num_sources};
-    KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
-                    num_entries, false, ring, src, tag};
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, *chain_position_assert != 0, ring, src, tag};
     const bool has_expected = kvc_checks_expected(w);
     const KvcWriteEntry guess =
         kvc_request_write_entry(w, first_request + turn * kChunk + lane);
@@ -182,7 +179,6 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     // while the chunk before it is chained.
     unsigned long long stored = 0;
     const kvc_i64 team_stride = (kvc_i64)kTeamWarps * kChunk;
-    w.chain_position_assert = position_assert_cell != 0;
     for (kvc_i64 r = first_request; r < nreq; r += grid * kTeams) {
         const bool first = r == first_request;
         const kvc_i64 b = first ? first_b : offsets[r];
