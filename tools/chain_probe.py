@@ -182,7 +182,8 @@ def bare_chains() -> dict:
 def use_write_sources(directory: pathlib.Path, patch: tuple = ()):
     """Make the write op launch write.cu compiled from ``directory`` (its headers beside it), with
     ``patch`` ((old, new) source replacements) applied."""
-    options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in _loader.nvrtc_options())
+    spec = next(c for c in _loader.compile_specs() if c.name == "write")
+    options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in spec.options)
     code = (directory / _loader.SPECS["write"].filename).read_text()
     return install_variant("write", code, options, patch)
 

@@ -1,7 +1,9 @@
 """Compiles the canary's CUDA sources with NVRTC (through CuPy) once per device architecture.
 
 The sources are package files (``*.cu`` beside this module, sharing ``canary_common.cuh``). Every
-wire-format constant reaches them as ``-D`` options from :func:`kvcanary_cupy._layout.nvrtc_defines`.
+wire-format constant reaches them as ``-D`` options from :func:`kvcanary_cupy._layout.nvrtc_defines`,
+and each kernel's launch geometry (block size, ...) from its :class:`KernelSpec`, which its launcher
+reads too.
 :func:`compile_specs` says exactly what gets compiled (source text, options, name expressions); the
 CPU-only NVRTC test compiles the same thing, so a source that loads here compiles there.
 
@@ -30,6 +32,14 @@ class KernelSpec:
     filename: str                          # the .cu file in RAWKERNEL_DIR
     name_expressions: tuple[str, ...]      # templates to instantiate (empty: extern "C" kernels)
     kernels: tuple[str, ...]               # names passed to get_function
+    # what the kernel and its launcher must agree on, handed to the source as -D<name>=<value>
+    geometry: tuple[tuple[str, int], ...] = ()
+
+    def constant(self, name: str) -> int:
+        return dict(self.geometry)[name]
+
+    def defines(self) -> tuple[str, ...]:
+        return tuple(f"-D{name}={value}" for name, value in self.geometry)
 
 
 def instance(template: str, *flags: bool) -> str:
@@ -49,10 +59,13 @@ _STEP_KERNELS = _instances("kvc_step", 2)
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS),
-    KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS),
-    KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",)),
-    KernelSpec("scatter", "scatter.cu", (), ("kvc_scatter",)),
-    KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS),
+    KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
+               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
+    KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),
+    KernelSpec("scatter", "scatter.cu", (), ("kvc_scatter",), (("KVC_SCATTER_THREADS", 256),)),
+    # the one-launch step writes a request per lane of one warp: at most 32 requests
+    KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS,
+               (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),
 )
 SPECS = {spec.name: spec for spec in _SPECS}
 
@@ -99,7 +112,7 @@ def compile_specs() -> tuple[CompileSpec, ...]:
     """Every canary source with the options and name expressions the loader compiles it with."""
     options = nvrtc_options()
     return tuple(
-        CompileSpec(spec.name, spec.filename, _read(spec.filename), options,
+        CompileSpec(spec.name, spec.filename, _read(spec.filename), options + spec.defines(),
                     spec.name_expressions, spec.kernels)
         for spec in _SPECS
     )
@@ -116,7 +129,7 @@ def _module(name: str, device_id: int):
     arch = cupy.cuda.Device(device_id).compute_capability
     spec = SPECS[name]
     code = _read(spec.filename)
-    options = nvrtc_options()
+    options = nvrtc_options() + spec.defines()
     key = (name, code, options, arch)
     module = _modules.get(key)
     if module is None:

@@ -11,7 +11,7 @@
 #include "batch_plan.cuh"
 
 namespace {
-constexpr int kTile = 1024;
+constexpr int kTile = KVC_PLAN_TILE;  // the launcher's block size
 constexpr int kTileWarps = kTile / 32;
 }
 

@@ -8,7 +8,7 @@
 #include "canary_common.cuh"
 
 namespace {
-constexpr int kThreads = 256;
+constexpr int kThreads = KVC_SCATTER_THREADS;  // the launcher's block size
 constexpr int kMaxDup = 64;
 }
 

@@ -28,9 +28,10 @@
 #endif
 
 namespace {
-constexpr int kThreads = 512;
+constexpr int kThreads = KVC_STEP_THREADS;  // the launcher's block size
 constexpr int kWarps = kThreads / 32;
-constexpr int kTailMaxRequests = 32;  // a request per lane of one warp
+constexpr int kTailMaxRequests = KVC_STEP_TAIL_MAX_REQUESTS;  // the host's tail_write bound
+static_assert(kTailMaxRequests <= 32, "the tail write takes a request per lane of one warp");
 }
 
 // What the write plan needs of request r (pool row, prefix and extend lengths), requested early.

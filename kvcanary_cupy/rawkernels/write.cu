@@ -34,9 +34,9 @@
 #include "write_request.cuh"
 
 namespace {
-constexpr int kWarps = 8;
+constexpr int kWarps = KVC_WRITE_WARPS;  // the launcher's block size / 32
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 32;       // entries per warp step and per offloaded hash task
+constexpr int kChunk = KVC_WRITE_CHUNK;  // entries per warp step and per offloaded hash task
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 

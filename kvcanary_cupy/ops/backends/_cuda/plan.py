@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ....rawkernels import _loader
 from . import i64, kernel, launch, ptr, resident_grid
 
-_BLOCK = 1024  # kTile in plan.cu
+_BLOCK = _loader.SPECS["plan"].constant("KVC_PLAN_TILE")
 
 
 def _table(array):

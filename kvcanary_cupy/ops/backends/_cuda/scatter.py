@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ....rawkernels import _loader
 from . import i64, kernel, launch, ptr, sm_count
 
-_BLOCK = 256
+_BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_THREADS")
 
 
 def scatter(batch, *, stream) -> None:

@@ -11,11 +11,11 @@ from . import Launch, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, prepare as prepare_write
 
-_BLOCK = 512            # kThreads in step.cu
+_BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
 # The last block writes a request per lane of its first warp, which beats a second launch only for
 # small batches: on an H200 (tools/decode_probe.py) one launch is faster at bs 1, two launches from
-# bs 128 on. 32 at most: step.cu's kTailMaxRequests (its kTailWrite kernel writes nothing past it).
-TAIL_MAX_REQUESTS = 32
+# bs 128 on. The kernel's bound (its kTailWrite kernel writes nothing past it).
+TAIL_MAX_REQUESTS = _loader.SPECS["step"].constant("KVC_STEP_TAIL_MAX_REQUESTS")
 
 
 def tail_write(batch_size: int, num_entries: int) -> bool:

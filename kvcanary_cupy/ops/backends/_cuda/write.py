@@ -5,8 +5,8 @@ from __future__ import annotations
 from ....rawkernels import _loader
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
 
-_BLOCK = 256          # kThreads in write.cu
-_CHUNK = 32           # kChunk in write.cu
+_BLOCK = 32 * _loader.SPECS["write"].constant("KVC_WRITE_WARPS")
+_CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
 
 
 def paired(num_entries: int, max_requests: int) -> bool:
