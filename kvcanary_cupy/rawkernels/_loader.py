@@ -58,7 +58,7 @@ _WRITE_KERNELS = _instances("kvc_write", 2)
 _STEP_KERNELS = _instances("kvc_step", 2)
 
 _SPECS = (
-    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS),
+    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
                (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),

@@ -24,7 +24,7 @@ __device__ __forceinline__ KvcPlanRow kvc_plan_row(const kvc_i64* slots, const k
 }
 
 template <bool kVec16>
-__global__ void __launch_bounds__(256) kvc_verify(
+__global__ void __launch_bounds__(KVC_VERIFY_THREADS) kvc_verify(
     const unsigned char* __restrict__ canary, kvc_i64 num_slots, kvc_i64 slot_stride,
     const kvc_i64* __restrict__ slots, const kvc_i64* __restrict__ expected_tokens,
     const kvc_i64* __restrict__ expected_positions, const kvc_i64* __restrict__ prev_slots,

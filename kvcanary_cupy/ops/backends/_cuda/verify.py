@@ -5,7 +5,7 @@ from __future__ import annotations
 from ....rawkernels import _loader
 from . import i64, kernel, launch, ptr, resident_grid, vec16
 
-_BLOCK = 256
+_BLOCK = _loader.SPECS["verify"].constant("KVC_VERIFY_THREADS")
 
 
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
