@@ -31,14 +31,19 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
-def timed_cold(fn, reps: int = 60) -> float:
-    """Device time of one ``fn()`` in us as the benchmarks take it: a one-call CUDA graph replayed
-    after a host head start and an L2 eviction, median of ``reps``."""
+def cold_timer():
+    """The benchmarks' timer (benchmarks/_timing.py) on a stream of its own: host head start and L2
+    eviction before each bracketed repetition."""
     import _ceilings
     from _timing import GpuTimer
 
-    stream = cupy.cuda.Stream(non_blocking=True)
-    timer = GpuTimer(cupy, stream, l2_bytes=_ceilings.l2_bytes(cupy))
+    return GpuTimer(cupy, cupy.cuda.Stream(non_blocking=True), l2_bytes=_ceilings.l2_bytes(cupy))
+
+
+def timed_cold(fn, reps: int = 60) -> float:
+    """Device time of one ``fn()`` in us as the benchmarks take it: a one-call CUDA graph replayed
+    after a host head start and an L2 eviction, median of ``reps``."""
+    timer = cold_timer()
     graph = timer.capture(fn)
     return timer.graph([graph], warmup=5, reps=reps, cold=True).median_s * 1e6
 

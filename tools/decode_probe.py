@@ -18,7 +18,7 @@ import cupy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
-from _probe import install_variant, timed, timed_cold  # noqa: E402
+from _probe import cold_timer, install_variant, timed, timed_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -71,44 +71,41 @@ __device__ unsigned long long kvc_probe_stamps[16];
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); kvc_probe_stamps[k] = t_; } } while (0)
 """
 _KERNEL_END = "        if (gridDim.x > 1) *blocks_done = 0u;\n    }\n}"
+_STAMP_POINTS = [line for _, line in CUTS if line]  # stamp k before line k, the last at the end
+_STAMP_LABELS = [label for label, line in CUTS if line][1:] + ["counters and end"]  # between stamps
 
 
 def stamp_patch() -> tuple:
-    points = [line for _, line in CUTS if line]
     patch = [('#include "batch_plan.cuh"', _STAMP_DEFS + '#include "batch_plan.cuh"')]
-    patch += [(line, f"KVC_PROBE_STAMP({k});\n" + line) for k, line in enumerate(points)]
-    patch.append((_KERNEL_END, _KERNEL_END[:-1] + f"    KVC_PROBE_STAMP({len(points)});\n}}"))
+    patch += [(line, f"KVC_PROBE_STAMP({k});\n" + line) for k, line in enumerate(_STAMP_POINTS)]
+    patch.append((_KERNEL_END, _KERNEL_END[:-1] + f"    KVC_PROBE_STAMP({len(_STAMP_POINTS)});\n}}"))
     return tuple(patch)
 
 
 def stamps(name: str = "smoke_decode_empty", reps: int = 60) -> None:
     """Cold one-step replays of ``name`` (as the benchmarks time them), each with the kernel's stamps:
     median us between successive cut points, and the event-timed total."""
-    import _ceilings
     import numpy as np
-    from _timing import GpuTimer
 
     case = next(c for c in S.CASES if c.name == name)
     state = S.build_state(case, "cuda")
     module = use_step_variant(patch=stamp_patch(), **VARIANTS[0][1])
     step = state.canary_step(0)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    timer = GpuTimer(cupy, stream, l2_bytes=_ceilings.l2_bytes(cupy))
+    timer = cold_timer()
     graph = timer.capture(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
     cells = module.get_global("kvc_probe_stamps")
-    n = len([line for _, line in CUTS if line]) + 1
+    n = len(_STAMP_POINTS) + 1
     totals, rows = [], []
     for _ in range(reps):
-        cells.memset_async(0, 8 * 16, stream)
-        totals.append(timer.bracket(lambda: graph.launch(stream), cold=True) * 1e6)
+        cells.memset_async(0, 8 * 16, timer.stream)
+        totals.append(timer.bracket(lambda: graph.launch(timer.stream), cold=True) * 1e6)
         rows.append(cupy.ndarray((16,), cupy.uint64, cells).get()[:n].astype(np.int64))
     use_step_variant(**VARIANTS[0][1])
     assert state.violations() == 0
     deltas = np.median(np.diff(np.array(rows), axis=1), axis=0) / 1e3
     inside = float(np.median([r[-1] - r[0] for r in rows])) / 1e3
-    labels = [label for label, line in CUTS if line][1:] + ["counters and end"]
     print(f"{name}: event-timed {np.median(totals):.2f} us; stamped from the first point to the end {inside:.2f} us; "
-          + " ".join(f"[{label}] {d:.2f}" for label, d in zip(labels, deltas)), flush=True)
+          + " ".join(f"[{label}] {d:.2f}" for label, d in zip(_STAMP_LABELS, deltas)), flush=True)
 
 
 def cuts(names: list[str], timing=timed) -> None:
@@ -120,13 +117,9 @@ def cuts(names: list[str], timing=timed) -> None:
             continue
         state = S.build_state(case, "cuda")
         row = {}
-        for label, line in CUTS:
-            use_step_variant(cut=line, **VARIANTS[0][1])
-            state.__dict__.pop("_canary_steps", None)
-            step = state.canary_step(0)
-            row[label] = timing(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
-        for label, patch in PATCHES:
-            use_step_variant(patch=patch, **VARIANTS[0][1])
+        variants = [(label, dict(cut=line)) for label, line in CUTS] + [(label, dict(patch=patch)) for label, patch in PATCHES]
+        for label, variant in variants:
+            use_step_variant(**variant, **VARIANTS[0][1])
             state.__dict__.pop("_canary_steps", None)
             step = state.canary_step(0)
             row[label] = timing(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
