@@ -4,6 +4,7 @@
     python tools/decode_probe.py --cuts [case ...]   # where the one-launch step's time goes
     python tools/decode_probe.py --cold [--cuts] [case ...]  # one call a replay, L2 evicted before each
     python tools/decode_probe.py --stamps [case]   # %globaltimer stamps at the cut points, cold replays
+    python tools/decode_probe.py --code [case ...]  # the kernels with and without their hashing code, code cold too
 
 For each decode case: plan, verify and write as separate ops, and kc.CanaryStep compiled in each of VARIANTS (launch bounds), as one
 launch (the last block writes) and as two, whatever the batch size. Prints registers per thread of each kernel.
@@ -108,6 +109,49 @@ def stamps(name: str = "smoke_decode_empty", reps: int = 60) -> None:
           + " ".join(f"[{label}] {d:.2f}" for label, d in zip(_STAMP_LABELS, deltas)), flush=True)
 
 
+def code_cold(names: list[str], rounds: int = 150) -> None:
+    """The step, write and verify of each case (a context without real-KV sources), with their kernels'
+    kRealKv instance (the hashing code in, unused) and without (what the launchers pick), timed cold:
+    L2 evicted, and the graphs replayed in a shuffled round so that no kernel finds its code in an
+    SM's instruction cache from the replay before (after a model forward none would). Median [IQR]."""
+    import random
+
+    import numpy as np
+
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+
+    timer = cold_timer()
+    chosen = cuda_write.has_real_kv
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    for name in names:
+        case = next(c for c in S.CASES if c.name == name)
+        state = S.build_state(case, "cuda")
+        assert not chosen(state.ctx), f"{name} hashes real-KV sources"
+        graphs = {"empty kernel": timer.capture(lambda: empty((1,), (32,), ()))}
+        for label, pick in (("hash code in", lambda ctx: True), ("shipped", chosen)):
+            cuda_write.has_real_kv = cuda_step.has_real_kv = pick
+            state.__dict__.pop("_canary_steps", None)
+            step = state.canary_step(0)
+            graphs[f"step, {label}"] = timer.capture(lambda: step.launch(stream=cupy.cuda.get_current_stream()))
+            graphs[f"write, {label}"] = timer.capture(lambda: state.write(0))
+        cuda_write.has_real_kv = cuda_step.has_real_kv = chosen
+        graphs["verify"] = timer.capture(lambda: state.verify(0))
+        for graph in graphs.values():
+            graph.launch(timer.stream)
+        timer.sync()
+        times = {label: [] for label in graphs}
+        order = list(graphs)
+        shuffle = random.Random(0).shuffle
+        for _ in range(rounds):
+            shuffle(order)
+            for label in order:
+                times[label].append(timer.bracket(lambda: graphs[label].launch(timer.stream), cold=True) * 1e6)
+        assert state.violations() == 0
+        print(f"{name:34s} " + " ".join(
+            f"[{label}] {np.median(t):.2f} ({np.percentile(t, 25):.2f}-{np.percentile(t, 75):.2f})"
+            for label, t in times.items()), flush=True)
+
+
 def cuts(names: list[str], timing=timed) -> None:
     """The one-launch step of each case with the work after each cut point left out."""
     for name in names:
@@ -134,6 +178,8 @@ def main() -> None:
     args = args[1:] if args[:1] == ["--cold"] else args
     if args[:1] == ["--stamps"]:
         return stamps(*(args[1:2] or ["smoke_decode_empty"]))
+    if args[:1] == ["--code"]:
+        return code_cold(args[1:] or ["smoke_decode_empty", "e2e_decode_tail", "e2e_decode_steady"])
     if args[:1] == ["--cuts"]:
         return cuts(args[1:] or ["smoke_decode_empty", "e2e_decode_tail"], timing)
     names = args or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",

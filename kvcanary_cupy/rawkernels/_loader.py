@@ -54,8 +54,8 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
-_WRITE_KERNELS = _instances("kvc_write", 2)
-_STEP_KERNELS = _instances("kvc_step", 2)
+_WRITE_KERNELS = _instances("kvc_write", 3)  # vec16, paired, real-KV sources
+_STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),

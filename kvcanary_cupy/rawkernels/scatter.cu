@@ -28,7 +28,8 @@ __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64
     return j_lo < j_hi;
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) kvc_scatter(
+// One block per SM asked for: left to pick its register count, ptxas spilled on sm_80.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) kvc_scatter(
     const kvc_i64* __restrict__ flat_in, kvc_i64 n, const kvc_i64* __restrict__ offsets,
     const kvc_i64* __restrict__ req_pool_indices, kvc_i64 bs, int* pool_out, kvc_i64 rows,
     kvc_i64 width, kvc_i64 row_stride) {

@@ -16,6 +16,8 @@
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan and the write kernel runs next.
+// * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out, which
+//   a cold decode step feels as much as a memory round trip.
 #include "batch_plan.cuh"
 #include "write_request.cuh"
 
@@ -89,7 +91,7 @@ __device__ __forceinline__ void kvc_verify_warp_entry(const KvcPlanIn& in, const
     kvc_check_slot(c, out, slot, s, expected, e.pos, prev, link);
 }
 
-template <bool kVec16, bool kTailWrite>
+template <bool kVec16, bool kTailWrite, bool kRealKv>
 __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS) kvc_step(
     // the canary context
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride, kvc_i64* ring_rows,
@@ -117,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
     const KvcCanary c = {canary, num_slots, slot_stride};
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
-    const KvcSources src = {source_table, (int)num_sources};
+    const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
     const bool check_token = check_expected_token != 0;
     const KvcVerifyOut out = {ring, src, verify_tag, check_token};
     const int tid = threadIdx.x;

@@ -27,6 +27,10 @@
 //   (r / gridDim) % teams of block r % gridDim; offloaded hash chunks go to the block's warps from
 //   the last one down.
 //
+// * kRealKv (the context has real-KV sources, picked on the host): without sources the hashing
+//   code is compiled out. It is most of the kernel's code, and a decode-sized write with cold
+//   instruction caches (after a model forward) spent as long fetching past it as on its memory
+//   round trips (tools/decode_probe.py --code).
 //
 // Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
 // Requests run concurrently, so two requests of one launch that write the same slot, or one that
@@ -57,8 +61,10 @@ __device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n,
     return true;
 }
 
-template <bool kVec16, bool kPaired>
-__global__ void __launch_bounds__(kThreads) kvc_write(
+// Without real-KV sources ptxas, left to pick the register count, chose 80 and spilled; one block per
+// SM, asked for, is what the launch gets anyway and keeps it whole. (0: no request, as before.)
+template <bool kVec16, bool kPaired, bool kRealKv>
+__global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
     const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
     const int* __restrict__ num_valid_reqs, kvc_i64 capacity,
@@ -100,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) kvc_write(
     }
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
-    const KvcSources src = {source_table, (int)num_sources};
+    const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
     const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
                           num_entries, *chain_position_assert != 0, ring, src, tag};
     const bool has_expected = kvc_checks_expected(w);

@@ -9,7 +9,7 @@ import numpy as np
 from ....rawkernels import _loader
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, write_plan_args
-from .write import context_args, entry_args, prepare as prepare_write
+from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
 
 _BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
 # The last block writes a request per lane of its first warp, which beats a second launch only for
@@ -31,7 +31,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     device_id = ctx.device.index
     bs = int(batch.req_pool_indices.shape[0])
     tail = tail_write(bs, writes.num_entries)
-    name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail)
+    name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail, has_real_kv(ctx))
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
     # loop is exact for any grid).

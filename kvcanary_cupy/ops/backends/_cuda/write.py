@@ -23,6 +23,12 @@ def context_args(ctx) -> tuple:
             ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter), ptr(table), i64(int(table.shape[0])))
 
 
+def has_real_kv(ctx) -> bool:
+    """The context hashes real-KV sources: the writing kernels' kRealKv instance (without, their
+    hashing code is compiled out)."""
+    return int(ctx.source_table.shape[0]) > 0
+
+
 def entry_args(batch) -> tuple:
     """input_ids, positions, out_cache_loc, the input assert's arrays (or nulls) and the entry count."""
     expected_tokens = batch.expected_input_tokens
@@ -41,11 +47,11 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     device_id = ctx.device.index
     capacity = int(wplan.capacity)
     entries = entry_args(batch)
-    name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity))
+    real_kv = has_real_kv(ctx)
+    name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity), real_kv)
     fn = kernel("write", name, device_id)
-    nsrc = int(ctx.source_table.shape[0])
     resident = resident_grid("write", name, device_id, _BLOCK)
-    if nsrc > 0:
+    if real_kv:
         grid = resident  # long requests hand their hashing to every block
     else:
         grid = max(1, min(resident, capacity))  # one chain per block while requests are few
