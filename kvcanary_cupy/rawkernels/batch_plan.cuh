@@ -192,21 +192,31 @@ __device__ __forceinline__ KvcEntry kvc_warp_entry(const KvcEntryTile& t, int n,
     return e;
 }
 
-// The entries [first, hi) of a staged tile of n requests (kTileRows at most), the grid's warps
-// striding over them 32 at a time (a block of kThreads threads takes kThreads entries a stride):
-// on_entries(e, base) on every lane, base warp-uniform, so every lane takes part in the entry
-// search.
+// The blocks of a grid that take verify entries: this one is number `block` of `blocks`.
+struct KvcEntryBlocks {
+    kvc_i64 block, blocks;
+};
+
+__device__ __forceinline__ KvcEntryBlocks kvc_whole_grid() {
+    return {(kvc_i64)blockIdx.x, (kvc_i64)gridDim.x};
+}
+
+// The entries [first, hi) of a staged tile of n requests (kTileRows at most), the warps of the
+// entry blocks striding over them 32 at a time (a block of kThreads threads takes kThreads entries
+// a stride): on_entries(e, base) on every lane, base warp-uniform, so every lane takes part in the
+// entry search.
 template <int kThreads, int kTileRows, class OnEntries>
 __device__ __forceinline__ void kvc_for_tile_entries(const KvcEntryTile& entries, int n,
                                                      kvc_i64 tile, kvc_i64 first, kvc_i64 hi,
+                                                     KvcEntryBlocks blocks,
                                                      OnEntries on_entries) {
-    for (kvc_i64 base = first + (kvc_i64)blockIdx.x * kThreads + (threadIdx.x & ~31); base < hi;
-         base += (kvc_i64)gridDim.x * kThreads) {
+    for (kvc_i64 base = first + blocks.block * kThreads + (threadIdx.x & ~31); base < hi;
+         base += blocks.blocks * kThreads) {
         on_entries(kvc_warp_entry<kTileRows>(entries, n, tile, base, hi), base);
     }
 }
 
-// Every verify entry of the batch, shared by the grid: requests in tiles of kThreads, each tile
+// Every verify entry of the batch, shared by the entry blocks: requests in tiles of kThreads, each tile
 // staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands them,
 // their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile) runs
 // on every thread once a tile is staged (the write plan is scanned there). Entries are visited only
@@ -216,8 +226,9 @@ template <int kThreads, class OnTile, class OnEntries>
 __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
                                                           const KvcEntryTile& entries,
                                                           kvc_i64* s_warp, kvc_i64 capacity,
-                                                          kvc_i64 limit, OnTile on_tile,
-                                                          OnEntries on_entries) {
+                                                          kvc_i64 limit,
+                                                          KvcEntryBlocks blocks,
+                                                          OnTile on_tile, OnEntries on_entries) {
     const kvc_i64 ntiles = in.bs > 0 ? (in.bs + kThreads - 1) / kThreads : 0;
     // With several tiles the total is needed before any entry is visited.
     kvc_i64 total = ntiles > 1 ? kvc_verify_total<kThreads>(in, s_warp) : 0;
@@ -231,7 +242,8 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
             // carry + tile_total <= total <= capacity: no overflow
             const kvc_i64 hi = kvc_min64(carry + tile_total, kvc_min64(total, limit));
             const int n = (int)kvc_min64(kThreads, in.bs - tile);
-            kvc_for_tile_entries<kThreads, kThreads>(entries, n, tile, carry, hi, on_entries);
+            kvc_for_tile_entries<kThreads, kThreads>(entries, n, tile, carry, hi, blocks,
+                                                     on_entries);
         }
         carry = kvc_sat_add(carry, tile_total);
         __syncthreads();
@@ -242,12 +254,12 @@ __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
 // Every verify entry of a batch of at most 32 requests, as kvc_for_verify_entries visits them but
 // without a block barrier: each warp stages the whole batch itself (lane r holds request r, read
 // by the caller: its pool row rp and prefix length) in its own 32-row slice of the tile arrays,
-// then takes its entries of the grid's stride. A small decode step is a chain of latencies, and a
-// block scan adds four barriers to it. Returns the total (saturating).
+// then takes its entries of the entry blocks' stride. A small decode step is a chain of latencies,
+// and a block scan adds four barriers to it. Returns the total (saturating).
 template <int kThreads, class OnEntries>
 __device__ __forceinline__ kvc_i64 kvc_for_small_batch_verify_entries(
     const KvcPlanIn& in, const KvcEntryTile& entries, kvc_i64 rp, kvc_i64 prefix,
-    kvc_i64 capacity, kvc_i64 limit, OnEntries on_entries) {
+    kvc_i64 capacity, kvc_i64 limit, KvcEntryBlocks blocks, OnEntries on_entries) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     kvc_i64 first_pos = 0;
@@ -262,7 +274,8 @@ __device__ __forceinline__ kvc_i64 kvc_for_small_batch_verify_entries(
     __syncwarp();
     if (total <= capacity) {
         const kvc_i64 hi = kvc_min64(total, limit);
-        kvc_for_tile_entries<kThreads, 32>(mine, (int)kvc_min64(32, in.bs), 0, 0, hi, on_entries);
+        kvc_for_tile_entries<kThreads, 32>(mine, (int)kvc_min64(32, in.bs), 0, 0, hi, blocks,
+                                           on_entries);
     }
     return total;
 }

@@ -164,10 +164,11 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     kvc_i64 total;
     if (kTailWrite) {
         total = kvc_for_small_batch_verify_entries<kThreads>(
-            in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL, verify);
+            in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL,
+            kvc_whole_grid(), verify);
     } else {
         total = kvc_for_verify_entries<kThreads>(
-            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL,
+            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL, kvc_whole_grid(),
             [&](kvc_i64 tile) {
                 if (!kTailWrite && blockIdx.x == 0)
                     carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,

@@ -47,8 +47,10 @@ def plan(vplan, wplan, batch, *, stream) -> None:
     fn = kernel("plan", "kvc_plan", device_id)
     v_capacity = int(vplan.capacity)
     w_capacity = int(wplan.capacity)
-    work = max((v_capacity + _BLOCK - 1) // _BLOCK, (w_capacity + _BLOCK) // _BLOCK, 1)
-    grid = max(1, min(resident_grid("plan", "kvc_plan", device_id, _BLOCK), work))
+    # block 0 writes the write plan, the others the verify plan (every block pads the write plan)
+    entry_blocks = max(1, min(resident_grid("plan", "kvc_plan", device_id, _BLOCK) - 1,
+                              max((v_capacity + _BLOCK - 1) // _BLOCK, (w_capacity + _BLOCK) // _BLOCK)))
+    grid = 1 + entry_blocks
     args = (
         *batch_args(batch),
         ptr(vplan.slot_indices), ptr(vplan.expected_tokens), ptr(vplan.expected_positions),
