@@ -5,10 +5,6 @@
 // outside flat_in are skipped, values are truncated to int32. When a later request of the batch
 // names the same pool row, the columns it writes are left to it, so the row ends as a sequential
 // pass leaves it whatever the order blocks run in.
-// A decode batch's scatter is a token a request: a chain of memory round trips. Whatever does not
-// depend on another read is requested at once (the request's row and offsets, the later requests'
-// rows it compares with), and its first values before the comparison, so the chain is two round
-// trips (offsets, then values) instead of four.
 #include "canary_common.cuh"
 
 namespace {
@@ -16,10 +12,11 @@ constexpr int kThreads = KVC_SCATTER_THREADS;  // the launcher's block size
 constexpr int kMaxDup = 64;
 }
 
-// Columns [j_lo, j_hi) that a request with offsets [begin, end) writes into its pool row; false
-// when it writes none.
-__device__ __forceinline__ bool kvc_scatter_span(kvc_i64 begin, kvc_i64 end, kvc_i64 n,
+// Columns [j_lo, j_hi) that request r writes into its pool row; false when it writes none.
+__device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
                                                  kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
+    const kvc_i64 begin = offsets[r];
+    const kvc_i64 end = offsets[r + 1];
     if (end <= begin || width <= 0 || begin >= n) return false;
     // end - begin is exact as an unsigned number (0 < end - begin < 2^64).
     const kvc_u64 span = (kvc_u64)end - (kvc_u64)begin;
@@ -31,13 +28,16 @@ __device__ __forceinline__ bool kvc_scatter_span(kvc_i64 begin, kvc_i64 end, kvc
     return j_lo < j_hi;
 }
 
-// The same for request r.
-__device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
-                                                 kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
-    return kvc_scatter_span(offsets[r], offsets[r + 1], n, width, j_lo, j_hi);
-}
+// sm_80: left to pick its register count, ptxas chose 40 and spilled; one block per SM, asked for,
+// keeps it whole. Not on sm_90, where it needs no help and the request costs occupancy that a
+// bs-1024 scatter measured (6.7 -> 7.7 us). (0: no request.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVC_SCATTER_MIN_BLOCKS 1
+#else
+#define KVC_SCATTER_MIN_BLOCKS 0
+#endif
 
-extern "C" __global__ void __launch_bounds__(kThreads) kvc_scatter(
+extern "C" __global__ void __launch_bounds__(kThreads, KVC_SCATTER_MIN_BLOCKS) kvc_scatter(
     const kvc_i64* __restrict__ flat_in, kvc_i64 n, const kvc_i64* __restrict__ offsets,
     const kvc_i64* __restrict__ req_pool_indices, kvc_i64 bs, int* pool_out, kvc_i64 rows,
     kvc_i64 width, kvc_i64 row_stride) {
@@ -46,28 +46,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) kvc_scatter(
     __shared__ kvc_u64 s_dup_hi[kMaxDup];
 
     for (kvc_i64 r = blockIdx.x; r < bs; r += gridDim.x) {
-        const kvc_i64 rp = kvc_ld_early(req_pool_indices + r);
-        const kvc_i64 begin = kvc_ld_early(offsets + r);
-        const kvc_i64 end = kvc_ld_early(offsets + r + 1);
-        const kvc_i64 first_later = r + 1 + threadIdx.x;
-        const kvc_i64 first_later_rp =
-            first_later < bs ? kvc_ld_early(req_pool_indices + first_later) : -1;
+        const kvc_i64 rp = req_pool_indices[r];
         if (rp < 0 || rp >= rows) continue;
         kvc_u64 j_lo, j_hi;
-        if (!kvc_scatter_span(begin, end, n, width, j_lo, j_hi)) continue;
-        // begin + j lies in flat_in for every j in [j_lo, j_hi): read before it is known whether
-        // a later request takes the column
-        const kvc_u64 first_j = j_lo + threadIdx.x;
-        const kvc_i64 first_value =
-            first_j < j_hi ? kvc_ld_early(flat_in + (kvc_i64)((kvc_u64)begin + first_j)) : 0;
+        if (!kvc_scatter_cols(offsets, r, n, width, j_lo, j_hi)) continue;
 
         // Later requests of the same row (an engine sends none; a sequential pass lets them win).
         if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
-        for (kvc_i64 r2 = first_later; r2 < bs; r2 += kThreads) {
-            const kvc_i64 rp2 = r2 == first_later ? first_later_rp : req_pool_indices[r2];
+        for (kvc_i64 r2 = r + 1 + threadIdx.x; r2 < bs; r2 += kThreads) {
             kvc_u64 a, b;
-            if (rp2 == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
+            if (req_pool_indices[r2] == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
                 const int d = atomicAdd(&s_ndup, 1);
                 if (d < kMaxDup) {
                     s_dup_lo[d] = a;
@@ -78,8 +67,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) kvc_scatter(
         __syncthreads();
         const int ndup = s_ndup;
 
+        const kvc_i64 begin = offsets[r];
         int* row = pool_out + rp * row_stride;
-        for (kvc_u64 j = first_j; j < j_hi; j += kThreads) {
+        for (kvc_u64 j = j_lo + threadIdx.x; j < j_hi; j += kThreads) {
             bool later = false;
             if (ndup > 0 && ndup <= kMaxDup) {
                 for (int d = 0; d < ndup && !later; ++d)
@@ -91,8 +81,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) kvc_scatter(
                         later = a <= j && j < b;
                 }
             }
-            const kvc_i64 v = j == first_j ? first_value : flat_in[(kvc_i64)((kvc_u64)begin + j)];
-            if (!later) row[j] = (int)(unsigned)(kvc_u64)v;
+            if (!later) row[j] = (int)(unsigned)(kvc_u64)flat_in[(kvc_i64)((kvc_u64)begin + j)];
         }
         __syncthreads();
     }
