@@ -314,6 +314,47 @@ def test_cuda_write_team_follows_the_batch_shape():
     assert not paired(32, 1)          # a single chunk at most
 
 
+def test_cuda_kernels_without_sources_have_no_hashing_code():
+    """The write and step launchers pick their kernels' kRealKv instance only for a context that
+    hashes sources (none in mode NONE), and every instance they can pick is compiled."""
+    import itertools
+
+    from kvcanary_cupy.ops.backends._cuda.write import has_real_kv
+    from kvcanary_cupy.rawkernels import _loader
+
+    rng = np.random.default_rng(3)
+    sources = (random_source(rng, 8, num_bytes_per_token=16).build("cpu"),)
+    assert not has_real_kv(_ctx("cpu"))
+    assert not has_real_kv(_ctx("cpu", real_kv_sources=sources, hash_mode=kc.HashMode.NONE))
+    assert has_real_kv(_ctx("cpu", real_kv_sources=sources, hash_mode=kc.HashMode.PARTIAL))
+    for template, source in (("kvc_write", "write"), ("kvc_step", "step")):
+        for flags in itertools.product((True, False), repeat=3):
+            assert _loader.instance(template, *flags) in _loader.SPECS[source].kernels
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [kc.HashMode.NONE, kc.HashMode.ALL])
+def test_cuda_write_kernel_follows_the_sources(mode, monkeypatch):
+    """A context without hashed sources launches the write kernel without hashing code, and both
+    store what the CPU backend stores."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+
+    launched = []
+    pick = cuda_write.kernel
+    monkeypatch.setattr(cuda_write, "kernel", lambda source, name, device_id: launched.append(name) or
+                        pick(source, name, device_id))
+    rng = np.random.default_rng(4)
+    spec = random_source(rng, 16, num_bytes_per_token=32, read_bytes=32)
+    canaries = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, 16, real_kv_sources=(spec.build(device),), hash_mode=mode)
+        _write(ctx, [0, 3, 5], [-1, 7], [5, 6, 7, 8, 9], [0, 1, 2, 5, 6], [1, 2, 3, 11, 12], device=device)
+        canaries[device] = to_numpy(ctx.canary_buf)
+    assert launched and all(name.endswith("true>" if mode != kc.HashMode.NONE else "false>") for name in launched)
+    assert np.array_equal(canaries["cpu"], canaries["cuda"])
+
+
 def _long_requests_case(rng: np.random.Generator) -> dict:
     """Requests of several chunks with slots repeated across chunk boundaries, a negative and an
     out-of-range slot, input-assert mismatches, a position jump after a seed, and a request whose
