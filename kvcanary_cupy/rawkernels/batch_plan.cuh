@@ -216,12 +216,12 @@ __device__ __forceinline__ void kvc_for_tile_entries(const KvcEntryTile& entries
     }
 }
 
-// Every verify entry of the batch, shared by the entry blocks: requests in tiles of kThreads, each tile
-// staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands them,
-// their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile) runs
-// on every thread once a tile is staged (the write plan is scanned there). Entries are visited only
-// when the batch's total fits `capacity`, and only below `limit` (the plan's int32 count). Every
-// thread of the block calls it; returns the total (saturating).
+// Every verify entry of the batch, shared by the entry blocks: requests in tiles of kThreads, each
+// tile staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands
+// them, their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile)
+// runs on every thread once a tile is staged (the step scans its write plan there). Entries are
+// visited only when the batch's total fits `capacity`, and only below `limit` (the plan's int32
+// count). Every thread of the block calls it; returns the total (saturating).
 template <int kThreads, class OnTile, class OnEntries>
 __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
                                                           const KvcEntryTile& entries,

@@ -16,8 +16,8 @@
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan and the write kernel runs next.
-// * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out, which
-//   a cold decode step feels as much as a memory round trip.
+// * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out,
+//   which a decode step with cold instruction caches feels as much as its memory round trips.
 #include "batch_plan.cuh"
 #include "write_request.cuh"
 

@@ -61,8 +61,8 @@ __device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n,
     return true;
 }
 
-// Without real-KV sources ptxas, left to pick the register count, chose 80 and spilled; one block per
-// SM, asked for, is what the launch gets anyway and keeps it whole. (0: no request, as before.)
+// Without real-KV sources ptxas, left to pick the register count, chose 80 and spilled; one block
+// per SM, asked for, is what the launch gets anyway and keeps it whole. (0: no request.)
 template <bool kVec16, bool kPaired, bool kRealKv>
 __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
     unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
