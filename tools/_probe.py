@@ -3,6 +3,8 @@ patched sources that the package's launchers then use."""
 
 from __future__ import annotations
 
+import pathlib
+
 import cupy
 import numpy as np
 
@@ -46,6 +48,39 @@ def timed_cold(fn, reps: int = 60) -> float:
     timer = cold_timer()
     graph = timer.capture(fn)
     return timer.graph([graph], warmup=5, reps=reps, cold=True).median_s * 1e6
+
+
+def interleaved_cold(timer, graphs: dict, rounds: int = 150, seed: int = 0) -> dict:
+    """Device time (us) of each graph's replay as the benchmarks take it (host head start, L2
+    evicted), the graphs replayed in a shuffled order each round: drift during the run falls on every
+    graph alike, and no kernel finds its code in an SM's instruction cache from its own replay
+    before. Returns label -> the rounds' times."""
+    import random
+
+    for graph in graphs.values():
+        graph.launch(timer.stream)
+    timer.sync()
+    times = {label: [] for label in graphs}
+    order = list(graphs)
+    shuffle = random.Random(seed).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for label in order:
+            times[label].append(timer.bracket(lambda: graphs[label].launch(timer.stream), cold=True) * 1e6)
+    return times
+
+
+def median_iqr(samples) -> str:
+    return f"{np.median(samples):.2f} ({np.percentile(samples, 25):.2f}-{np.percentile(samples, 75):.2f})"
+
+
+def use_sources(source: str, directory, patch: tuple = ()):
+    """Make the launchers of ``source`` ("write", "plan", ...) use its kernels compiled from the .cu
+    file and headers in ``directory`` (another commit's: git archive REV kvcanary_cupy/rawkernels |
+    tar -x -C DIR --strip-components=2), with ``patch`` applied; returns the module."""
+    spec = next(c for c in _loader.compile_specs() if c.name == source)
+    options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in spec.options)
+    return install_variant(source, (pathlib.Path(directory) / spec.filename).read_text(), options, patch)
 
 
 def install_variant(source: str, code: str, options: tuple[str, ...], patch: tuple = ()):

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import install_variant, timed, timed_cold  # noqa: E402
+from _probe import timed, timed_cold, use_sources  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 TOKENS = 2048   # staged in shared memory (2 x 16 KB)
@@ -179,15 +179,6 @@ def bare_chains() -> dict:
     return rows
 
 
-def use_write_sources(directory: pathlib.Path, patch: tuple = ()):
-    """Make the write op launch write.cu compiled from ``directory`` (its headers beside it), with
-    ``patch`` ((old, new) source replacements) applied."""
-    spec = next(c for c in _loader.compile_specs() if c.name == "write")
-    options = tuple(f"-I{directory}" if o.startswith("-I") else o for o in spec.options)
-    code = (directory / _loader.SPECS["write"].filename).read_text()
-    return install_variant("write", code, options, patch)
-
-
 # clock64 stamps at points of the chunk loop (lane 0 of each warp), the cycles between successive
 # points summed into device counters
 CLOCK_POINTS = (
@@ -266,7 +257,7 @@ def write_ops(names=WRITE_CASES, cold: bool = False) -> dict:
 
 def clock_breakdown(name: str = "e2e_prefill_chunk_first") -> None:
     """Cycles per token between the points of CLOCK_POINTS, one write of ``name``."""
-    module = use_write_sources(_loader.RAWKERNEL_DIR, clock_patch())
+    module = use_sources("write", _loader.RAWKERNEL_DIR, clock_patch())
     case = next(c for c in S.CASES if c.name == name)
     state = S.build_state(case, "cuda")
     counters = module.get_global("kvc_probe_cycles")
@@ -301,7 +292,7 @@ def main() -> None:
     clock_breakdown()
     show("this tree", write_ops(_DECODE_HASH))
     for label, cases, patch in WRITE_PATCHES:
-        use_write_sources(_loader.RAWKERNEL_DIR, patch)
+        use_sources("write", _loader.RAWKERNEL_DIR, patch)
         show(label, write_ops(cases))
     # the same with write.cu and its headers from other directories (e.g. an earlier commit's),
     # each measured ROUNDS_AB times in turn with this tree's, so the spread is seen too: prefill
@@ -311,7 +302,7 @@ def main() -> None:
         for directory in sys.argv[1:] + [None]:
             where = pathlib.Path(directory).resolve() if directory else _loader.RAWKERNEL_DIR
             label = directory or "this tree"
-            use_write_sources(where)
+            use_sources("write", where)
             show(label, write_ops(prefill))
             show(label + ", cold L2", write_ops(DECODE_CASES, cold=True))
 

@@ -19,7 +19,7 @@ import cupy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, install_variant, timed, timed_cold  # noqa: E402
+from _probe import cold_timer, install_variant, interleaved_cold, median_iqr, timed, timed_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -111,13 +111,9 @@ def stamps(name: str = "smoke_decode_empty", reps: int = 60) -> None:
 
 def code_cold(names: list[str], rounds: int = 150) -> None:
     """The step, write and verify of each case (a context without real-KV sources), with their kernels'
-    kRealKv instance (the hashing code in, unused) and without (what the launchers pick), timed cold:
-    L2 evicted, and the graphs replayed in a shuffled round so that no kernel finds its code in an
-    SM's instruction cache from the replay before (after a model forward none would). Median [IQR]."""
-    import random
-
-    import numpy as np
-
+    kRealKv instance (the hashing code in, unused) and without (what the launchers pick), timed cold
+    in shuffled rounds (interleaved_cold), so that their code is cold too, as after a model forward.
+    Median (IQR)."""
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write
 
     timer = cold_timer()
@@ -136,20 +132,9 @@ def code_cold(names: list[str], rounds: int = 150) -> None:
             graphs[f"write, {label}"] = timer.capture(lambda: state.write(0))
         cuda_write.has_real_kv = cuda_step.has_real_kv = chosen
         graphs["verify"] = timer.capture(lambda: state.verify(0))
-        for graph in graphs.values():
-            graph.launch(timer.stream)
-        timer.sync()
-        times = {label: [] for label in graphs}
-        order = list(graphs)
-        shuffle = random.Random(0).shuffle
-        for _ in range(rounds):
-            shuffle(order)
-            for label in order:
-                times[label].append(timer.bracket(lambda: graphs[label].launch(timer.stream), cold=True) * 1e6)
+        times = interleaved_cold(timer, graphs, rounds)
         assert state.violations() == 0
-        print(f"{name:34s} " + " ".join(
-            f"[{label}] {np.median(t):.2f} ({np.percentile(t, 25):.2f}-{np.percentile(t, 75):.2f})"
-            for label, t in times.items()), flush=True)
+        print(f"{name:34s} " + " ".join(f"[{label}] {median_iqr(t)}" for label, t in times.items()), flush=True)
 
 
 def cuts(names: list[str], timing=timed) -> None:
