@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _devices import BACKENDS, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 
 def _scatter(device, flat_in, offsets, rpi, pool):
@@ -91,3 +91,36 @@ def test_strided_rows_of_pool(device):
     kc.scatter_req_token_ids(flat_in=np.arange(1, 5, dtype=np.int64), offsets=np.array([0, 4], np.int64),
                              req_pool_indices=np.array([2], np.int64), pool_out=view)
     assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [True, False], ids=["decode-form", "general-form"])
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):
+    """Each form of the CUDA kernel on every shape, not only on the shapes the host picks it for:
+    long rows and one-token rows, batches past a block's threads, and many requests of one row
+    (past the kernel's 64 remembered later writers)."""
+    from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter
+
+    monkeypatch.setattr(cuda_scatter, "decode_shaped", lambda *_: decode)
+    rng = np.random.default_rng(100 + seed)
+    rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 300))
+    bs = int(rng.integers(1, 400))
+    lens = rng.integers(0, 3 if seed % 2 == 0 else 400, size=bs)
+    offsets = [0] + np.cumsum(lens).tolist()
+    n = int(offsets[-1]) + int(rng.integers(-3, 3))
+    offsets = [o + int(rng.integers(-1, 2)) if rng.random() < 0.1 else o for o in offsets]
+    flat_in = rng.integers(-2**31, 2**31, size=max(n, 0)).tolist()
+    rpi = rng.integers(-1, rows + 1, size=bs).tolist()
+    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
+    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
+def test_decode_form_is_picked_for_one_token_rows_that_fit_one_wave():
+    from kvcanary_cupy.ops.backends._cuda.scatter import decode_shaped
+
+    assert decode_shaped(1024, 1024, 132)
+    assert decode_shaped(256, 512, 132)
+    assert not decode_shaped(256, 513, 132)  # rows of more than two tokens on average
+    assert not decode_shaped(4096, 4096, 132)  # blocks would take several requests in turn

@@ -5,18 +5,27 @@
 // outside flat_in are skipped, values are truncated to int32. When a later request of the batch
 // names the same pool row, the columns it writes are left to it, so the row ends as a sequential
 // pass leaves it whatever the order blocks run in.
+//
+// kDecode (a few tokens a request and a block for every request, picked on the host from the
+// shapes): such a scatter is a chain of memory round trips, a token a request. Whatever does not
+// depend on another read is requested at once (the request's row and offsets, the first later
+// request's row it compares with), and its first value before the comparison: two round trips
+// (offsets, then values) instead of four. Blocks are smaller, so that a batch of up to 8 requests
+// an SM runs in one wave. Otherwise (long rows, or blocks that take several requests in turn) the
+// early reads measured slower (bs 4096: 18.2 -> 20.5 us at best) and the row wants more threads.
 #include "canary_common.cuh"
 
 namespace {
-constexpr int kThreads = KVC_SCATTER_THREADS;  // the launcher's block size
 constexpr int kMaxDup = 64;
 }
 
-// Columns [j_lo, j_hi) that request r writes into its pool row; false when it writes none.
-__device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
+// the launcher's block sizes
+#define KVC_SCATTER_BLOCK(kDecode) ((kDecode) ? KVC_SCATTER_DECODE_THREADS : KVC_SCATTER_THREADS)
+
+// Columns [j_lo, j_hi) that a request with offsets [begin, end) writes into its pool row; false
+// when it writes none.
+__device__ __forceinline__ bool kvc_scatter_span(kvc_i64 begin, kvc_i64 end, kvc_i64 n,
                                                  kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
-    const kvc_i64 begin = offsets[r];
-    const kvc_i64 end = offsets[r + 1];
     if (end <= begin || width <= 0 || begin >= n) return false;
     // end - begin is exact as an unsigned number (0 < end - begin < 2^64).
     const kvc_u64 span = (kvc_u64)end - (kvc_u64)begin;
@@ -28,35 +37,63 @@ __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64
     return j_lo < j_hi;
 }
 
-// sm_80: left to pick its register count, ptxas chose 40 and spilled; one block per SM, asked for,
-// keeps it whole. Not on sm_90, where it needs no help and the request costs occupancy that a
-// bs-1024 scatter measured (6.7 -> 7.7 us). (0: no request.)
+// The same for request r.
+__device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
+                                                 kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
+    return kvc_scatter_span(offsets[r], offsets[r + 1], n, width, j_lo, j_hi);
+}
+
+// sm_80: left to pick its register count, ptxas chose 40 for the general kernel and spilled; one
+// block per SM, asked for, keeps it whole. Not on sm_90, where it needs no help and the request
+// costs occupancy that a bs-1024 scatter measured (6.7 -> 7.7 us). (0: no request.)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define KVC_SCATTER_MIN_BLOCKS 1
 #else
 #define KVC_SCATTER_MIN_BLOCKS 0
 #endif
 
-extern "C" __global__ void __launch_bounds__(kThreads, KVC_SCATTER_MIN_BLOCKS) kvc_scatter(
+template <bool kDecode>
+__global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
+                                  kDecode ? 8 : KVC_SCATTER_MIN_BLOCKS) kvc_scatter(
     const kvc_i64* __restrict__ flat_in, kvc_i64 n, const kvc_i64* __restrict__ offsets,
     const kvc_i64* __restrict__ req_pool_indices, kvc_i64 bs, int* pool_out, kvc_i64 rows,
     kvc_i64 width, kvc_i64 row_stride) {
+    constexpr int kThreads = KVC_SCATTER_BLOCK(kDecode);
     __shared__ int s_ndup;
     __shared__ kvc_u64 s_dup_lo[kMaxDup];
     __shared__ kvc_u64 s_dup_hi[kMaxDup];
 
     for (kvc_i64 r = blockIdx.x; r < bs; r += gridDim.x) {
-        const kvc_i64 rp = req_pool_indices[r];
-        if (rp < 0 || rp >= rows) continue;
+        const kvc_i64 first_later = r + 1 + threadIdx.x;
+        kvc_i64 rp, begin, end, first_later_rp = -1;
+        if (kDecode) {
+            rp = kvc_ld_early(req_pool_indices + r);
+            begin = kvc_ld_early(offsets + r);
+            end = kvc_ld_early(offsets + r + 1);
+            if (first_later < bs) first_later_rp = kvc_ld_early(req_pool_indices + first_later);
+            if (rp < 0 || rp >= rows) continue;
+        } else {
+            rp = req_pool_indices[r];
+            if (rp < 0 || rp >= rows) continue;
+            begin = offsets[r];
+            end = offsets[r + 1];
+        }
         kvc_u64 j_lo, j_hi;
-        if (!kvc_scatter_cols(offsets, r, n, width, j_lo, j_hi)) continue;
+        if (!kvc_scatter_span(begin, end, n, width, j_lo, j_hi)) continue;
+        // begin + j lies in flat_in for every j in [j_lo, j_hi): kDecode reads its first value
+        // before it is known whether a later request takes the column
+        const kvc_u64 first_j = j_lo + threadIdx.x;
+        kvc_i64 first_value = 0;
+        if (kDecode && first_j < j_hi)
+            first_value = kvc_ld_early(flat_in + (kvc_i64)((kvc_u64)begin + first_j));
 
         // Later requests of the same row (an engine sends none; a sequential pass lets them win).
         if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
-        for (kvc_i64 r2 = r + 1 + threadIdx.x; r2 < bs; r2 += kThreads) {
+        for (kvc_i64 r2 = first_later; r2 < bs; r2 += kThreads) {
+            const kvc_i64 rp2 = kDecode && r2 == first_later ? first_later_rp : req_pool_indices[r2];
             kvc_u64 a, b;
-            if (req_pool_indices[r2] == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
+            if (rp2 == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
                 const int d = atomicAdd(&s_ndup, 1);
                 if (d < kMaxDup) {
                     s_dup_lo[d] = a;
@@ -67,9 +104,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, KVC_SCATTER_MIN_BLOCKS) k
         __syncthreads();
         const int ndup = s_ndup;
 
-        const kvc_i64 begin = offsets[r];
         int* row = pool_out + rp * row_stride;
-        for (kvc_u64 j = j_lo + threadIdx.x; j < j_hi; j += kThreads) {
+        for (kvc_u64 j = first_j; j < j_hi; j += kThreads) {
             bool later = false;
             if (ndup > 0 && ndup <= kMaxDup) {
                 for (int d = 0; d < ndup && !later; ++d)
@@ -81,7 +117,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, KVC_SCATTER_MIN_BLOCKS) k
                         later = a <= j && j < b;
                 }
             }
-            if (!later) row[j] = (int)(unsigned)(kvc_u64)flat_in[(kvc_i64)((kvc_u64)begin + j)];
+            const kvc_i64 v =
+                kDecode && j == first_j ? first_value : flat_in[(kvc_i64)((kvc_u64)begin + j)];
+            if (!later) row[j] = (int)(unsigned)(kvc_u64)v;
         }
         __syncthreads();
     }

@@ -15,7 +15,8 @@
 //   chain: the batch's verify entries are staged per warp (no block scan), the write's metadata
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
-// * Otherwise block 0 stores the write plan and the write kernel runs next.
+// * Otherwise block 0 stores the write plan (and only that, in a grid of several blocks) and the
+//   write kernel runs next.
 // * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out,
 //   which a decode step with cold instruction caches feels as much as its memory round trips.
 #include "batch_plan.cuh"
@@ -161,18 +162,29 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const auto verify = [&](const KvcEntry& e, kvc_i64) {
         kvc_verify_warp_entry<kVec16>(in, c, out, e);
     };
-    kvc_i64 total;
+    // Otherwise block 0 of a grid of several stores the write plan and verifies nothing: the seeds'
+    // round trips (req_to_token, then the SWA LUT) would lengthen its verify share, and the launch
+    // ends with its slowest block. Block 1, a verify block, counts the launch's runs.
+    const bool plan_block_apart = !kTailWrite && gridDim.x > 1;
+    const auto write_plan_tile = [&](kvc_i64 tile) {
+        carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds, w_capacity,
+                                                s_warp);
+    };
+    kvc_i64 total = 0;
     if (kTailWrite) {
         total = kvc_for_small_batch_verify_entries<kThreads>(
             in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL,
             kvc_whole_grid(), verify);
+    } else if (plan_block_apart && blockIdx.x == 0) {
+        for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
     } else {
+        const KvcEntryBlocks blocks =
+            plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
+                             : kvc_whole_grid();
         total = kvc_for_verify_entries<kThreads>(
-            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL, kvc_whole_grid(),
+            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL, blocks,
             [&](kvc_i64 tile) {
-                if (!kTailWrite && blockIdx.x == 0)
-                    carry_w = kvc_write_plan_tile<kThreads>(in, tile, carry_w, w_offsets, w_seeds,
-                                                            w_capacity, s_warp);
+                if (!plan_block_apart) write_plan_tile(tile);
             },
             verify);
     }
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
 
     if (!kTailWrite) {
-        if (blockIdx.x == 0 && tid == 0) {
+        if (blockIdx.x == (plan_block_apart ? 1u : 0u) && tid == 0) {
             atomicAdd(kernel_run_counter, 1ull);
             if (verified) atomicAdd(slot_run_counter, verified);
         }

@@ -6,6 +6,14 @@ from ....rawkernels import _loader
 from . import i64, kernel, launch, ptr, sm_count
 
 _BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_THREADS")
+_DECODE_BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_DECODE_THREADS")
+_BLOCKS_PER_SM = 8
+
+
+def decode_shaped(batch_size: int, num_tokens: int, sm_count: int) -> bool:
+    """scatter.cu's kDecode: at most two tokens a request on average, and a block for every
+    request (the grid takes at most _BLOCKS_PER_SM blocks an SM)."""
+    return num_tokens <= 2 * batch_size and batch_size <= _BLOCKS_PER_SM * sm_count
 
 
 def scatter(batch, *, stream) -> None:
@@ -15,11 +23,13 @@ def scatter(batch, *, stream) -> None:
     if bs == 0 or rows == 0 or width == 0:
         return
     device_id = batch.device.index
-    fn = kernel("scatter", "kvc_scatter", device_id)
+    sms = sm_count(device_id)
+    decode = decode_shaped(bs, int(batch.flat_in.shape[0]), sms)
+    fn = kernel("scatter", _loader.instance("kvc_scatter", decode), device_id)
     stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
-    grid = max(1, min(bs, 8 * sm_count(device_id)))
+    grid = max(1, min(bs, _BLOCKS_PER_SM * sms))
     args = (
         ptr(batch.flat_in), i64(int(batch.flat_in.shape[0])), ptr(batch.offsets),
         ptr(batch.req_pool_indices), i64(bs), ptr(pool), i64(rows), i64(width), i64(stride),
     )
-    launch(fn, grid, _BLOCK, args, stream)
+    launch(fn, grid, _DECODE_BLOCK if decode else _BLOCK, args, stream)

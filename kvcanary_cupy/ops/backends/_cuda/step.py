@@ -38,7 +38,10 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     width = int(batch.req_to_token.shape[1])
     per_request = min(width, int(batch.swa_window_size)) if batch.swa_window_size > 0 else width
     most = min(int(verify_capacity), bs * max(per_request, 1))
-    grid = max(1, min(resident_grid("step", name, device_id, _BLOCK), -(-most // _BLOCK)))
+    verify_blocks = -(-most // _BLOCK)
+    if not tail:
+        verify_blocks += 1  # block 0 stores the write plan, apart from the verify
+    grid = max(1 if tail else 2, min(resident_grid("step", name, device_id, _BLOCK), verify_blocks))
     with cupy.cuda.Device(device_id):
         blocks_done = cupy.zeros(1, dtype=np.uint32)
     ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc = context_args(ctx)
