@@ -104,13 +104,21 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs, n, launches", [(1, 1, 1), (32, 64, 1), (32, 65, 2), (33, 33, 2), (256, 256, 2),
-                                             (1, 4096, 2)])
-def test_step_launch_count_on_gpu(bs, n, launches):
-    """Small decode batches (at most two new tokens a request on average, bs <= 32) are one launch."""
+@pytest.mark.parametrize("bs, n, sources, launches", [
+    (1, 1, True, 1), (32, 64, True, 1), (32, 65, True, 2), (33, 33, True, 2), (256, 256, True, 2),
+    (33, 33, False, 1), (256, 256, False, 1), (512, 1024, False, 1), (513, 513, False, 2), (256, 513, False, 2),
+    (1, 4096, False, 2)])
+def test_step_launch_count_on_gpu(bs, n, sources, launches):
+    """Decode batches (at most two new tokens a request on average) are one launch: up to 32 requests
+    always, up to a block's threads (512) without real-KV sources."""
     import cupy
 
-    ctx = kc.CanaryContext.allocate(8192, device="cuda")
+    kw = {}
+    if sources:
+        kv = cupy.ones((8192, 16), cupy.uint8)
+        kw = dict(hash_mode=kc.HashMode.ALL, real_kv_sources=[
+            kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=16, read_bytes=16)])
+    ctx = kc.CanaryContext.allocate(8192, device="cuda", **kw)
     z = lambda k: cupy.zeros(k, dtype=cupy.int64)  # noqa: E731
     step = kc.CanaryStep(ctx, verify_capacity=10, verify_tag=0, write_tag=2, req_pool_indices=z(bs),
                          prefix_lens=z(bs), extend_seq_lens=z(bs), req_to_token=cupy.zeros((2, 4), cupy.int32),
@@ -120,18 +128,21 @@ def test_step_launch_count_on_gpu(bs, n, launches):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", [8, 64])  # one launch (the last block writes) and two
-def test_step_graph_replay_matches_eager(bs):
+# one launch (the first warp of the last block writes), two, one (the last block writes), two
+@pytest.mark.parametrize("bs, sources", [(8, True), (64, True), (64, False), (600, False)])
+def test_step_graph_replay_matches_eager(bs, sources):
     """A captured CanaryStep replayed after refilling its inputs in place equals eager launches."""
     import cupy
 
     def build():
         rng = np.random.default_rng(5)
-        width, num_slots = 64, 16384
+        width, num_slots = 64, 65536
         kv = cupy.asarray(rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8))
-        ctx = kc.CanaryContext.allocate(num_slots, device="cuda", ring_capacity=64, hash_mode=kc.HashMode.ALL,
-                                        real_kv_sources=[kc.RealKvSource(tensor=kv, page_size=1,
-                                                                         num_bytes_per_token=32, read_bytes=32)])
+        kw = {}
+        if sources:
+            kw = dict(hash_mode=kc.HashMode.ALL, real_kv_sources=[
+                kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=32, read_bytes=32)])
+        ctx = kc.CanaryContext.allocate(num_slots, device="cuda", ring_capacity=64, **kw)
         table = np.zeros((bs + 1, width), np.int32)
         table[1:] = (rng.permutation(num_slots - 1)[: bs * width] + 1).reshape(bs, width)
         arrays = dict(req_pool_indices=cupy.arange(1, bs + 1, dtype=cupy.int64),

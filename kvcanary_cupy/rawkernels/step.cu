@@ -109,7 +109,9 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
     const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
     const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries, kvc_i64 write_tag,
-    unsigned int* blocks_done) {
+    unsigned int* blocks_done,
+    // not kTailWrite, without real-KV sources: the last block writes (the host's last_block_write)
+    kvc_i64 last_block_writes) {
     __shared__ kvc_i64 s_warp[kWarps];
     __shared__ kvc_i64 s_start[kThreads];
     __shared__ kvc_i64 s_rp[kThreads];
@@ -137,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     if (blockIdx.x == 0 && tid == 0) {
         kvc_prefetch_word(kernel_run_counter);
         kvc_prefetch_word(slot_run_counter);
-        if (kTailWrite && gridDim.x > 1) kvc_prefetch_word(blocks_done);
+        if ((kTailWrite || last_block_writes) && gridDim.x > 1) kvc_prefetch_word(blocks_done);
     }
     KvcWriteMeta first_meta = {0, 0, 0};
     KvcWriteEntry guess = {-1, 0, 0, 0, 0};
@@ -177,6 +179,19 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             kvc_whole_grid(), verify);
     } else if (plan_block_apart && blockIdx.x == 0) {
         for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
+        if (!kRealKv && last_block_writes != 0) {
+            // what the last block reads once every block is done: the seeds' slots (each thread
+            // reads back the seeds it stored) and the entries
+            for (kvc_i64 r = tid; r < kvc_min64(bs, w_capacity); r += kThreads) {
+                const kvc_i64 seed = w_seeds[r];
+                if (seed >= 0 && seed < num_slots) kvc_prefetch_word(canary + seed * slot_stride);
+            }
+            kvc_prefetch_l2(input_ids, num_entries * 8);
+            kvc_prefetch_l2(positions, num_entries * 8);
+            kvc_prefetch_l2(out_cache_loc, num_entries * 8);
+            kvc_prefetch_l2(expected_tokens, num_entries * 8);
+            kvc_prefetch_l2(expected_positions, num_entries * 8);
+        }
     } else {
         const KvcEntryBlocks blocks =
             plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
@@ -192,6 +207,24 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const unsigned long long verified =
         total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
 
+    // Whether this block is the last to finish its work (every block calls it once): the write
+    // waits for every verify read and for the whole write plan. The last block resets the counter.
+    const auto last_block = [&]() {
+        if (gridDim.x == 1) {
+            __syncthreads();
+            return true;
+        }
+        __syncthreads();  // the block's work is done before it says so
+        if (tid == 0) {
+            __threadfence();
+            s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (!s_last) return false;
+        __threadfence();
+        return true;
+    };
+
     if (!kTailWrite) {
         if (blockIdx.x == (plan_block_apart ? 1u : 0u) && tid == 0) {
             atomicAdd(kernel_run_counter, 1ull);
@@ -199,22 +232,33 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         }
         kvc_finish_write_plan<kThreads>(bs, carry_w, w_offsets, w_seeds, w_num_valid_reqs,
                                         w_capacity);
+        if (kRealKv || last_block_writes == 0) return;
+        if (!last_block()) return;
+        // ---- write of a decode batch of up to kThreads requests, by the last block ------------
+        // A thread a request, from the write plan block 0 stored (and the entries and the seeds'
+        // slots it asked L2 for): the write kernel's work without its launch.
+        const KvcWriteIn wl = {input_ids, positions, out_cache_loc, expected_tokens,
+                               expected_positions, num_entries, *chain_position_assert != 0, ring,
+                               src, write_tag};
+        unsigned long long stored = 0;
+        for (kvc_i64 r = tid; r < kvc_min64(bs, w_capacity); r += kThreads) {
+            stored += kvc_write_request<kVec16>(c, wl, w_offsets[r], w_offsets[r + 1], w_seeds[r],
+                                                guess, false);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);
+        }
+        if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);
+        if (tid == 0) {
+            atomicAdd(kernel_run_counter, 1ull);
+            *blocks_done = 0u;
+        }
         return;
     }
 
     // ---- write, by the last block to finish verifying ---------------------------------------
-    if (gridDim.x > 1) {
-        __syncthreads();  // the block's verify is done before it says so
-        if (tid == 0) {
-            __threadfence();
-            s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
-        }
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
-    } else {
-        __syncthreads();  // a grid of one block: it is the last
-    }
+    if (!last_block()) return;
     // A thread per request: the first warp writes, scanning with shuffles, with no barrier left on
     // its path.
     if (tid >= 32) return;

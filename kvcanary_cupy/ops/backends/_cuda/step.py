@@ -24,14 +24,23 @@ def tail_write(batch_size: int, num_entries: int) -> bool:
     return batch_size <= TAIL_MAX_REQUESTS and num_entries <= 2 * batch_size
 
 
+def last_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
+    """Past tail_write: the step kernel's last block writes, a thread a request, instead of a
+    second launch. Decode-shaped, at most one request a thread of a block, and without real-KV
+    sources (their hashing does not fit the verify's register budget)."""
+    return not real_kv and num_entries <= 2 * batch_size and batch_size <= _BLOCK
+
+
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
             check_expected_token: bool) -> list[Launch]:
     import cupy
 
     device_id = ctx.device.index
     bs = int(batch.req_pool_indices.shape[0])
+    real_kv = has_real_kv(ctx)
     tail = tail_write(bs, writes.num_entries)
-    name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail, has_real_kv(ctx))
+    last_block = not tail and last_block_write(bs, writes.num_entries, real_kv)
+    name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail, real_kv)
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
     # loop is exact for any grid).
@@ -51,10 +60,10 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
         *batch_args(batch),
         i64(int(verify_capacity)), i64(int(verify_tag)), i64(1 if check_expected_token else 0),
         *write_plan_args(wplan),
-        *entry_args(writes), i64(int(writes.tag)), blocks_done,
+        *entry_args(writes), i64(int(writes.tag)), blocks_done, i64(1 if last_block else 0),
     )
     # Packed once: a step relaunches with the same arguments every forward.
     launches = [Launch(fn, grid, _BLOCK, args, packed=True)]
-    if not tail:
+    if not (tail or last_block):
         launches.append(prepare_write(ctx, wplan, writes, packed=True))
     return launches
