@@ -1,6 +1,7 @@
-"""The canary step on a CUDA device: one launch for small decode batches (verify entries derived
-from the metadata, then the write by the last block), otherwise the step kernel (verify and the
-write plan) followed by the write kernel."""
+"""The canary step on a CUDA device: one launch for decode batches (verify entries derived from the
+metadata, then the write by the last block: its first warp up to 32 requests, a thread a request up
+to 512 without real-KV sources), otherwise the step kernel (verify and the write plan) followed by
+the write kernel."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
 
 _BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
-# The last block writes a request per lane of its first warp, which beats a second launch only for
-# small batches: on an H200 (tools/decode_probe.py) one launch is faster at bs 1, two launches from
-# bs 128 on. The kernel's bound (its kTailWrite kernel writes nothing past it).
+# The kTailWrite kernel's last block writes a request per lane of its first warp, with the small
+# batch path alone in its code. The kernel's bound (it writes nothing past it).
 TAIL_MAX_REQUESTS = _loader.SPECS["step"].constant("KVC_STEP_TAIL_MAX_REQUESTS")
 
 
