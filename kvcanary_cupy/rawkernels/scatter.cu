@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
         if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
         for (kvc_i64 r2 = first_later; r2 < bs; r2 += kThreads) {
-            const kvc_i64 rp2 = kDecode && r2 == first_later ? first_later_rp : req_pool_indices[r2];
+            const kvc_i64 rp2 =
+                kDecode && r2 == first_later ? first_later_rp : req_pool_indices[r2];
             kvc_u64 a, b;
             if (rp2 == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
                 const int d = atomicAdd(&s_ndup, 1);
