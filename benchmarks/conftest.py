@@ -42,6 +42,12 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # the empty launch measured again once everything else has run (bench_ceilings.py)
+    last = [item for item in items if item.name == "test_empty_kernel_at_end"]
+    items[:] = [item for item in items if item.name != "test_empty_kernel_at_end"] + last
+
+
 def _device(config) -> str:
     choice = config.getoption("--device")
     if choice != "auto":

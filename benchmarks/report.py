@@ -28,14 +28,18 @@ ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_h
 
 def load(path: str) -> tuple[Optional[dict], list[dict], dict]:
     data = json.loads(pathlib.Path(path).read_text())
-    ceilings, rows = None, []
+    ceilings, rows, end_us = None, [], None
     for bench in data.get("benchmarks", []):
         info = dict(bench.get("extra_info") or {})
         if info.get("op") == "ceilings":
             ceilings = info
+        elif info.get("op") == "ceilings_end":
+            end_us = info["empty_kernel_us"]
         elif "case" in info and "time_us" in info:
             info["_name"] = bench.get("name")
             rows.append(info)
+    if ceilings is not None and end_us is not None:
+        ceilings["empty_kernel_end_us"] = end_us
     return ceilings, rows, data
 
 
@@ -105,6 +109,8 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
             f"**Ceilings:** copy {ceilings['copy_gbps']:.0f} GB/s (read+write) · random 32-B gather "
             f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} G entries/s ({ceilings['gather32_gbps']:.0f} GB/s) · "
             f"empty kernel {ceilings['empty_kernel_us']:.2f} µs device"
+            + (f" ({ceilings['empty_kernel_end_us']:.2f} µs at the end of the run)"
+               if ceilings.get("empty_kernel_end_us") is not None else "")
             + (f", {graph:.2f} µs as graph replay" if graph else "")
             + f", {ceilings['empty_launch_host_us']:.2f} µs host per launch")
         lines.append("")
