@@ -103,7 +103,7 @@ def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):
     (past the kernel's 64 remembered later writers)."""
     from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter
 
-    monkeypatch.setattr(cuda_scatter, "decode_shaped", lambda *_: decode)
+    monkeypatch.setattr(cuda_scatter, "decode_form", lambda *_: decode)
     rng = np.random.default_rng(100 + seed)
     rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 300))
     bs = int(rng.integers(1, 400))
@@ -118,9 +118,9 @@ def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):
 
 
 def test_decode_form_is_picked_for_one_token_rows_that_fit_one_wave():
-    from kvcanary_cupy.ops.backends._cuda.scatter import decode_shaped
+    from kvcanary_cupy.ops.backends._cuda.scatter import decode_form
 
-    assert decode_shaped(1024, 1024, 132)
-    assert decode_shaped(256, 512, 132)
-    assert not decode_shaped(256, 513, 132)  # rows of more than two tokens on average
-    assert not decode_shaped(4096, 4096, 132)  # blocks would take several requests in turn
+    assert decode_form(1024, 1024, 132)
+    assert decode_form(256, 512, 132)
+    assert not decode_form(256, 513, 132)  # rows of more than two tokens on average
+    assert not decode_form(4096, 4096, 132)  # blocks would take several requests in turn

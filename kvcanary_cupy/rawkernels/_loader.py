@@ -64,7 +64,8 @@ _SPECS = (
                (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
-               (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128))),
+               (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),
+                ("KVC_SCATTER_BLOCKS_PER_SM", 8))),
     # the one-launch step writes a request per lane of one warp: at most 32 requests
     KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS,
                (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),

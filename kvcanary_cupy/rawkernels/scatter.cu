@@ -10,9 +10,10 @@
 // shapes): such a scatter is a chain of memory round trips, a token a request. Whatever does not
 // depend on another read is requested at once (the request's row and offsets, the first later
 // request's row it compares with), and its first value before the comparison: two round trips
-// (offsets, then values) instead of four. Blocks are smaller, so that a batch of up to 8 requests
-// an SM runs in one wave. Otherwise (long rows, or blocks that take several requests in turn) the
-// early reads measured slower (bs 4096: 18.2 -> 20.5 us at best) and the row wants more threads.
+// (offsets, then values) instead of four. Blocks are smaller, and the launch bounds keep
+// KVC_SCATTER_BLOCKS_PER_SM of them on an SM, the launcher's grid at most: one wave. Otherwise
+// (long rows, or blocks that take several requests in turn) the early reads measured slower
+// (bs 4096: 18.2 -> 20.5 us at best) and the row wants more threads.
 #include "canary_common.cuh"
 
 namespace {
@@ -54,7 +55,8 @@ __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64
 
 template <bool kDecode>
 __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
-                                  kDecode ? 8 : KVC_SCATTER_MIN_BLOCKS) kvc_scatter(
+                                  kDecode ? KVC_SCATTER_BLOCKS_PER_SM : KVC_SCATTER_MIN_BLOCKS)
+    kvc_scatter(
     const kvc_i64* __restrict__ flat_in, kvc_i64 n, const kvc_i64* __restrict__ offsets,
     const kvc_i64* __restrict__ req_pool_indices, kvc_i64 bs, int* pool_out, kvc_i64 rows,
     kvc_i64 width, kvc_i64 row_stride) {

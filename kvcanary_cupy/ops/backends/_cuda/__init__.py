@@ -15,7 +15,7 @@ import numpy as np
 
 from ....rawkernels import _loader
 
-__all__ = ["Launch", "ptr", "i64", "i32", "kernel", "resident_grid", "sm_count", "vec16"]
+__all__ = ["Launch", "ptr", "i64", "i32", "decode_shaped", "kernel", "resident_grid", "sm_count", "vec16"]
 
 
 _NULL = np.uint64(0)
@@ -45,6 +45,12 @@ def resident_grid(source: str, name: str, device_id: int, block: int) -> int:
 
 def sm_count(device_id: int) -> int:
     return _loader.device_info(device_id).sm_count
+
+
+def decode_shaped(batch_size: int, num_tokens: int) -> bool:
+    """At most two new tokens a request on average: the shape for which the launchers pick the
+    kernels' decode forms (the write's one warp a request, the one-launch step, scatter's kDecode)."""
+    return num_tokens <= 2 * batch_size
 
 
 def vec16(canary_buf) -> bool:

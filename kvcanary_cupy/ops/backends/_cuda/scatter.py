@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import i64, kernel, launch, ptr, sm_count
+from . import decode_shaped, i64, kernel, launch, ptr, sm_count
 
 _BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_THREADS")
 _DECODE_BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_DECODE_THREADS")
-_BLOCKS_PER_SM = 8
+# the grid's blocks an SM at most, which the kDecode kernel's launch bounds keep resident at once
+_BLOCKS_PER_SM = _loader.SPECS["scatter"].constant("KVC_SCATTER_BLOCKS_PER_SM")
 
 
-def decode_shaped(batch_size: int, num_tokens: int, sm_count: int) -> bool:
-    """scatter.cu's kDecode: at most two tokens a request on average, and a block for every
-    request (the grid takes at most _BLOCKS_PER_SM blocks an SM)."""
-    return num_tokens <= 2 * batch_size and batch_size <= _BLOCKS_PER_SM * sm_count
+def decode_form(batch_size: int, num_tokens: int, sm_count: int) -> bool:
+    """scatter.cu's kDecode: decode-shaped, and a block for every request (the grid takes at most
+    _BLOCKS_PER_SM blocks an SM)."""
+    return decode_shaped(batch_size, num_tokens) and batch_size <= _BLOCKS_PER_SM * sm_count
 
 
 def scatter(batch, *, stream) -> None:
@@ -24,7 +25,7 @@ def scatter(batch, *, stream) -> None:
         return
     device_id = batch.device.index
     sms = sm_count(device_id)
-    decode = decode_shaped(bs, int(batch.flat_in.shape[0]), sms)
+    decode = decode_form(bs, int(batch.flat_in.shape[0]), sms)
     fn = kernel("scatter", _loader.instance("kvc_scatter", decode), device_id)
     stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
     grid = max(1, min(bs, _BLOCKS_PER_SM * sms))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....rawkernels import _loader
-from . import Launch, i64, kernel, ptr, resident_grid, vec16
+from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, write_plan_args
 from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
 
@@ -21,14 +21,14 @@ TAIL_MAX_REQUESTS = _loader.SPECS["step"].constant("KVC_STEP_TAIL_MAX_REQUESTS")
 def tail_write(batch_size: int, num_entries: int) -> bool:
     """Decode-shaped and small: at most two new tokens per request on average, at most
     TAIL_MAX_REQUESTS requests."""
-    return batch_size <= TAIL_MAX_REQUESTS and num_entries <= 2 * batch_size
+    return batch_size <= TAIL_MAX_REQUESTS and decode_shaped(batch_size, num_entries)
 
 
 def last_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
     """Past tail_write: the step kernel's last block writes, a thread a request, instead of a
     second launch. Decode-shaped, at most one request a thread of a block, and without real-KV
     sources (their hashing does not fit the verify's register budget)."""
-    return not real_kv and num_entries <= 2 * batch_size and batch_size <= _BLOCK
+    return not real_kv and decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
 
 
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,

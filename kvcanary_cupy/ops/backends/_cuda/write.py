@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import Launch, i64, kernel, ptr, resident_grid, vec16
+from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 32 * _loader.SPECS["write"].constant("KVC_WRITE_WARPS")
 _CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
@@ -13,7 +13,7 @@ def paired(num_entries: int, max_requests: int) -> bool:
     """Two warps a request (write.cu's kPaired) unless the batch is decode-shaped (at most two new
     tokens a request on average, counted over the plan's capacity) or no request can reach a second
     chunk: while one warp walks a chunk's chain, the other checks, stages and stores another."""
-    return num_entries > _CHUNK and num_entries > 2 * max(max_requests, 1)
+    return num_entries > _CHUNK and not decode_shaped(max(max_requests, 1), num_entries)
 
 
 def context_args(ctx) -> tuple:
