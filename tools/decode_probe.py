@@ -46,7 +46,7 @@ CUTS = (("launch only", "    // kTailWrite: what the write needs first is reques
         ("+ verify", "    // slots the verify counts as checked"),
         ("+ last-block hand-off", "    if (tid >= 32) return;\n    unsigned long long stored"),
         ("+ write scan", "    if (tid < bs) {\n        const kvc_i64 begin"),
-        ("+ write", "#pragma unroll\n    for (int off = 16; off > 0; off >>= 1) stored +="),
+        ("+ write", "    stored = kvc_warp_sum(stored);\n    if (tid == 0) {"),
         ("whole step", ""))
 
 # whole-step variants timed beside the cuts: (label, ((old, new), ...)) applied to step.cu

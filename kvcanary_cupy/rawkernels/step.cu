@@ -149,11 +149,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         // what the last block reads once every block has verified (a grid of one block reads it
         // soon enough: there the prefetch measured 0.5 us slower)
         kvc_prefetch_l2(extend_lens, bs * 8);
-        kvc_prefetch_l2(input_ids, num_entries * 8);
-        kvc_prefetch_l2(positions, num_entries * 8);
-        kvc_prefetch_l2(out_cache_loc, num_entries * 8);
-        kvc_prefetch_l2(expected_tokens, num_entries * 8);
-        kvc_prefetch_l2(expected_positions, num_entries * 8);
+        kvc_prefetch_write_entries(w);
     }
 
     // ---- verify ----------------------------------------------------------------------------
@@ -186,11 +182,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
                 const kvc_i64 seed = w_seeds[r];
                 if (seed >= 0 && seed < num_slots) kvc_prefetch_word(canary + seed * slot_stride);
             }
-            kvc_prefetch_l2(input_ids, num_entries * 8);
-            kvc_prefetch_l2(positions, num_entries * 8);
-            kvc_prefetch_l2(out_cache_loc, num_entries * 8);
-            kvc_prefetch_l2(expected_tokens, num_entries * 8);
-            kvc_prefetch_l2(expected_positions, num_entries * 8);
+            kvc_prefetch_write_entries(w);
         }
     } else {
         const KvcEntryBlocks blocks =
@@ -237,18 +229,14 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         // ---- write of a decode batch of up to kThreads requests, by the last block ------------
         // A thread a request, from the write plan block 0 stored (and the entries and the seeds'
         // slots it asked L2 for): the write kernel's work without its launch.
-        const KvcWriteIn wl = {input_ids, positions, out_cache_loc, expected_tokens,
-                               expected_positions, num_entries, *chain_position_assert != 0, ring,
-                               src, write_tag};
+        KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
+        wl.chain_position_assert = *chain_position_assert != 0;
         unsigned long long stored = 0;
         for (kvc_i64 r = tid; r < kvc_min64(bs, w_capacity); r += kThreads) {
             stored += kvc_write_request<kVec16>(c, wl, w_offsets[r], w_offsets[r + 1], w_seeds[r],
                                                 guess, false);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);
-        }
+        stored = kvc_warp_sum(stored);
         if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);
         if (tid == 0) {
             atomicAdd(kernel_run_counter, 1ull);
@@ -274,8 +262,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         stored = kvc_write_request<kVec16>(c, w, begin, kvc_wrap_add(begin, cnt), seed, guess,
                                            begin == (kvc_i64)tid);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) stored += __shfl_xor_sync(KVC_FULL_MASK, stored, off);
+    stored = kvc_warp_sum(stored);
     if (tid == 0) {
         // the verify's run and the write's, counted once the launch has done both
         atomicAdd(kernel_run_counter, 2ull);

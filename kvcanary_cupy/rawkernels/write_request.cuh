@@ -29,6 +29,16 @@ __device__ __forceinline__ bool kvc_checks_expected(const KvcWriteIn& w) {
     return w.expected_tokens != nullptr && w.expected_positions != nullptr;
 }
 
+// Asks L2 for every entry's inputs (kvc_prefetch_l2, the block's threads a line each), for a write
+// that reads them once a grid-wide handoff is done.
+__device__ __forceinline__ void kvc_prefetch_write_entries(const KvcWriteIn& w) {
+    kvc_prefetch_l2(w.input_ids, w.num_entries * 8);
+    kvc_prefetch_l2(w.positions, w.num_entries * 8);
+    kvc_prefetch_l2(w.out_cache_loc, w.num_entries * 8);
+    kvc_prefetch_l2(w.expected_tokens, w.num_entries * 8);
+    kvc_prefetch_l2(w.expected_positions, w.num_entries * 8);
+}
+
 __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteIn& w, kvc_i64 i) {
     const bool has_expected = kvc_checks_expected(w);
     KvcWriteEntry e = {-1, 0, 0, 0, 0};
