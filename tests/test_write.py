@@ -299,7 +299,7 @@ def test_ring_overflow_on_write(device):
     assert all(r[7] == 8 for r in rows)
 
 
-# --- the CUDA write's two forms (one warp a request, or two walking its chunks in turn) ----------
+# --- the CUDA write's forms (a thread a request; one warp a request, or two walking its chunks in turn)
 
 def test_cuda_write_team_follows_the_batch_shape():
     """Two warps a request unless the batch is decode-shaped (at most two new tokens a request over
@@ -312,6 +312,19 @@ def test_cuda_write_team_follows_the_batch_shape():
     assert not paired(256, 256)       # decode
     assert not paired(512, 256)       # two tokens a request
     assert not paired(32, 1)          # a single chunk at most
+
+
+def test_cuda_write_takes_a_thread_a_request_for_decode_without_sources():
+    """kvc_write_decode for decode-shaped batches (at most two new tokens a request over the plan's
+    capacity) whose context hashes no real-KV sources; kvc_write otherwise."""
+    from kvcanary_cupy.ops.backends._cuda.write import decode_form
+
+    assert decode_form(256, 256, False)       # decode
+    assert decode_form(1, 1, False)           # the decode tail
+    assert decode_form(512, 256, False)       # two tokens a request
+    assert not decode_form(256, 256, True)    # decode with sources: the warp form
+    assert not decode_form(4096, 1, False)    # a prefill chunk
+    assert not decode_form(32 * 128, 32, False)
 
 
 def test_cuda_kernels_without_sources_have_no_hashing_code():
@@ -373,10 +386,11 @@ def _long_requests_case(rng: np.random.Generator) -> dict:
 
 @requires_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("team", ["one", "two"])
+@pytest.mark.parametrize("team", ["thread", "one", "two"])
 def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write
 
+    monkeypatch.setattr(cuda_write, "decode_form", lambda *_: team == "thread")
     monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
     case = _long_requests_case(np.random.default_rng(11))
     results = {}

@@ -5,8 +5,10 @@
 Each op gets ``--cases`` random cases (sizes from 1 entry to ``--max-entries``, a few percent of
 them large). Outputs are compared byte for byte; violation rows as a multiset. Exit status 1 on any
 mismatch. ``--device cpu`` runs the oracle against itself (a smoke test of the generator).
-``--write-team one|two`` forces the CUDA write kernel's one or two warps a request for every batch
-(by default the host picks from the batch's shape, so decode-shaped cases get one and the rest two).
+``--write-team thread|one|two`` forces the CUDA write's form for every batch: a thread a request
+(kvc_write_decode), or kvc_write with one or two warps a request (by default the host picks from the
+batch's shape and sources: decode-shaped cases get a thread a request without sources and one warp
+with, the rest two warps).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--write-team", choices=("auto", "one", "two"), default="auto",
-                        help="warps a request in the CUDA write kernel (write and step): as the host "
-                             "picks, or forced for every batch")
+    parser.add_argument("--write-team", choices=("auto", "thread", "one", "two"), default="auto",
+                        help="threads or warps a request in the CUDA write (write and step): as the "
+                             "host picks, or forced for every batch")
     args = parser.parse_args(argv)
     if args.write_team != "auto":
         from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+        cuda_write.decode_form = lambda *_, thread=args.write_team == "thread": thread
         cuda_write.paired = lambda *_, two=args.write_team == "two": two
 
     summary = {"device": args.device, "seed": args.seed, "write_team": args.write_team, "ops": {}}

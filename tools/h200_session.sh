@@ -31,8 +31,8 @@ if has fuzz; then
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
       > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
   done
-  # the write kernel's two forms on every shape, not only on the shapes the host gives each
-  for team in one two; do
+  # the write's three forms on every shape, not only on the shapes the host gives each
+  for team in thread one two; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops write --write-team "$team" --cases $((FUZZ_CASES / 2)) --seed 7 \
       --json "$LOGS/fuzz-write-$team.json" > "$LOGS/fuzz-write-$team.log" 2>&1 & pids+=($!)
   done
@@ -51,7 +51,7 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
 if has fuzz; then
-  for op in verify write plan scatter step write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
+  for op in verify write plan scatter step write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
 if has sanitize; then
   for tool in memcheck racecheck initcheck; do

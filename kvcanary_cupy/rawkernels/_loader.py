@@ -54,14 +54,15 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
-_WRITE_KERNELS = _instances("kvc_write", 3)  # vec16, paired, real-KV sources
+_WRITE_KERNELS = (_instances("kvc_write", 3)  # vec16, paired, real-KV sources
+                  + _instances("kvc_write_decode", 2))  # vec16, real-KV sources
 _STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 _SCATTER_KERNELS = _instances("kvc_scatter", 1)  # decode-shaped
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
-               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
+               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32), ("KVC_WRITE_DECODE_THREADS", 128))),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
                (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),

@@ -69,13 +69,6 @@ __device__ __forceinline__ kvc_i64 kvc_warp_scan(kvc_i64 v) {
     return v;
 }
 
-// Sum over the 32 lanes of a warp, on every lane, every lane taking part.
-__device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(KVC_FULL_MASK, v, off);
-    return v;
-}
-
 // Inclusive scan over a block of kThreads threads (saturating or wrapping add). *total gets the
 // block's sum. Uses s_warp[kThreads / 32]; ends with a barrier so s_warp can be reused at once.
 template <int kThreads, bool kSaturate>

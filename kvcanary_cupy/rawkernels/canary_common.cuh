@@ -302,6 +302,13 @@ __device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
     return v;
 }
 
+// Sum over the 32 lanes of a warp, on every lane, every lane taking part.
+__device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(KVC_FULL_MASK, v, off);
+    return v;
+}
+
 // A counter other blocks add to after a fence, read with acquire semantics: what they wrote before
 // adding is visible to the reader once it sees their addition.
 __device__ __forceinline__ unsigned int kvc_ld_acquire(const unsigned int* p) {

@@ -1,7 +1,8 @@
 // write: stores (token, position, chain, real-KV hash) into the canary slots of the tokens a
 // forward pass writes, chaining each slot to its predecessor (SPEC 3.1 and 4).
 //
-// Work split
+// Work split (kvc_write; decode-shaped batches without real-KV sources take kvc_write_decode, at
+// the end of this file)
 // * The chain of a request is serial: running = mix3(running, token, position). One warp owns a
 //   request (or a pair of warps, below). Its 32 lanes load and check 32 entries at a time (the
 //   loads of its next 32 are in flight meanwhile); then every lane walks the stored entries of
@@ -368,3 +369,48 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
     if (threadIdx.x == 0 && s_stored) atomicAdd(slot_run_counter, s_stored);
 }
 
+
+// A decode-shaped write without real-KV sources (the host's decode_form: at most two new tokens a
+// request on average): a thread a request, walking its entries in the reference's order
+// (kvc_write_request). Its chains are a token or two, so kvc_write's warp a request leaves most
+// lanes idle, and its code is a small part of kvc_write's, which a decode write fetches with cold
+// instruction caches: bs 1 to 1024 measured 0.5-0.7 us faster. (With sources it reads an entry's
+// at once in one thread, which measured slower than kvc_write's sources spread over lanes; the
+// instance is kept for tools/differential_fuzz.py --write-team thread.) Parameters as kvc_write's.
+template <bool kVec16, bool kRealKv>
+__global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS) kvc_write_decode(
+    unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
+    const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
+    const int* __restrict__ num_valid_reqs, kvc_i64 capacity,
+    const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
+    const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
+    const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries,
+    const int* __restrict__ chain_position_assert, kvc_i64* ring_rows, kvc_i64 ring_capacity,
+    int* ring_write_index, unsigned long long* slot_run_counter,
+    unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
+    kvc_i64 num_sources, kvc_i64 tag) {
+    const kvc_i64 r = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    // Requested before the request count arrives (rows below the capacity exist, offsets has one
+    // more), with entry r, which request r writes in a batch of a token a request.
+    kvc_i64 begin = 0, end = 0, seed = -1;
+    if (r < capacity) {
+        begin = kvc_ld_early(offsets + r);
+        end = kvc_ld_early(offsets + r + 1);
+        seed = kvc_ld_early(seed_slots + r);
+    }
+    const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
+    const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
+    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
+                          num_entries, *chain_position_assert != 0, ring, src, tag};
+    const KvcWriteEntry guess = kvc_request_write_entry(w, r);
+    const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        atomicAdd(kernel_run_counter, 1ull);
+        kvc_prefetch_word(slot_run_counter);  // the warps add their stored slots at the end
+    }
+    const KvcCanary c = {canary, num_slots, slot_stride};
+    unsigned long long stored = 0;
+    if (r < nreq) stored = kvc_write_request<kVec16>(c, w, begin, end, seed, guess, begin == r);
+    stored = kvc_warp_sum(stored);
+    if ((threadIdx.x & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);
+}
