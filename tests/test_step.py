@@ -128,7 +128,7 @@ def test_step_launch_count_on_gpu(bs, n, sources, launches):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
-# one launch (the first warp of the last block writes), two, one (block 0 writes), two
+# one launch (the first warp of the last block writes), two, one (the last block writes), two
 @pytest.mark.parametrize("bs, sources", [(8, True), (64, True), (64, False), (600, False)])
 def test_step_graph_replay_matches_eager(bs, sources):
     """A captured CanaryStep replayed after refilling its inputs in place equals eager launches."""

@@ -309,14 +309,6 @@ __device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v)
     return v;
 }
 
-// A counter other blocks add to after a fence, read with acquire semantics: what they wrote before
-// adding is visible to the reader once it sees their addition.
-__device__ __forceinline__ unsigned int kvc_ld_acquire(const unsigned int* p) {
-    unsigned int v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
     longlong2 v;
     asm volatile("ld.global.nc.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p));
