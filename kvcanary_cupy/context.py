@@ -144,7 +144,7 @@ class CanaryContext:
             raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
         assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
         where = parse_device(device)
-        return cls(
+        ctx = cls(
             canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
             violation_ring=empty((ring_capacity, L.RING_COLUMNS), np.int64, where),
             violation_write_index=empty((1,), np.int32, where),
@@ -154,6 +154,10 @@ class CanaryContext:
             real_kv_sources=tuple(real_kv_sources),
             hash_mode=hash_mode,
         )
+        # The fills are queued on the current stream; an op launched on a non-blocking stream
+        # would not wait for them, and a late fill would zero a counter the op had added to.
+        ctx._wait_for_device()
+        return ctx
 
     # --- facts ----------------------------------------------------------------------------------
     @property

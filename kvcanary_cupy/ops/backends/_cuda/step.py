@@ -53,6 +53,10 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     grid = max(1 if tail else 2, min(resident_grid("step", name, device_id, _BLOCK), verify_blocks))
     with cupy.cuda.Device(device_id):
         blocks_done = cupy.zeros(1, dtype=np.uint32)
+        # The kernel needs the counter zero at its first launch, on whatever stream the step is
+        # launched; the zeroing is queued on the current stream, which a non-blocking launch stream
+        # does not wait for. Waited for here, once, as the step is built.
+        cupy.cuda.get_current_stream().synchronize()
     ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc = context_args(ctx)
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), ring, ring_capacity,
