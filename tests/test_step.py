@@ -7,6 +7,7 @@ import pytest
 
 import kvcanary_cupy as kc
 import _fuzzcases as F
+from _builders import slot_words
 from _devices import BACKENDS, HAS_CUDA, to_device, to_numpy
 
 
@@ -183,6 +184,57 @@ def test_step_graph_replay_matches_eager(bs, sources):
     assert counters["kernel_run_counter"] == 2 * 10 and counters["violations"] == 0
 
 
+def _spin_kernel():
+    """A one-thread kernel that keeps its stream busy for ``ns`` nanoseconds."""
+    import cupy
+
+    return cupy.RawKernel(r'''
+    extern "C" __global__ void spin(unsigned long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    }''', "spin")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.gpu
+def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
+    """A one-launch step built while the current stream is busy (the zeroing of its done counter
+    queued behind a spin there) and launched at once on a non-blocking stream still writes: the
+    zeroing is waited for when the step is built. Done under the running launch, it would drop the
+    counts of the blocks that had finished verifying, and no block would find itself last to write."""
+    import cupy
+
+    spin = _spin_kernel()
+    bs, prefix = 512, 16384  # a long verify (every zeroed slot is a violation), one launch (bs <= 512)
+    width = prefix + 1
+    ctx = kc.CanaryContext.allocate(bs * width + 1, device="cuda", ring_capacity=16)
+    table = cupy.arange(1, (bs + 1) * width + 1, dtype=cupy.int32).reshape(bs + 1, width) - width
+    input_ids = cupy.arange(7, 7 + bs, dtype=cupy.int64)
+
+    def build():
+        return kc.CanaryStep(ctx, verify_capacity=bs * prefix, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                             write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=cupy.arange(1, bs + 1),
+                             prefix_lens=cupy.full(bs, prefix, cupy.int64), extend_seq_lens=cupy.ones(bs, cupy.int64),
+                             req_to_token=table, input_ids=input_ids, positions=cupy.full(bs, prefix, cupy.int64),
+                             out_cache_loc=table[1:, prefix].astype(cupy.int64))
+
+    assert build().num_launches == 1
+    build().launch()  # compiles and loads the step's kernels
+    spin((1,), (1,), (cupy.uint64(0),))
+    cupy.cuda.Device().synchronize()
+    ctx.canary_buf[...] = 0
+    cupy.cuda.Device().synchronize()
+
+    spin((1,), (1,), (cupy.uint64(500_000),))  # on the current stream
+    step = build()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    step.launch(stream=stream)
+    cupy.cuda.Device().synchronize()
+    written = slot_words(ctx.canary_buf)[to_numpy(table[1:, prefix])]
+    assert np.array_equal(written[:, 0], to_numpy(input_ids))  # the token word of every new slot
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["current", "cupy", "handle", "protocol"])
@@ -191,12 +243,7 @@ def test_step_launches_on_the_given_stream(form):
     the ops take: behind a 200 ms spin on that stream it has not run yet, and it runs once the spin ends."""
     import cupy
 
-    spin = cupy.RawKernel(r'''
-    extern "C" __global__ void spin(unsigned long long ns) {
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    }''', "spin")
+    spin = _spin_kernel()
     bs, width = 4, 8
     ctx = kc.CanaryContext.allocate(256, device="cuda")
     table = cupy.asarray(np.arange(bs * width + width, dtype=np.int32).reshape(bs + 1, width))
