@@ -45,6 +45,25 @@ constexpr int kChunk = KVC_WRITE_CHUNK;  // entries per warp step and per offloa
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
+// The parameters of both write kernels: the launcher passes either the same arguments.
+#define KVC_WRITE_PARAMS                                                                           \
+    unsigned char *canary, kvc_i64 num_slots, kvc_i64 slot_stride,                                \
+        const kvc_i64 *__restrict__ offsets, const kvc_i64 *__restrict__ seed_slots,               \
+        const int *__restrict__ num_valid_reqs, kvc_i64 capacity,                                  \
+        const kvc_i64 *__restrict__ input_ids, const kvc_i64 *__restrict__ positions,              \
+        const kvc_i64 *__restrict__ out_cache_loc, const kvc_i64 *__restrict__ expected_tokens,    \
+        const kvc_i64 *__restrict__ expected_positions, kvc_i64 num_entries,                       \
+        const int *__restrict__ chain_position_assert, kvc_i64 *ring_rows, kvc_i64 ring_capacity,  \
+        int *ring_write_index, unsigned long long *slot_run_counter,                               \
+        unsigned long long *kernel_run_counter, const kvc_i64 *__restrict__ source_table,          \
+        kvc_i64 num_sources, kvc_i64 tag
+// The write's inputs from those parameters (with `ring` and `src` in scope).
+#define KVC_WRITE_IN_FROM_PARAMS                                                                   \
+    KvcWriteIn {                                                                                   \
+        input_ids, positions, out_cache_loc, expected_tokens, expected_positions, num_entries,     \
+            *chain_position_assert != 0, ring, src, tag                                            \
+    }
+
 // Named barrier 1 + team: both warps of a team (64 threads) meet at each handoff and at the end of
 // each request. The giver reaches it after its walk; the taker has by then checked and staged its
 // chunk and usually waits there already. (barrier.sync, not bar.sync: lanes may arrive diverged.)
@@ -66,16 +85,7 @@ __device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n,
 // per SM, asked for, is what the launch gets anyway and keeps it whole. (0: no request.)
 template <bool kVec16, bool kPaired, bool kRealKv>
 __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
-    unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
-    const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
-    const int* __restrict__ num_valid_reqs, kvc_i64 capacity,
-    const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
-    const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
-    const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries,
-    const int* __restrict__ chain_position_assert, kvc_i64* ring_rows, kvc_i64 ring_capacity,
-    int* ring_write_index, unsigned long long* slot_run_counter,
-    unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
-    kvc_i64 num_sources, kvc_i64 tag) {
+    KVC_WRITE_PARAMS) {
     __shared__ unsigned long long s_stored;
     __shared__ int s_count;
     __shared__ kvc_i64 s_lo[kThreads];
@@ -108,8 +118,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
     const kvc_i64 n = num_entries;
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
-    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
-                          num_entries, *chain_position_assert != 0, ring, src, tag};
+    const KvcWriteIn w = KVC_WRITE_IN_FROM_PARAMS;
     const bool has_expected = kvc_checks_expected(w);
     const KvcWriteEntry guess =
         kvc_request_write_entry(w, first_request + turn * kChunk + lane);
@@ -376,19 +385,10 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
 // lanes idle, and its code is a small part of kvc_write's, which a decode write fetches with cold
 // instruction caches: bs 1 to 1024 measured 0.5-0.7 us faster. (With sources it reads an entry's
 // at once in one thread, which measured slower than kvc_write's sources spread over lanes; the
-// instance is kept for tools/differential_fuzz.py --write-team thread.) Parameters as kvc_write's.
+// instance is kept for tools/differential_fuzz.py --write-team thread.)
 template <bool kVec16, bool kRealKv>
 __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS) kvc_write_decode(
-    unsigned char* canary, kvc_i64 num_slots, kvc_i64 slot_stride,
-    const kvc_i64* __restrict__ offsets, const kvc_i64* __restrict__ seed_slots,
-    const int* __restrict__ num_valid_reqs, kvc_i64 capacity,
-    const kvc_i64* __restrict__ input_ids, const kvc_i64* __restrict__ positions,
-    const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
-    const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries,
-    const int* __restrict__ chain_position_assert, kvc_i64* ring_rows, kvc_i64 ring_capacity,
-    int* ring_write_index, unsigned long long* slot_run_counter,
-    unsigned long long* kernel_run_counter, const kvc_i64* __restrict__ source_table,
-    kvc_i64 num_sources, kvc_i64 tag) {
+    KVC_WRITE_PARAMS) {
     const kvc_i64 r = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x;
     // Requested before the request count arrives (rows below the capacity exist, offsets has one
     // more), with entry r, which request r writes in a batch of a token a request.
@@ -400,8 +400,7 @@ __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS) kvc_write_decode(
     }
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
-    const KvcWriteIn w = {input_ids, positions, out_cache_loc, expected_tokens, expected_positions,
-                          num_entries, *chain_position_assert != 0, ring, src, tag};
+    const KvcWriteIn w = KVC_WRITE_IN_FROM_PARAMS;
     const KvcWriteEntry guess = kvc_request_write_entry(w, r);
     const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
