@@ -72,8 +72,9 @@ def test_no_kernel_spills(spec, arch):
 
 def _probe_variants():
     """The source variants the GPU probes time (tools/chain_probe.py, tools/decode_probe.py), as
-    (spec name, label, ((old, new), ...)). The probes import CuPy at the top; their tables need none,
-    so a stand-in module is enough to read them on a machine without it."""
+    (spec name, label, ((old, new), ...)), and the probes' own patching (tools/_probe.py: patched).
+    The probes import CuPy at the top; their tables need none, so a stand-in module is enough to
+    read them on a machine without it."""
     import importlib
     import pathlib
     import sys
@@ -89,6 +90,7 @@ def _probe_variants():
     try:
         chain = importlib.import_module("chain_probe")
         decode = importlib.import_module("decode_probe")
+        probe = importlib.import_module("_probe")
     finally:
         if stand_in:
             del sys.modules["cupy"]
@@ -100,10 +102,10 @@ def _probe_variants():
     variants += [("step", label, patch) for label, patch in decode.PATCHES]
     variants += [("step", f"cut: {label}", ((line, "return;\n" + line),)) for label, line in decode.CUTS if line]
     variants.append(("step", "globaltimer stamps", decode.stamp_patch()))
-    return variants
+    return variants, probe.patched
 
 
-_PROBE_VARIANTS = _probe_variants()
+_PROBE_VARIANTS, _patched = _probe_variants()
 
 
 @pytest.mark.parametrize("source, label, patch", _PROBE_VARIANTS, ids=[f"{s}: {l}" for s, l, _ in _PROBE_VARIANTS])
@@ -113,9 +115,6 @@ def test_probe_variants_apply_and_compile(source, label, patch):
     import dataclasses
 
     spec = next(s for s in SPECS if s.name == source)
-    code = spec.code
-    for old, new in patch:
-        assert code.count(old) == 1, f"{label}: {old!r} matches {code.count(old)} times in {spec.filename}"
-        code = code.replace(old, new)
+    code = _patched(spec.code, patch, f"{spec.filename} ({label})")
     compiled = _ptxas.compile_spec(dataclasses.replace(spec, code=code), "sm_90")
     assert compiled.ok, f"{label}: {compiled.error}\n{compiled.log}"

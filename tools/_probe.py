@@ -83,12 +83,19 @@ def use_sources(source: str, directory, patch: tuple = ()):
     return install_variant(source, (pathlib.Path(directory) / spec.filename).read_text(), options, patch)
 
 
+def patched(code: str, patch: tuple, where: str = "") -> str:
+    """``code`` with each (old, new) replacement of ``patch`` made; each old must match once."""
+    for old, new in patch:
+        count = code.count(old)
+        assert count == 1, f"{old!r} matches {count} times{' in ' + where if where else ''}"
+        code = code.replace(old, new)
+    return code
+
+
 def install_variant(source: str, code: str, options: tuple[str, ...], patch: tuple = ()):
     """Compiles ``code`` (with ``patch``, (old, new) replacements each matching once) as the source
     ``source`` ("step", "write", ...) and makes the launchers use its kernels; returns the module."""
-    for old, new in patch:
-        assert code.count(old) == 1, old
-        code = code.replace(old, new)
+    code = patched(code, patch, source)
     spec = _loader.SPECS[source]
     module = cupy.RawModule(code=code, options=options, name_expressions=list(spec.name_expressions))
     for kernel in spec.kernels:

@@ -45,7 +45,7 @@ constexpr int kChunk = KVC_WRITE_CHUNK;  // entries per warp step and per offloa
 constexpr int kInlineMax = 32;   // requests with at most this many entries hash in their warp
 }
 
-// The parameters of both write kernels: the launcher passes either the same arguments.
+// The parameters of both write kernels (the launcher passes the same arguments to either).
 #define KVC_WRITE_PARAMS                                                                           \
     unsigned char *canary, kvc_i64 num_slots, kvc_i64 slot_stride,                                \
         const kvc_i64 *__restrict__ offsets, const kvc_i64 *__restrict__ seed_slots,               \
