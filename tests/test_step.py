@@ -196,6 +196,27 @@ def _spin_kernel():
     }''', "spin")
 
 
+def _decode_batch(bs: int, prefix: int):
+    """A decode batch of bs requests with prefix tokens each, request r on pool row r + 1 whose slots
+    are its own (slot 0 unused): the req_to_token table and the new tokens' slots."""
+    import cupy
+
+    width = prefix + 1
+    table = cupy.arange(1, (bs + 1) * width + 1, dtype=cupy.int32).reshape(bs + 1, width) - width
+    return table, table[1:, prefix].astype(cupy.int64)
+
+
+def _decode_step(ctx, table, new_slots, input_ids) -> kc.CanaryStep:
+    import cupy
+
+    bs, prefix = int(new_slots.shape[0]), int(table.shape[1]) - 1
+    return kc.CanaryStep(ctx, verify_capacity=bs * prefix, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                         write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=cupy.arange(1, bs + 1),
+                         prefix_lens=cupy.full(bs, prefix, cupy.int64), extend_seq_lens=cupy.ones(bs, cupy.int64),
+                         req_to_token=table, input_ids=input_ids, positions=cupy.full(bs, prefix, cupy.int64),
+                         out_cache_loc=new_slots)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
 def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
@@ -207,17 +228,12 @@ def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
 
     spin = _spin_kernel()
     bs, prefix = 512, 16384  # a long verify (every zeroed slot is a violation), one launch (bs <= 512)
-    width = prefix + 1
-    ctx = kc.CanaryContext.allocate(bs * width + 1, device="cuda", ring_capacity=16)
-    table = cupy.arange(1, (bs + 1) * width + 1, dtype=cupy.int32).reshape(bs + 1, width) - width
+    table, new_slots = _decode_batch(bs, prefix)
+    ctx = kc.CanaryContext.allocate(int(table.size) - prefix, device="cuda", ring_capacity=16)
     input_ids = cupy.arange(7, 7 + bs, dtype=cupy.int64)
 
     def build():
-        return kc.CanaryStep(ctx, verify_capacity=bs * prefix, verify_tag=kc.LaunchTag.HEAD_K_FULL,
-                             write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=cupy.arange(1, bs + 1),
-                             prefix_lens=cupy.full(bs, prefix, cupy.int64), extend_seq_lens=cupy.ones(bs, cupy.int64),
-                             req_to_token=table, input_ids=input_ids, positions=cupy.full(bs, prefix, cupy.int64),
-                             out_cache_loc=table[1:, prefix].astype(cupy.int64))
+        return _decode_step(ctx, table, new_slots, input_ids)
 
     assert build().num_launches == 1
     build().launch()  # compiles and loads the step's kernels
@@ -231,8 +247,42 @@ def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     stream = cupy.cuda.Stream(non_blocking=True)
     step.launch(stream=stream)
     cupy.cuda.Device().synchronize()
-    written = slot_words(ctx.canary_buf)[to_numpy(table[1:, prefix])]
+    written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
     assert np.array_equal(written[:, 0], to_numpy(input_ids))  # the token word of every new slot
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.gpu
+def test_steps_on_concurrent_streams_write_at_every_launch():
+    """Two one-launch steps (two contexts) launched in turn 200 times each on two non-blocking
+    streams, so that their kernels overlap: every launch of each verifies and writes (its kernel run
+    counter grows by two), none waits on the other, and the new slots hold their tokens."""
+    import time
+
+    import cupy
+
+    bs, prefix, launches = 64, 1024, 200
+    table, new_slots = _decode_batch(bs, prefix)
+    runs = []
+    for first_token in (3, 4):
+        ctx = kc.CanaryContext.allocate(int(table.size) - prefix, device="cuda", ring_capacity=16)
+        input_ids = cupy.arange(first_token, first_token + bs, dtype=cupy.int64)
+        step = _decode_step(ctx, table, new_slots, input_ids)
+        assert step.num_launches == 1
+        runs.append((ctx, step, input_ids, cupy.cuda.Stream(non_blocking=True)))
+    for _ in range(launches):
+        for _, step, _, stream in runs:
+            step.launch(stream=stream)
+    for _, _, _, stream in runs:
+        done = stream.record()
+        deadline = time.monotonic() + 30
+        while not done.done:
+            assert time.monotonic() < deadline, "a step launch did not finish within 30 s"
+            time.sleep(0.01)
+    for ctx, _, input_ids, _ in runs:
+        assert ctx.counters()["kernel_run_counter"] == 2 * launches
+        written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
+        assert np.array_equal(written[:, 0], to_numpy(input_ids))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
