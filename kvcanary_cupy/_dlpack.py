@@ -262,6 +262,17 @@ def empty(shape, dtype, device: Device, fill: int = 0):
     return np.full(shape, fill, dtype=dtype)
 
 
+def settle(device: Device) -> None:
+    """Waits for what is queued on CuPy's current stream of ``device`` (nothing to do on the CPU).
+    Called once where arrays a canary keeps are allocated: their fills are queued there, and an op
+    launched on a stream that does not wait for it (a non-blocking one) could otherwise run first,
+    or have a counter it added to zeroed by a late fill."""
+    if device.is_cuda:
+        cupy = require_cupy("device")
+        with cupy.cuda.Device(device.index):
+            cupy.cuda.get_current_stream().synchronize()
+
+
 def from_host(array: np.ndarray, device: Device):
     if not device.is_cuda:
         return array

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, empty, from_host, parse_device, require_cupy, to_host
+from ._dlpack import CPU, Device, empty, from_host, parse_device, require_cupy, settle, to_host
 from .sources import RealKvSource
 
 
@@ -154,9 +154,7 @@ class CanaryContext:
             real_kv_sources=tuple(real_kv_sources),
             hash_mode=hash_mode,
         )
-        # The fills are queued on the current stream; an op launched on a non-blocking stream
-        # would not wait for them, and a late fill would zero a counter the op had added to.
-        ctx._wait_for_device()
+        settle(where)
         return ctx
 
     # --- facts ----------------------------------------------------------------------------------
@@ -198,13 +196,17 @@ class CanaryContext:
             cupy.cuda.Device(self.device.index).synchronize()
 
     def clear_violations(self) -> None:
-        """Empty the ring (rows and write index); counters are kept."""
+        """Empty the ring (rows and write index); counters are kept. Done when this returns, for an
+        op launched next on any stream."""
         self.violation_ring[...] = 0
         self.violation_write_index[...] = 0
+        settle(self.device)
 
     def set_chain_position_assert(self, enabled: bool) -> None:
-        """Flip the device flag; CUDA graphs captured earlier see the new value."""
+        """Flip the device flag; CUDA graphs captured earlier see the new value. Done when this
+        returns, for an op launched next on any stream."""
         self.chain_position_assert[...] = 1 if check.boolean("enabled", enabled) else 0
+        settle(self.device)
 
     def slot_fields(self, slot: int) -> dict[str, int]:
         """The four stored fields of one slot, read on the host."""
@@ -245,8 +247,10 @@ class VerifyPlan:
     def allocate(cls, capacity: int, *, device: Any = "cpu") -> "VerifyPlan":
         capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", capacity))
         where = parse_device(device)
-        return cls(*(empty((capacity,), np.int64, where) for _ in range(4)),
+        plan = cls(*(empty((capacity,), np.int64, where) for _ in range(4)),
                    num_valid=empty((1,), np.int32, where), enable=empty((1,), np.int32, where))
+        settle(where)
+        return plan
 
     @property
     def capacity(self) -> int:
@@ -277,9 +281,11 @@ class WritePlan:
     def allocate(cls, req_capacity: int, *, device: Any = "cpu") -> "WritePlan":
         capacity = check.fits_int32("write_req_capacity", check.non_negative("write_req_capacity", req_capacity))
         where = parse_device(device)
-        return cls(offsets=empty((capacity + 1,), np.int64, where),
+        plan = cls(offsets=empty((capacity + 1,), np.int64, where),
                    seed_slot_indices=empty((capacity,), np.int64, where, fill=L.NO_PREDECESSOR),
                    num_valid_reqs=empty((1,), np.int32, where))
+        settle(where)
+        return plan
 
     @classmethod
     def from_host(cls, *, offsets, seed_slot_indices, num_valid_reqs: int, device: Any = CPU) -> "WritePlan":

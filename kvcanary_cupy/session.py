@@ -23,10 +23,11 @@ import numpy as np
 from . import _layout as L
 from . import reference as _ref
 from . import validate as check
-from ._dlpack import cupy_module, empty, native_view, parse_device, to_host
+from ._dlpack import cupy_module, empty, native_view, parse_device, settle, to_host
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops import plan as _plan
+from .ops._dispatch import resolve_stream
 from .ops import verify as _verify
 from .ops import write as _write
 from .sources import RealKvSource
@@ -206,6 +207,7 @@ class _Group:
         self.sweep_vplan: Optional[VerifyPlan] = None
         self.sweep_wplan: Optional[WritePlan] = None
         self.overflows = empty((1,), np.int64, device)
+        settle(device)
         self.log: list[_Launch] = []
 
 
@@ -214,9 +216,11 @@ def _xp(device):
 
 
 @contextlib.contextmanager
-def _on(device):
+def _on(device, stream: Any):
+    """The canary's own array work between its ops, on their device and stream: queued on another
+    stream it would not wait for the ops before it (nor they for it)."""
     if device.is_cuda:
-        with cupy_module().cuda.Device(device.index):
+        with cupy_module().cuda.Device(device.index), resolve_stream(stream, device):
             yield
     else:
         yield
@@ -310,7 +314,7 @@ class Canary:
 
     def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:
         _verify(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
-        with _on(self.device):
+        with _on(self.device, stream):
             group.overflows += 1 - vplan.enable  # skipped launches, counted on the device, read by poll()
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
@@ -336,7 +340,7 @@ class Canary:
                 self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
                            batch.extend_seq_lens, batch.expected_valid_lens, stream)
         for group in self.groups:
-            loc = batch.out_cache_loc if group.lut is None else self._swa_loc(group, batch)
+            loc = batch.out_cache_loc if group.lut is None else self._swa_loc(group, batch, stream)
             _write(group.ctx, group.wplan, tag=group.tail_tag, input_ids=batch.input_ids, positions=batch.positions,
                    out_cache_loc=loc, expected_input_tokens=batch.expected_input_tokens,
                    expected_input_positions=batch.expected_input_positions, stream=stream)
@@ -345,11 +349,11 @@ class Canary:
             group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
         self._planned = None
 
-    def _swa_loc(self, group: _Group, batch: ForwardBatch):
+    def _swa_loc(self, group: _Group, batch: ForwardBatch, stream):
         if batch.swa_out_cache_loc is not None:
             return batch.swa_out_cache_loc
         xp = _xp(self.device)
-        with _on(self.device):
+        with _on(self.device, stream):
             loc = native_view(batch.out_cache_loc, "out_cache_loc")
             inside = (loc >= 0) & (loc < group.lut.shape[0])
             return xp.where(inside, group.lut[xp.clip(loc, 0, group.lut.shape[0] - 1)], -1)
@@ -361,7 +365,7 @@ class Canary:
         bs = int(native_view(live_requests.req_pool_indices, "req_pool_indices").shape[0])
         if bs == 0:
             return
-        with _on(self.device):
+        with _on(self.device, stream):
             zeros = empty((bs,), np.int64, self.device)
         for group in self.groups:
             if group.sweep_vplan is None:
@@ -388,6 +392,7 @@ class Canary:
             if group_overflows:
                 overflows += group_overflows
                 group.overflows[...] = 0
+                settle(group.device)
             if raw.total:
                 events.extend(self._resolve(group, raw.rows))
                 total += raw.total

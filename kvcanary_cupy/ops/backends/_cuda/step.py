@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...._dlpack import empty, settle
 from ....rawkernels import _loader
 from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, write_plan_args
@@ -33,8 +34,6 @@ def last_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
 
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
             check_expected_token: bool) -> list[Launch]:
-    import cupy
-
     device_id = ctx.device.index
     bs = int(batch.req_pool_indices.shape[0])
     real_kv = has_real_kv(ctx)
@@ -51,12 +50,8 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     if not tail:
         verify_blocks += 1  # block 0 stores the write plan, apart from the verify
     grid = max(1 if tail else 2, min(resident_grid("step", name, device_id, _BLOCK), verify_blocks))
-    with cupy.cuda.Device(device_id):
-        blocks_done = cupy.zeros(1, dtype=np.uint32)
-        # The kernel needs the counter zero at its first launch, on whatever stream the step is
-        # launched; the zeroing is queued on the current stream, which a non-blocking launch stream
-        # does not wait for. Waited for here, once, as the step is built.
-        cupy.cuda.get_current_stream().synchronize()
+    blocks_done = empty((1,), np.uint32, ctx.device)  # zero at the first launch, whatever its stream
+    settle(ctx.device)
     ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc = context_args(ctx)
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), ring, ring_capacity,
