@@ -28,3 +28,15 @@ def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
 
 def to_numpy(array) -> np.ndarray:
     return array if isinstance(array, np.ndarray) else array.get()
+
+
+def spin_kernel():
+    """A one-thread CuPy kernel, ``spin((1,), (1,), (cupy.uint64(ns),))``, that keeps its stream busy
+    for ``ns`` nanoseconds: work queued behind it runs late."""
+    cupy = cupy_module()
+    return cupy.RawKernel(r'''
+    extern "C" __global__ void spin(unsigned long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    }''', "spin")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _devices import BACKENDS, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
 ROWS = 4
@@ -16,8 +16,10 @@ WIDTH = 32
 class Tiny:
     """Two requests in a 64-slot pool with per-layer K/V buffers, on ``device``."""
 
-    def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL):
+    def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None):
         self.device = device
+        self.stream = stream
+        self.spin = spin_kernel() if stream is not None else None
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
         self.v = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
@@ -56,17 +58,31 @@ class Tiny:
                                 prefix_lens=i64([self.lens[r] for r in rids]),
                                 extend_seq_lens=i64([extend[r] for r in rids]), input_ids=i64(ids),
                                 positions=i64(pos), out_cache_loc=i64(loc), req_ids=rids)
-        self.canary.before_forward(batch)
+        self.call(self.canary.before_forward, batch)
         n = len(loc)
         for buf in (self.k, self.v):
             buf[i64(loc)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
         if hasattr(self, "swa_k"):
             swa = to_numpy(self.lut)[loc]
             self.swa_k[i64(swa)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
-        self.canary.after_forward(batch)
+        self.call(self.canary.after_forward, batch)
         for rid in rids:
             self.lens[rid] += extend[rid]
         return batch
+
+    def call(self, op, argument) -> None:
+        """``op(argument)``; with a stream, the op runs on it while it is still busy with a spin and
+        the engine's own array work stays on the current stream (the engine waits for both)."""
+        if self.stream is None:
+            op(argument)
+            return
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        with self.stream:
+            self.spin((1,), (1,), (cupy.uint64(2_000_000),))
+        op(argument, stream=self.stream)
+        self.stream.synchronize()
 
     def slot(self, rid, position):
         return int(to_numpy(self.table)[self.rows[rid], position])
@@ -192,6 +208,38 @@ def test_swa_group(device):
     assert swa and swa[0].tag == kc.LaunchTag.HEAD_K_SWA
     assert (swa[0].request, swa[0].position) == ("a", 5)
     assert not [e for e in report if e.group == "full"]
+
+
+def _overflow_swa_and_sweep(eng: Tiny) -> kc.CanaryReport:
+    eng.step({"a": 6, "b": 2})
+    eng.step({"a": 1, "b": 1})
+    eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", 5)]), 0, 0] += 1.0
+    eng.k[eng.slot("b", 1), 1, 3] -= 1.0
+    eng.step({"a": 1, "b": 1})
+    eng.call(eng.canary.sweep, kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), eng.device),
+                                               seq_lens=to_device(np.array([8, 4], np.int64), eng.device),
+                                               req_ids=["a", "b"]))
+    return eng.canary.poll()
+
+
+def _event_keys(report: kc.CanaryReport) -> list:
+    return sorted((e.group, e.phase, e.tag, e.request, e.position, e.slot, e.step, tuple(e.reasons)) for e in report)
+
+
+@requires_gpu
+def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
+    """A canary whose ops are given a non-blocking stream, still busy when each op is called, while
+    the engine's own work stays on the current stream: its overflow counts, SWA slot translation and
+    sweep must follow the ops on their stream, so the report equals the CPU's."""
+    import cupy
+
+    expected = _overflow_swa_and_sweep(Tiny("cpu", verify_capacity=10, swa=True))
+    assert expected.capacity_overflows > 0 and {e.group for e in expected} == {"full", "swa"}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    report = _overflow_swa_and_sweep(Tiny("cuda", verify_capacity=10, swa=True, stream=stream))
+    assert (report.total, report.dropped, report.capacity_overflows, report.forwards) == (
+        expected.total, expected.dropped, expected.capacity_overflows, expected.forwards)
+    assert _event_keys(report) == _event_keys(expected)
 
 
 def test_bad_mode_rejected():

@@ -8,7 +8,7 @@ import pytest
 import kvcanary_cupy as kc
 import _fuzzcases as F
 from _builders import slot_words
-from _devices import BACKENDS, HAS_CUDA, to_device, to_numpy
+from _devices import BACKENDS, HAS_CUDA, spin_kernel, to_device, to_numpy
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -184,18 +184,6 @@ def test_step_graph_replay_matches_eager(bs, sources):
     assert counters["kernel_run_counter"] == 2 * 10 and counters["violations"] == 0
 
 
-def _spin_kernel():
-    """A one-thread kernel that keeps its stream busy for ``ns`` nanoseconds."""
-    import cupy
-
-    return cupy.RawKernel(r'''
-    extern "C" __global__ void spin(unsigned long long ns) {
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    }''', "spin")
-
-
 def _decode_batch(bs: int, prefix: int):
     """A decode batch of bs requests with prefix tokens each, request r on pool row r + 1 whose slots
     are its own (slot 0 unused): the req_to_token table and the new tokens' slots."""
@@ -226,7 +214,7 @@ def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     counts of the blocks that had finished verifying, and no block would find itself last to write."""
     import cupy
 
-    spin = _spin_kernel()
+    spin = spin_kernel()
     bs, prefix = 512, 16384  # a long verify (every zeroed slot is a violation), one launch (bs <= 512)
     table, new_slots = _decode_batch(bs, prefix)
     ctx = kc.CanaryContext.allocate(int(table.size) - prefix, device="cuda", ring_capacity=16)
@@ -293,7 +281,7 @@ def test_step_launches_on_the_given_stream(form):
     the ops take: behind a 200 ms spin on that stream it has not run yet, and it runs once the spin ends."""
     import cupy
 
-    spin = _spin_kernel()
+    spin = spin_kernel()
     bs, width = 4, 8
     ctx = kc.CanaryContext.allocate(256, device="cuda")
     table = cupy.asarray(np.arange(bs * width + width, dtype=np.int32).reshape(bs + 1, width))
