@@ -129,7 +129,7 @@ def test_step_launch_count_on_gpu(bs, n, sources, launches):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.gpu
-# one launch (the first warp of the last block writes), two, one (the last block writes), two
+# one launch (the first warp of the last block writes), two, one (block 0 writes), two
 @pytest.mark.parametrize("bs, sources", [(8, True), (64, True), (64, False), (600, False)])
 def test_step_graph_replay_matches_eager(bs, sources):
     """A captured CanaryStep replayed after refilling its inputs in place equals eager launches."""
@@ -318,3 +318,58 @@ def test_step_launches_on_the_given_stream(form):
     # one launch of a small decode step counts two kernel runs (its verify and its write)
     assert early == 2, "the step ran before the spin on its stream had ended"
     assert int(ctx.kernel_run_counter[0]) == 4
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.gpu
+def test_step_whose_done_counter_is_wiped_while_it_runs_ends_and_writes():
+    """Block 0 of a one-launch step past 32 requests waits for the verify blocks' count before it
+    writes. Zeroed over and over from another stream while the launch runs (a stray write into the
+    canary's memory), the count never arrives: the wait is bounded, so the launch still ends, writes
+    the new tokens and counts its runs, and the next launch finds its counter at zero again."""
+    import time
+
+    import cupy
+
+    wiper = cupy.RawKernel(r'''
+    extern "C" __global__ void wipe(unsigned int* counter, unsigned long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do {
+            *(volatile unsigned int*)counter = 0u;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        } while (t - t0 < ns);
+    }''', "wipe")
+    bs, prefix = 256, 64
+    table, new_slots = _decode_batch(bs, prefix)
+    ctx = kc.CanaryContext.allocate(int(table.size) - prefix, device="cuda", ring_capacity=16)
+    input_ids = cupy.arange(11, 11 + bs, dtype=cupy.int64)
+    step = _decode_step(ctx, table, new_slots, input_ids)
+    assert step.num_launches == 1 and step._launches[0].grid[0] > 2
+    counter = step._launches[0].args[-2]  # the launch's done counter (its last argument but one)
+    assert counter.dtype == cupy.uint32 and counter.size == 1
+    step.launch()
+    wiper((1,), (1,), (counter, cupy.uint64(0)))
+    cupy.cuda.Device().synchronize()
+
+    wiping, stepping = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with wiping:
+        wiper((1,), (1,), (counter, cupy.uint64(1_500_000_000)))
+    start = time.monotonic()
+    step.launch(stream=stepping)
+    done = stepping.record()
+    while not done.done:
+        assert time.monotonic() - start < 20, "the step launch did not end within 20 s"
+        time.sleep(0.01)
+    waited = time.monotonic() - start
+    cupy.cuda.Device().synchronize()
+    assert waited > 0.5, f"the launch ended after {waited:.3f} s, before its bounded wait"
+    assert ctx.counters()["kernel_run_counter"] == 4
+    written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
+    assert np.array_equal(written[:, 0], to_numpy(input_ids))
+
+    start = time.monotonic()
+    step.launch(stream=stepping)
+    stepping.synchronize()
+    assert time.monotonic() - start < 0.5, "the next launch waited out its bound too"
+    assert ctx.counters()["kernel_run_counter"] == 6

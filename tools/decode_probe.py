@@ -58,7 +58,7 @@ PATCHES = (("no counters (floor)",
              ("guess,\n                                           begin == (kvc_i64)tid);", "guess, false);"))),
            ("no counter prefetch",
             (("        kvc_prefetch_word(kernel_run_counter);\n        kvc_prefetch_word(slot_run_counter);\n", ""),
-             ("        if ((kTailWrite || last_block_writes) && gridDim.x > 1) kvc_prefetch_word(blocks_done);\n",
+             ("        if ((kTailWrite || plan_block_writes) && gridDim.x > 1) kvc_prefetch_word(blocks_done);\n",
               ""))),
            ("block-scan staging",
             (("    if (kTailWrite) {\n        total", "    if (false) {\n        total"),)))

@@ -309,6 +309,23 @@ __device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v)
     return v;
 }
 
+// Waits until a counter other blocks add to after a fence reaches `target`, reading it with
+// acquire semantics: what they wrote before adding is then visible to the caller. The wait ends
+// after `limit_ns` of global time whatever the count: a count lost to a stray write (the canary's
+// memory is what it guards against) then costs that long instead of hanging the stream.
+__device__ __forceinline__ void kvc_wait_for_count(const unsigned int* counter, unsigned int target,
+                                                   unsigned long long limit_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
+        unsigned int count;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(count) : "l"(counter) : "memory");
+        if (count >= target) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start >= limit_ns) return;
+    }
+}
+
 __device__ __forceinline__ longlong2 kvc_ld16_early(const longlong2* p) {
     longlong2 v;
     asm volatile("ld.global.nc.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p));

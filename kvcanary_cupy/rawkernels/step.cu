@@ -15,8 +15,11 @@
 //   chain: the batch's verify entries are staged per warp (no block scan), the write's metadata
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
-// * Otherwise block 0 stores the write plan (and only that, in a grid of several blocks) and the
-//   write kernel runs next.
+// * Otherwise block 0 stores the write plan (and verifies nothing, in a grid of several blocks).
+//   For decode batches of up to kThreads requests without real-KV sources (the host's
+//   plan_block_write) it then writes them too, a thread a request: it reads the plan it stored,
+//   the entries and the seeds' slots while the other blocks verify, waits until every one of them
+//   has published its completion, and stores. Otherwise the write kernel runs next.
 // * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out,
 //   which a decode step with cold instruction caches feels as much as its memory round trips.
 #include "batch_plan.cuh"
@@ -34,6 +37,9 @@ namespace {
 constexpr int kThreads = KVC_STEP_THREADS;  // the launcher's block size
 constexpr int kWarps = kThreads / 32;
 constexpr int kTailMaxRequests = KVC_STEP_TAIL_MAX_REQUESTS;  // the host's tail_write bound
+// How long block 0 waits for the verify blocks before it writes anyway: far past any verify share
+// a decode batch of kThreads requests can have, even time-sliced with other work on the GPU.
+constexpr unsigned long long kWaitLimitNs = 1000000000ull;
 static_assert(kTailMaxRequests <= 32, "the tail write takes a request per lane of one warp");
 }
 
@@ -110,8 +116,8 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
     const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries, kvc_i64 write_tag,
     unsigned int* blocks_done,
-    // not kTailWrite, without real-KV sources: the last block writes (the host's last_block_write)
-    kvc_i64 last_block_writes) {
+    // not kTailWrite, without real-KV sources: block 0 writes (the host's plan_block_write)
+    kvc_i64 plan_block_writes) {
     __shared__ kvc_i64 s_warp[kWarps];
     __shared__ kvc_i64 s_start[kThreads];
     __shared__ kvc_i64 s_rp[kThreads];
@@ -139,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     if (blockIdx.x == 0 && tid == 0) {
         kvc_prefetch_word(kernel_run_counter);
         kvc_prefetch_word(slot_run_counter);
-        if ((kTailWrite || last_block_writes) && gridDim.x > 1) kvc_prefetch_word(blocks_done);
+        if ((kTailWrite || plan_block_writes) && gridDim.x > 1) kvc_prefetch_word(blocks_done);
     }
     KvcWriteMeta first_meta = {0, 0, 0};
     KvcWriteEntry guess = {-1, 0, 0, 0, 0};
@@ -175,15 +181,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             kvc_whole_grid(), verify);
     } else if (plan_block_apart && blockIdx.x == 0) {
         for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
-        if (!kRealKv && last_block_writes != 0) {
-            // what the last block reads once every block is done: the seeds' slots (each thread
-            // reads back the seeds it stored) and the entries
-            for (kvc_i64 r = tid; r < kvc_min64(bs, w_capacity); r += kThreads) {
-                const kvc_i64 seed = w_seeds[r];
-                if (seed >= 0 && seed < num_slots) kvc_prefetch_word(canary + seed * slot_stride);
-            }
-            kvc_prefetch_write_entries(w);
-        }
+        if (!kRealKv && plan_block_writes != 0) kvc_prefetch_write_entries(w);
     } else {
         const KvcEntryBlocks blocks =
             plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
@@ -224,24 +222,53 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         }
         kvc_finish_write_plan<kThreads>(bs, carry_w, w_offsets, w_seeds, w_num_valid_reqs,
                                         w_capacity);
-        if (kRealKv || last_block_writes == 0) return;
-        if (!last_block()) return;
-        // ---- write of a decode batch of up to kThreads requests, by the last block ------------
-        // A thread a request, from the write plan block 0 stored (and the entries and the seeds'
-        // slots it asked L2 for): the write kernel's work without its launch.
+        if (kRealKv || plan_block_writes == 0) return;
+        if (blockIdx.x != 0) {
+            // a verify block: its reads (and ring rows) are done before it says so
+            __syncthreads();
+            if (tid == 0) {
+                __threadfence();
+                atomicAdd(blocks_done, 1u);
+            }
+            return;
+        }
+        // ---- write of a decode batch of up to kThreads requests, by block 0 ------------------
+        // A thread a request, from the write plan this block stored. What it reads is read while
+        // the other blocks verify (the seed's slot too: verify writes no slot); it waits for
+        // every verify block before it stores anything or records a row.
+        __syncthreads();  // the write plan is stored
         KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
         wl.chain_position_assert = *chain_position_assert != 0;
+        const kvc_i64 rows = kvc_min64(bs, w_capacity);
+        kvc_i64 begin = 0, end = 0, seed = -1;
+        KvcSlot seed_words = {{0, 0, 0, 0}};
+        KvcWriteEntry first = {-1, 0, 0, 0, 0};
+        if (tid < rows) {
+            begin = w_offsets[tid];
+            end = w_offsets[tid + 1];
+            seed = w_seeds[tid];
+            if (seed >= 0 && seed < num_slots) {
+                seed_words = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
+            }
+            if (begin < end) first = kvc_request_write_entry(wl, begin);
+        }
+        if (tid == 0) {
+            kvc_wait_for_count(blocks_done, gridDim.x - 1, kWaitLimitNs);
+            __threadfence();
+            *blocks_done = 0u;
+        }
+        __syncthreads();
         unsigned long long stored = 0;
-        for (kvc_i64 r = tid; r < kvc_min64(bs, w_capacity); r += kThreads) {
+        if (tid < rows) {
+            stored = kvc_write_request<kVec16>(c, wl, begin, end, seed, first, true, &seed_words);
+        }
+        for (kvc_i64 r = tid + kThreads; r < rows; r += kThreads) {
             stored += kvc_write_request<kVec16>(c, wl, w_offsets[r], w_offsets[r + 1], w_seeds[r],
-                                                guess, false);
+                                                first, false);
         }
         stored = kvc_warp_sum(stored);
         if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);
-        if (tid == 0) {
-            atomicAdd(kernel_run_counter, 1ull);
-            *blocks_done = 0u;
-        }
+        if (tid == 0) atomicAdd(kernel_run_counter, 1ull);
         return;
     }
 

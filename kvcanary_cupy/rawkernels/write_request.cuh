@@ -55,14 +55,16 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
 }
 
 // Writes entries [begin, end) chained from seed; returns how many slots it stored. With
-// have_first, `first` holds entry begin's inputs, requested by the caller already.
+// have_first, `first` holds entry begin's inputs, requested by the caller already; with
+// seed_words, the seed's slot as the caller read it (when the seed is in range).
 template <bool kVec16>
 __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary& c,
                                                                 const KvcWriteIn& w,
                                                                 kvc_i64 begin, kvc_i64 end,
                                                                 kvc_i64 seed,
                                                                 const KvcWriteEntry& first,
-                                                                bool have_first) {
+                                                                bool have_first,
+                                                                const KvcSlot* seed_words = nullptr) {
     if (begin >= end) return 0;
     const bool has_expected = kvc_checks_expected(w);
     KvcWriteEntry next = have_first ? first : kvc_request_write_entry(w, begin);
@@ -73,7 +75,8 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
     kvc_u64 running;
     kvc_i64 prev_pos;
     if (seed >= 0) {
-        const KvcSlot s = kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
+        const KvcSlot s = seed_words != nullptr ? *seed_words
+                                                : kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
         running = kvc_slot_link(s);
         prev_pos = s.w[KVC_FIELD_POSITION];
     } else {

@@ -1,7 +1,7 @@
 """The canary step on a CUDA device: one launch for decode batches (verify entries derived from the
-metadata, then the write by the last block: its first warp up to 32 requests, a thread a request up
-to 512 without real-KV sources), otherwise the step kernel (verify and the write plan) followed by
-the write kernel."""
+metadata, then the write: by the last block's first warp up to 32 requests; by block 0, which
+stores the write plan and waits for the verify blocks, a thread a request up to 512 without real-KV
+sources), otherwise the step kernel (verify and the write plan) followed by the write kernel."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def tail_write(batch_size: int, num_entries: int) -> bool:
     return batch_size <= TAIL_MAX_REQUESTS and decode_shaped(batch_size, num_entries)
 
 
-def last_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
-    """Past tail_write: the step kernel's last block writes, a thread a request, instead of a
-    second launch. Decode-shaped, at most one request a thread of a block, and without real-KV
-    sources (their hashing does not fit the verify's register budget)."""
+def plan_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
+    """Past tail_write: the step kernel's block 0, which stores the write plan, also writes, a
+    thread a request, once the other blocks have verified, instead of a second launch.
+    Decode-shaped, at most one request a thread of a block, and without real-KV sources (their
+    hashing does not fit the verify's register budget)."""
     return not real_kv and decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
 
 
@@ -38,7 +39,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     bs = int(batch.req_pool_indices.shape[0])
     real_kv = has_real_kv(ctx)
     tail = tail_write(bs, writes.num_entries)
-    last_block = not tail and last_block_write(bs, writes.num_entries, real_kv)
+    plan_block = not tail and plan_block_write(bs, writes.num_entries, real_kv)
     name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail, real_kv)
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
@@ -59,10 +60,10 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
         *batch_args(batch),
         i64(int(verify_capacity)), i64(int(verify_tag)), i64(1 if check_expected_token else 0),
         *write_plan_args(wplan),
-        *entry_args(writes), i64(int(writes.tag)), blocks_done, i64(1 if last_block else 0),
+        *entry_args(writes), i64(int(writes.tag)), blocks_done, i64(1 if plan_block else 0),
     )
     # Packed once: a step relaunches with the same arguments every forward.
     launches = [Launch(fn, grid, _BLOCK, args, packed=True)]
-    if not (tail or last_block):
+    if not (tail or plan_block):
         launches.append(prepare_write(ctx, wplan, writes, packed=True))
     return launches
