@@ -309,7 +309,25 @@ __device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v)
     return v;
 }
 
-// Waits until a counter other blocks add to after a fence reaches `target`, reading it with
+// A block's completion, published by one thread after a barrier: the add is a release at GPU
+// scope, so what the block read and wrote before it is ordered before the add for whoever acquires
+// the count (lighter than a full fence and a relaxed add).
+__device__ __forceinline__ void kvc_release_add(unsigned int* counter, unsigned int value) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
+}
+
+// The same with the previous count returned and acquire semantics too: the block that finds itself
+// last sees what every other block published.
+__device__ __forceinline__ unsigned int kvc_acq_rel_add(unsigned int* counter, unsigned int value) {
+    unsigned int previous;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+                 : "=r"(previous)
+                 : "l"(counter), "r"(value)
+                 : "memory");
+    return previous;
+}
+
+// Waits until a counter other blocks add to with release semantics reaches `target`, reading it with
 // acquire semantics: what they wrote before adding is then visible to the caller. The wait ends
 // after `limit_ns` of global time whatever the count: a count lost to a stray write (the canary's
 // memory is what it guards against) then costs that long instead of hanging the stream.

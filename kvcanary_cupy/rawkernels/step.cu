@@ -205,14 +205,9 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             return true;
         }
         __syncthreads();  // the block's work is done before it says so
-        if (tid == 0) {
-            __threadfence();
-            s_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
-        }
+        if (tid == 0) s_last = kvc_acq_rel_add(blocks_done, 1u) == gridDim.x - 1;
         __syncthreads();
-        if (!s_last) return false;
-        __threadfence();
-        return true;
+        return s_last;
     };
 
     if (!kTailWrite) {
@@ -226,10 +221,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         if (blockIdx.x != 0) {
             // a verify block: its reads (and ring rows) are done before it says so
             __syncthreads();
-            if (tid == 0) {
-                __threadfence();
-                atomicAdd(blocks_done, 1u);
-            }
+            if (tid == 0) kvc_release_add(blocks_done, 1u);
             return;
         }
         // ---- write of a decode batch of up to kThreads requests, by block 0 ------------------
@@ -254,7 +246,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         }
         if (tid == 0) {
             kvc_wait_for_count(blocks_done, gridDim.x - 1, kWaitLimitNs);
-            __threadfence();
             *blocks_done = 0u;
         }
         __syncthreads();
