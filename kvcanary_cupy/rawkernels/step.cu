@@ -9,7 +9,7 @@
 // * kTailWrite (decode batches of at most 32 requests, picked on the host from the shapes): the
 //   last block to finish its verify work writes the new tokens, a lane of its first warp per
 //   request, the write plan scanned with shuffles. Verify reads every slot before any is written,
-//   as with separate launches: every block publishes its completion (fence + counter) and only the
+//   as with separate launches: every block publishes its completion (an acq_rel add) and only the
 //   last one writes; it resets the counter for the next launch or graph replay.
 //   Such a step is a chain of memory round trips with little else in flight, so it shortens the
 //   chain: the batch's verify entries are staged per warp (no block scan), the write's metadata
