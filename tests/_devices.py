@@ -9,7 +9,12 @@ from kvcanary_cupy._dlpack import cuda_device_count, cupy_module
 
 HAS_CUDA = cuda_device_count() > 0
 BACKENDS = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else [])
-requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+
+
+def requires_gpu(test):
+    """Marks a test that needs CuPy and a CUDA device: skipped without one, and carrying the gpu
+    marker that a GPU run selects its tests by."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")(test))
 
 
 def to_device(array: np.ndarray, device: str, keep_strides: bool = False):

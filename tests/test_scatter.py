@@ -94,7 +94,6 @@ def test_strided_rows_of_pool(device):
 
 
 @requires_gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("decode", [True, False], ids=["decode-form", "general-form"])
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):

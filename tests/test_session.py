@@ -227,7 +227,6 @@ def _event_keys(report: kc.CanaryReport) -> list:
 
 
 @requires_gpu
-@pytest.mark.gpu
 def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
     """A canary whose ops are given a non-blocking stream, still busy when each op is called, while
     the engine's own work stays on the current stream: its overflow counts, SWA slot translation and

@@ -8,7 +8,7 @@ import pytest
 import kvcanary_cupy as kc
 import _fuzzcases as F
 from _builders import slot_words
-from _devices import BACKENDS, HAS_CUDA, spin_kernel, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -103,8 +103,7 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
     assert tuple(int(to_numpy(c)[0]) for c in (ctx.slot_run_counter, ctx.kernel_run_counter)) == (3, 2)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("bs, n, sources, launches", [
     (1, 1, True, 1), (32, 64, True, 1), (32, 65, True, 2), (33, 33, True, 2), (256, 256, True, 2),
     (33, 33, False, 1), (256, 256, False, 1), (512, 1024, False, 1), (513, 513, False, 2), (256, 513, False, 2),
@@ -127,8 +126,7 @@ def test_step_launch_count_on_gpu(bs, n, sources, launches):
     assert step.num_launches == launches
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 # one launch (the first warp of the last block writes), two, one (block 0 writes), two
 @pytest.mark.parametrize("bs, sources", [(8, True), (64, True), (64, False), (600, False)])
 def test_step_graph_replay_matches_eager(bs, sources):
@@ -205,8 +203,7 @@ def _decode_step(ctx, table, new_slots, input_ids) -> kc.CanaryStep:
                          out_cache_loc=new_slots)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     """A one-launch step built while the current stream is busy (the zeroing of its done counter
     queued behind a spin there) and launched at once on a non-blocking stream still writes: the
@@ -239,8 +236,7 @@ def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     assert np.array_equal(written[:, 0], to_numpy(input_ids))  # the token word of every new slot
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 def test_steps_on_concurrent_streams_write_at_every_launch():
     """Two one-launch steps (two contexts) launched in turn 200 times each on two non-blocking
     streams, so that their kernels overlap: every launch of each verifies and writes (its kernel run
@@ -273,8 +269,7 @@ def test_steps_on_concurrent_streams_write_at_every_launch():
         assert np.array_equal(written[:, 0], to_numpy(input_ids))
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("form", ["current", "cupy", "handle", "protocol"])
 def test_step_launches_on_the_given_stream(form):
     """A relaunch (parameters packed once, one driver call) goes to the stream it is given, in every form
@@ -320,8 +315,7 @@ def test_step_launches_on_the_given_stream(form):
     assert int(ctx.kernel_run_counter[0]) == 4
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
-@pytest.mark.gpu
+@requires_gpu
 def test_step_whose_done_counter_is_wiped_while_it_runs_ends_and_writes():
     """Block 0 of a one-launch step past 32 requests waits for the verify blocks' count before it
     writes. Zeroed over and over from another stream while the launch runs (a stray write into the

@@ -346,7 +346,6 @@ def test_cuda_kernels_without_sources_have_no_hashing_code():
 
 
 @requires_gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("mode", [kc.HashMode.NONE, kc.HashMode.ALL])
 def test_cuda_write_kernel_follows_the_sources(mode, monkeypatch):
     """A context without hashed sources launches the write kernel without hashing code, and both
@@ -385,7 +384,6 @@ def _long_requests_case(rng: np.random.Generator) -> dict:
 
 
 @requires_gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("team", ["thread", "one", "two"])
 def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write
