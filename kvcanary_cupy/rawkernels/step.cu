@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const unsigned long long verified =
         total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
 
-    // Whether this block is the last to finish its work (every block calls it once): the write
-    // waits for every verify read and for the whole write plan. The last block resets the counter.
+    // Whether this block is the last to finish its verify (every block of a kTailWrite launch calls
+    // it once): the write waits for every verify read. The last block resets the counter.
     const auto last_block = [&]() {
         if (gridDim.x == 1) {
             __syncthreads();
