@@ -203,6 +203,16 @@ def _decode_step(ctx, table, new_slots, input_ids) -> kc.CanaryStep:
                          out_cache_loc=new_slots)
 
 
+def _finish_within(stream, seconds: float) -> None:
+    """Waits for what is queued on ``stream``, failing (rather than hanging) past ``seconds``."""
+    import time
+
+    done, deadline = stream.record(), time.monotonic() + seconds
+    while not done.done:
+        assert time.monotonic() < deadline, f"a step launch did not finish within {seconds} s"
+        time.sleep(0.01)
+
+
 @requires_gpu
 def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     """A one-launch step built while the current stream is busy (the zeroing of its done counter
@@ -241,8 +251,6 @@ def test_steps_on_concurrent_streams_write_at_every_launch():
     """Two one-launch steps (two contexts) launched in turn 200 times each on two non-blocking
     streams, so that their kernels overlap: every launch of each verifies and writes (its kernel run
     counter grows by two), none waits on the other, and the new slots hold their tokens."""
-    import time
-
     import cupy
 
     bs, prefix, launches = 64, 1024, 200
@@ -258,11 +266,7 @@ def test_steps_on_concurrent_streams_write_at_every_launch():
         for _, step, _, stream in runs:
             step.launch(stream=stream)
     for _, _, _, stream in runs:
-        done = stream.record()
-        deadline = time.monotonic() + 30
-        while not done.done:
-            assert time.monotonic() < deadline, "a step launch did not finish within 30 s"
-            time.sleep(0.01)
+        _finish_within(stream, 30)
     for ctx, _, input_ids, _ in runs:
         assert ctx.counters()["kernel_run_counter"] == 2 * launches
         written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
@@ -351,10 +355,7 @@ def test_step_whose_done_counter_is_wiped_while_it_runs_ends_and_writes():
         wiper((1,), (1,), (counter, cupy.uint64(1_500_000_000)))
     start = time.monotonic()
     step.launch(stream=stepping)
-    done = stepping.record()
-    while not done.done:
-        assert time.monotonic() - start < 20, "the step launch did not end within 20 s"
-        time.sleep(0.01)
+    _finish_within(stepping, 20)
     waited = time.monotonic() - start
     cupy.cuda.Device().synchronize()
     assert waited > 0.5, f"the launch ended after {waited:.3f} s, before its bounded wait"
