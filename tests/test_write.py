@@ -314,15 +314,17 @@ def test_cuda_write_team_follows_the_batch_shape():
     assert not paired(32, 1)          # a single chunk at most
 
 
-def test_cuda_write_takes_a_thread_a_request_for_decode_without_sources():
+def test_cuda_write_takes_its_decode_form_for_decode_shaped_batches():
     """kvc_write_decode for decode-shaped batches (at most two new tokens a request over the plan's
-    capacity) whose context hashes no real-KV sources; kvc_write otherwise."""
+    capacity; with real-KV sources at most one); kvc_write otherwise."""
     from kvcanary_cupy.ops.backends._cuda.write import decode_form
 
     assert decode_form(256, 256, False)       # decode
     assert decode_form(1, 1, False)           # the decode tail
     assert decode_form(512, 256, False)       # two tokens a request
-    assert not decode_form(256, 256, True)    # decode with sources: the warp form
+    assert decode_form(256, 256, True)        # decode with sources: a group of lanes a request
+    assert decode_form(1, 1, True)
+    assert not decode_form(512, 256, True)    # with sources, two tokens a request take kvc_write
     assert not decode_form(4096, 1, False)    # a prefill chunk
     assert not decode_form(32 * 128, 32, False)
 
@@ -401,5 +403,50 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
         results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
     cpu, gpu = results["cpu"], results["cuda"]
     assert cpu[2], "the case records violations"
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
+@requires_gpu
+@pytest.mark.parametrize("num_sources,mode", [(1, kc.HashMode.PARTIAL), (3, kc.HashMode.ALL), (4, kc.HashMode.ALL),
+                                              (5, kc.HashMode.ALL), (9, kc.HashMode.ALL)])
+def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode):
+    """kvc_write_decode with real-KV sources, a group of lanes a request each folding a share of the
+    sources (more sources than lanes take several rounds): slots past a short source's rows, a
+    negative and an out-of-range slot, requests of two tokens and empty ones, seeds, position
+    jumps and input-assert mismatches store and record what the CPU backend does."""
+    from kvcanary_cupy.ops.backends._cuda.write import decode_form
+
+    rng = np.random.default_rng(40 + num_sources)
+    num_slots = 256
+    specs = []
+    for k in range(num_sources):
+        width = int(rng.choice([16, 32, 64]))
+        specs.append(random_source(rng, 200 if k == num_sources // 2 else num_slots, num_bytes_per_token=width,
+                                   read_bytes=int(rng.choice([16, width]))))
+    counts = [1] * 40
+    counts[3], counts[17], counts[25], counts[30] = 2, 0, 0, 2  # a token a request on average
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    n = offsets[-1]
+    order = rng.permutation(num_slots)
+    seed_pool, slots = order[:40], order[40:40 + n].tolist()
+    slots[5], slots[9] = -1, num_slots + 3
+    seeds = [int(s) if i % 7 else -1 for i, s in enumerate(seed_pool)]
+    ids = [int(t) for t in rng.integers(0, 50_000, size=n)]
+    positions = [int(p) for p in rng.integers(1, 4096, size=n)]
+    expected_ids = list(ids)
+    expected_ids[2] += 1
+    expected_ids[n - 1] += 1
+    assert decode_form(n, len(counts), True)
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, num_slots, ring_capacity=256, real_kv_sources=tuple(s.build(device) for s in specs),
+                   hash_mode=mode)
+        _write(ctx, [0, 40], [-1], list(range(40)), list(range(40)), seed_pool.tolist(), device=device)
+        ctx.set_chain_position_assert(True)
+        _write(ctx, offsets, seeds, ids, positions, slots, device=device, expected=(expected_ids, positions))
+        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert cpu[1]["violations"] > 0 and any(row[7] & int(BIT.OUT_OF_RANGE) for row in cpu[2])
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]

@@ -62,7 +62,8 @@ _SCATTER_KERNELS = _instances("kvc_scatter", 1)  # decode-shaped
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
-               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32), ("KVC_WRITE_DECODE_THREADS", 128))),
+               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32), ("KVC_WRITE_DECODE_THREADS", 128),
+                ("KVC_WRITE_DECODE_LANES", 8))),
     KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
                (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),

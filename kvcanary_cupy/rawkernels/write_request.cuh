@@ -57,75 +57,97 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
 // Writes entries [begin, end) chained from seed; returns how many slots it stored. With
 // have_first, `first` holds entry begin's inputs, requested by the caller already; with
 // seed_words, the seed's slot as the caller read it (when the seed is in range).
-template <bool kVec16>
+// kLanes > 1: an aligned group of kLanes lanes walks the request together, each folding a share
+// of the real-KV sources (kvc_real_kv_hash_in_group, with the lane's own_source); the group's first
+// lane records and stores.
+template <bool kVec16, int kLanes = 1>
 __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary& c,
                                                                 const KvcWriteIn& w,
                                                                 kvc_i64 begin, kvc_i64 end,
                                                                 kvc_i64 seed,
                                                                 const KvcWriteEntry& first,
                                                                 bool have_first,
-                                                                const KvcSlot* seed_words = nullptr) {
+                                                                const KvcSlot* seed_words = nullptr,
+                                                                const KvcSourceDesc* own_source = nullptr) {
     if (begin >= end) return 0;
     const bool has_expected = kvc_checks_expected(w);
+    const bool leader = kLanes == 1 || (threadIdx.x & (kLanes - 1)) == 0;
+    // A group records out of line (kvc_record_cold); a thread alone keeps its records inline: in
+    // the step, whose block size caps it at 128 registers, the call's saved registers spilled.
+    const auto record = [&](kvc_i64 slot, kvc_i64 pos, kvc_i64 tok, kvc_i64 etok, kvc_i64 chain,
+                            kvc_i64 aux, kvc_i64 bits) {
+        if (kLanes > 1) {
+            if (leader) kvc_record_cold(w.ring, w.tag, slot, pos, tok, etok, chain, aux, bits);
+        } else {
+            kvc_record(w.ring, w.tag, slot, pos, tok, etok, chain, aux, bits);
+        }
+    };
     KvcWriteEntry next = have_first ? first : kvc_request_write_entry(w, begin);
     if (seed >= c.num_slots) {
-        kvc_record(w.ring, w.tag, seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
+        record(seed, 0, 0, 0, 0, 0, KVC_BIT_OUT_OF_RANGE);
         seed = -1;
     }
-    kvc_u64 running;
-    kvc_i64 prev_pos;
+    // The seed's slot is read now. With real-KV sources it is linked once the first entry's
+    // sources are requested, so both reads are in flight at once instead of one after the other.
+    KvcSlot seed_slot = {{0, 0, 0, 0}};
     if (seed >= 0) {
-        const KvcSlot s = seed_words != nullptr ? *seed_words
-                                                : kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
-        running = kvc_slot_link(s);
-        prev_pos = s.w[KVC_FIELD_POSITION];
-    } else {
-        running = kvc_anchor_link();
-        prev_pos = 0;
+        seed_slot = seed_words != nullptr ? *seed_words
+                                          : kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
     }
+    kvc_u64 running = 0;
+    kvc_i64 prev_pos = 0;
+    const auto start_chain = [&]() {
+        running = seed >= 0 ? kvc_slot_link(seed_slot) : kvc_anchor_link();
+        prev_pos = seed >= 0 ? seed_slot.w[KVC_FIELD_POSITION] : 0;
+    };
+    const bool link_after_sources = w.src.count > 0;
+    if (!link_after_sources) start_chain();
     const bool position_assert = seed >= 0 && w.chain_position_assert;
     unsigned long long stored = 0;
     for (kvc_i64 i = begin; i < end; ++i) {
-        if (i < 0 || i >= w.num_entries) {
-            kvc_record(w.ring, w.tag, -1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
+        const bool listed = i >= 0 && i < w.num_entries;
+        const KvcWriteEntry e = next;  // slot -1 for an entry that is not listed
+        if (listed && i + 1 < end) next = kvc_request_write_entry(w, i + 1);
+        const kvc_i64 slot = e.slot;
+        bool kv_oor = false;
+        kvc_u64 h = 0;
+        if (w.src.count > 0 && slot >= 0 && slot < c.num_slots) {
+            h = kLanes == 1 ? kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor)
+                            : kvc_real_kv_hash_in_group<kLanes>(w.src, *own_source, slot, &kv_oor);
+        }
+        if (link_after_sources && i == begin) start_chain();
+        if (!listed) {
+            record(-1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
             break;
         }
-        const KvcWriteEntry e = next;
-        if (i + 1 < end) next = kvc_request_write_entry(w, i + 1);
-        const kvc_i64 slot = e.slot;
         if (slot < 0) continue;
         const kvc_i64 tok = e.tok;
         const kvc_i64 pos = e.pos;
         if (slot >= c.num_slots) {
-            kvc_record(w.ring, w.tag, slot, pos, tok, tok, (kvc_i64)running, pos,
-                       KVC_BIT_OUT_OF_RANGE);
+            record(slot, pos, tok, tok, (kvc_i64)running, pos, KVC_BIT_OUT_OF_RANGE);
             continue;
         }
-        bool kv_oor = false;
-        const kvc_u64 h = w.src.count > 0 ? kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor) : 0ull;
         if (kv_oor) {
-            kvc_record(w.ring, w.tag, slot, pos, tok, tok, (kvc_i64)running, pos,
-                       KVC_BIT_OUT_OF_RANGE);
+            record(slot, pos, tok, tok, (kvc_i64)running, pos, KVC_BIT_OUT_OF_RANGE);
         }
         if (has_expected) {
             kvc_i64 bits = 0;
             if (tok != e.etok) bits |= KVC_BIT_WRITE_TOKEN;
             if (pos != e.epos) bits |= KVC_BIT_WRITE_POSITION;
             if (bits) {
-                kvc_record(w.ring, w.tag, slot, pos, tok, e.etok, (kvc_i64)running, e.epos, bits);
+                record(slot, pos, tok, e.etok, (kvc_i64)running, e.epos, bits);
             }
         }
         if (position_assert) {
             const kvc_i64 want = kvc_wrap_add(prev_pos, 1);
             if (pos != want) {
-                kvc_record(w.ring, w.tag, slot, pos, tok, tok, (kvc_i64)running, want,
-                           KVC_BIT_WRITE_POSITION);
+                record(slot, pos, tok, tok, (kvc_i64)running, want, KVC_BIT_WRITE_POSITION);
             }
             prev_pos = pos;
         }
-        kvc_store_slot<kVec16>(c.buf, c.slot_stride, slot, tok, pos, running, h, true);
+        if (leader) kvc_store_slot<kVec16>(c.buf, c.slot_stride, slot, tok, pos, running, h, true);
         running = kvc_mix3(running, (kvc_u64)tok, (kvc_u64)pos);
-        ++stored;
+        if (leader) ++stored;
     }
     return stored;
 }
