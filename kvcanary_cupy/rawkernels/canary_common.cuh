@@ -432,9 +432,12 @@ struct KvcSourceDesc {
 };
 
 __device__ __forceinline__ KvcSourceDesc kvc_source_desc(const KvcSources& src, int k) {
-    return {kvc_src_word(src, k, KVC_SRC_BASE_ADDRESS), kvc_src_word(src, k, KVC_SRC_ROW_STRIDE_BYTES),
-            kvc_src_word(src, k, KVC_SRC_NUM_ROWS), kvc_src_word(src, k, KVC_SRC_PAGE_SIZE),
-            kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN), kvc_src_word(src, k, KVC_SRC_READ_BYTES)};
+    return {kvc_src_word(src, k, KVC_SRC_BASE_ADDRESS),
+            kvc_src_word(src, k, KVC_SRC_ROW_STRIDE_BYTES),
+            kvc_src_word(src, k, KVC_SRC_NUM_ROWS),
+            kvc_src_word(src, k, KVC_SRC_PAGE_SIZE),
+            kvc_src_word(src, k, KVC_SRC_BYTES_PER_TOKEN),
+            kvc_src_word(src, k, KVC_SRC_READ_BYTES)};
 }
 
 // Source k's descriptor, requested where this is written (kvc_ld_early): for a lane that knows
@@ -452,7 +455,8 @@ __device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSo
     if (kvc_source_row_out_of_range(d.rows, d.page, slot)) return nullptr;
     kvc_i64 row, col;
     kvc_divmod(slot, d.page, row, col);
-    return reinterpret_cast<const unsigned char*>(d.base) + row * d.stride + col * d.bytes_per_token;
+    return reinterpret_cast<const unsigned char*>(d.base) + row * d.stride +
+           col * d.bytes_per_token;
 }
 
 // Where source k keeps the bytes of slot (>= 0), or nullptr when its row is out of range.

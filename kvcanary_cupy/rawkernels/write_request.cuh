@@ -61,14 +61,10 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
 // of the real-KV sources (kvc_real_kv_hash_in_group, with the lane's own_source); the group's first
 // lane records and stores.
 template <bool kVec16, int kLanes = 1>
-__device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary& c,
-                                                                const KvcWriteIn& w,
-                                                                kvc_i64 begin, kvc_i64 end,
-                                                                kvc_i64 seed,
-                                                                const KvcWriteEntry& first,
-                                                                bool have_first,
-                                                                const KvcSlot* seed_words = nullptr,
-                                                                const KvcSourceDesc* own_source = nullptr) {
+__device__ __forceinline__ unsigned long long kvc_write_request(
+    const KvcCanary& c, const KvcWriteIn& w, kvc_i64 begin, kvc_i64 end, kvc_i64 seed,
+    const KvcWriteEntry& first, bool have_first, const KvcSlot* seed_words = nullptr,
+    const KvcSourceDesc* own_source = nullptr) {
     if (begin >= end) return 0;
     const bool has_expected = kvc_checks_expected(w);
     const bool leader = kLanes == 1 || (threadIdx.x & (kLanes - 1)) == 0;
@@ -88,11 +84,12 @@ __device__ __forceinline__ unsigned long long kvc_write_request(const KvcCanary&
         seed = -1;
     }
     // The seed's slot is read now. With real-KV sources it is linked once the first entry's
-    // sources are requested, so both reads are in flight at once instead of one after the other.
+    // sources are requested, so waiting for the seed never holds their reads back.
     KvcSlot seed_slot = {{0, 0, 0, 0}};
     if (seed >= 0) {
-        seed_slot = seed_words != nullptr ? *seed_words
-                                          : kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
+        seed_slot = seed_words != nullptr
+                        ? *seed_words
+                        : kvc_load_slot<kVec16, false>(c.buf, c.slot_stride, seed);
     }
     kvc_u64 running = 0;
     kvc_i64 prev_pos = 0;

@@ -16,8 +16,8 @@ def decode_form(num_entries: int, capacity: int, real_kv: bool) -> bool:
     KVC_WRITE_DECODE_LANES lanes reading its sources at once) for a decode-shaped batch: at most two
     new tokens a request on average, counted over the plan's capacity; with sources at most one. A
     group walks its request's entries one after another, each entry's sources a memory round trip,
-    where kvc_write reads a chunk's at once: two tokens a request with 4 sources measured 9.2 against
-    8.3 us (bs256), where one token measured 6.6 against 7.9."""
+    where kvc_write reads a chunk's at once: two tokens a request with 4 sources measured 9.2
+    against 8.3 us (bs256), where one token measured 6.6 against 7.9."""
     requests = max(capacity, 1)
     return num_entries <= requests if real_kv else decode_shaped(requests, num_entries)
 
