@@ -264,9 +264,10 @@ def empty(shape, dtype, device: Device, fill: int = 0):
 
 def settle(device: Device) -> None:
     """Waits for what is queued on CuPy's current stream of ``device`` (nothing to do on the CPU).
-    Called once where arrays a canary keeps are allocated: their fills are queued there, and an op
-    launched on a stream that does not wait for it (a non-blocking one) could otherwise run first,
-    or have a counter it added to zeroed by a late fill."""
+    Called once where arrays a canary keeps are allocated or uploaded (a context's source table
+    included): their fills and copies are queued there, and an op launched on a stream that does not
+    wait for it (a non-blocking one) could otherwise run first, or have a counter it added to zeroed
+    by a late fill."""
     if device.is_cuda:
         cupy = require_cupy("device")
         with cupy.cuda.Device(device.index):

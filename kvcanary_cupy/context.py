@@ -129,6 +129,9 @@ class CanaryContext:
         for name, value in (("real_kv_sources", sources), ("hash_mode", mode), ("device", device),
                             ("source_table", from_host(descriptors, device)), ("source_words", words)):
             object.__setattr__(self, name, value)
+        # The source table's upload (and the fills of arrays from allocate) are queued on the
+        # current stream; an op launched next on a stream that does not wait for it must find them.
+        settle(device)
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -144,7 +147,7 @@ class CanaryContext:
             raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
         assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
         where = parse_device(device)
-        ctx = cls(
+        return cls(
             canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
             violation_ring=empty((ring_capacity, L.RING_COLUMNS), np.int64, where),
             violation_write_index=empty((1,), np.int32, where),
@@ -154,8 +157,6 @@ class CanaryContext:
             real_kv_sources=tuple(real_kv_sources),
             hash_mode=hash_mode,
         )
-        settle(where)
-        return ctx
 
     # --- facts ----------------------------------------------------------------------------------
     @property

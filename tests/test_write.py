@@ -10,7 +10,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import reference as ref
 from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_hash, fields, link_of, pipeline, random_batch,
                        random_source, ring_rows, signed, slot_words)
-from _devices import BACKENDS, requires_gpu, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
 UNRESOLVED = kc.UNRESOLVED_SLOT
@@ -450,3 +450,48 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
     assert cpu[1]["violations"] > 0 and any(row[7] & int(BIT.OUT_OF_RANGE) for row in cpu[2])
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]
+
+
+@requires_gpu
+def test_context_from_own_arrays_built_while_the_current_stream_is_busy_hashes_on_another_stream():
+    """A CanaryContext built from the caller's arrays while the current stream is busy (its source
+    table's upload queued behind a spin there), then written at once on a non-blocking stream, hashes
+    with its real table: the upload is waited for when the context is built."""
+    import cupy
+
+    from kvcanary_cupy import _layout as L
+
+    spin = spin_kernel()
+    rng = np.random.default_rng(9)
+    num_slots, n = 64, 24
+    spec = random_source(rng, num_slots, num_bytes_per_token=32)
+    slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))[:n]]
+    batch = dict(offsets=[0, n], seeds=[-1], ids=list(range(100, 100 + n)), pos=list(range(n)), loc=slots)
+
+    expected = _ctx("cpu", num_slots, real_kv_sources=(spec.build("cpu"),), hash_mode=kc.HashMode.ALL)
+    _write(expected, batch["offsets"], batch["seeds"], batch["ids"], batch["pos"], batch["loc"], device="cpu")
+
+    def own_arrays():
+        return dict(canary_buf=cupy.zeros((num_slots, L.MIN_SLOT_STRIDE_BYTES), cupy.uint8),
+                    violation_ring=cupy.zeros((16, L.RING_COLUMNS), cupy.int64),
+                    violation_write_index=cupy.zeros((1,), cupy.int32),
+                    slot_run_counter=cupy.zeros((1,), cupy.int64), kernel_run_counter=cupy.zeros((1,), cupy.int64),
+                    chain_position_assert=cupy.zeros((1,), cupy.int32))
+
+    source = spec.build("cuda")
+    plan = kc.WritePlan.from_host(offsets=batch["offsets"], seed_slot_indices=batch["seeds"], num_valid_reqs=1,
+                                  device="cuda")
+    inputs = {name: cupy.asarray(np.array(batch[key], dtype=np.int64))
+              for name, key in (("input_ids", "ids"), ("positions", "pos"), ("out_cache_loc", "loc"))}
+    warm = kc.CanaryContext(**own_arrays(), real_kv_sources=(source,), hash_mode=kc.HashMode.ALL)
+    kc.write(warm, plan, tag=TAG, **inputs)  # compiles and loads the write's kernels
+    arrays = own_arrays()
+    spin((1,), (1,), (cupy.uint64(0),))
+    cupy.cuda.Device().synchronize()
+
+    spin((1,), (1,), (cupy.uint64(300_000_000),))  # 0.3 s on the current stream
+    ctx = kc.CanaryContext(**arrays, real_kv_sources=(source,), hash_mode=kc.HashMode.ALL)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kc.write(ctx, plan, tag=TAG, stream=stream, **inputs)
+    cupy.cuda.Device().synchronize()
+    assert np.array_equal(slot_words(ctx.canary_buf), slot_words(expected.canary_buf))
