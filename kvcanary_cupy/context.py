@@ -292,9 +292,11 @@ class WritePlan:
     def from_host(cls, *, offsets, seed_slot_indices, num_valid_reqs: int, device: Any = CPU) -> "WritePlan":
         """A plan built on the host (tests, tools) and copied to ``device``."""
         where = parse_device(device)
-        return cls(offsets=from_host(np.ascontiguousarray(offsets, dtype=np.int64), where),
+        plan = cls(offsets=from_host(np.ascontiguousarray(offsets, dtype=np.int64), where),
                    seed_slot_indices=from_host(np.ascontiguousarray(seed_slot_indices, dtype=np.int64), where),
                    num_valid_reqs=from_host(np.array([num_valid_reqs], dtype=np.int32), where))
+        settle(where)
+        return plan
 
     @property
     def capacity(self) -> int:
