@@ -410,12 +410,18 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
 @requires_gpu
 @pytest.mark.parametrize("num_sources,mode", [(1, kc.HashMode.PARTIAL), (3, kc.HashMode.ALL), (4, kc.HashMode.ALL),
                                               (5, kc.HashMode.ALL), (9, kc.HashMode.ALL)])
-def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode):
+def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode, monkeypatch):
     """kvc_write_decode with real-KV sources, a group of lanes a request each folding a share of the
     sources (more sources than lanes take several rounds): slots past a short source's rows, a
     negative and an out-of-range slot, requests of two tokens and empty ones, seeds, position
     jumps and input-assert mismatches store and record what the CPU backend does."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
     from kvcanary_cupy.ops.backends._cuda.write import decode_form
+
+    launched = []
+    pick = cuda_write.kernel
+    monkeypatch.setattr(cuda_write, "kernel", lambda source, name, device_id: launched.append(name) or
+                        pick(source, name, device_id))
 
     rng = np.random.default_rng(40 + num_sources)
     num_slots = 256
@@ -447,6 +453,7 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
         _write(ctx, offsets, seeds, ids, positions, slots, device=device, expected=(expected_ids, positions))
         results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
     cpu, gpu = results["cpu"], results["cuda"]
+    assert launched[-1].startswith("kvc_write_decode<") and launched[-1].endswith(", true>")
     assert cpu[1]["violations"] > 0 and any(row[7] & int(BIT.OUT_OF_RANGE) for row in cpu[2])
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]
