@@ -299,7 +299,7 @@ def test_ring_overflow_on_write(device):
     assert all(r[7] == 8 for r in rows)
 
 
-# --- the CUDA write's forms (a thread a request; one warp a request, or two walking its chunks in turn)
+# --- the CUDA write's forms (a thread or a lane group a request; one warp a request, or two in turn)
 
 def test_cuda_write_team_follows_the_batch_shape():
     """Two warps a request unless the batch is decode-shaped (at most two new tokens a request over

@@ -5,10 +5,11 @@
 Each op gets ``--cases`` random cases (sizes from 1 entry to ``--max-entries``, a few percent of
 them large). Outputs are compared byte for byte; violation rows as a multiset. Exit status 1 on any
 mismatch. ``--device cpu`` runs the oracle against itself (a smoke test of the generator).
-``--write-team thread|one|two`` forces the CUDA write's form for every batch: a thread a request
-(kvc_write_decode), or kvc_write with one or two warps a request (by default the host picks from the
-batch's shape and sources: decode-shaped cases get a thread a request without sources and one warp
-with, the rest two warps).
+``--write-team thread|one|two`` forces the CUDA write's form for every batch: kvc_write_decode (a
+thread a request, or with real-KV sources a group of lanes a request), or kvc_write with one or two
+warps a request (by default the host picks from the batch's shape and sources: decode-shaped cases
+get kvc_write_decode, or one warp a request when they have sources and more than a token a request;
+the rest two warps).
 """
 
 from __future__ import annotations

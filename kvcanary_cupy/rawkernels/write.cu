@@ -1,8 +1,7 @@
 // write: stores (token, position, chain, real-KV hash) into the canary slots of the tokens a
 // forward pass writes, chaining each slot to its predecessor (SPEC 3.1 and 4).
 //
-// Work split (kvc_write; decode-shaped batches without real-KV sources take kvc_write_decode, at
-// the end of this file)
+// Work split (kvc_write; decode-shaped batches take kvc_write_decode, at the end of this file)
 // * The chain of a request is serial: running = mix3(running, token, position). One warp owns a
 //   request (or a pair of warps, below). Its 32 lanes load and check 32 entries at a time (the
 //   loads of its next 32 are in flight meanwhile); then every lane walks the stored entries of
