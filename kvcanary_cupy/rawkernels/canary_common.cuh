@@ -467,6 +467,27 @@ __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSource
     return kvc_source_row_bytes(d, slot);
 }
 
+// The first 32 bytes of a source's read (read bytes are a positive multiple of 16; the second half
+// only when it is read), requested where this is written, and the fold of the whole read from them.
+struct KvcSourceHead {
+    longlong2 first, second;
+};
+
+__device__ __forceinline__ KvcSourceHead kvc_request_head(const unsigned char* p, kvc_i64 nbytes) {
+    const longlong2* q = reinterpret_cast<const longlong2*>(p);
+    KvcSourceHead h = {kvc_ld16_early(q), make_longlong2(0, 0)};
+    if (nbytes >= 32) h.second = kvc_ld16_early(q + 1);
+    return h;
+}
+
+__device__ __forceinline__ kvc_u64 kvc_fold_with_head(const unsigned char* p, kvc_i64 nbytes,
+                                                      const KvcSourceHead& h) {
+    kvc_u64 f = kvc_fold16(0ull, h.first);
+    if (nbytes >= 32) f = kvc_fold16(f, h.second);
+    if (nbytes > 32) f = kvc_fold_from(f, p + 32, nbytes - 32);
+    return f;
+}
+
 #define KVC_PREFETCH_SOURCES 4  // sources whose first 32 bytes are all requested before folding
 
 // real_kv_hash(slot) for slot >= 0; sets *oor when a source row is out of range (its fold is 0).
@@ -532,21 +553,19 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
     if (src.count > KVC_PREFETCH_SOURCES) return kvc_real_kv_hash(src, slot, oor);
     const unsigned char* p[KVC_PREFETCH_SOURCES];
     kvc_i64 nread[KVC_PREFETCH_SOURCES];
-    longlong2 head[KVC_PREFETCH_SOURCES][2];
+    KvcSourceHead head[KVC_PREFETCH_SOURCES];
     bool out = false;
 #pragma unroll
     for (int k = 0; k < KVC_PREFETCH_SOURCES; ++k) {
         p[k] = nullptr;
         nread[k] = 0;
-        head[k][0] = head[k][1] = make_longlong2(0, 0);
+        head[k] = {make_longlong2(0, 0), make_longlong2(0, 0)};
         if (k < src.count) {
             p[k] = kvc_source_bytes(src, k, slot, &nread[k]);
             if (p[k] == nullptr) {
                 out = true;
             } else {
-                const longlong2* q = reinterpret_cast<const longlong2*>(p[k]);
-                head[k][0] = kvc_ld16_early(q);  // read bytes are a positive multiple of 16
-                if (nread[k] >= 32) head[k][1] = kvc_ld16_early(q + 1);
+                head[k] = kvc_request_head(p[k], nread[k]);
             }
         }
     }
@@ -554,30 +573,12 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
 #pragma unroll
     for (int k = 0; k < KVC_PREFETCH_SOURCES; ++k) {
         if (k < src.count) {
-            kvc_u64 f = 0;
-            if (p[k] != nullptr) {
-                f = kvc_fold16(f, head[k][0]);
-                if (nread[k] >= 32) f = kvc_fold16(f, head[k][1]);
-                if (nread[k] > 32) f = kvc_fold_from(f, p[k] + 32, nread[k] - 32);
-            }
+            const kvc_u64 f = p[k] != nullptr ? kvc_fold_with_head(p[k], nread[k], head[k]) : 0ull;
             acc = kvc_sm(acc ^ f);
         }
     }
     *oor = out;
     return acc;
-}
-
-// fold(bytes) of one source's bytes, the first 32 of them requested at once (read bytes are a
-// positive multiple of 16).
-__device__ __forceinline__ kvc_u64 kvc_fold_head_early(const unsigned char* p, kvc_i64 nbytes) {
-    const longlong2* q = reinterpret_cast<const longlong2*>(p);
-    const longlong2 first = kvc_ld16_early(q);
-    longlong2 second = make_longlong2(0, 0);
-    if (nbytes >= 32) second = kvc_ld16_early(q + 1);
-    kvc_u64 f = kvc_fold16(0ull, first);
-    if (nbytes >= 32) f = kvc_fold16(f, second);
-    if (nbytes > 32) f = kvc_fold_from(f, p + 32, nbytes - 32);
-    return f;
 }
 
 // real_kv_hash(slot) computed by the kLanes lanes of an aligned group that all hold the same slot
@@ -605,7 +606,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_in_group(const KvcSources& s
             const KvcSourceDesc d = k0 == 0 ? own : kvc_source_desc(src, k);
             const unsigned char* p = kvc_source_row_bytes(d, slot);
             if (p == nullptr) source_oor = 1;
-            else f = kvc_fold_head_early(p, d.read_bytes);
+            else f = kvc_fold_with_head(p, d.read_bytes, kvc_request_head(p, d.read_bytes));
         }
         const int folded = src.count - k0 < kLanes ? src.count - k0 : kLanes;
         for (int j = 0; j < folded; ++j) {
