@@ -347,17 +347,23 @@ def test_cuda_kernels_without_sources_have_no_hashing_code():
             assert _loader.instance(template, *flags) in _loader.SPECS[source].kernels
 
 
+def _record_write_kernels(monkeypatch) -> list[str]:
+    """The names of the kernels the CUDA write launcher picks from now on, in order."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+
+    launched: list[str] = []
+    pick = cuda_write.kernel
+    monkeypatch.setattr(cuda_write, "kernel", lambda source, name, device_id: launched.append(name) or
+                        pick(source, name, device_id))
+    return launched
+
+
 @requires_gpu
 @pytest.mark.parametrize("mode", [kc.HashMode.NONE, kc.HashMode.ALL])
 def test_cuda_write_kernel_follows_the_sources(mode, monkeypatch):
     """A context without hashed sources launches the write kernel without hashing code, and both
     store what the CPU backend stores."""
-    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
-
-    launched = []
-    pick = cuda_write.kernel
-    monkeypatch.setattr(cuda_write, "kernel", lambda source, name, device_id: launched.append(name) or
-                        pick(source, name, device_id))
+    launched = _record_write_kernels(monkeypatch)
     rng = np.random.default_rng(4)
     spec = random_source(rng, 16, num_bytes_per_token=32, read_bytes=32)
     canaries = {}
@@ -415,13 +421,9 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
     sources (more sources than lanes take several rounds): slots past a short source's rows, a
     negative and an out-of-range slot, requests of two tokens and empty ones, seeds, position
     jumps and input-assert mismatches store and record what the CPU backend does."""
-    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
     from kvcanary_cupy.ops.backends._cuda.write import decode_form
 
-    launched = []
-    pick = cuda_write.kernel
-    monkeypatch.setattr(cuda_write, "kernel", lambda source, name, device_id: launched.append(name) or
-                        pick(source, name, device_id))
+    launched = _record_write_kernels(monkeypatch)
 
     rng = np.random.default_rng(40 + num_sources)
     num_slots = 256
