@@ -28,6 +28,23 @@ def test_differential_against_cpu_oracle(op):
         assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
 
 
+@pytest.mark.parametrize("tile", [256, 1024])
+def test_each_plan_tile_equals_the_cpu_backend(tile, monkeypatch):
+    """The launcher picks the plan kernel's block size from the batch (plan_tile); every instance is
+    forced here on the same cases, batch sizes past one tile included."""
+    from kvcanary_cupy.ops.backends._cuda import plan as cuda_plan
+    from kvcanary_cupy.rawkernels import _loader
+
+    assert tile in _loader.PLAN_TILES
+    monkeypatch.setattr(cuda_plan, "plan_tile", lambda batch_size, most_entries: tile)
+    rng = np.random.default_rng([2026, tile])
+    for i in range(60):
+        case = F.make_plan_case(rng, 20_000 if i % 20 == 19 else 3000)
+        oracle = F.RUNNERS["plan"](case, "cpu")
+        gpu = F.RUNNERS["plan"](case, "cuda")
+        assert F.compare("plan", case, oracle, gpu) == [], f"tile {tile} case {i}"
+
+
 # --- an engine-shaped step ------------------------------------------------------------------------
 
 

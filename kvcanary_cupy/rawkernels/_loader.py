@@ -58,13 +58,22 @@ _WRITE_KERNELS = (_instances("kvc_write", 3)  # vec16, paired, real-KV sources
                   + _instances("kvc_write_decode", 2))  # vec16, real-KV sources
 _STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 _SCATTER_KERNELS = _instances("kvc_scatter", 1)  # decode-shaped
+# The plan kernel's tiles (requests staged at once, one a thread: its block size), smallest first.
+PLAN_TILES = (256, 1024)
+
+
+def plan_instance(tile: int) -> str:
+    return f"kvc_plan<{tile}>"
+
+
+_PLAN_KERNELS = tuple(plan_instance(tile) for tile in PLAN_TILES)
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
                (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32), ("KVC_WRITE_DECODE_THREADS", 128),
                 ("KVC_WRITE_DECODE_LANES", 8))),
-    KernelSpec("plan", "plan.cu", ("kvc_plan",), ("kvc_plan",), (("KVC_PLAN_TILE", 1024),)),
+    KernelSpec("plan", "plan.cu", _PLAN_KERNELS, _PLAN_KERNELS),
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
                (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),
                 ("KVC_SCATTER_BLOCKS_PER_SM", 8))),

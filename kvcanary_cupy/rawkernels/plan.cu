@@ -15,16 +15,15 @@
 // arithmetic.
 #include "batch_plan.cuh"
 
-namespace {
-constexpr int kTile = KVC_PLAN_TILE;  // the launcher's block size
-constexpr int kTileWarps = kTile / 32;
-}
-
-// One block per SM asked for: left to pick, ptxas chose 32 registers on sm_80 and spilled.
-__global__ void __launch_bounds__(kTile, 1) kvc_plan(
+// kTile: the block size (the launcher's plan_tile). Blocks of 1024 threads an SM asked for: left
+// to pick, ptxas chose 32 registers on sm_80 and spilled.
+template <int kTile>
+__global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
     KVC_PLAN_IN_PARAMS, kvc_i64* v_slots, kvc_i64* v_tokens, kvc_i64* v_positions,
     kvc_i64* v_prev, int* v_num_valid, int* v_enable, kvc_i64 v_capacity, kvc_i64* w_offsets,
     kvc_i64* w_seeds, int* w_num_valid_reqs, kvc_i64 w_capacity) {
+    static_assert(kTile % 32 == 0 && kTile <= 1024, "a tile is whole warps of one block");
+    constexpr int kTileWarps = kTile / 32;
     __shared__ kvc_i64 s_warp[kTileWarps];
     __shared__ kvc_i64 s_start[kTile];
     __shared__ kvc_i64 s_rp[kTile];

@@ -10,7 +10,7 @@ import numpy as np
 from ...._dlpack import empty, settle
 from ....rawkernels import _loader
 from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
-from .plan import batch_args, write_plan_args
+from .plan import batch_args, most_verify_entries, write_plan_args
 from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
 
 _BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
@@ -44,9 +44,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
     # loop is exact for any grid).
-    width = int(batch.req_to_token.shape[1])
-    per_request = min(width, int(batch.swa_window_size)) if batch.swa_window_size > 0 else width
-    most = min(int(verify_capacity), bs * max(per_request, 1))
+    most = most_verify_entries(batch, verify_capacity)
     verify_blocks = -(-most // _BLOCK)
     if not tail:
         verify_blocks += 1  # block 0 stores the write plan, apart from the verify
