@@ -11,6 +11,7 @@ from .capacities import Capacities
 from .context import CanaryContext, Violation, ViolationReport, VerifyPlan, WritePlan
 from .ops import CanaryStep, plan, scatter_req_token_ids, verify, write
 from .sources import RealKvSource
+from .precompile import compile_kernels
 from . import layouts
 from .session import (Canary, CanaryEvent, CanaryReport, CanaryViolation, ForwardBatch, LiveRequests,
                       SwaGroup)
@@ -38,6 +39,7 @@ __all__ = [
     "Violation",
     "ViolationReport",
     "WritePlan",
+    "compile_kernels",
     "plan",
     "scatter_req_token_ids",
     "verify",

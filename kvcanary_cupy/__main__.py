@@ -46,12 +46,40 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    import time  # noqa: PLC0415
+
+    import kvcanary_cupy as kc  # noqa: PLC0415
+    from ._dlpack import cuda_device_count  # noqa: PLC0415
+
+    devices = [args.device] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())]
+    if not devices:
+        print("no CUDA device seen: nothing to compile (the CPU backend compiles at first use)")
+        return 0
+    for device in devices:
+        start = time.perf_counter()
+        try:
+            kc.compile_kernels(device=device)
+        except (RuntimeError, TypeError, ValueError) as error:
+            print(error, file=sys.stderr)
+            return 2
+        print(f"{device}: kernels ready in {time.perf_counter() - start:.2f} s")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="version, backends and devices available")
     info.set_defaults(handler=_info)
+    compile_ = commands.add_parser(
+        "compile", help="compile every CUDA kernel now (CuPy caches them on disk: later processes only load them)",
+        description="Compile and load every CUDA kernel for each device seen (or --device), as "
+                    "kc.compile_kernels does: for a container build or an engine's start-up, so that no "
+                    "forward waits for NVRTC.")
+    compile_.add_argument("--device", default=None, help="cuda or cuda:N (default: every CUDA device seen)")
+    compile_.set_defaults(handler=_compile)
     from .sim import cli  # noqa: PLC0415
 
     demo = commands.add_parser("demo", help="simulate a serving engine, inject KV-cache faults, show what is caught",

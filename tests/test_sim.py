@@ -90,6 +90,7 @@ def test_demo_cli_writes_json(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert data["steps"] == 60
     assert data["false_positives"] == 0
+    assert data["kernels_s"] >= 0
     for cls, row in data["faults"].items():
         assert cls in FAULT_CLASSES
         assert {"injected", "detected"} <= set(row)

@@ -161,6 +161,12 @@ def _module(name: str, device_id: int):
     return module
 
 
+def load_all(device_id: int) -> None:
+    """Every source's module compiled (or loaded from CuPy's cache) for the device, its kernels loaded."""
+    for spec in _SPECS:
+        _module(spec.name, device_id)
+
+
 _functions: dict = {}
 
 
