@@ -120,8 +120,9 @@ class SimResult:
             f"  requests finished {self.requests_finished}, aborted on detection {self.requests_aborted}; "
             f"prefix-shared tokens {self.shared_tokens}; reused pages {self.reused_pages}",
             f"  wall {self.wall_s:.2f} s; canary {self.canary_ms_per_step:.3f} ms/step "
-            f"({100 * self.canary_s / max(self.wall_s, 1e-9):.0f}% of the step loop); kernels ready in "
-            f"{self.kernels_s:.2f} s before it (compiled once a machine, then loaded from the cache)",
+            f"({100 * self.canary_s / max(self.wall_s, 1e-9):.0f}% of the step loop)"
+            + (f"; CUDA kernels ready in {self.kernels_s:.2f} s before it (compiled once a machine, "
+               "then loaded from CuPy's cache)" if "cuda" in str(c.device) else ""),
             "",
             f"  {'fault class':<18}{'injected':>9}{'detected':>9}{'rate':>8}{'median steps':>14}",
         ]
