@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.rawkernels import _loader
 import _fuzzcases as F
 from _devices import HAS_CUDA
 
@@ -28,14 +29,12 @@ def test_differential_against_cpu_oracle(op):
         assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
 
 
-@pytest.mark.parametrize("tile", [256, 1024])
+@pytest.mark.parametrize("tile", _loader.PLAN_TILES)
 def test_each_plan_tile_equals_the_cpu_backend(tile, monkeypatch):
     """The launcher picks the plan kernel's block size from the batch (plan_tile); every instance is
     forced here on the same cases, batch sizes past one tile included."""
     from kvcanary_cupy.ops.backends._cuda import plan as cuda_plan
-    from kvcanary_cupy.rawkernels import _loader
 
-    assert tile in _loader.PLAN_TILES
     monkeypatch.setattr(cuda_plan, "plan_tile", lambda batch_size, most_entries: tile)
     rng = np.random.default_rng([2026, tile])
     for i in range(60):

@@ -14,11 +14,10 @@ def most_verify_entries(batch, verify_capacity: int) -> int:
     """How many verify entries the batch can have at most, as far as the host knows without its
     lengths (they live on the device): what sizes a grid whose loop over the entries is exact for
     any grid."""
-    bs = int(batch.req_pool_indices.shape[0])
     width = int(batch.req_to_token.shape[1])
     window = int(batch.swa_window_size)
     per_request = min(width, window) if window > 0 else width
-    return min(int(verify_capacity), bs * max(per_request, 1))
+    return min(int(verify_capacity), batch.batch_size * max(per_request, 1))
 
 
 def plan_tile(batch_size: int, most_entries: int) -> int:
@@ -71,7 +70,7 @@ def plan(vplan, wplan, batch, *, stream) -> None:
     v_capacity = int(vplan.capacity)
     w_capacity = int(wplan.capacity)
     most = most_verify_entries(batch, v_capacity)
-    tile = plan_tile(int(batch.req_pool_indices.shape[0]), most)
+    tile = plan_tile(batch.batch_size, most)
     name = _loader.plan_instance(tile)
     fn = kernel("plan", name, device_id)
     # block 0 writes the write plan, the others the verify plan (every block pads the write plan)
