@@ -5,12 +5,17 @@
 * ``gather32_entries_per_s``: 16M random 32-byte gathers from a 32M-slot table (1 GiB, far larger
   than L2) by a minimal RawKernel, each reading its int64 index and writing its 32 bytes: the rate
   ceiling of any op that touches one canary slot per entry at random.
+* ``plan_stream_entries_per_s``: a minimal RawKernel that moves a plan's bytes, an entry a thread:
+  it reads 16M int32 slots (each entry's and its predecessor's, as a plan reads ``req_to_token``) and
+  writes four int64 arrays of 16M (512 MiB). The rate ceiling of the plan of a large batch, whose
+  writes are fixed by the plan's layout (SPEC 3.3), and how far the copy ceiling is from it.
 * ``empty_kernel_us``: an empty RawKernel launched through CuPy: device time between CUDA events,
   bracketed exactly as every op is (``empty_kernel_us``; ``empty_kernel_warm_us`` without the L2
   eviction before it), as a one-node graph replay (``empty_graph_us``) and host time per launch
   (``empty_launch_host_us``). The floor of any single launch.
 
-On the CPU the same three are a NumPy copy, a NumPy row gather and a call of an empty numba function.
+On the CPU the same four are a NumPy copy, a NumPy row gather, the plan's arrays written by NumPy and a
+call of an empty numba function.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ extern "C" __global__ void kvc_bench_gather32(const ulonglong2* __restrict__ src
         ulonglong2 a = src[2 * s], b = src[2 * s + 1];
         dst[2 * i] = a;
         dst[2 * i + 1] = b;
+    }
+}
+extern "C" __global__ void kvc_bench_plan_stream(const int* __restrict__ slots, long long n, long long* slot_out,
+                                                  long long* token_out, long long* position_out,
+                                                  long long* prev_out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        slot_out[i] = slots[i];
+        token_out[i] = -1;
+        position_out[i] = i;
+        prev_out[i] = i > 0 ? slots[i - 1] : -1;
     }
 }
 extern "C" __global__ void kvc_bench_empty() {}
@@ -75,6 +91,8 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         out["gather32_gbps"] = n * (8 + 32 + 32) / t.median_s / 1e9
         del table, idx, dst
 
+        out.update(_plan_stream_gpu(timer, cupy, module.get_function("kvc_bench_plan_stream"), n))
+
         launch = lambda _: empty((1,), (1,), (), stream=stream)  # noqa: E731
         t = timer.eager(launch, 1, warmup=20, reps=200, cold=False)
         out["empty_kernel_warm_us"] = t.median_s * 1e6
@@ -86,6 +104,48 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         out["empty_launch_host_us"] = timer.host_per_call(launch, 1, 500) * 1e6
         out["empty_launch_wall_us"] = timer.wall_per_call(launch, 1, 500) * 1e6
     return out
+
+
+def _plan_stream_result(n: int, seconds: float) -> dict[str, Any]:
+    return dict(plan_stream_entries=n, plan_stream_us=seconds * 1e6, plan_stream_entries_per_s=n / seconds,
+                plan_stream_gbps=n * (4 + 4 * 8) / seconds / 1e9)
+
+
+def _plan_stream_gpu(timer: GpuTimer, cupy, kernel, n: int) -> dict[str, Any]:
+    slots = (rand_u64(cupy, n, 10) >> cupy.uint64(33)).astype(cupy.int32)
+    outs = [cupy.empty(n, dtype=cupy.int64) for _ in range(4)]
+    block = 256
+    grid = (n + block - 1) // block
+    launch = lambda _: kernel((grid,), (block,), (slots, cupy.int64(n), *outs), stream=timer.stream)  # noqa: E731
+    t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
+    _check_plan_stream(cupy, slots, outs)
+    return _plan_stream_result(n, t.median_s)
+
+
+def _check_plan_stream(xp, slots, outs) -> None:
+    head = min(int(slots.shape[0]), 4096)
+    s = slots[:head].astype(xp.int64)
+    prev = xp.concatenate([xp.full(1, -1, dtype=xp.int64), s[:-1]])
+    want = (s, xp.full(head, -1, dtype=xp.int64), xp.arange(head, dtype=xp.int64), prev)
+    assert all(bool((o[:head] == w).all()) for o, w in zip(outs, want)), "plan stream ceiling kernel is wrong"
+
+
+def _plan_stream_cpu(timer: CpuTimer, n: int) -> dict[str, Any]:
+    slots = (rand_u64(np, n, 10) >> np.uint64(33)).astype(np.int32)
+    outs = [np.empty(n, dtype=np.int64) for _ in range(4)]
+    positions = np.arange(n, dtype=np.int64)
+
+    def stream(_):
+        slot_out, token_out, position_out, prev_out = outs
+        slot_out[:] = slots
+        token_out.fill(-1)
+        position_out[:] = positions
+        prev_out[0] = -1
+        prev_out[1:] = slots[:-1]
+
+    t = timer.eager(stream, 1, warmup=1, reps=5)
+    _check_plan_stream(np, slots, outs)
+    return _plan_stream_result(n, t.median_s)
 
 
 def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
@@ -107,6 +167,7 @@ def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
     t = timer.eager(lambda _: np.take(table, idx, axis=0, out=got), 1, warmup=1, reps=5)
     out.update(gather32_entries=n, gather32_us=t.median_s * 1e6, gather32_entries_per_s=n / t.median_s,
                gather32_gbps=n * 72 / t.median_s / 1e9)
+    out.update(_plan_stream_cpu(timer, n))
 
     @numba.njit
     def nothing():

@@ -149,7 +149,8 @@ class Harness:
             self._ceilings = _ceilings.measure(self.timer, self.xp, scale=self.scale)
             c = self._ceilings
             progress(f"ceilings ({time.perf_counter() - start:.1f}s): copy {c['copy_gbps']:.0f} GB/s, gather32 "
-                     f"{c['gather32_entries_per_s'] / 1e9:.2f} G entries/s, empty kernel {c['empty_kernel_us']:.2f} us")
+                     f"{c['gather32_entries_per_s'] / 1e9:.2f} G entries/s, plan stream "
+                     f"{c['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s, empty kernel {c['empty_kernel_us']:.2f} us")
         return self._ceilings
 
     def state(self, case: S.Case) -> S.EngineState:
@@ -207,6 +208,9 @@ class Harness:
             copy_ceiling_gbps=ceil["copy_gbps"], empty_kernel_us=ceil["empty_kernel_us"],
             x_empty_kernel=seconds * 1e6 / ceil["empty_kernel_us"],
         )
+        if op == "plan" and ceil.get("plan_stream_entries_per_s"):
+            # a large plan's rate against a bare kernel that moves the same bytes an entry a thread
+            info["pct_plan_stream"] = 100.0 * entries / seconds / ceil["plan_stream_entries_per_s"]
         if naive is not None:
             naive(0)
             self.timer.sync()

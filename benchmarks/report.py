@@ -108,7 +108,10 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
         lines.append(
             f"**Ceilings:** copy {ceilings['copy_gbps']:.0f} GB/s (read+write) · random 32-B gather "
             f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} G entries/s ({ceilings['gather32_gbps']:.0f} GB/s) · "
-            f"empty kernel {ceilings['empty_kernel_us']:.2f} µs device"
+            + (f"plan-shaped stream {ceilings['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s "
+               f"({ceilings['plan_stream_us']:.1f} µs for {_si(ceilings['plan_stream_entries'])} entries, "
+               f"{ceilings['plan_stream_gbps']:.0f} GB/s) · " if ceilings.get("plan_stream_us") else "")
+            + f"empty kernel {ceilings['empty_kernel_us']:.2f} µs device"
             + (f" ({ceilings['empty_kernel_end_us']:.2f} µs at the end of the run)"
                if ceilings.get("empty_kernel_end_us") is not None else "")
             + (f", {graph:.2f} µs as graph replay" if graph else "")

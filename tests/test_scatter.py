@@ -93,16 +93,25 @@ def test_strided_rows_of_pool(device):
     assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
 
 
+_FORMS = {"decode-form": (True, False), "general-form": (False, False), "long-rows-form": (False, True)}
+
+
+def _force_form(monkeypatch, form: str) -> None:
+    from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter
+
+    decode, long = _FORMS[form]
+    monkeypatch.setattr(cuda_scatter, "decode_form", lambda *_: decode)
+    monkeypatch.setattr(cuda_scatter, "long_rows", lambda *_: long)
+
+
 @requires_gpu
-@pytest.mark.parametrize("decode", [True, False], ids=["decode-form", "general-form"])
+@pytest.mark.parametrize("form", list(_FORMS))
 @pytest.mark.parametrize("seed", range(4))
-def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):
+def test_cuda_every_kernel_form_matches_the_model(monkeypatch, form, seed):
     """Each form of the CUDA kernel on every shape, not only on the shapes the host picks it for:
     long rows and one-token rows, batches past a block's threads, and many requests of one row
     (past the kernel's 64 remembered later writers)."""
-    from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter
-
-    monkeypatch.setattr(cuda_scatter, "decode_form", lambda *_: decode)
+    _force_form(monkeypatch, form)
     rng = np.random.default_rng(100 + seed)
     rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 300))
     bs = int(rng.integers(1, 400))
@@ -114,6 +123,36 @@ def test_cuda_both_kernel_forms_match_the_model(monkeypatch, decode, seed):
     rpi = rng.integers(-1, rows + 1, size=bs).tolist()
     pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
     assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
+@requires_gpu
+@pytest.mark.parametrize("form", list(_FORMS))
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_rows_of_many_strides_match_the_model(monkeypatch, form, seed):
+    """Rows of thousands of tokens (several rounds of the long-rows form's reads), mostly of distinct
+    pool rows, sometimes shared, with offsets that run past flat_in."""
+    _force_form(monkeypatch, form)
+    rng = np.random.default_rng(200 + seed)
+    bs = int(rng.integers(1, 7))
+    rows, width = bs + 2, int(rng.integers(1, 6000))
+    lens = rng.integers(0, width + 100, size=bs)
+    offsets = [0] + np.cumsum(lens).tolist()
+    n = int(offsets[-1]) - int(rng.integers(0, 50))
+    flat_in = rng.integers(-2**31, 2**31, size=max(n, 0)).tolist()
+    rpi = (rng.permutation(rows - 1)[:bs] + 1).tolist()
+    if seed % 3 == 2 and bs > 1:
+        rpi[-1] = rpi[0]  # a later request of the same row takes its columns
+    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
+    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
+def test_long_rows_form_is_picked_for_rows_of_two_strides_on_average():
+    from kvcanary_cupy.ops.backends._cuda.scatter import long_rows
+
+    assert long_rows(1, 4096)  # a prefill chunk
+    assert long_rows(4, 2048)
+    assert not long_rows(4, 2047)
+    assert not long_rows(32, 4096)  # 128-token extends
 
 
 def test_decode_form_is_picked_for_one_token_rows_that_fit_one_wave():

@@ -52,7 +52,7 @@ def batch_args(batch) -> tuple:
     exp, exp_rows, exp_cols, exp_stride = _table(pool)
     return (
         ptr(batch.req_pool_indices), ptr(batch.prefix_lens), ptr(batch.extend_seq_lens),
-        i64(int(batch.req_pool_indices.shape[0])),
+        i64(batch.batch_size),
         rtt, i64(rows), i64(width), i64(stride), i64(int(batch.swa_window_size)),
         i64(0 if lut is None else 1), ptr(lut), i64(lut_len),
         i64(0 if pool is None else 1), exp, i64(exp_rows), i64(exp_cols), i64(exp_stride),

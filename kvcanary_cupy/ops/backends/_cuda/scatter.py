@@ -17,6 +17,11 @@ def decode_form(batch_size: int, num_tokens: int, sm_count: int) -> bool:
     return decode_shaped(batch_size, num_tokens) and batch_size <= _BLOCKS_PER_SM * sm_count
 
 
+def long_rows(batch_size: int, num_tokens: int) -> bool:
+    """scatter.cu's kLongRows: rows of at least two of its strides on average (a prefill chunk's)."""
+    return num_tokens >= 2 * _BLOCK * batch_size
+
+
 def scatter(batch, *, stream) -> None:
     bs = int(batch.req_pool_indices.shape[0])
     pool = batch.pool_out
@@ -25,12 +30,14 @@ def scatter(batch, *, stream) -> None:
         return
     device_id = batch.device.index
     sms = sm_count(device_id)
-    decode = decode_form(bs, int(batch.flat_in.shape[0]), sms)
-    fn = kernel("scatter", _loader.instance("kvc_scatter", decode), device_id)
+    num_tokens = int(batch.flat_in.shape[0])
+    decode = decode_form(bs, num_tokens, sms)
+    long = not decode and long_rows(bs, num_tokens)
+    fn = kernel("scatter", _loader.instance("kvc_scatter", decode, long), device_id)
     stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
     grid = max(1, min(bs, _BLOCKS_PER_SM * sms))
     args = (
-        ptr(batch.flat_in), i64(int(batch.flat_in.shape[0])), ptr(batch.offsets),
+        ptr(batch.flat_in), i64(num_tokens), ptr(batch.offsets),
         ptr(batch.req_pool_indices), i64(bs), ptr(pool), i64(rows), i64(width), i64(stride),
     )
     launch(fn, grid, _DECODE_BLOCK if decode else _BLOCK, args, stream)

@@ -36,7 +36,7 @@ def plan_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
             check_expected_token: bool) -> list[Launch]:
     device_id = ctx.device.index
-    bs = int(batch.req_pool_indices.shape[0])
+    bs = batch.batch_size
     real_kv = has_real_kv(ctx)
     tail = tail_write(bs, writes.num_entries)
     plan_block = not tail and plan_block_write(bs, writes.num_entries, real_kv)
