@@ -197,19 +197,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const unsigned long long verified =
         total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
 
-    // Whether this block is the last to finish its verify (every block of a kTailWrite launch calls
-    // it once): the write waits for every verify read. The last block resets the counter.
-    const auto last_block = [&]() {
-        if (gridDim.x == 1) {
-            __syncthreads();
-            return true;
-        }
-        __syncthreads();  // the block's work is done before it says so
-        if (tid == 0) s_last = kvc_acq_rel_add(blocks_done, 1u) == gridDim.x - 1;
-        __syncthreads();
-        return s_last;
-    };
-
     if (!kTailWrite) {
         if (blockIdx.x == (plan_block_apart ? 1u : 0u) && tid == 0) {
             atomicAdd(kernel_run_counter, 1ull);
@@ -264,7 +251,14 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     }
 
     // ---- write, by the last block to finish verifying ---------------------------------------
-    if (!last_block()) return;
+    // The write waits for every verify read: each block says when it is done, and only the last
+    // one goes on (it resets the counter below).
+    __syncthreads();  // the block's work is done before it says so
+    if (gridDim.x > 1) {
+        if (tid == 0) s_last = kvc_acq_rel_add(blocks_done, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!s_last) return;
+    }
     // A thread per request: the first warp writes, scanning with shuffles, with no barrier left on
     // its path.
     if (tid >= 32) return;
