@@ -33,6 +33,22 @@ def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
     return float(np.median(times))
 
 
+def event_timed(fn, reps: int = 10) -> float:
+    """Device time of one ``fn()`` in us between two CUDA events on the current stream, median of
+    ``reps`` after one untimed call: for launches long enough that the events' own cost is noise."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+    return float(np.median(times))
+
+
 def cold_timer():
     """The benchmarks' timer (benchmarks/_timing.py) on a stream of its own: host head start and L2
     eviction before each bracketed repetition."""

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import timed, timed_cold, use_sources  # noqa: E402
+from _probe import event_timed, timed, timed_cold, use_sources  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 TOKENS = 2048   # staged in shared memory (2 x 16 KB)
@@ -141,20 +141,6 @@ FORMS = ((0, "plain"), (1, "pending"), (2, "split"), (3, "split-wide"))
 NAMES = [f"chain_probe<{form}, {kind}>" for kind in (0, 1) for form, _ in FORMS]
 
 
-def time_us(fn, reps: int = 10) -> float:
-    fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
-    return float(np.median(times))
-
-
 def bare_chains() -> dict:
     module = cupy.RawModule(code=SOURCE % {"tokens": TOKENS}, options=_loader.nvrtc_options(),
                             name_expressions=NAMES)
@@ -170,7 +156,7 @@ def bare_chains() -> dict:
         for form, form_name in FORMS:
             fn = module.get_function(f"chain_probe<{form}, {kind}>")
             launch = lambda: fn((1,), (256,), (a, b, np.int32(ROUNDS), out, cycles))  # noqa: E731
-            us = time_us(launch)
+            us = event_timed(launch)
             values.append(int(out.get()[0]))
             rows[f"{kind_name} {form_name}"] = {"ns_per_step": us * 1e3 / steps,
                                                  "cycles_per_step": int(cycles.get()[0]) / steps,

@@ -12,8 +12,14 @@ launches between CUDA events, us. The plan kernel's own launch is the grid-strid
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import cupy as cp
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _probe import event_timed  # noqa: E402
 
 REQUESTS = POSITIONS = 4096
 ENTRIES = REQUESTS * POSITIONS
@@ -84,17 +90,7 @@ def main() -> None:
         "CuPy elementwise kernel, contiguous read": lambda: elementwise(flat, *outs),
     }
     for name, launch in shapes.items():
-        launch()
-        cp.cuda.Device().synchronize()
-        times = []
-        for _ in range(20):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            launch()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-        print(f"{name:52s} {np.median(times):8.1f} us", flush=True)
+        print(f"{name:52s} {event_timed(launch, reps=20):8.1f} us", flush=True)
 
 
 if __name__ == "__main__":
