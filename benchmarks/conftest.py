@@ -150,7 +150,8 @@ class Harness:
             c = self._ceilings
             progress(f"ceilings ({time.perf_counter() - start:.1f}s): copy {c['copy_gbps']:.0f} GB/s, gather32 "
                      f"{c['gather32_entries_per_s'] / 1e9:.2f} G entries/s, plan stream "
-                     f"{c['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s, empty kernel {c['empty_kernel_us']:.2f} us")
+                     f"{c['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s, "
+                     f"empty kernel {c['empty_kernel_us']:.2f} us")
         return self._ceilings
 
     def state(self, case: S.Case) -> S.EngineState:
