@@ -111,9 +111,14 @@ def _plan_stream_result(n: int, seconds: float) -> dict[str, Any]:
                 plan_stream_gbps=n * (4 + 4 * 8) / seconds / 1e9)
 
 
+def _plan_stream_arrays(xp, n: int):
+    """n random int32 slots and the four int64 arrays a plan of n entries writes."""
+    slots = (rand_u64(xp, n, 10) >> xp.uint64(33)).astype(xp.int32)
+    return slots, [xp.empty(n, dtype=xp.int64) for _ in range(4)]
+
+
 def _plan_stream_gpu(timer: GpuTimer, cupy, kernel, n: int) -> dict[str, Any]:
-    slots = (rand_u64(cupy, n, 10) >> cupy.uint64(33)).astype(cupy.int32)
-    outs = [cupy.empty(n, dtype=cupy.int64) for _ in range(4)]
+    slots, outs = _plan_stream_arrays(cupy, n)
     block = 256
     grid = (n + block - 1) // block
     launch = lambda _: kernel((grid,), (block,), (slots, cupy.int64(n), *outs), stream=timer.stream)  # noqa: E731
@@ -131,8 +136,7 @@ def _check_plan_stream(xp, slots, outs) -> None:
 
 
 def _plan_stream_cpu(timer: CpuTimer, n: int) -> dict[str, Any]:
-    slots = (rand_u64(np, n, 10) >> np.uint64(33)).astype(np.int32)
-    outs = [np.empty(n, dtype=np.int64) for _ in range(4)]
+    slots, outs = _plan_stream_arrays(np, n)
     positions = np.arange(n, dtype=np.int64)
 
     def stream(_):

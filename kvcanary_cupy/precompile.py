@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import cuda_device_count, cupy_module, parse_device
+from ._dlpack import cuda_device_count, parse_device, require_cupy
 from .rawkernels import _loader
 
 
@@ -20,9 +20,7 @@ def compile_kernels(*, device: Any = "cuda") -> None:
     where = parse_device(device)
     if not where.is_cuda:
         return
-    if cupy_module() is None:
-        raise RuntimeError(f"kv-canary: device is {where} but CuPy is not available; "
-                           "install kvcanary_cupy[cuda12] or kvcanary_cupy[cuda13]")
+    require_cupy("device")
     count = cuda_device_count()
     if where.index >= count:
         raise ValueError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, got {where}")
