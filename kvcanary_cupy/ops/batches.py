@@ -136,7 +136,11 @@ class ScatterBatch:
         _adopt_arrays(self, ("flat_in", "offsets", "req_pool_indices", "pool_out"))
         check.vector("scatter_req_token_ids flat_in", self.flat_in, np.int64)
         check.vector("scatter_req_token_ids req_pool_indices", self.req_pool_indices, np.int64)
-        bs = int(self.req_pool_indices.shape[0])
+        bs = self.batch_size
         check.vector("scatter_req_token_ids offsets", self.offsets, np.int64, bs + 1,
                      "batch size + 1, one more than req_pool_indices")
         check.table("scatter_req_token_ids pool_out", self.pool_out, np.int32)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])

@@ -44,6 +44,15 @@ __device__ __forceinline__ bool kvc_scatter_span(kvc_i64 begin, kvc_i64 end, kvc
     return j_lo < j_hi;
 }
 
+// Where column col of a row read from offset begin lies in flat_in (in it, by kvc_scatter_span).
+__device__ __forceinline__ const kvc_i64* kvc_scatter_source(const kvc_i64* flat_in, kvc_i64 begin,
+                                                             kvc_u64 col) {
+    return flat_in + (kvc_i64)((kvc_u64)begin + col);
+}
+
+// A token id as the int32 pool stores it: its low 32 bits.
+__device__ __forceinline__ int kvc_pool_token(kvc_i64 v) { return (int)(unsigned)(kvc_u64)v; }
+
 // The same for request r.
 __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
                                                  kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
@@ -93,7 +102,7 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
         const kvc_u64 first_j = j_lo + threadIdx.x;
         kvc_i64 first_value = 0;
         if (kDecode && first_j < j_hi)
-            first_value = kvc_ld_early(flat_in + (kvc_i64)((kvc_u64)begin + first_j));
+            first_value = kvc_ld_early(kvc_scatter_source(flat_in, begin, first_j));
 
         // Later requests of the same row (an engine sends none; a sequential pass lets them win).
         if (threadIdx.x == 0) s_ndup = 0;
@@ -123,8 +132,7 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
 #pragma unroll
                 for (int u = 0; u < kCopyAhead; ++u) {
                     const kvc_u64 col = j + (kvc_u64)u * kThreads;
-                    if (col < j_hi)
-                        v[u] = (int)(unsigned)(kvc_u64)flat_in[(kvc_i64)((kvc_u64)begin + col)];
+                    if (col < j_hi) v[u] = kvc_pool_token(*kvc_scatter_source(flat_in, begin, col));
                 }
 #pragma unroll
                 for (int u = 0; u < kCopyAhead; ++u) {
@@ -146,8 +154,8 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
                 }
             }
             const kvc_i64 v =
-                kDecode && j == first_j ? first_value : flat_in[(kvc_i64)((kvc_u64)begin + j)];
-            if (!later) row[j] = (int)(unsigned)(kvc_u64)v;
+                kDecode && j == first_j ? first_value : *kvc_scatter_source(flat_in, begin, j);
+            if (!later) row[j] = kvc_pool_token(v);
         }
         __syncthreads();
     }

@@ -212,9 +212,10 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             return;
         }
         // ---- write of a decode batch of up to kThreads requests, by block 0 ------------------
-        // A thread a request, from the write plan this block stored. What it reads is read while
-        // the other blocks verify (the seed's slot too: verify writes no slot); it waits for
-        // every verify block before it stores anything or records a row.
+        // A thread a request (the host's plan_block_write takes at most kThreads), from the write
+        // plan this block stored. What it reads is read while the other blocks verify (the seed's
+        // slot too: verify writes no slot); it waits for every verify block before it stores
+        // anything or records a row.
         __syncthreads();  // the write plan is stored
         KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
         wl.chain_position_assert = *chain_position_assert != 0;
@@ -239,10 +240,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         unsigned long long stored = 0;
         if (tid < rows) {
             stored = kvc_write_request<kVec16>(c, wl, begin, end, seed, first, true, &seed_words);
-        }
-        for (kvc_i64 r = tid + kThreads; r < rows; r += kThreads) {
-            stored += kvc_write_request<kVec16>(c, wl, w_offsets[r], w_offsets[r + 1], w_seeds[r],
-                                                first, false);
         }
         stored = kvc_warp_sum(stored);
         if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);

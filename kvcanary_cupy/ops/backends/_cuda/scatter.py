@@ -23,7 +23,7 @@ def long_rows(batch_size: int, num_tokens: int) -> bool:
 
 
 def scatter(batch, *, stream) -> None:
-    bs = int(batch.req_pool_indices.shape[0])
+    bs = batch.batch_size
     pool = batch.pool_out
     rows, width = int(pool.shape[0]), int(pool.shape[1])
     if bs == 0 or rows == 0 or width == 0:
