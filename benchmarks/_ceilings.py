@@ -5,6 +5,10 @@
 * ``gather32_entries_per_s``: 16M random 32-byte gathers from a 32M-slot table (1 GiB, far larger
   than L2) by a minimal RawKernel, each reading its int64 index and writing its 32 bytes: the rate
   ceiling of any op that touches one canary slot per entry at random.
+* ``read32_entries_per_s``: the same random 32-byte reads with nothing written per entry (each warp
+  folds its 32 rows into one word), indexed by int32 as ``req_to_token`` is: what DRAM gives random
+  sectors when no output stream shares the bus, as a verify's reads. Verify and step rows report the
+  random sectors they read a second against it (``pct_random_read``).
 * ``plan_stream_entries_per_s``: a minimal RawKernel that moves a plan's bytes, an entry a thread:
   it reads 16M int32 slots (each entry's and its predecessor's, as a plan reads ``req_to_token``) and
   writes four int64 arrays of 16M (512 MiB). The rate ceiling of the plan of a large batch, whose
@@ -14,8 +18,8 @@
   eviction before it), as a one-node graph replay (``empty_graph_us``) and host time per launch
   (``empty_launch_host_us``). The floor of any single launch.
 
-On the CPU the same four are a NumPy copy, a NumPy row gather, the plan's arrays written by NumPy and a
-call of an empty numba function.
+On the CPU the same five are a NumPy copy, a NumPy row gather, a numba loop of the folded reads, the
+plan's arrays written by NumPy and a call of an empty numba function.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ extern "C" __global__ void kvc_bench_gather32(const ulonglong2* __restrict__ src
         dst[2 * i] = a;
         dst[2 * i + 1] = b;
     }
+}
+extern "C" __global__ void kvc_bench_read32(const ulonglong2* __restrict__ src, const int* __restrict__ idx,
+                                            unsigned long long* __restrict__ warp_xor, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long v = 0;
+    if (i < n) {
+        long long s = idx[i];
+        ulonglong2 a = src[2 * s], b = src[2 * s + 1];
+        v = a.x ^ a.y ^ b.x ^ b.y;
+    }
+    for (int off = 16; off > 0; off >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) == 0 && i < n) warp_xor[i >> 5] = v;
 }
 extern "C" __global__ void kvc_bench_plan_stream(const int* __restrict__ slots, long long n, long long* slot_out,
                                                   long long* token_out, long long* position_out,
@@ -89,7 +105,16 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         out["gather32_us"] = t.median_s * 1e6
         out["gather32_entries_per_s"] = n / t.median_s
         out["gather32_gbps"] = n * (8 + 32 + 32) / t.median_s / 1e9
-        del table, idx, dst
+        del dst
+
+        read = module.get_function("kvc_bench_read32")
+        idx32 = idx.astype(cupy.int32)
+        folds = cupy.empty((n + 31) // 32, dtype=cupy.uint64)
+        launch = lambda _: read((grid,), (block,), (table, idx32, folds, cupy.int64(n)), stream=stream)  # noqa: E731
+        t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
+        _check_read32(cupy.asnumpy(table[idx[: min(n, 4096)]]), cupy.asnumpy(folds))
+        out.update(_read32_result(n, t.median_s))
+        del table, idx, idx32, folds
 
         out.update(_plan_stream_gpu(timer, cupy, module.get_function("kvc_bench_plan_stream"), n))
 
@@ -104,6 +129,18 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         out["empty_launch_host_us"] = timer.host_per_call(launch, 1, 500) * 1e6
         out["empty_launch_wall_us"] = timer.wall_per_call(launch, 1, 500) * 1e6
     return out
+
+
+def _read32_result(n: int, seconds: float) -> dict[str, Any]:
+    return dict(read32_entries=n, read32_us=seconds * 1e6, read32_entries_per_s=n / seconds,
+                read32_gbps=n * (4 + 32) / seconds / 1e9)
+
+
+def _check_read32(rows: np.ndarray, folds: np.ndarray) -> None:
+    """rows: the first entries' 32-byte rows, gathered apart; folds: the kernel's word a warp."""
+    whole = rows.shape[0] // 32
+    want = np.bitwise_xor.reduce(rows[: whole * 32].view(np.uint64).reshape(whole, -1), axis=1)
+    assert whole > 0 and bool((folds[:whole] == want).all()), "random read ceiling kernel is wrong"
 
 
 def _plan_stream_result(n: int, seconds: float) -> dict[str, Any]:
@@ -171,6 +208,21 @@ def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
     t = timer.eager(lambda _: np.take(table, idx, axis=0, out=got), 1, warmup=1, reps=5)
     out.update(gather32_entries=n, gather32_us=t.median_s * 1e6, gather32_entries_per_s=n / t.median_s,
                gather32_gbps=n * 72 / t.median_s / 1e9)
+    @numba.njit(parallel=True, cache=False)
+    def read32(words, rows, folds):
+        for w in numba.prange(folds.shape[0]):
+            v = np.uint64(0)
+            for i in range(w * 32, min(w * 32 + 32, rows.shape[0])):
+                s = rows[i]
+                v ^= words[s, 0] ^ words[s, 1] ^ words[s, 2] ^ words[s, 3]
+            folds[w] = v
+
+    idx32 = idx.astype(np.int32)
+    words = table.view(np.uint64)
+    folds = np.empty((n + 31) // 32, dtype=np.uint64)
+    t = timer.eager(lambda _: read32(words, idx32, folds), 1, warmup=1, reps=5)
+    _check_read32(table[idx[: min(n, 4096)]], folds)
+    out.update(_read32_result(n, t.median_s))
     out.update(_plan_stream_cpu(timer, n))
 
     @numba.njit

@@ -109,6 +109,12 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
     raise ValueError(op)
 
 
+def _verify_sectors(case: S.Case) -> int:
+    """Random 32-byte sectors a verify entry reads: its canary slot and one a source hashed (the
+    predecessor's slot is, nearly always, the entry before it, read beside it)."""
+    return 1 + (case.sources.count if case.hash_mode != S.kc.HashMode.NONE else 0)
+
+
 # --- session fixtures -----------------------------------------------------------------------------
 
 class Harness:
@@ -149,7 +155,8 @@ class Harness:
             self._ceilings = _ceilings.measure(self.timer, self.xp, scale=self.scale)
             c = self._ceilings
             progress(f"ceilings ({time.perf_counter() - start:.1f}s): copy {c['copy_gbps']:.0f} GB/s, gather32 "
-                     f"{c['gather32_entries_per_s'] / 1e9:.2f} G entries/s, plan stream "
+                     f"{c['gather32_entries_per_s'] / 1e9:.2f} G entries/s, read32 "
+                     f"{c['read32_entries_per_s'] / 1e9:.2f} G entries/s, plan stream "
                      f"{c['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s, "
                      f"empty kernel {c['empty_kernel_us']:.2f} us")
         return self._ceilings
@@ -209,6 +216,11 @@ class Harness:
             copy_ceiling_gbps=ceil["copy_gbps"], empty_kernel_us=ceil["empty_kernel_us"],
             x_empty_kernel=seconds * 1e6 / ceil["empty_kernel_us"],
         )
+        if op in ("verify", "step") and case.n_verify and ceil.get("read32_entries_per_s"):
+            # the random sectors its entries read a second, against the bare random-read kernel
+            sectors_per_s = case.n_verify * _verify_sectors(case) / seconds
+            info.update(random_sectors_per_entry=_verify_sectors(case), random_sectors_per_s=sectors_per_s,
+                        pct_random_read=100.0 * sectors_per_s / ceil["read32_entries_per_s"])
         if op == "plan" and ceil.get("plan_stream_entries_per_s"):
             # a large plan's rate against a bare kernel that moves the same bytes an entry a thread
             info["pct_plan_stream"] = 100.0 * entries / seconds / ceil["plan_stream_entries_per_s"]
@@ -264,8 +276,7 @@ class Harness:
         if op == "step" and not graph and (case.name, "verify") in rate_targets and gpu:
             # Entries derived inside the kernel: no plan row is read, so the bar is the gather model
             # itself: 85 % of the same-run random 32-byte gather rate over the sectors an entry reads.
-            sectors = 1 + (case.sources.count if case.hash_mode != S.kc.HashMode.NONE else 0)
-            want = 0.85 * self.ceilings()["gather32_entries_per_s"] / sectors
+            want = 0.85 * self.ceilings()["gather32_entries_per_s"] / _verify_sectors(case)
             rate = case.n_verify / (us * 1e-6)
             info["verify_entries_per_s"] = rate
             add("step verify entries/s (raised bar: 85 % of gather / sectors)", rate, f">= {want:.3g}", rate >= want)

@@ -108,6 +108,8 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
         lines.append(
             f"**Ceilings:** copy {ceilings['copy_gbps']:.0f} GB/s (read+write) · random 32-B gather "
             f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} G entries/s ({ceilings['gather32_gbps']:.0f} GB/s) · "
+            + (f"random 32-B read, nothing written {ceilings['read32_entries_per_s'] / 1e9:.2f} G entries/s · "
+               if ceilings.get("read32_entries_per_s") else "")
             + (f"plan-shaped stream {ceilings['plan_stream_entries_per_s'] / 1e9:.2f} G entries/s "
                f"({ceilings['plan_stream_us']:.1f} µs for {_si(ceilings['plan_stream_entries'])} entries, "
                f"{ceilings['plan_stream_gbps']:.0f} GB/s) · " if ceilings.get("plan_stream_us") else "")
@@ -129,6 +131,18 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
             _num(r.get("gbps"), "{:.1f}"), _num(r.get("pct_copy_ceiling"), "{:.1f}"),
             _num(r.get("x_naive"), "{:.1f}"), _num(r.get("x_peer"), "{:.2f}"), _met(r),
         ]) + " |")
+    readers = [r for r in _order(rows) if r.get("pct_random_read") is not None and r.get("mode") != "graph"]
+    if readers and ceilings:
+        lines.append("")
+        lines.append("**Random reads.** The random 32-byte sectors that a verify or step row's verify entries "
+                     "read (each its slot, and a sector a source hashed) a second, against the bare kernels:")
+        lines.append("")
+        lines.append("| case | op | sectors an entry | G sectors/s | % random read | % random gather |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in readers:
+            lines.append(f"| {r['case']} | {r['op']} | {r['random_sectors_per_entry']} | "
+                         f"{r['random_sectors_per_s'] / 1e9:.2f} | {r['pct_random_read']:.0f} | "
+                         f"{100.0 * r['random_sectors_per_s'] / ceilings['gather32_entries_per_s']:.0f} |")
     every = [dict(t, row=f"{r['case']} {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}")
              for r in _order(rows) for t in (r.get("targets") or [])]
     every += [dict(t, row="cross-case") for t in cross_targets(rows)]
