@@ -208,7 +208,8 @@ def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
     t = timer.eager(lambda _: np.take(table, idx, axis=0, out=got), 1, warmup=1, reps=5)
     out.update(gather32_entries=n, gather32_us=t.median_s * 1e6, gather32_entries_per_s=n / t.median_s,
                gather32_gbps=n * 72 / t.median_s / 1e9)
-    @numba.njit(parallel=True, cache=False)
+
+    @numba.njit(parallel=True)
     def read32(words, rows, folds):
         for w in numba.prange(folds.shape[0]):
             v = np.uint64(0)
