@@ -101,10 +101,7 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         launch = lambda _: gather((grid,), (block,), (table, idx, dst, cupy.int64(n)), stream=stream)  # noqa: E731
         t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
         assert bool((dst[: min(n, 4096)] == table[idx[: min(n, 4096)]]).all()), "gather ceiling kernel is wrong"
-        out["gather32_entries"] = n
-        out["gather32_us"] = t.median_s * 1e6
-        out["gather32_entries_per_s"] = n / t.median_s
-        out["gather32_gbps"] = n * (8 + 32 + 32) / t.median_s / 1e9
+        out.update(_gather32_result(n, t.median_s))
         del dst
 
         read = module.get_function("kvc_bench_read32")
@@ -129,6 +126,12 @@ def _measure_gpu(timer: GpuTimer, cupy, scale: float) -> dict[str, Any]:
         out["empty_launch_host_us"] = timer.host_per_call(launch, 1, 500) * 1e6
         out["empty_launch_wall_us"] = timer.wall_per_call(launch, 1, 500) * 1e6
     return out
+
+
+def _gather32_result(n: int, seconds: float) -> dict[str, Any]:
+    """Per entry: its int64 index read, 32 bytes gathered, 32 bytes written."""
+    return dict(gather32_entries=n, gather32_us=seconds * 1e6, gather32_entries_per_s=n / seconds,
+                gather32_gbps=n * (8 + 32 + 32) / seconds / 1e9)
 
 
 def _read32_result(n: int, seconds: float) -> dict[str, Any]:
@@ -206,8 +209,7 @@ def _measure_cpu(timer: CpuTimer, scale: float) -> dict[str, Any]:
     idx = (rand_u64(np, n, 9) % np.uint64(2 * n)).astype(np.int64)
     got = np.empty((n, 4), dtype=np.int64)
     t = timer.eager(lambda _: np.take(table, idx, axis=0, out=got), 1, warmup=1, reps=5)
-    out.update(gather32_entries=n, gather32_us=t.median_s * 1e6, gather32_entries_per_s=n / t.median_s,
-               gather32_gbps=n * 72 / t.median_s / 1e9)
+    out.update(_gather32_result(n, t.median_s))
 
     @numba.njit(parallel=True)
     def read32(words, rows, folds):

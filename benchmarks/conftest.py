@@ -218,8 +218,9 @@ class Harness:
         )
         if op in ("verify", "step") and case.n_verify and ceil.get("read32_entries_per_s"):
             # the random sectors its entries read a second, against the bare random-read kernel
-            sectors_per_s = case.n_verify * _verify_sectors(case) / seconds
-            info.update(random_sectors_per_entry=_verify_sectors(case), random_sectors_per_s=sectors_per_s,
+            sectors = _verify_sectors(case)
+            sectors_per_s = case.n_verify * sectors / seconds
+            info.update(random_sectors_per_entry=sectors, random_sectors_per_s=sectors_per_s,
                         pct_random_read=100.0 * sectors_per_s / ceil["read32_entries_per_s"])
         if op == "plan" and ceil.get("plan_stream_entries_per_s"):
             # a large plan's rate against a bare kernel that moves the same bytes an entry a thread
