@@ -127,6 +127,25 @@ def test_cuda_every_kernel_form_matches_the_model(monkeypatch, form, seed):
 
 @requires_gpu
 @pytest.mark.parametrize("form", list(_FORMS))
+@pytest.mark.parametrize("seed", range(3))
+def test_cuda_batches_of_thousands_with_shared_rows_match_the_model(monkeypatch, form, seed):
+    """Batches of more requests than a block reads later rows for in one round (8 strides of its
+    threads), their pool rows shared by many requests far apart in the batch."""
+    _force_form(monkeypatch, form)
+    rng = np.random.default_rng(300 + seed)
+    bs = int(rng.integers(1100, 5000))
+    rows, width = int(rng.integers(2, 200)), int(rng.integers(1, 8))
+    lens = rng.integers(0, 4, size=bs)
+    offsets = [0] + np.cumsum(lens).tolist()
+    n = int(offsets[-1])
+    flat_in = rng.integers(-2**31, 2**31, size=n).tolist()
+    rpi = rng.integers(-1, rows + 1, size=bs).tolist()
+    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
+    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
+@requires_gpu
+@pytest.mark.parametrize("form", list(_FORMS))
 @pytest.mark.parametrize("seed", range(6))
 def test_cuda_rows_of_many_strides_match_the_model(monkeypatch, form, seed):
     """Rows of thousands of tokens (several rounds of the long-rows form's reads), mostly of distinct

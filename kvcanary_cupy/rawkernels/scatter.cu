@@ -4,13 +4,14 @@
 // Blocks stride over requests, threads over the row. Rows outside pool_out are skipped, reads
 // outside flat_in are skipped, values are truncated to int32. When a later request of the batch
 // names the same pool row, the columns it writes are left to it, so the row ends as a sequential
-// pass leaves it whatever the order blocks run in.
+// pass leaves it whatever the order blocks run in. Every form reads the later requests' pool rows
+// kDupAhead strides a round trip (one a stride: a bs-4096 scatter took 17.5 us, 16.9 so).
 //
 // kDecode (a few tokens a request and a block for every request, picked on the host from the
 // shapes): such a scatter is a chain of memory round trips, a token a request. Whatever does not
-// depend on another read is requested at once (the request's row and offsets, the first later
-// request's row it compares with), and its first value before the comparison: two round trips
-// (offsets, then values) instead of four. Blocks are smaller, and the launch bounds keep
+// depend on another read is requested at once (the request's row and offsets, the first kDupAhead
+// strides of later requests' rows it compares with), and its first value before the comparison:
+// two round trips (offsets, then values). Blocks are smaller, and the launch bounds keep
 // KVC_SCATTER_BLOCKS_PER_SM of them on an SM, the launcher's grid at most: one wave. Otherwise
 // (long rows, or blocks that take several requests in turn) the early reads measured slower
 // (bs 4096: 18.2 -> 20.5 us at best) and the row wants more threads.
@@ -24,6 +25,7 @@
 namespace {
 constexpr int kMaxDup = 64;
 constexpr int kCopyAhead = 8;  // kLongRows: strides of a row read at once
+constexpr int kDupAhead = 8;   // strides of later requests' rows read at once
 }
 
 // the launcher's block sizes
@@ -59,6 +61,20 @@ __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64
     return kvc_scatter_span(offsets[r], offsets[r + 1], n, width, j_lo, j_hi);
 }
 
+// Request r2, which writes the same pool row as the block's request, takes columns [a, b) of it:
+// noted in the block's list (s_ndup entries; past kMaxDup the list overflows and is not used).
+__device__ __forceinline__ void kvc_note_later_row(const kvc_i64* offsets, kvc_i64 r2, kvc_i64 n,
+                                                   kvc_i64 width, int* s_ndup, kvc_u64* s_dup_lo,
+                                                   kvc_u64* s_dup_hi) {
+    kvc_u64 a, b;
+    if (!kvc_scatter_cols(offsets, r2, n, width, a, b)) return;
+    const int d = atomicAdd(s_ndup, 1);
+    if (d < kMaxDup) {
+        s_dup_lo[d] = a;
+        s_dup_hi[d] = b;
+    }
+}
+
 // sm_80: left to pick its register count, ptxas chose 40 for the general kernel and spilled; one
 // block per SM, asked for, keeps it whole. Not on sm_90, where it needs no help and the request
 // costs occupancy that a bs-1024 scatter measured (6.7 -> 7.7 us). (0: no request.)
@@ -82,12 +98,17 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
 
     for (kvc_i64 r = blockIdx.x; r < bs; r += gridDim.x) {
         const kvc_i64 first_later = r + 1 + threadIdx.x;
-        kvc_i64 rp, begin, end, first_later_rp = -1;
+        kvc_i64 rp, begin, end;
+        kvc_i64 later_rp[kDupAhead];  // pool rows of later requests, a stride apart
         if (kDecode) {
             rp = kvc_ld_early(req_pool_indices + r);
             begin = kvc_ld_early(offsets + r);
             end = kvc_ld_early(offsets + r + 1);
-            if (first_later < bs) first_later_rp = kvc_ld_early(req_pool_indices + first_later);
+#pragma unroll
+            for (int u = 0; u < kDupAhead; ++u) {
+                const kvc_i64 r2 = first_later + (kvc_i64)u * kThreads;
+                later_rp[u] = r2 < bs ? kvc_ld_early(req_pool_indices + r2) : -1;
+            }
             if (rp < 0 || rp >= rows) continue;
         } else {
             rp = req_pool_indices[r];
@@ -107,16 +128,21 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
         // Later requests of the same row (an engine sends none; a sequential pass lets them win).
         if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
-        for (kvc_i64 r2 = first_later; r2 < bs; r2 += kThreads) {
-            const kvc_i64 rp2 =
-                kDecode && r2 == first_later ? first_later_rp : req_pool_indices[r2];
-            kvc_u64 a, b;
-            if (rp2 == rp && kvc_scatter_cols(offsets, r2, n, width, a, b)) {
-                const int d = atomicAdd(&s_ndup, 1);
-                if (d < kMaxDup) {
-                    s_dup_lo[d] = a;
-                    s_dup_hi[d] = b;
+        // kDupAhead strides of later requests a round trip (kDecode requested the first above)
+        for (kvc_i64 base = first_later; base < bs; base += (kvc_i64)kDupAhead * kThreads) {
+            if (!kDecode || base != first_later) {
+#pragma unroll
+                for (int u = 0; u < kDupAhead; ++u) {
+                    const kvc_i64 r2 = base + (kvc_i64)u * kThreads;
+                    later_rp[u] = r2 < bs ? req_pool_indices[r2] : -1;
                 }
+            }
+            unsigned same_row = 0;  // bit u: request base + u * kThreads names row rp (>= 0)
+#pragma unroll
+            for (int u = 0; u < kDupAhead; ++u) same_row |= (later_rp[u] == rp ? 1u : 0u) << u;
+            for (; same_row != 0; same_row &= same_row - 1) {
+                const kvc_i64 r2 = base + (kvc_i64)(__ffs(same_row) - 1) * kThreads;
+                kvc_note_later_row(offsets, r2, n, width, &s_ndup, s_dup_lo, s_dup_hi);
             }
         }
         __syncthreads();
