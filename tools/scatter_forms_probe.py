@@ -1,0 +1,68 @@
+"""scatter_req_token_ids in each of its CUDA forms, on a GPU: a block a request (kDecode), a warp a
+request (kDecode with kWarpRequests), and the general form, forced through the launcher whatever the
+batch's shape.
+
+    python tools/scatter_forms_probe.py [case ...]
+
+For each case the forms' outputs (the scatter pool) are compared byte for byte, then each is timed
+with code warm (the benchmarks' way: one graph replayed back to back, L2 evicted; three passes of 60)
+and code cold (the forms and an empty kernel interleaved in shuffled rounds): median, mean and (cold)
+interquartile range, us.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _shapes as S  # noqa: E402
+from _probe import cold_timer, interleaved_cold, median_iqr  # noqa: E402
+from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter  # noqa: E402
+
+DEFAULT_CASES = ("smoke_decode_empty", "decode_mid_batch", "e2e_decode_steady", "decode_large_batch_short_prefix",
+                 "verify_16m")
+# label -> (decode_form, decode_warps_form), as the launcher would get them
+FORMS = {"block a request": (True, False), "warp a request": (False, True), "general": (False, False)}
+
+
+def main() -> None:
+    names = sys.argv[1:] or DEFAULT_CASES
+    timer = cold_timer()
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    shipped = cuda_scatter.decode_form, cuda_scatter.decode_warps_form
+    try:
+        for name in names:
+            case = next(c for c in S.CASES if c.name == name)
+            state = S.build_state(case, "cuda")
+            graphs = {"empty": timer.capture(lambda: empty((1,), (32,), ()))}
+            outputs = {}
+            for label, (block, warp) in FORMS.items():
+                cuda_scatter.decode_form = lambda *_, v=block: v
+                cuda_scatter.decode_warps_form = lambda *_, v=warp: v
+                state.expected_pool.fill(-7)
+                state.scatter(0)
+                cupy.cuda.Device().synchronize()
+                outputs[label] = state.expected_pool.get().tobytes()
+                graphs[label] = timer.capture(lambda: state.scatter(0))
+            cuda_scatter.decode_form, cuda_scatter.decode_warps_form = shipped
+            warm = {label: [] for label in graphs}
+            for _ in range(3):
+                for label, graph in graphs.items():
+                    warm[label] += [t * 1e6 for t in timer.graph([graph], warmup=5, reps=60, cold=True).times_s]
+            cold = interleaved_cold(timer, graphs, rounds=100)
+            print(f"== {name} ({case.describe()})  outputs equal: {len(set(outputs.values())) == 1}", flush=True)
+            for label in graphs:
+                print(f"   {label:16s} warm {np.median(warm[label]):7.2f} (mean {np.mean(warm[label]):.3f})   "
+                      f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
+            del state, graphs
+    finally:
+        cuda_scatter.decode_form, cuda_scatter.decode_warps_form = shipped
+
+
+if __name__ == "__main__":
+    main()
