@@ -105,8 +105,10 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
     __shared__ int s_ndup[kTeams];
     __shared__ kvc_u64 s_dup_lo[kTeams][kMaxDup];
     __shared__ kvc_u64 s_dup_hi[kTeams][kMaxDup];
-    const int team = threadIdx.x / kLanes;
-    const int lane = threadIdx.x % kLanes;
+    // With one team, its number and the lane are spelled out: computed from threadIdx.x, and the
+    // row compared as team_rp[w] below, they made a bs-4096 general scatter 15.98 -> 18.85 us.
+    const int team = kTeams == 1 ? 0 : (int)threadIdx.x / kLanes;
+    const int lane = kTeams == 1 ? (int)threadIdx.x : (int)threadIdx.x % kLanes;
 
     for (kvc_i64 first = (kvc_i64)blockIdx.x * kTeams; first < bs;
          first += (kvc_i64)gridDim.x * kTeams) {
@@ -165,8 +167,11 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
             for (int u = 0; u < kDupAhead; ++u) {
 #pragma unroll
                 for (int w = 0; w < kTeams; ++w) {
-                    const bool same = later_rp[u] == team_rp[w] && team_rp[w] >= 0 &&
-                                      base + (kvc_i64)u * kThreads > first + w;
+                    // (a row >= 0: requests past the batch read as -1)
+                    const bool same =
+                        kTeams == 1 ? later_rp[u] == rp && rp >= 0
+                                    : later_rp[u] == team_rp[w] && team_rp[w] >= 0 &&
+                                          base + (kvc_i64)u * kThreads > first + w;
                     same_row |= (same ? 1u : 0u) << (u * kTeams + w);
                 }
             }
