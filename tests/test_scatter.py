@@ -93,16 +93,14 @@ def test_strided_rows_of_pool(device):
     assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
 
 
-_FORMS = {"decode-form": (True, False, False), "decode-warps-form": (False, True, False),
-          "general-form": (False, False, False), "long-rows-form": (False, False, True)}
+_FORMS = {"decode-form": (True, False), "general-form": (False, False), "long-rows-form": (False, True)}
 
 
 def _force_form(monkeypatch, form: str) -> None:
     from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter
 
-    decode, warps, long = _FORMS[form]
+    decode, long = _FORMS[form]
     monkeypatch.setattr(cuda_scatter, "decode_form", lambda *_: decode)
-    monkeypatch.setattr(cuda_scatter, "decode_warps_form", lambda *_: warps)
     monkeypatch.setattr(cuda_scatter, "long_rows", lambda *_: long)
 
 
@@ -176,19 +174,12 @@ def test_long_rows_form_is_picked_for_rows_of_two_strides_on_average():
     assert not long_rows(32, 4096)  # 128-token extends
 
 
-def test_decode_form_is_picked_for_one_token_rows_that_fit_one_wave():
+def test_decode_form_is_picked_for_one_token_rows_of_up_to_four_requests_a_block():
     from kvcanary_cupy.ops.backends._cuda.scatter import decode_form
 
     assert decode_form(1024, 1024, 132)
     assert decode_form(256, 512, 132)
+    assert decode_form(4096, 4096, 132)
+    assert decode_form(4224, 4224, 132)  # 1056 blocks (8 an SM), four requests each
+    assert not decode_form(4225, 4225, 132)
     assert not decode_form(256, 513, 132)  # rows of more than two tokens on average
-    assert not decode_form(4096, 4096, 132)  # blocks would take several requests in turn
-
-
-def test_decode_warps_form_takes_decode_batches_past_a_wave_of_blocks():
-    from kvcanary_cupy.ops.backends._cuda.scatter import decode_warps_form
-
-    assert decode_warps_form(4096, 4096, 132)  # 1024 blocks of four requests
-    assert decode_warps_form(4224, 4224, 132)
-    assert not decode_warps_form(4225, 4225, 132)
-    assert not decode_warps_form(4096, 8193, 132)  # rows of more than two tokens on average

@@ -1,6 +1,5 @@
-"""scatter_req_token_ids in each of its CUDA forms, on a GPU: a block a request (kDecode), a warp a
-request (kDecode with kWarpRequests), and the general form, forced through the launcher whatever the
-batch's shape.
+"""scatter_req_token_ids in its CUDA forms for short rows, on a GPU: kDecode and the general form,
+forced through the launcher whatever the batch's shape.
 
     python tools/scatter_forms_probe.py [case ...]
 
@@ -26,30 +25,29 @@ from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter  # noqa: E4
 
 DEFAULT_CASES = ("smoke_decode_empty", "decode_mid_batch", "e2e_decode_steady", "decode_large_batch_short_prefix",
                  "verify_16m")
-# label -> (decode_form, decode_warps_form), as the launcher would get them
-FORMS = {"block a request": (True, False), "warp a request": (False, True), "general": (False, False)}
+# label -> decode_form, as the launcher would get it
+FORMS = {"decode": True, "general": False}
 
 
 def main() -> None:
     names = sys.argv[1:] or DEFAULT_CASES
     timer = cold_timer()
     empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
-    shipped = cuda_scatter.decode_form, cuda_scatter.decode_warps_form
+    shipped = cuda_scatter.decode_form
     try:
         for name in names:
             case = next(c for c in S.CASES if c.name == name)
             state = S.build_state(case, "cuda")
             graphs = {"empty": timer.capture(lambda: empty((1,), (32,), ()))}
             outputs = {}
-            for label, (block, warp) in FORMS.items():
-                cuda_scatter.decode_form = lambda *_, v=block: v
-                cuda_scatter.decode_warps_form = lambda *_, v=warp: v
+            for label, decode in FORMS.items():
+                cuda_scatter.decode_form = lambda *_, v=decode: v
                 state.expected_pool.fill(-7)
                 state.scatter(0)
                 cupy.cuda.Device().synchronize()
                 outputs[label] = state.expected_pool.get().tobytes()
                 graphs[label] = timer.capture(lambda: state.scatter(0))
-            cuda_scatter.decode_form, cuda_scatter.decode_warps_form = shipped
+            cuda_scatter.decode_form = shipped
             warm = {label: [] for label in graphs}
             for _ in range(3):
                 for label, graph in graphs.items():
@@ -61,7 +59,7 @@ def main() -> None:
                       f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
             del state, graphs
     finally:
-        cuda_scatter.decode_form, cuda_scatter.decode_warps_form = shipped
+        cuda_scatter.decode_form = shipped
 
 
 if __name__ == "__main__":

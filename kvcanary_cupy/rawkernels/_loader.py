@@ -58,9 +58,7 @@ _WRITE_KERNELS = (_instances("kvc_write", 3)  # vec16, paired, real-KV sources
                   + _instances("kvc_write_decode", 2))  # vec16, real-KV sources
 _STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 # decode-shaped, long rows (never both)
-_SCATTER_KERNELS = tuple(instance("kvc_scatter", *forms)
-                         for forms in ((True, False, False), (True, False, True), (False, False, False),
-                                       (False, True, False)))
+_SCATTER_KERNELS = tuple(instance("kvc_scatter", *forms) for forms in ((True, False), (False, False), (False, True)))
 # The plan kernel's tiles (requests staged at once, one a thread: its block size), smallest first.
 PLAN_TILES = (256, 1024)
 

@@ -1,26 +1,20 @@
 // scatter_req_token_ids: pool_out[rp, :L] = flat_in[offsets[r] : offsets[r] + L] with
 // L = min(offsets[r+1] - offsets[r], width), requests in order (SPEC 3.4 and 4).
 //
-// A team of threads takes a request and strides over its row: the block, or with kWarpRequests a
-// warp; blocks stride over the batch. Rows outside pool_out are skipped, reads outside flat_in are
-// skipped, values are truncated to int32. When a later request of the batch names the same pool
-// row, the columns it writes are left to it, so the row ends as a sequential pass leaves it
-// whatever the order blocks run in. The block reads the later requests' pool rows kDupAhead
-// strides a round trip (one a stride: the general form's bs-4096 scatter took 17.5 us, 16.9 so),
-// and each thread compares its share with every team's row.
+// Blocks stride over requests, threads over the row. Rows outside pool_out are skipped, reads
+// outside flat_in are skipped, values are truncated to int32. When a later request of the batch
+// names the same pool row, the columns it writes are left to it, so the row ends as a sequential
+// pass leaves it whatever the order blocks run in. A request's row and offsets are read at once,
+// and the later requests' pool rows kDupAhead strides a round trip (in that order, one a stride:
+// a bs-4096 scatter of the general form took 17.1 us, 16.2 so).
 //
-// kDecode (a few tokens a request and a team for every request in one wave of blocks, picked on
-// the host from the shapes): such a scatter is a chain of memory round trips, a token a request.
-// Whatever does not depend on another read is requested at once (the teams' rows, the team's
-// offsets, the first kDupAhead strides of later requests' rows), and the first value before the
-// comparison: two round trips (offsets, then values). Blocks are smaller, and the launch bounds
-// keep KVC_SCATTER_BLOCKS_PER_SM of them on an SM, the launcher's grid at most. Otherwise (long
-// rows, or blocks that take several requests in turn) the early reads measured slower (bs 4096:
-// 18.2 -> 20.5 us at best) and the row wants more threads.
-// kWarpRequests (kDecode batches past a wave of a block a request, up to KVC_SCATTER_DECODE_THREADS
-// / 32 times as many): a bs-4096 scatter took 16.9 us with a block a request striding over the
-// batch, 14.9 us with a warp a request. Batches that fit a block a request keep it: a warp a
-// request measured 0.1-0.2 us slower from bs 128 to 1024.
+// kDecode (a few tokens a request, picked on the host from the shapes, for batches of up to about
+// four requests a block): such a scatter is a chain of memory round trips, a token a request. Its
+// reads are requested before any is used (the request's row and offsets and the first kDupAhead
+// strides of later rows), and its first value before the comparison: two round trips (offsets,
+// then values). Blocks are smaller, and the launch bounds keep KVC_SCATTER_BLOCKS_PER_SM of them on
+// an SM, the launcher's grid at most. A bs-4096 decode scatter: 13.7 us so, 16.2 in the general
+// form; with a warp a request (four a block, one wave) 15.1.
 //
 // kLongRows (rows of several strides on average, a prefill chunk's: picked on the host): a row
 // that no later request shares is copied kCopyAhead strides at a time, their reads all in flight
@@ -90,7 +84,7 @@ __device__ __forceinline__ void kvc_note_later_row(const kvc_i64* offsets, kvc_i
 #define KVC_SCATTER_MIN_BLOCKS 0
 #endif
 
-template <bool kDecode, bool kLongRows, bool kWarpRequests>
+template <bool kDecode, bool kLongRows>
 __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
                                   kDecode ? KVC_SCATTER_BLOCKS_PER_SM : KVC_SCATTER_MIN_BLOCKS)
     kvc_scatter(
@@ -98,60 +92,41 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
     const kvc_i64* __restrict__ req_pool_indices, kvc_i64 bs, int* pool_out, kvc_i64 rows,
     kvc_i64 width, kvc_i64 row_stride) {
     constexpr int kThreads = KVC_SCATTER_BLOCK(kDecode);
-    constexpr int kLanes = kWarpRequests ? 32 : kThreads;  // threads a request
-    constexpr int kTeams = kThreads / kLanes;              // requests a block takes at once
-    static_assert(kDecode || !kWarpRequests, "warps a request only in the decode form");
-    static_assert(kDupAhead * kTeams <= 32, "a bit a (later request, team) pair");
-    __shared__ int s_ndup[kTeams];
-    __shared__ kvc_u64 s_dup_lo[kTeams][kMaxDup];
-    __shared__ kvc_u64 s_dup_hi[kTeams][kMaxDup];
-    // With one team, its number and the lane are spelled out: computed from threadIdx.x, and the
-    // row compared as team_rp[w] below, they made a bs-4096 general scatter 15.98 -> 18.85 us.
-    const int team = kTeams == 1 ? 0 : (int)threadIdx.x / kLanes;
-    const int lane = kTeams == 1 ? (int)threadIdx.x : (int)threadIdx.x % kLanes;
+    static_assert(kDupAhead <= 32, "a bit a later request");
+    __shared__ int s_ndup;
+    __shared__ kvc_u64 s_dup_lo[kMaxDup];
+    __shared__ kvc_u64 s_dup_hi[kMaxDup];
 
-    for (kvc_i64 first = (kvc_i64)blockIdx.x * kTeams; first < bs;
-         first += (kvc_i64)gridDim.x * kTeams) {
-        const kvc_i64 r = first + team;
-        const kvc_i64 first_later = first + 1 + threadIdx.x;
-        kvc_i64 team_rp[kTeams];      // every team's pool row: a thread compares with them all
+    for (kvc_i64 r = blockIdx.x; r < bs; r += gridDim.x) {
+        const kvc_i64 first_later = r + 1 + threadIdx.x;
+        kvc_i64 rp, begin, end;
         kvc_i64 later_rp[kDupAhead];  // pool rows of later requests, a stride apart
-        kvc_i64 begin = 0, end = 0;
         if (kDecode) {
-#pragma unroll
-            for (int w = 0; w < kTeams; ++w)
-                team_rp[w] = first + w < bs ? kvc_ld_early(req_pool_indices + first + w) : -1;
-            if (r < bs) {
-                begin = kvc_ld_early(offsets + r);
-                end = kvc_ld_early(offsets + r + 1);
-            }
+            rp = kvc_ld_early(req_pool_indices + r);
+            begin = kvc_ld_early(offsets + r);
+            end = kvc_ld_early(offsets + r + 1);
 #pragma unroll
             for (int u = 0; u < kDupAhead; ++u) {
                 const kvc_i64 r2 = first_later + (kvc_i64)u * kThreads;
                 later_rp[u] = r2 < bs ? kvc_ld_early(req_pool_indices + r2) : -1;
             }
         } else {
-            team_rp[0] = req_pool_indices[r];
+            rp = req_pool_indices[r];
             begin = offsets[r];
             end = offsets[r + 1];
         }
-        kvc_i64 rp = team_rp[0];  // team_rp[team], selected in registers (not a local array)
-#pragma unroll
-        for (int w = 1; w < kTeams; ++w)
-            if (w == team) rp = team_rp[w];
-        kvc_u64 j_lo = 0, j_hi = 0;
-        const bool live = r < bs && rp >= 0 && rp < rows &&
-                          kvc_scatter_span(begin, end, n, width, j_lo, j_hi);
+        kvc_u64 j_lo, j_hi;
+        if (rp < 0 || rp >= rows || !kvc_scatter_span(begin, end, n, width, j_lo, j_hi)) continue;
         // begin + j lies in flat_in for every j in [j_lo, j_hi): kDecode reads its first value
         // before it is known whether a later request takes the column
-        const kvc_u64 first_j = j_lo + lane;
+        const kvc_u64 first_j = j_lo + threadIdx.x;
         kvc_i64 first_value = 0;
-        if (kDecode && live && first_j < j_hi)
+        if (kDecode && first_j < j_hi)
             first_value = kvc_ld_early(kvc_scatter_source(flat_in, begin, first_j));
 
         // Later requests of the same row (an engine sends none; a sequential pass lets them win),
         // kDupAhead strides of them a round trip (kDecode requested the first above).
-        if (lane == 0) s_ndup[team] = 0;
+        if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
         for (kvc_i64 base = first_later; base < bs; base += (kvc_i64)kDupAhead * kThreads) {
             if (!kDecode || base != first_later) {
@@ -161,54 +136,41 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
                     later_rp[u] = r2 < bs ? req_pool_indices[r2] : -1;
                 }
             }
-            unsigned same_row = 0;  // bit u * kTeams + w: request base + u * kThreads, after
-                                    // team w's, names team w's row
+            unsigned same_row = 0;  // bit u: request base + u * kThreads names row rp (>= 0)
 #pragma unroll
-            for (int u = 0; u < kDupAhead; ++u) {
-#pragma unroll
-                for (int w = 0; w < kTeams; ++w) {
-                    // (a row >= 0: requests past the batch read as -1)
-                    const bool same =
-                        kTeams == 1 ? later_rp[u] == rp && rp >= 0
-                                    : later_rp[u] == team_rp[w] && team_rp[w] >= 0 &&
-                                          base + (kvc_i64)u * kThreads > first + w;
-                    same_row |= (same ? 1u : 0u) << (u * kTeams + w);
-                }
-            }
+            for (int u = 0; u < kDupAhead; ++u) same_row |= (later_rp[u] == rp ? 1u : 0u) << u;
             for (; same_row != 0; same_row &= same_row - 1) {
-                const int bit = __ffs(same_row) - 1;
-                const int w = bit % kTeams;
-                const kvc_i64 r2 = base + (kvc_i64)(bit / kTeams) * kThreads;
-                kvc_note_later_row(offsets, r2, n, width, &s_ndup[w], s_dup_lo[w], s_dup_hi[w]);
+                const kvc_i64 r2 = base + (kvc_i64)(__ffs(same_row) - 1) * kThreads;
+                kvc_note_later_row(offsets, r2, n, width, &s_ndup, s_dup_lo, s_dup_hi);
             }
         }
         __syncthreads();
-        const int ndup = s_ndup[team];
+        const int ndup = s_ndup;
 
         int* row = pool_out + rp * row_stride;
-        kvc_u64 j = live ? first_j : j_hi;
+        kvc_u64 j = first_j;
         if (kLongRows && ndup == 0) {
             // kCopyAhead strides of the row read before any is stored: a round trip per
             // kCopyAhead strides instead of one per stride.
-            for (; j < j_hi; j += (kvc_u64)kCopyAhead * kLanes) {
+            for (; j < j_hi; j += (kvc_u64)kCopyAhead * kThreads) {
                 int v[kCopyAhead];
 #pragma unroll
                 for (int u = 0; u < kCopyAhead; ++u) {
-                    const kvc_u64 col = j + (kvc_u64)u * kLanes;
+                    const kvc_u64 col = j + (kvc_u64)u * kThreads;
                     if (col < j_hi) v[u] = kvc_pool_token(*kvc_scatter_source(flat_in, begin, col));
                 }
 #pragma unroll
                 for (int u = 0; u < kCopyAhead; ++u) {
-                    const kvc_u64 col = j + (kvc_u64)u * kLanes;
+                    const kvc_u64 col = j + (kvc_u64)u * kThreads;
                     if (col < j_hi) row[col] = v[u];
                 }
             }
         }
-        for (; j < j_hi; j += kLanes) {
+        for (; j < j_hi; j += kThreads) {
             bool later = false;
             if (ndup > 0 && ndup <= kMaxDup) {
                 for (int d = 0; d < ndup && !later; ++d)
-                    later = s_dup_lo[team][d] <= j && j < s_dup_hi[team][d];
+                    later = s_dup_lo[d] <= j && j < s_dup_hi[d];
             } else if (ndup > kMaxDup) {
                 for (kvc_i64 r2 = r + 1; r2 < bs && !later; ++r2) {
                     kvc_u64 a, b;
