@@ -5,16 +5,17 @@
 // outside flat_in are skipped, values are truncated to int32. When a later request of the batch
 // names the same pool row, the columns it writes are left to it, so the row ends as a sequential
 // pass leaves it whatever the order blocks run in. A request's row and offsets are read at once,
-// and the later requests' pool rows kDupAhead strides a round trip (in that order, one a stride:
-// a bs-4096 scatter of the general form took 17.1 us, 16.2 so).
+// and the later requests' pool rows kDupAhead strides a round trip (one a stride: a bs-4096
+// scatter of the general form took 17.5 us, 16.9 so).
 //
 // kDecode (a few tokens a request, picked on the host from the shapes, for batches of up to about
 // four requests a block): such a scatter is a chain of memory round trips, a token a request. Its
 // reads are requested before any is used (the request's row and offsets and the first kDupAhead
 // strides of later rows), and its first value before the comparison: two round trips (offsets,
 // then values). Blocks are smaller, and the launch bounds keep KVC_SCATTER_BLOCKS_PER_SM of them on
-// an SM, the launcher's grid at most. A bs-4096 decode scatter: 13.7 us so, 16.2 in the general
-// form; with a warp a request (four a block, one wave) 15.1.
+// an SM, the launcher's grid at most. A bs-4096 decode scatter (four requests a block): 13.9 us
+// so, 17.2 in the general form (tools/scatter_forms_probe.py); with a warp a request, four a block
+// in one wave, 15.1.
 //
 // kLongRows (rows of several strides on average, a prefill chunk's: picked on the host): a row
 // that no later request shares is copied kCopyAhead strides at a time, their reads all in flight
