@@ -86,6 +86,24 @@ def interleaved_cold(timer, graphs: dict, rounds: int = 150, seed: int = 0) -> d
     return times
 
 
+def warm_and_cold(timer, graphs: dict, *, passes: int = 3, reps: int = 60, rounds: int = 80) -> tuple[dict, dict]:
+    """Each graph's replay times (us) taken two ways: code warm, as the benchmarks time it (one graph
+    replayed back to back, L2 evicted; ``passes`` passes of ``reps``), and code cold
+    (``interleaved_cold`` over ``rounds``). Returns (warm, cold), each label -> samples."""
+    warm = {label: [] for label in graphs}
+    for _ in range(passes):
+        for label, graph in graphs.items():
+            warm[label] += [t * 1e6 for t in timer.graph([graph], warmup=5, reps=reps, cold=True).times_s]
+    return warm, interleaved_cold(timer, graphs, rounds=rounds)
+
+
+def print_warm_and_cold(warm: dict, cold: dict, width: int = 16) -> None:
+    """A line a label: warm median and mean, cold median, IQR and mean (us)."""
+    for label in warm:
+        print(f"   {label:{width}s} warm {np.median(warm[label]):7.2f} (mean {np.mean(warm[label]):.3f})   "
+              f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
+
+
 def median_iqr(samples) -> str:
     return f"{np.median(samples):.2f} ({np.percentile(samples, 25):.2f}-{np.percentile(samples, 75):.2f})"
 

@@ -15,12 +15,11 @@ import pathlib
 import sys
 
 import cupy
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, interleaved_cold, median_iqr  # noqa: E402
+from _probe import cold_timer, print_warm_and_cold, warm_and_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter  # noqa: E402
 
 DEFAULT_CASES = ("smoke_decode_empty", "decode_mid_batch", "e2e_decode_steady", "decode_large_batch_short_prefix",
@@ -48,15 +47,9 @@ def main() -> None:
                 outputs[label] = state.expected_pool.get().tobytes()
                 graphs[label] = timer.capture(lambda: state.scatter(0))
             cuda_scatter.decode_form = shipped
-            warm = {label: [] for label in graphs}
-            for _ in range(3):
-                for label, graph in graphs.items():
-                    warm[label] += [t * 1e6 for t in timer.graph([graph], warmup=5, reps=60, cold=True).times_s]
-            cold = interleaved_cold(timer, graphs, rounds=100)
+            warm, cold = warm_and_cold(timer, graphs, rounds=100)
             print(f"== {name} ({case.describe()})  outputs equal: {len(set(outputs.values())) == 1}", flush=True)
-            for label in graphs:
-                print(f"   {label:16s} warm {np.median(warm[label]):7.2f} (mean {np.mean(warm[label]):.3f})   "
-                      f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
+            print_warm_and_cold(warm, cold)
             del state, graphs
     finally:
         cuda_scatter.decode_form = shipped

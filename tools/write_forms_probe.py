@@ -4,9 +4,9 @@ against kvc_write_decode with a group of N lanes a request (KVC_WRITE_DECODE_LAN
     python tools/write_forms_probe.py [--lanes 4 8] [case ...]
 
 For each case the forms' outputs (canary, plans, pool) are compared byte for byte, then each is timed
-with code warm (the benchmarks' way: one graph replayed back to back, L2 evicted; median of three
-passes) and code cold (the forms and an empty kernel interleaved in shuffled rounds). Median and
-interquartile range, us. The cases are e2e_decode_steady_hash and decode shapes around it: one
+with code warm (the benchmarks' way: one graph replayed back to back, L2 evicted; three passes of
+60) and code cold (the forms and an empty kernel interleaved in shuffled rounds): median, mean and
+(cold) interquartile range, us. The cases are e2e_decode_steady_hash and decode shapes around it: one
 request, a large batch of long reads, one PARTIAL source, more sources than lanes, and two tokens a
 request (which the launcher leaves to kvc_write).
 """
@@ -18,13 +18,12 @@ import pathlib
 import sys
 
 import cupy
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
-from _probe import cold_timer, install_variant, interleaved_cold, median_iqr  # noqa: E402
+from _probe import cold_timer, install_variant, print_warm_and_cold, warm_and_cold  # noqa: E402
 from ab_probe import left_behind  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
@@ -71,15 +70,10 @@ def main() -> None:
                 outputs[label] = left_behind(state)
                 graphs[label] = timer.capture(lambda st=state: st.write(0))
             cuda_write.decode_form, cuda_write._DECODE_LANES = shipped_form, shipped_lanes
-            warm = {label: [] for label in graphs}
-            for _ in range(3):
-                for label, graph in graphs.items():
-                    warm[label].append(timer.graph([graph], warmup=5, reps=60, cold=True).median_s * 1e6)
-            cold = interleaved_cold(timer, graphs, rounds=80)
+            warm, cold = warm_and_cold(timer, graphs, rounds=80)
             same = [label for label in outputs if outputs[label] == outputs["warp"]]
             print(f"== {case.name}  equal to the warp form: {same}  violations {state.violations()}", flush=True)
-            for label in graphs:
-                print(f"   {label:8s} warm {np.median(warm[label]):7.2f}   cold {median_iqr(cold[label])}", flush=True)
+            print_warm_and_cold(warm, cold, width=8)
             del state, graphs
     finally:
         cuda_write.decode_form, cuda_write._DECODE_LANES = shipped_form, shipped_lanes

@@ -16,12 +16,11 @@ import pathlib
 import sys
 
 import cupy
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, install_variant, interleaved_cold, median_iqr  # noqa: E402
+from _probe import cold_timer, install_variant, print_warm_and_cold, warm_and_cold  # noqa: E402
 from ab_probe import left_behind  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
@@ -75,17 +74,11 @@ def main() -> None:
                 graphs[label] = timer.capture(lambda st=state: st.write(0))
             cuda_write._DECODE_BLOCK = shipped
             install_variant("write", spec.code, spec.options)
-            warm = {label: [] for label in graphs}
-            for _ in range(3):
-                for label, graph in graphs.items():
-                    warm[label] += [t * 1e6 for t in timer.graph([graph], warmup=5, reps=60, cold=True).times_s]
-            cold = interleaved_cold(timer, graphs, rounds=80)
+            warm, cold = warm_and_cold(timer, graphs, rounds=80)
             first = variants[0][0]
             same = all(outputs[label] == outputs[first] for label in outputs)
             print(f"== {name}  outputs equal: {same}  violations {state.violations()}", flush=True)
-            for label in graphs:
-                print(f"   {label:16s} warm {np.median(warm[label]):7.2f} (mean {np.mean(warm[label]):.3f})   "
-                      f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
+            print_warm_and_cold(warm, cold)
             del state, graphs
     finally:
         cuda_write._DECODE_BLOCK = shipped
