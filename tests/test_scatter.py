@@ -104,6 +104,17 @@ def _force_form(monkeypatch, form: str) -> None:
     monkeypatch.setattr(cuda_scatter, "long_rows", lambda *_: long)
 
 
+def _check_cuda_against_model(rng, lens, n, rpi, rows, width, jitter=False):
+    """Offsets from the row lengths (with jitter, a tenth of them moved by one), n random tokens and a
+    random pool: the CUDA scatter must leave the pool as the model does."""
+    offsets = [0] + np.cumsum(lens).tolist()
+    if jitter:
+        offsets = [o + int(rng.integers(-1, 2)) if rng.random() < 0.1 else o for o in offsets]
+    flat_in = rng.integers(-2**31, 2**31, size=max(n, 0)).tolist()
+    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
+    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
 @requires_gpu
 @pytest.mark.parametrize("form", list(_FORMS))
 @pytest.mark.parametrize("seed", range(4))
@@ -116,13 +127,9 @@ def test_cuda_every_kernel_form_matches_the_model(monkeypatch, form, seed):
     rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 300))
     bs = int(rng.integers(1, 400))
     lens = rng.integers(0, 3 if seed % 2 == 0 else 400, size=bs)
-    offsets = [0] + np.cumsum(lens).tolist()
-    n = int(offsets[-1]) + int(rng.integers(-3, 3))
-    offsets = [o + int(rng.integers(-1, 2)) if rng.random() < 0.1 else o for o in offsets]
-    flat_in = rng.integers(-2**31, 2**31, size=max(n, 0)).tolist()
+    n = int(lens.sum()) + int(rng.integers(-3, 3))
     rpi = rng.integers(-1, rows + 1, size=bs).tolist()
-    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
-    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+    _check_cuda_against_model(rng, lens, n, rpi, rows, width, jitter=True)
 
 
 @requires_gpu
@@ -136,12 +143,8 @@ def test_cuda_batches_of_thousands_with_shared_rows_match_the_model(monkeypatch,
     bs = int(rng.integers(1100, 5000))
     rows, width = int(rng.integers(2, 200)), int(rng.integers(1, 8))
     lens = rng.integers(0, 4, size=bs)
-    offsets = [0] + np.cumsum(lens).tolist()
-    n = int(offsets[-1])
-    flat_in = rng.integers(-2**31, 2**31, size=n).tolist()
     rpi = rng.integers(-1, rows + 1, size=bs).tolist()
-    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
-    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+    _check_cuda_against_model(rng, lens, int(lens.sum()), rpi, rows, width)
 
 
 @requires_gpu
@@ -155,14 +158,11 @@ def test_cuda_rows_of_many_strides_match_the_model(monkeypatch, form, seed):
     bs = int(rng.integers(1, 7))
     rows, width = bs + 2, int(rng.integers(1, 6000))
     lens = rng.integers(0, width + 100, size=bs)
-    offsets = [0] + np.cumsum(lens).tolist()
-    n = int(offsets[-1]) - int(rng.integers(0, 50))
-    flat_in = rng.integers(-2**31, 2**31, size=max(n, 0)).tolist()
+    n = int(lens.sum()) - int(rng.integers(0, 50))
     rpi = (rng.permutation(rows - 1)[:bs] + 1).tolist()
     if seed % 3 == 2 and bs > 1:
         rpi[-1] = rpi[0]  # a later request of the same row takes its columns
-    pool = rng.integers(-100, 100, size=(rows, width)).astype(np.int32)
-    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+    _check_cuda_against_model(rng, lens, n, rpi, rows, width)
 
 
 def test_long_rows_form_is_picked_for_rows_of_two_strides_on_average():
