@@ -116,8 +116,12 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
             begin = offsets[r];
             end = offsets[r + 1];
         }
+        // One predicate of all three reads (& evaluates every operand): with the row checked first
+        // and its own branch, ptxas sank the offsets' reads past it, a round trip after the row's.
         kvc_u64 j_lo, j_hi;
-        if (rp < 0 || rp >= rows || !kvc_scatter_span(begin, end, n, width, j_lo, j_hi)) continue;
+        const bool live =
+            (rp >= 0) & (rp < rows) & kvc_scatter_span(begin, end, n, width, j_lo, j_hi);
+        if (!live) continue;
         // begin + j lies in flat_in for every j in [j_lo, j_hi): kDecode reads its first value
         // before it is known whether a later request takes the column
         const kvc_u64 first_j = j_lo + threadIdx.x;
