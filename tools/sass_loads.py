@@ -1,5 +1,6 @@
-"""Where each canary kernel issues its global loads, branches and barriers, from its SASS: for finding
-loads that ptxas sank past a branch (a round trip more on a decode-sized launch's chain).
+"""Each canary kernel's global loads, branches and barriers in SASS order, to find sunk loads.
+
+A load that ptxas sinks past a branch costs a decode-sized launch a round trip more on its chain.
 
     python tools/sass_loads.py build DIR [--arch sm_90] [source ...]   # here: NVRTC, no GPU needed
     python tools/sass_loads.py show DIR [--until-barrier] [kernel-substring ...]   # needs nvdisasm
