@@ -3,10 +3,12 @@
 A load that ptxas sinks past a branch costs a decode-sized launch a round trip more on its chain.
 
     python tools/sass_loads.py build DIR [--arch sm_90] [source ...]   # here: NVRTC, no GPU needed
-    python tools/sass_loads.py show DIR [--until-barrier] [kernel-substring ...]   # needs nvdisasm
+    python tools/sass_loads.py show DIR [--until-barrier] [-k SUBSTRING ...]   # needs nvdisasm
 
 ``build`` compiles every source as the loader does into DIR/<source>-<arch>.cubin. ``show`` runs
-nvdisasm (on the GPU machine it is /usr/local/cuda/bin/nvdisasm) on each cubin in DIR and prints, per
+nvdisasm on each cubin in DIR (on the GPU machine it is /usr/local/cuda/bin/nvdisasm; elsewhere the
+``nvidia-cuda-nvdisasm`` wheel holds one: ``pip download nvidia-cuda-nvdisasm --no-deps``, unzip it and
+put its ``nvidia/cu13/bin`` on PATH, no GPU needed) and prints, per
 kernel, the SASS lines that load from global memory (LDG), branch (BRA), wait at a barrier (BAR) or
 exit, in program order, with their addresses. A load that a kernel requests early in its source and
 that shows up only after a branch was sunk by ptxas: the scatter's offsets were, until its row and
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     s = sub.add_parser("show", help="the marked SASS lines of each cubin in DIR (needs nvdisasm)")
     s.add_argument("dir", type=pathlib.Path)
     s.add_argument("--until-barrier", action="store_true", help="stop each kernel at its first barrier")
-    s.add_argument("kernels", nargs="*", help="substrings of the mangled kernel names to show")
+    s.add_argument("-k", dest="kernels", action="append", default=[],
+                   help="show only kernels whose mangled name contains this (repeatable)")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(args.dir, args.arch, args.sources)
