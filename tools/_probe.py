@@ -3,12 +3,23 @@ patched sources that the package's launchers then use."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import cupy
 import numpy as np
 
 from kvcanary_cupy.rawkernels import _loader
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_kernel():
+    return cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+
+
+def launch_empty() -> None:
+    """One warp of an empty kernel on the current stream: the floor a probe times beside its variants."""
+    _empty_kernel()((1,), (32,), ())
 
 
 def timed(fn, reps: int = 30, per_graph: int = 20) -> float:

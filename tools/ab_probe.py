@@ -24,7 +24,7 @@ import cupy
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, interleaved_cold, median_iqr, use_sources  # noqa: E402
+from _probe import cold_timer, interleaved_cold, launch_empty, median_iqr, use_sources  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 DECODE_CASES = ["smoke_decode_empty", "e2e_decode_tail", "e2e_decode_steady", "decode_large_batch_short_prefix",
@@ -57,12 +57,11 @@ def main() -> None:
     source, other = sys.argv[1], pathlib.Path(sys.argv[2]).resolve()
     names = sys.argv[3:] or DECODE_CASES
     timer = cold_timer()
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     trees = {str(sys.argv[2]): other, "this tree": _loader.RAWKERNEL_DIR}
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
-        graphs = {"empty kernel": timer.capture(lambda: empty((1,), (32,), ()))}
+        graphs = {"empty kernel": timer.capture(launch_empty)}
         outputs = {}
         for label, directory in trees.items():
             use_sources(source, directory)

@@ -19,7 +19,7 @@ import cupy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, install_variant, interleaved_cold, median_iqr, timed, timed_cold  # noqa: E402
+from _probe import cold_timer, install_variant, interleaved_cold, launch_empty, median_iqr, timed, timed_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -119,12 +119,11 @@ def code_cold(names: list[str], rounds: int = 150) -> None:
 
     timer = cold_timer()
     chosen = cuda_write.has_real_kv
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")
         assert not chosen(state.ctx), f"{name} hashes real-KV sources"
-        graphs = {"empty kernel": timer.capture(lambda: empty((1,), (32,), ()))}
+        graphs = {"empty kernel": timer.capture(launch_empty)}
         for label, pick in (("hash code in", lambda ctx: True), ("shipped", chosen)):
             cuda_write.has_real_kv = cuda_step.has_real_kv = pick
             state.__dict__.pop("_canary_steps", None)
@@ -170,8 +169,7 @@ def main() -> None:
         return cuts(args[1:] or ["smoke_decode_empty", "e2e_decode_tail"], timing)
     names = args or ["smoke_decode_empty", "e2e_decode_tail", "small_extend_batch", "decode_mid_batch", "e2e_decode_steady",
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
-    print(f"empty kernel {timing(lambda: empty((1,), (32,), ())):.2f} us")
+    print(f"empty kernel {timing(launch_empty):.2f} us")
     for name in names:
         case = next(c for c in S.CASES if c.name == name)
         state = S.build_state(case, "cuda")

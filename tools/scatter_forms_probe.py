@@ -19,7 +19,7 @@ import cupy
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, print_warm_and_cold, warm_and_cold  # noqa: E402
+from _probe import cold_timer, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter  # noqa: E402
 
 DEFAULT_CASES = ("smoke_decode_empty", "decode_mid_batch", "e2e_decode_steady", "decode_large_batch_short_prefix",
@@ -31,13 +31,12 @@ FORMS = {"decode": True, "general": False}
 def main() -> None:
     names = sys.argv[1:] or DEFAULT_CASES
     timer = cold_timer()
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     shipped = cuda_scatter.decode_form
     try:
         for name in names:
             case = next(c for c in S.CASES if c.name == name)
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(lambda: empty((1,), (32,), ()))}
+            graphs = {"empty": timer.capture(launch_empty)}
             outputs = {}
             for label, decode in FORMS.items():
                 cuda_scatter.decode_form = lambda *_, v=decode: v

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
-from _probe import cold_timer, install_variant, print_warm_and_cold, warm_and_cold  # noqa: E402
+from _probe import cold_timer, install_variant, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
 from ab_probe import left_behind  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
@@ -51,7 +51,6 @@ def main() -> None:
                      for o in spec.options)
 
     timer = cold_timer()
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     shipped_form, shipped_lanes = cuda_write.decode_form, cuda_write._DECODE_LANES
     modules = []
     try:
@@ -59,7 +58,7 @@ def main() -> None:
             if args.cases and case.name not in args.cases:
                 continue
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(lambda: empty((1,), (32,), ()))}
+            graphs = {"empty": timer.capture(launch_empty)}
             outputs = {}
             for label, lanes in [("warp", None)] + [(f"lanes{n}", n) for n in args.lanes]:
                 modules.append(install_variant("write", spec.code, options(lanes or shipped_lanes)))

@@ -20,7 +20,7 @@ import cupy
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, install_variant, print_warm_and_cold, warm_and_cold  # noqa: E402
+from _probe import cold_timer, install_variant, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
 from ab_probe import left_behind  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
@@ -57,13 +57,12 @@ def main() -> None:
     variants = [(f"t{shipped}", shipped, ())] + [(f"t{t}", t, ()) for t in args.threads if t != shipped]
     variants += [(f"t{t}+block count", t, BLOCK_COUNT_PATCH) for t in (shipped, min(args.threads))]
     timer = cold_timer()
-    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
     modules = []
     try:
         for name in args.cases or DEFAULT_CASES:
             case = next(c for c in S.CASES if c.name == name)
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(lambda: empty((1,), (32,), ()))}
+            graphs = {"empty": timer.capture(launch_empty)}
             outputs = {}
             for label, threads, patch in variants:
                 modules.append(install_variant("write", spec.code, options(threads), patch))
