@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS, kRealKv ? 1 : 0) kvc
     const KvcRing ring = {ring_rows, ring_capacity, ring_write_index};
     const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
     const KvcWriteIn w = KVC_WRITE_IN_FROM_PARAMS;
-    const KvcWriteEntry guess = kvc_request_write_entry(w, r);
+    const KvcWriteEntry guess = kvc_request_write_entry<true>(w, r);
     // the descriptor of the first source this lane folds, read beside the request's inputs
     const int member = (int)(threadIdx.x % kLanes);
     KvcSourceDesc own_source = {0, 0, 0, 0, 0, 0};

@@ -39,14 +39,26 @@ __device__ __forceinline__ void kvc_prefetch_write_entries(const KvcWriteIn& w) 
     kvc_prefetch_l2(w.expected_positions, w.num_entries * 8);
 }
 
+// kPredicated: every read one predicated load (kvc_ld_early_if), in the block of the loads beside it,
+// for kvc_write_decode, whose guess is the first round trip's; the other callers keep the branch (in
+// kvc_write on sm_80 the predicated form spilled).
+template <bool kPredicated = false>
 __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteIn& w, kvc_i64 i) {
-    const bool has_expected = kvc_checks_expected(w);
+    const bool listed = i >= 0 && i < w.num_entries;
+    const bool expected = listed && kvc_checks_expected(w);
     KvcWriteEntry e = {-1, 0, 0, 0, 0};
-    if (i >= 0 && i < w.num_entries) {
+    if (kPredicated) {
+        const kvc_i64 at = listed ? i : 0;  // not read unless listed
+        e.slot = kvc_ld_early_if(w.out_cache_loc + at, listed, -1);
+        e.tok = kvc_ld_early_if(w.input_ids + at, listed, 0);
+        e.pos = kvc_ld_early_if(w.positions + at, listed, 0);
+        e.etok = kvc_ld_early_if(expected ? w.expected_tokens + at : w.input_ids, expected, 0);
+        e.epos = kvc_ld_early_if(expected ? w.expected_positions + at : w.input_ids, expected, 0);
+    } else if (listed) {
         e.slot = kvc_ld_early(w.out_cache_loc + i);
         e.tok = kvc_ld_early(w.input_ids + i);
         e.pos = kvc_ld_early(w.positions + i);
-        if (has_expected) {
+        if (expected) {
             e.etok = kvc_ld_early(w.expected_tokens + i);
             e.epos = kvc_ld_early(w.expected_positions + i);
         }
