@@ -325,6 +325,16 @@ __device__ __forceinline__ kvc_i64 kvc_ld_early_if(const kvc_i64* p, bool when, 
     return v;
 }
 
+// The same for a 32-bit cell (req_to_token, the expected-token pool).
+__device__ __forceinline__ int kvc_ld_early_if(const int* p, bool when, int otherwise) {
+    int v = otherwise;
+    asm volatile(
+        "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.global.nc.b32 %0, [%1];\n\t}"
+        : "+r"(v)
+        : "l"(p), "r"((unsigned)when));
+    return v;
+}
+
 // Sum over the 32 lanes of a warp, on every lane, every lane taking part.
 __device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v) {
 #pragma unroll
