@@ -38,14 +38,38 @@ struct KvcPlanIn {
             exp_cols, exp_stride, valid_lens, token_offset                                         \
     }
 
-// A slot is read in two rounds, so that a lane can have several in flight: the table's cell
-// (kvc_cell_early), then its LUT entry (kvc_cell_slot). Both are predicated loads: behind branches,
-// ptxas issued the plan's second cell only after the first one's slot had been stored.
+// tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
+__device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
+    if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
+    const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
+    if (!in.has_lut || s < 0) return s;
+    return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
+}
 
-// req_to_token[rp, pos] when `wanted`, or UNRESOLVED for a cell outside the table; -1 when not
-// wanted (a first position's predecessor).
+__device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
+                                                kvc_i64 pos) {
+    if (!in.has_expected) return KVC_NO_EXPECTED_TOKEN;
+    // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
+    if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
+    const kvc_i64 column = pos + in.token_offset;
+    if (column < 0 || column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
+    if (rp < 0 || rp >= in.exp_rows || column >= in.exp_cols) return KVC_NO_EXPECTED_TOKEN;
+    return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
+}
+
+// The plan entry of (request r, pool row rp, position pos): kvc_resolve of pos and of its
+// predecessor and kvc_expected, with every read of the first round requested before any of the
+// second (the LUT's) and as predicated loads. For the plan's SWA batches: written as kvc_resolve
+// and kvc_expected are, ptxas issued the predecessor's cell and the expected token only after
+// the slot had been stored, a chain of five round trips instead of two (swa_decode_long_prefix
+// plan 7.87 -> 7.26 us). Without a LUT the plain form is kept: a bandwidth-bound plan (bs 256 x
+// 4096 entries) was 4 % slower this way.
+struct KvcPlanEntry {
+    kvc_i64 slot, token, prev;
+};
+
 __device__ __forceinline__ kvc_i64 kvc_cell_early(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos,
-                                                  bool wanted = true) {
+                                                  bool wanted) {
     const bool in_table = rp >= 0 && rp < in.rows && pos >= 0 && pos < in.width;
     const bool read = wanted && in_table;
     const int cell = kvc_ld_early_if(in.req_to_token + (read ? rp * in.row_stride + pos : 0), read, 0);
@@ -53,50 +77,31 @@ __device__ __forceinline__ kvc_i64 kvc_cell_early(const KvcPlanIn& in, kvc_i64 r
     return in_table ? (kvc_i64)cell : KVC_UNRESOLVED_SLOT;
 }
 
-// A cell's slot: through the LUT when one was given (UNRESOLVED past its end). UNRESOLVED and
-// negative cells stay as they are.
-__device__ __forceinline__ kvc_i64 kvc_cell_slot(const KvcPlanIn& in, kvc_i64 cell) {
-    if (!in.has_lut) return cell;
+// A cell through the LUT (UNRESOLVED past its end); negative and UNRESOLVED cells stay.
+__device__ __forceinline__ kvc_i64 kvc_lut_slot(const KvcPlanIn& in, kvc_i64 cell) {
     const bool mapped = cell >= 0 && cell < in.lut_len;
     const kvc_i64 slot = kvc_ld_early_if(in.lut + (mapped ? cell : 0), mapped, KVC_UNRESOLVED_SLOT);
     return cell < 0 ? cell : slot;
 }
 
-// tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
-__device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
-    return kvc_cell_slot(in, kvc_cell_early(in, rp, pos));
-}
-
-// The expected token of entry (request r, pool row rp, position pos >= 0) is read in one round:
-// its valid length and the pool's cell together, the cell whenever it lies inside the pool. It
-// counts only below the valid length (kvc_expected_token).
-struct KvcExpectedRead {
-    kvc_i64 column, valid_len;
-    int token;
-};
-
-__device__ __forceinline__ KvcExpectedRead kvc_expected_early(const KvcPlanIn& in, kvc_i64 r,
-                                                              kvc_i64 rp, kvc_i64 pos) {
-    // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
+__device__ __forceinline__ KvcPlanEntry kvc_plan_entry_through_lut(const KvcPlanIn& in, kvc_i64 r,
+                                                                   kvc_i64 rp, kvc_i64 pos) {
+    const kvc_i64 cell = kvc_cell_early(in, rp, pos, true);
+    const kvc_i64 prev_cell = kvc_cell_early(in, rp, pos - 1, pos > 0);
+    // the expected token's valid length and pool cell together: the cell whenever it lies
+    // inside the pool, kept only below the valid length
     const bool overflows = in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset;
     const kvc_i64 column = overflows ? -1 : pos + in.token_offset;
     const bool in_pool = in.has_expected && column >= 0 && rp >= 0 && rp < in.exp_rows &&
                          column < in.exp_cols;
-    KvcExpectedRead e;
-    e.column = in_pool ? column : -1;
-    e.valid_len = kvc_ld_early_if(in.valid_lens + r, in_pool, 0);
-    e.token = kvc_ld_early_if(in.expected_pool + (in_pool ? rp * in.exp_stride + column : 0),
-                              in_pool, 0);
+    const kvc_i64 valid_len = kvc_ld_early_if(in.valid_lens + r, in_pool, 0);
+    const int token = kvc_ld_early_if(
+        in.expected_pool + (in_pool ? rp * in.exp_stride + column : 0), in_pool, 0);
+    KvcPlanEntry e;
+    e.slot = kvc_lut_slot(in, cell);
+    e.prev = kvc_lut_slot(in, prev_cell);
+    e.token = in_pool && column < valid_len ? (kvc_i64)token : KVC_NO_EXPECTED_TOKEN;
     return e;
-}
-
-__device__ __forceinline__ kvc_i64 kvc_expected_token(const KvcExpectedRead& e) {
-    return e.column >= 0 && e.column < e.valid_len ? (kvc_i64)e.token : KVC_NO_EXPECTED_TOKEN;
-}
-
-__device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
-                                                kvc_i64 pos) {
-    return kvc_expected_token(kvc_expected_early(in, r, rp, pos));
 }
 
 // Inclusive scan over the 32 lanes of a warp (saturating or wrapping add), every lane taking part.

@@ -42,16 +42,17 @@ __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
         const auto write_rows = [&](const KvcEntry& e, kvc_i64 base) {
             if (!e.live) return;
             const kvc_i64 k = base + (threadIdx.x & 31);
-            // every read of the first round before any of the second (SWA: the LUT's)
-            const kvc_i64 cell = kvc_cell_early(in, e.rp, e.pos);
-            const kvc_i64 prev_cell = kvc_cell_early(in, e.rp, e.pos - 1, e.pos > 0);
-            const KvcExpectedRead expected = kvc_expected_early(in, e.request, e.rp, e.pos);
-            const kvc_i64 slot = kvc_cell_slot(in, cell);
-            const kvc_i64 prev = kvc_cell_slot(in, prev_cell);
-            v_slots[k] = slot;
-            v_tokens[k] = kvc_expected_token(expected);
             v_positions[k] = e.pos;
-            v_prev[k] = prev;
+            if (in.has_lut) {
+                const KvcPlanEntry p = kvc_plan_entry_through_lut(in, e.request, e.rp, e.pos);
+                v_slots[k] = p.slot;
+                v_tokens[k] = p.token;
+                v_prev[k] = p.prev;
+            } else {
+                v_slots[k] = kvc_resolve(in, e.rp, e.pos);
+                v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
+                v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
+            }
         };
         kvc_i64 total;
         if (bs <= 32) {
