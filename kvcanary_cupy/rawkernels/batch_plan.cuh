@@ -41,9 +41,9 @@ struct KvcPlanIn {
 // tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
 __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
     if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
-    const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
+    const kvc_i64 s = (kvc_i64)__ldg(in.req_to_token + rp * in.row_stride + pos);
     if (!in.has_lut || s < 0) return s;
-    return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
+    return s < in.lut_len ? __ldg(in.lut + s) : KVC_UNRESOLVED_SLOT;
 }
 
 __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
@@ -52,9 +52,9 @@ __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, 
     // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
     if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
     const kvc_i64 column = pos + in.token_offset;
-    if (column < 0 || column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
+    if (column < 0 || column >= __ldg(in.valid_lens + r)) return KVC_NO_EXPECTED_TOKEN;
     if (rp < 0 || rp >= in.exp_rows || column >= in.exp_cols) return KVC_NO_EXPECTED_TOKEN;
-    return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
+    return (kvc_i64)__ldg(in.expected_pool + rp * in.exp_stride + column);
 }
 
 // The plan entry of (request r, pool row rp, position pos): kvc_resolve of pos and of its

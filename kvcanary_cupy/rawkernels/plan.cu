@@ -42,15 +42,16 @@ __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
         const auto write_rows = [&](const KvcEntry& e, kvc_i64 base) {
             if (!e.live) return;
             const kvc_i64 k = base + (threadIdx.x & 31);
-            v_positions[k] = e.pos;
             if (in.has_lut) {
                 const KvcPlanEntry p = kvc_plan_entry_through_lut(in, e.request, e.rp, e.pos);
                 v_slots[k] = p.slot;
                 v_tokens[k] = p.token;
+                v_positions[k] = e.pos;
                 v_prev[k] = p.prev;
             } else {
                 v_slots[k] = kvc_resolve(in, e.rp, e.pos);
                 v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
+                v_positions[k] = e.pos;
                 v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
             }
         };
