@@ -63,11 +63,12 @@ _SCATTER_KERNELS = tuple(instance("kvc_scatter", *forms) for forms in ((True, Fa
 PLAN_TILES = (256, 1024)
 
 
-def plan_instance(tile: int) -> str:
-    return f"kvc_plan<{tile}>"
+def plan_instance(tile: int, lut: bool) -> str:
+    """The plan kernel for a tile and for batches with (or without) a LUT."""
+    return f"kvc_plan<{tile}, {'true' if lut else 'false'}>"
 
 
-_PLAN_KERNELS = tuple(plan_instance(tile) for tile in PLAN_TILES)
+_PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),

@@ -41,9 +41,9 @@ struct KvcPlanIn {
 // tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
 __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
     if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
-    const kvc_i64 s = (kvc_i64)__ldg(in.req_to_token + rp * in.row_stride + pos);
+    const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
     if (!in.has_lut || s < 0) return s;
-    return s < in.lut_len ? __ldg(in.lut + s) : KVC_UNRESOLVED_SLOT;
+    return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
 }
 
 __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
@@ -52,22 +52,24 @@ __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, 
     // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
     if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
     const kvc_i64 column = pos + in.token_offset;
-    if (column < 0 || column >= __ldg(in.valid_lens + r)) return KVC_NO_EXPECTED_TOKEN;
+    if (column < 0 || column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
     if (rp < 0 || rp >= in.exp_rows || column >= in.exp_cols) return KVC_NO_EXPECTED_TOKEN;
-    return (kvc_i64)__ldg(in.expected_pool + rp * in.exp_stride + column);
+    return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
 }
 
-// The plan entry of (request r, pool row rp, position pos): kvc_resolve of pos and of its
-// predecessor and kvc_expected, with every read of the first round requested before any of the
-// second (the LUT's) and as predicated loads. For the plan's SWA batches: written as kvc_resolve
-// and kvc_expected are, ptxas issued the predecessor's cell and the expected token only after
-// the slot had been stored, a chain of five round trips instead of two (swa_decode_long_prefix
-// plan 7.87 -> 7.26 us). Without a LUT the plain form is kept: a bandwidth-bound plan (bs 256 x
-// 4096 entries) was 4 % slower this way.
+// The plan entry of (request r, pool row rp, position pos), for the plan kernel's batches with a
+// LUT (SWA): kvc_resolve of pos and of its predecessor and kvc_expected, every read of the first
+// round requested before any of the second (the LUT's), as predicated loads. Written as
+// kvc_resolve and kvc_expected are, ptxas issued the predecessor's cell and the expected token
+// only after the slot had been stored: five round trips instead of two (swa_decode_long_prefix
+// plan 8.03 -> 7.42 us). Batches without a LUT keep the plain form in an instance of their own:
+// this one made a bandwidth-bound plan (bs 256 x 4096 entries) 1-4 % slower.
 struct KvcPlanEntry {
     kvc_i64 slot, token, prev;
 };
 
+// req_to_token[rp, pos] when `wanted`, or UNRESOLVED for a cell outside the table; -1 when not
+// wanted (a first position's predecessor).
 __device__ __forceinline__ kvc_i64 kvc_cell_early(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos,
                                                   bool wanted) {
     const bool in_table = rp >= 0 && rp < in.rows && pos >= 0 && pos < in.width;
@@ -77,15 +79,15 @@ __device__ __forceinline__ kvc_i64 kvc_cell_early(const KvcPlanIn& in, kvc_i64 r
     return in_table ? (kvc_i64)cell : KVC_UNRESOLVED_SLOT;
 }
 
-// A cell through the LUT (UNRESOLVED past its end); negative and UNRESOLVED cells stay.
+// A cell through the LUT, as kvc_resolve maps it: negative and UNRESOLVED cells stay.
 __device__ __forceinline__ kvc_i64 kvc_lut_slot(const KvcPlanIn& in, kvc_i64 cell) {
-    const bool mapped = cell >= 0 && cell < in.lut_len;
+    const bool mapped = in.has_lut && cell >= 0 && cell < in.lut_len;
     const kvc_i64 slot = kvc_ld_early_if(in.lut + (mapped ? cell : 0), mapped, KVC_UNRESOLVED_SLOT);
-    return cell < 0 ? cell : slot;
+    return !in.has_lut || cell < 0 ? cell : slot;
 }
 
-__device__ __forceinline__ KvcPlanEntry kvc_plan_entry_through_lut(const KvcPlanIn& in, kvc_i64 r,
-                                                                   kvc_i64 rp, kvc_i64 pos) {
+__device__ __forceinline__ KvcPlanEntry kvc_plan_entry_early(const KvcPlanIn& in, kvc_i64 r,
+                                                             kvc_i64 rp, kvc_i64 pos) {
     const kvc_i64 cell = kvc_cell_early(in, rp, pos, true);
     const kvc_i64 prev_cell = kvc_cell_early(in, rp, pos - 1, pos > 0);
     // the expected token's valid length and pool cell together: the cell whenever it lies

@@ -16,8 +16,9 @@
 #include "batch_plan.cuh"
 
 // kTile: the block size (the launcher's plan_tile). Blocks of 1024 threads an SM asked for: left
-// to pick, ptxas chose 32 registers on sm_80 and spilled.
-template <int kTile>
+// to pick, ptxas chose 32 registers on sm_80 and spilled. kLut: the batch has a LUT (the entries'
+// reads then go in two rounds, kvc_plan_entry_early).
+template <int kTile, bool kLut>
 __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
     KVC_PLAN_IN_PARAMS, kvc_i64* v_slots, kvc_i64* v_tokens, kvc_i64* v_positions,
     kvc_i64* v_prev, int* v_num_valid, int* v_enable, kvc_i64 v_capacity, kvc_i64* w_offsets,
@@ -42,8 +43,8 @@ __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
         const auto write_rows = [&](const KvcEntry& e, kvc_i64 base) {
             if (!e.live) return;
             const kvc_i64 k = base + (threadIdx.x & 31);
-            if (in.has_lut) {
-                const KvcPlanEntry p = kvc_plan_entry_through_lut(in, e.request, e.rp, e.pos);
+            if (kLut) {
+                const KvcPlanEntry p = kvc_plan_entry_early(in, e.request, e.rp, e.pos);
                 v_slots[k] = p.slot;
                 v_tokens[k] = p.token;
                 v_positions[k] = e.pos;

@@ -71,7 +71,7 @@ def plan(vplan, wplan, batch, *, stream) -> None:
     w_capacity = int(wplan.capacity)
     most = most_verify_entries(batch, v_capacity)
     tile = plan_tile(batch.batch_size, most)
-    name = _loader.plan_instance(tile)
+    name = _loader.plan_instance(tile, batch.full_to_swa_index_mapping is not None)
     fn = kernel("plan", name, device_id)
     # block 0 writes the write plan, the others the verify plan (every block pads the write plan)
     entry_blocks = max(1, min(resident_grid("plan", name, device_id, tile) - 1,
