@@ -76,6 +76,20 @@ __device__ __forceinline__ void kvc_note_later_row(const kvc_i64* offsets, kvc_i
     }
 }
 
+// The pool rows of the kDupAhead later requests base, base + kThreads, ... (-1 past the batch).
+// kEarly: requested where this is written (kvc_ld_early), for the decode form's first batch of
+// them, read beside the request's own row.
+template <int kThreads, bool kEarly>
+__device__ __forceinline__ void kvc_later_rows(const kvc_i64* req_pool_indices, kvc_i64 bs,
+                                               kvc_i64 base, kvc_i64 (&later_rp)[kDupAhead]) {
+#pragma unroll
+    for (int u = 0; u < kDupAhead; ++u) {
+        const kvc_i64 r2 = base + (kvc_i64)u * kThreads;
+        if (r2 >= bs) later_rp[u] = -1;
+        else later_rp[u] = kEarly ? kvc_ld_early(req_pool_indices + r2) : req_pool_indices[r2];
+    }
+}
+
 // sm_80: left to pick its register count, ptxas chose 40 for the general kernel and spilled; one
 // block per SM, asked for, keeps it whole. Not on sm_90, where it needs no help and the request
 // costs occupancy that a bs-1024 scatter measured (6.7 -> 7.7 us). (0: no request.)
@@ -106,11 +120,7 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
             rp = kvc_ld_early(req_pool_indices + r);
             begin = kvc_ld_early(offsets + r);
             end = kvc_ld_early(offsets + r + 1);
-#pragma unroll
-            for (int u = 0; u < kDupAhead; ++u) {
-                const kvc_i64 r2 = first_later + (kvc_i64)u * kThreads;
-                later_rp[u] = r2 < bs ? kvc_ld_early(req_pool_indices + r2) : -1;
-            }
+            kvc_later_rows<kThreads, true>(req_pool_indices, bs, first_later, later_rp);
         } else {
             rp = req_pool_indices[r];
             begin = offsets[r];
@@ -134,13 +144,8 @@ __global__ void __launch_bounds__(KVC_SCATTER_BLOCK(kDecode),
         if (threadIdx.x == 0) s_ndup = 0;
         __syncthreads();
         for (kvc_i64 base = first_later; base < bs; base += (kvc_i64)kDupAhead * kThreads) {
-            if (!kDecode || base != first_later) {
-#pragma unroll
-                for (int u = 0; u < kDupAhead; ++u) {
-                    const kvc_i64 r2 = base + (kvc_i64)u * kThreads;
-                    later_rp[u] = r2 < bs ? req_pool_indices[r2] : -1;
-                }
-            }
+            if (!kDecode || base != first_later)
+                kvc_later_rows<kThreads, false>(req_pool_indices, bs, base, later_rp);
             unsigned same_row = 0;  // bit u: request base + u * kThreads names row rp (>= 0)
 #pragma unroll
             for (int u = 0; u < kDupAhead; ++u) same_row |= (later_rp[u] == rp ? 1u : 0u) << u;
