@@ -316,24 +316,19 @@ __device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
 // kvc_ld_early if `when`, else `otherwise`, as one predicated load: no branch, so ptxas keeps it with
 // the loads issued beside it. Behind a branch it issued the decode write's entry inputs only after
 // what it hoisted above that branch had waited for the request count (nvdisasm of kvc_write_decode).
-__device__ __forceinline__ kvc_i64 kvc_ld_early_if(const kvc_i64* p, bool when, kvc_i64 otherwise) {
-    kvc_i64 v = otherwise;
-    asm volatile(
-        "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.global.nc.b64 %0, [%1];\n\t}"
-        : "+l"(v)
-        : "l"(p), "r"((unsigned)when));
-    return v;
-}
-
-// The same for a 32-bit cell (req_to_token, the expected-token pool).
-__device__ __forceinline__ int kvc_ld_early_if(const int* p, bool when, int otherwise) {
-    int v = otherwise;
-    asm volatile(
-        "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.global.nc.b32 %0, [%1];\n\t}"
-        : "+r"(v)
-        : "l"(p), "r"((unsigned)when));
-    return v;
-}
+// For 64-bit words and for 32-bit cells (req_to_token, the expected-token pool).
+#define KVC_LD_EARLY_IF(T, BITS, REG)                                                              \
+    __device__ __forceinline__ T kvc_ld_early_if(const T* p, bool when, T otherwise) {             \
+        T v = otherwise;                                                                           \
+        asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.global.nc.b" BITS       \
+                     " %0, [%1];\n\t}"                                                             \
+                     : "+" REG(v)                                                                  \
+                     : "l"(p), "r"((unsigned)when));                                               \
+        return v;                                                                                  \
+    }
+KVC_LD_EARLY_IF(kvc_i64, "64", "l")
+KVC_LD_EARLY_IF(int, "32", "r")
+#undef KVC_LD_EARLY_IF
 
 // Sum over the 32 lanes of a warp, on every lane, every lane taking part.
 __device__ __forceinline__ unsigned long long kvc_warp_sum(unsigned long long v) {
