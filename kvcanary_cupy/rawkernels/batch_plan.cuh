@@ -38,9 +38,14 @@ struct KvcPlanIn {
             exp_cols, exp_stride, valid_lens, token_offset                                         \
     }
 
+// Whether (rp, pos) is a cell of req_to_token.
+__device__ __forceinline__ bool kvc_in_table(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
+    return rp >= 0 && rp < in.rows && pos >= 0 && pos < in.width;
+}
+
 // tr(req_to_token[rp, pos]), or UNRESOLVED for a cell outside the table.
 __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos) {
-    if (rp < 0 || rp >= in.rows || pos < 0 || pos >= in.width) return KVC_UNRESOLVED_SLOT;
+    if (!kvc_in_table(in, rp, pos)) return KVC_UNRESOLVED_SLOT;
     const kvc_i64 s = (kvc_i64)in.req_to_token[rp * in.row_stride + pos];
     if (!in.has_lut || s < 0) return s;
     return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
@@ -72,7 +77,7 @@ struct KvcPlanEntry {
 // wanted (a first position's predecessor).
 __device__ __forceinline__ kvc_i64 kvc_cell_early(const KvcPlanIn& in, kvc_i64 rp, kvc_i64 pos,
                                                   bool wanted) {
-    const bool in_table = rp >= 0 && rp < in.rows && pos >= 0 && pos < in.width;
+    const bool in_table = kvc_in_table(in, rp, pos);
     const bool read = wanted && in_table;
     const int cell = kvc_ld_early_if(in.req_to_token + (read ? rp * in.row_stride + pos : 0), read, 0);
     if (!wanted) return -1;
