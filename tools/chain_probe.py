@@ -232,7 +232,7 @@ def write_ops(names=WRITE_CASES, cold: bool = False) -> dict:
     token; ``cold``: one write a replay with L2 evicted before it, as the benchmarks time it."""
     rows = {}
     for name in names:
-        case = next(c for c in S.CASES if c.name == name)
+        case = S.BY_NAME[name]
         state = S.build_state(case, "cuda")
         us = timed_cold(lambda: state.write(0), reps=40) if cold else timed(lambda: state.write(0), reps=10, per_graph=5)
         # requests chain in parallel: the serial length is one request's new tokens
@@ -244,7 +244,7 @@ def write_ops(names=WRITE_CASES, cold: bool = False) -> dict:
 def clock_breakdown(name: str = "e2e_prefill_chunk_first") -> None:
     """Cycles per token between the points of CLOCK_POINTS, one write of ``name``."""
     module = use_sources("write", _loader.RAWKERNEL_DIR, clock_patch())
-    case = next(c for c in S.CASES if c.name == name)
+    case = S.BY_NAME[name]
     state = S.build_state(case, "cuda")
     counters = module.get_global("kvc_probe_cycles")
     n = len(CLOCK_POINTS)

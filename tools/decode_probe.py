@@ -89,7 +89,7 @@ def stamps(name: str = "smoke_decode_empty", reps: int = 60) -> None:
     median us between successive cut points, and the event-timed total."""
     import numpy as np
 
-    case = next(c for c in S.CASES if c.name == name)
+    case = S.BY_NAME[name]
     state = S.build_state(case, "cuda")
     module = use_step_variant(patch=stamp_patch(), **VARIANTS[0][1])
     step = state.canary_step(0)
@@ -120,7 +120,7 @@ def code_cold(names: list[str], rounds: int = 150) -> None:
     timer = cold_timer()
     chosen = cuda_write.has_real_kv
     for name in names:
-        case = next(c for c in S.CASES if c.name == name)
+        case = S.BY_NAME[name]
         state = S.build_state(case, "cuda")
         assert not chosen(state.ctx), f"{name} hashes real-KV sources"
         graphs = {"empty kernel": timer.capture(launch_empty)}
@@ -140,7 +140,7 @@ def code_cold(names: list[str], rounds: int = 150) -> None:
 def cuts(names: list[str], timing=timed) -> None:
     """The one-launch step of each case with the work after each cut point left out."""
     for name in names:
-        case = next(c for c in S.CASES if c.name == name)
+        case = S.BY_NAME[name]
         if case.bs > TAIL_MAX_REQUESTS:
             print(f"{name}: bs {case.bs} takes two launches (one launch takes at most {TAIL_MAX_REQUESTS} requests)")
             continue
@@ -171,7 +171,7 @@ def main() -> None:
                              "decode_large_batch_short_prefix", "swa_decode_short_prefix", "e2e_decode_steady_hash"]
     print(f"empty kernel {timing(launch_empty):.2f} us")
     for name in names:
-        case = next(c for c in S.CASES if c.name == name)
+        case = S.BY_NAME[name]
         state = S.build_state(case, "cuda")
         row = {"plan": timing(lambda: state.plan(0)), "verify": timing(lambda: state.verify(0)),
                "ops": timing(lambda: state.step_ops(0))}

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--times", type=int, default=3)
     args = parser.parse_args()
     for name in args.cases:
-        case = next(c for c in S.CASES if c.name == name)
+        case = S.BY_NAME[name]
         state = S.build_state(case, "cuda")
         launch = launcher(args.op, state)
         for _ in range(args.times):

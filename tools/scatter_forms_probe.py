@@ -34,7 +34,7 @@ def main() -> None:
     shipped = cuda_scatter.decode_form
     try:
         for name in names:
-            case = next(c for c in S.CASES if c.name == name)
+            case = S.BY_NAME[name]
             state = S.build_state(case, "cuda")
             graphs = {"empty": timer.capture(launch_empty)}
             outputs = {}

@@ -30,7 +30,7 @@ from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 _A, _P = kc.HashMode.ALL, kc.HashMode.PARTIAL
 CASES = (
-    next(c for c in S.CASES if c.name == "e2e_decode_steady_hash"),
+    S.BY_NAME["e2e_decode_steady_hash"],
     S.Case("bs1_4src", 1, 5120, sources=S.Sources(4, 64, 32), hash_mode=_A),
     S.Case("bs1024_2src128", 1024, 1024, sources=S.Sources(2, 128, 128), hash_mode=_A),
     S.Case("bs256_1src_partial", 256, 4096, sources=S.Sources(1, 64, 64), hash_mode=_P),

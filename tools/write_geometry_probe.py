@@ -60,7 +60,7 @@ def main() -> None:
     modules = []
     try:
         for name in args.cases or DEFAULT_CASES:
-            case = next(c for c in S.CASES if c.name == name)
+            case = S.BY_NAME[name]
             state = S.build_state(case, "cuda")
             graphs = {"empty": timer.capture(launch_empty)}
             outputs = {}
