@@ -49,7 +49,7 @@ def make_pool(rng: np.random.Generator, num_slots: int) -> dict:
     stride = int(rng.choice([32, 32, 40, 64]))
     sources = []
     for _ in range(int(rng.choice([0, 1, 1, 2, 3, 4, 6]))):
-        page = int(rng.choice([1, 1, 2, 4, 16]))
+        page = int(rng.choice([1, 1, 2, 3, 4, 16]))
         bytes_per_token = 16 * int(rng.integers(1, 5))
         read = 16 * int(rng.integers(1, bytes_per_token // 16 + 1))
         pad = 16 * int(rng.choice([0, 0, 1, 3]))

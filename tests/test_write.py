@@ -137,6 +137,28 @@ def test_real_kv_hash_paged_and_strided(device, mode, page_size, pad):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("page_size", [1, 3, 4, 6])
+def test_real_kv_hash_paged_decode(device, page_size):
+    """A decode-shaped write (a token a request, on CUDA the form whose lanes share a request's
+    sources) hashes paged sources of power-of-two and other page sizes, and links each token to its
+    seed's slot."""
+    rng = np.random.default_rng(page_size)
+    num_slots = 40
+    specs = [random_source(rng, num_slots, page_size=page_size, num_bytes_per_token=48, read_bytes=32),
+             random_source(rng, num_slots, page_size=page_size, num_bytes_per_token=16, read_bytes=16),
+             random_source(rng, num_slots, page_size=page_size, num_bytes_per_token=64, read_bytes=64)]
+    ctx = _ctx(device, num_slots, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=kc.HashMode.ALL)
+    seeds = [int(s) for s in rng.permutation(np.arange(1, 20))[:8]]
+    slots = [int(s) for s in rng.permutation(np.arange(20, num_slots))[:8]]
+    _write(ctx, list(range(9)), [-1] * 8, [100 + s for s in seeds], [5] * 8, seeds, device=device)
+    _write(ctx, list(range(9)), seeds, list(range(8)), [6] * 8, slots, device=device)
+    for seed, slot in zip(seeds, slots):
+        assert fields(ctx.canary_buf, slot)[2] == link_of(ctx.canary_buf, seed), slot
+        assert fields(ctx.canary_buf, slot)[3] == expected_kv_hash(specs, kc.HashMode.ALL, slot), slot
+    assert ctx.violations().total == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_many_sources_accepted(device):
     """(extension) More than the engine's four sources."""
     rng = np.random.default_rng(5)

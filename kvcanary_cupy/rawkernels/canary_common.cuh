@@ -313,6 +313,14 @@ __device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
     return v;
 }
 
+// v unchanged, through a volatile asm that the compiler keeps after the volatile asm before it (the
+// loads requested with kvc_ld_early and kvc_ld16_early): what is computed from v then stays after
+// those requests instead of being hoisted above them, where it would wait for v's load first.
+__device__ __forceinline__ kvc_i64 kvc_after_requests(kvc_i64 v) {
+    asm volatile("mov.b64 %0, %0;" : "+l"(v));
+    return v;
+}
+
 // kvc_ld_early if `when`, else `otherwise`, as one predicated load: no branch, so ptxas keeps it with
 // the loads issued beside it. Behind a branch it issued the decode write's entry inputs only after
 // what it hoisted above that branch had waited for the request count (nvdisasm of kvc_write_decode).
@@ -476,6 +484,19 @@ __device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSo
            col * d.bytes_per_token;
 }
 
+// kvc_source_row_bytes, with a power-of-two page's row and column taken by a shift and a mask: the
+// decode write addresses its sources as soon as the slot arrives, and the division was most of
+// that path. The shift and the test depend on the descriptor alone, read before the slot.
+__device__ __forceinline__ const unsigned char* kvc_source_row_bytes_shifted(
+    const KvcSourceDesc& d, kvc_i64 slot) {
+    const bool power_of_two = d.page >= 1 && (d.page & (d.page - 1)) == 0;
+    if (!power_of_two) return kvc_source_row_bytes(d, slot);
+    if (d.rows < 0 || slot >= d.rows * d.page) return nullptr;
+    const int shift = __ffsll(d.page) - 1;
+    return reinterpret_cast<const unsigned char*>(d.base) + (slot >> shift) * d.stride +
+           (slot & (d.page - 1)) * d.bytes_per_token;
+}
+
 // Where source k keeps the bytes of slot (>= 0), or nullptr when its row is out of range.
 __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSources& src, int k,
                                                                  kvc_i64 slot, kvc_i64* nread) {
@@ -497,11 +518,21 @@ __device__ __forceinline__ KvcSourceHead kvc_request_head(const unsigned char* p
     return h;
 }
 
+// The fold past a source's first 32 bytes, out of line, for a caller whose sources are usually read
+// in their first 32 bytes: inline, its batches were most of a decode write's code.
+__device__ __noinline__ kvc_u64 kvc_fold_tail(kvc_u64 acc, const unsigned char* p, kvc_i64 nbytes) {
+    return kvc_fold_from(acc, p, nbytes);
+}
+
+template <bool kTailOutOfLine = false>
 __device__ __forceinline__ kvc_u64 kvc_fold_with_head(const unsigned char* p, kvc_i64 nbytes,
                                                       const KvcSourceHead& h) {
     kvc_u64 f = kvc_fold16(0ull, h.first);
     if (nbytes >= 32) f = kvc_fold16(f, h.second);
-    if (nbytes > 32) f = kvc_fold_from(f, p + 32, nbytes - 32);
+    if (nbytes > 32) {
+        f = kTailOutOfLine ? kvc_fold_tail(f, p + 32, nbytes - 32)
+                           : kvc_fold_from(f, p + 32, nbytes - 32);
+    }
     return f;
 }
 
@@ -599,39 +630,80 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
 }
 
 // real_kv_hash(slot) computed by the kLanes lanes of an aligned group that all hold the same slot
-// (a decode write's request): lane m folds sources m, m + kLanes, ..., and every lane combines the
-// folds in source order from shuffles. Up to kLanes sources then cost one memory latency, read by
-// as many lanes, where one thread (kvc_real_kv_hash_prefetched) issues every source's loads and
-// folds them all itself. own: source m's descriptor (kvc_source_desc_early), read by the caller
-// before the slot arrived. The group's lanes reach this together (their data is the same).
+// (a decode write's request), in two calls so that the caller can work while the sources are read:
+// kvc_request_in_group asks for the bytes of the lane's own source (member m folds source m; the
+// descriptor was read by the caller before the slot arrived, kvc_source_desc_early), and
+// kvc_hash_in_group folds them, combines the group's folds in source order from shuffles, and
+// folds any sources past the first kLanes a round at a time. Up to kLanes sources then cost one
+// memory latency, read by as many lanes, where one thread (kvc_real_kv_hash_prefetched) issues
+// every source's loads and folds them all itself. The group's lanes reach both together (their
+// data is the same).
+struct KvcGroupSource {
+    const unsigned char* bytes;  // nullptr: no source for this lane, or its row is out of range
+    kvc_i64 read_bytes;
+    KvcSourceHead head;
+    bool out_of_range;
+};
+
 template <int kLanes>
-__device__ __forceinline__ kvc_u64 kvc_real_kv_hash_in_group(const KvcSources& src,
-                                                             const KvcSourceDesc& own,
-                                                             kvc_i64 slot, bool* oor) {
+__device__ __forceinline__ unsigned kvc_group_mask() {
     static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0,
                   "a group is a power-of-two share of a warp");
     const int lane = (int)(threadIdx.x & 31);
     const int member = lane & (kLanes - 1);
-    const unsigned group = (kLanes == 32 ? KVC_FULL_MASK : (1u << kLanes) - 1u) << (lane - member);
+    return (kLanes == 32 ? KVC_FULL_MASK : (1u << kLanes) - 1u) << (lane - member);
+}
+
+template <int kLanes>
+__device__ __forceinline__ KvcGroupSource kvc_request_in_group(const KvcSources& src,
+                                                               const KvcSourceDesc& own,
+                                                               kvc_i64 slot) {
+    const int member = (int)(threadIdx.x & (kLanes - 1));
+    KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
+    if (member < src.count) {
+        g.bytes = kvc_source_row_bytes_shifted(own, slot);
+        g.read_bytes = own.read_bytes;
+        if (g.bytes == nullptr) g.out_of_range = true;
+        else g.head = kvc_request_head(g.bytes, own.read_bytes);
+    }
+    return g;
+}
+
+// Every member's fold is shuffled at once and then combined in order (src.count is the same on every
+// lane), and one ballot says whether any source was out of range: the loop this replaces waited on
+// a shuffle of the fold and one of a flag before each step of the combine.
+template <int kLanes>
+__device__ __forceinline__ kvc_u64 kvc_hash_in_group(const KvcSources& src,
+                                                     const KvcGroupSource& g, kvc_i64 slot,
+                                                     bool* oor) {
+    const unsigned group = kvc_group_mask<kLanes>();
+    const int member = (int)(threadIdx.x & (kLanes - 1));
+    const kvc_u64 f =
+        g.bytes != nullptr ? kvc_fold_with_head<true>(g.bytes, g.read_bytes, g.head) : 0ull;
+    kvc_u64 folds[kLanes];
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j) folds[j] = __shfl_sync(group, f, j, kLanes);
     kvc_u64 acc = 0;
-    int any_oor = 0;
-    for (int k0 = 0; k0 < src.count; k0 += kLanes) {
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j) {
+        if (j < src.count) acc = kvc_sm(acc ^ folds[j]);
+    }
+    bool any_oor = __ballot_sync(group, g.out_of_range) != 0;
+    for (int k0 = kLanes; k0 < src.count; k0 += kLanes) {
         const int k = k0 + member;
-        kvc_u64 f = 0;
-        int source_oor = 0;
+        kvc_u64 fk = 0;
+        bool source_oor = false;
         if (k < src.count) {
-            const KvcSourceDesc d = k0 == 0 ? own : kvc_source_desc(src, k);
+            const KvcSourceDesc d = kvc_source_desc(src, k);
             const unsigned char* p = kvc_source_row_bytes(d, slot);
-            if (p == nullptr) source_oor = 1;
-            else f = kvc_fold_with_head(p, d.read_bytes, kvc_request_head(p, d.read_bytes));
+            if (p == nullptr) source_oor = true;
+            else fk = kvc_fold_with_head<true>(p, d.read_bytes, kvc_request_head(p, d.read_bytes));
         }
         const int folded = src.count - k0 < kLanes ? src.count - k0 : kLanes;
-        for (int j = 0; j < folded; ++j) {
-            acc = kvc_sm(acc ^ __shfl_sync(group, f, j, kLanes));
-            any_oor |= __shfl_sync(group, source_oor, j, kLanes);
-        }
+        for (int j = 0; j < folded; ++j) acc = kvc_sm(acc ^ __shfl_sync(group, fk, j, kLanes));
+        any_oor |= __ballot_sync(group, source_oor) != 0;
     }
-    *oor = any_oor != 0;
+    *oor = any_oor;
     return acc;
 }
 

@@ -70,7 +70,7 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
 // have_first, `first` holds entry begin's inputs, requested by the caller already; with
 // seed_words, the seed's slot as the caller read it (when the seed is in range).
 // kLanes > 1: an aligned group of kLanes lanes walks the request together, each folding a share
-// of the real-KV sources (kvc_real_kv_hash_in_group, with the lane's own_source); the group's first
+// of the real-KV sources (kvc_request_in_group and kvc_hash_in_group, with the lane's own_source); the group's first
 // lane records and stores.
 template <bool kVec16, int kLanes = 1>
 __device__ __forceinline__ unsigned long long kvc_write_request(
@@ -120,11 +120,23 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
         const kvc_i64 slot = e.slot;
         bool kv_oor = false;
         kvc_u64 h = 0;
-        if (w.src.count > 0 && slot >= 0 && slot < c.num_slots) {
-            h = kLanes == 1 ? kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor)
-                            : kvc_real_kv_hash_in_group<kLanes>(w.src, *own_source, slot, &kv_oor);
+        const bool hashed = w.src.count > 0 && slot >= 0 && slot < c.num_slots;
+        if (kLanes == 1) {
+            if (hashed) h = kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor);
+            if (link_after_sources && i == begin) start_chain();
+        } else {
+            // The seed's link is made while the group's sources are read, not after their folds.
+            // Its words pass kvc_after_requests: otherwise the link's first steps were hoisted
+            // above the loop, and the sources were requested only once the seed's slot had come.
+            KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
+            if (hashed) g = kvc_request_in_group<kLanes>(w.src, *own_source, slot);
+            if (link_after_sources && i == begin) {
+#pragma unroll
+                for (int f = 0; f < 4; ++f) seed_slot.w[f] = kvc_after_requests(seed_slot.w[f]);
+                start_chain();
+            }
+            if (hashed) h = kvc_hash_in_group<kLanes>(w.src, g, slot, &kv_oor);
         }
-        if (link_after_sources && i == begin) start_chain();
         if (!listed) {
             record(-1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);
             break;
