@@ -136,7 +136,13 @@ CASES: tuple[Case, ...] = (
     # not a serving case of its own: the shape of the plan-bandwidth target
     Case("plan_bs1024_prefix4096", 1024, 4096, ops=frozenset({"plan"})),
 )
-BY_NAME = {c.name: c for c in CASES}
+# Shapes for the probes in tools/ only, outside the suite and its targets: decode batches small
+# enough for the step's tail write (at most 32 requests) with real-KV sources.
+PROBE_CASES: tuple[Case, ...] = (
+    Case("probe_decode_bs16_hash", 16, 4096, sources=Sources(4, 64, 32), hash_mode=_A),
+    Case("probe_decode_bs1_hash", 1, 5120, sources=Sources(2, 64, 64), hash_mode=_A),
+)
+BY_NAME = {c.name: c for c in CASES + PROBE_CASES}
 
 # A hash case and the same shape without hashing (the "ALL-hash write <= 1.2x no-hash write" target).
 NO_HASH_TWIN = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_hash_256b": "e2e_prefill_chunk_first",

@@ -609,7 +609,9 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
         nread[k] = 0;
         head[k] = {make_longlong2(0, 0), make_longlong2(0, 0)};
         if (k < src.count) {
-            p[k] = kvc_source_bytes(src, k, slot, &nread[k]);
+            const KvcSourceDesc d = kvc_source_desc(src, k);
+            nread[k] = d.read_bytes;
+            p[k] = kvc_source_row_bytes_shifted(d, slot);
             if (p[k] == nullptr) {
                 out = true;
             } else {

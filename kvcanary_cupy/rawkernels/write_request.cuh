@@ -121,20 +121,22 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
         bool kv_oor = false;
         kvc_u64 h = 0;
         const bool hashed = w.src.count > 0 && slot >= 0 && slot < c.num_slots;
+        // The seed's words pass kvc_after_requests before its link is made: otherwise the link's
+        // first steps were hoisted above the loop, and the sources were requested only once the
+        // seed's slot had come (SASS of kvc_write_decode and of the step's tail write).
+        const auto link_seed_after_requests = [&]() {
+#pragma unroll
+            for (int f = 0; f < 4; ++f) seed_slot.w[f] = kvc_after_requests(seed_slot.w[f]);
+            start_chain();
+        };
         if (kLanes == 1) {
             if (hashed) h = kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor);
-            if (link_after_sources && i == begin) start_chain();
+            if (link_after_sources && i == begin) link_seed_after_requests();
         } else {
-            // The seed's link is made while the group's sources are read, not after their folds.
-            // Its words pass kvc_after_requests: otherwise the link's first steps were hoisted
-            // above the loop, and the sources were requested only once the seed's slot had come.
+            // the seed's link is made while the group's sources are read, not after their folds
             KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
             if (hashed) g = kvc_request_in_group<kLanes>(w.src, *own_source, slot);
-            if (link_after_sources && i == begin) {
-#pragma unroll
-                for (int f = 0; f < 4; ++f) seed_slot.w[f] = kvc_after_requests(seed_slot.w[f]);
-                start_chain();
-            }
+            if (link_after_sources && i == begin) link_seed_after_requests();
             if (hashed) h = kvc_hash_in_group<kLanes>(w.src, g, slot, &kv_oor);
         }
         if (!listed) {
