@@ -436,22 +436,27 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("num_sources,mode", [(1, kc.HashMode.PARTIAL), (3, kc.HashMode.ALL), (4, kc.HashMode.ALL),
-                                              (5, kc.HashMode.ALL), (9, kc.HashMode.ALL)])
-def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode, monkeypatch):
+@pytest.mark.parametrize("num_sources,mode,widths", [(1, kc.HashMode.PARTIAL, (16, 32, 64)),
+                                                     (3, kc.HashMode.ALL, (16, 32, 64)),
+                                                     (4, kc.HashMode.ALL, (16, 32, 64)),
+                                                     (4, kc.HashMode.ALL, (16, 32)),
+                                                     (5, kc.HashMode.ALL, (16, 32, 64)),
+                                                     (9, kc.HashMode.ALL, (16, 32))])
+def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode, widths, monkeypatch):
     """kvc_write_decode with real-KV sources, a group of lanes a request each folding a share of the
-    sources (more sources than lanes take several rounds): slots past a short source's rows, a
+    sources (more sources than lanes take several rounds; reads of at most 32 bytes from at most as
+    many sources as lanes take the short-reads form): slots past a short source's rows, a
     negative and an out-of-range slot, requests of two tokens and empty ones, seeds, position
     jumps and input-assert mismatches store and record what the CPU backend does."""
-    from kvcanary_cupy.ops.backends._cuda.write import decode_form
+    from kvcanary_cupy.ops.backends._cuda.write import _DECODE_LANES, decode_form
 
     launched = _record_write_kernels(monkeypatch)
 
-    rng = np.random.default_rng(40 + num_sources)
+    rng = np.random.default_rng(40 + num_sources + len(widths))
     num_slots = 256
     specs = []
     for k in range(num_sources):
-        width = int(rng.choice([16, 32, 64]))
+        width = int(rng.choice(widths))
         specs.append(random_source(rng, 200 if k == num_sources // 2 else num_slots, num_bytes_per_token=width,
                                    read_bytes=int(rng.choice([16, width]))))
     counts = [1] * 40
@@ -477,7 +482,10 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
         _write(ctx, offsets, seeds, ids, positions, slots, device=device, expected=(expected_ids, positions))
         results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
     cpu, gpu = results["cpu"], results["cuda"]
-    assert launched[-1].startswith("kvc_write_decode<") and launched[-1].endswith(", true>")
+    reads = [16 if mode == kc.HashMode.PARTIAL else spec.read_bytes for spec in specs]
+    short = num_sources <= _DECODE_LANES and max(reads) <= 32
+    assert launched[-1].startswith("kvc_write_decode<")
+    assert launched[-1].endswith(", true, true>" if short else ", true, false>")
     assert cpu[1]["violations"] > 0 and any(row[7] & int(BIT.OUT_OF_RANGE) for row in cpu[2])
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]

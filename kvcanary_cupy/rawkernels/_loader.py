@@ -55,7 +55,10 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
 _WRITE_KERNELS = (_instances("kvc_write", 3)  # vec16, paired, real-KV sources
-                  + _instances("kvc_write_decode", 2))  # vec16, real-KV sources
+                  # vec16, real-KV sources, short reads (only with sources)
+                  + tuple(instance("kvc_write_decode", vec16, real_kv, short)
+                          for vec16 in (True, False)
+                          for real_kv, short in ((True, True), (True, False), (False, False))))
 _STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 # decode-shaped, long rows (never both)
 _SCATTER_KERNELS = tuple(instance("kvc_scatter", *forms) for forms in ((True, False), (False, False), (False, True)))

@@ -674,24 +674,36 @@ __device__ __forceinline__ KvcGroupSource kvc_request_in_group(const KvcSources&
 // Every member's fold is shuffled at once and then combined in order (src.count is the same on every
 // lane), and one ballot says whether any source was out of range: the loop this replaces waited on
 // a shuffle of the fold and one of a flag before each step of the combine.
-template <int kLanes>
+// kShortReads: the host found at most kLanes sources, none reading more than 32 bytes (its head),
+// so the fold of a longer read and the rounds past the first kLanes sources are compiled out:
+// half the instance's code and 104 registers instead of 136 (sm_90). On an H200 the 4-source
+// ALL-mode decode write took 0.03-0.19 us less (three interleaved A/Bs: 6.21-6.30 -> 6.05-6.27 us).
+template <int kLanes, bool kShortReads = false>
 __device__ __forceinline__ kvc_u64 kvc_hash_in_group(const KvcSources& src,
                                                      const KvcGroupSource& g, kvc_i64 slot,
                                                      bool* oor) {
     const unsigned group = kvc_group_mask<kLanes>();
     const int member = (int)(threadIdx.x & (kLanes - 1));
-    const kvc_u64 f =
-        g.bytes != nullptr ? kvc_fold_with_head<true>(g.bytes, g.read_bytes, g.head) : 0ull;
+    kvc_u64 f = 0;
+    if (g.bytes != nullptr) {
+        if (kShortReads) {
+            f = kvc_fold16(0ull, g.head.first);
+            if (g.read_bytes >= 32) f = kvc_fold16(f, g.head.second);
+        } else {
+            f = kvc_fold_with_head<true>(g.bytes, g.read_bytes, g.head);
+        }
+    }
     kvc_u64 folds[kLanes];
 #pragma unroll
     for (int j = 0; j < kLanes; ++j) folds[j] = __shfl_sync(group, f, j, kLanes);
     kvc_u64 acc = 0;
 #pragma unroll
     for (int j = 0; j < kLanes; ++j) {
-        if (j < src.count) acc = kvc_sm(acc ^ folds[j]);
+        if (j >= src.count) break;
+        acc = kvc_sm(acc ^ folds[j]);
     }
     bool any_oor = __ballot_sync(group, g.out_of_range) != 0;
-    for (int k0 = kLanes; k0 < src.count; k0 += kLanes) {
+    for (int k0 = kLanes; !kShortReads && k0 < src.count; k0 += kLanes) {
         const int k = k0 + member;
         kvc_u64 fk = 0;
         bool source_oor = false;

@@ -402,8 +402,10 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
 // leaves most lanes idle, and its code is a small part of kvc_write's, which a decode write fetches
 // with cold instruction caches (bs 1 to 1024 measured 0.5-0.7 us faster). With sources a group of
 // KVC_WRITE_DECODE_LANES lanes walks a request, each lane reading a share of its sources, so they
-// are read at once by as many lanes instead of one thread reading them all.
-template <bool kVec16, bool kRealKv>
+// are read at once by as many lanes instead of one thread reading them all. kShortReads (with
+// sources only): the host found at most KVC_WRITE_DECODE_LANES sources, each read in at most 32
+// bytes (kvc_hash_in_group).
+template <bool kVec16, bool kRealKv, bool kShortReads>
 __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS, kRealKv ? 1 : 0) kvc_write_decode(
     KVC_WRITE_PARAMS) {
     constexpr int kLanes = kRealKv ? KVC_WRITE_DECODE_LANES : 1;
@@ -434,8 +436,8 @@ __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS, kRealKv ? 1 : 0) kvc
     const KvcCanary c = {canary, num_slots, slot_stride};
     unsigned long long stored = 0;
     if (r < nreq) {
-        stored = kvc_write_request<kVec16, kLanes>(c, w, begin, end, seed, guess, begin == r,
-                                                   nullptr, &own_source);
+        stored = kvc_write_request<kVec16, kLanes, kShortReads>(c, w, begin, end, seed, guess,
+                                                                begin == r, nullptr, &own_source);
     }
     stored = kvc_warp_sum(stored);
     if ((threadIdx.x & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);

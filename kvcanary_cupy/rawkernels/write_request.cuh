@@ -70,9 +70,9 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
 // have_first, `first` holds entry begin's inputs, requested by the caller already; with
 // seed_words, the seed's slot as the caller read it (when the seed is in range).
 // kLanes > 1: an aligned group of kLanes lanes walks the request together, each folding a share
-// of the real-KV sources (kvc_request_in_group and kvc_hash_in_group, with the lane's own_source); the group's first
-// lane records and stores.
-template <bool kVec16, int kLanes = 1>
+// of the real-KV sources (kvc_request_in_group and kvc_hash_in_group, with the lane's own_source);
+// the group's first lane records and stores. kShortReads: see kvc_hash_in_group.
+template <bool kVec16, int kLanes = 1, bool kShortReads = false>
 __device__ __forceinline__ unsigned long long kvc_write_request(
     const KvcCanary& c, const KvcWriteIn& w, kvc_i64 begin, kvc_i64 end, kvc_i64 seed,
     const KvcWriteEntry& first, bool have_first, const KvcSlot* seed_words = nullptr,
@@ -137,7 +137,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
             KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
             if (hashed) g = kvc_request_in_group<kLanes>(w.src, *own_source, slot);
             if (link_after_sources && i == begin) link_seed_after_requests();
-            if (hashed) h = kvc_hash_in_group<kLanes>(w.src, g, slot, &kv_oor);
+            if (hashed) h = kvc_hash_in_group<kLanes, kShortReads>(w.src, g, slot, &kv_oor);
         }
         if (!listed) {
             record(-1, 0, 0, 0, (kvc_i64)running, 0, KVC_BIT_OUT_OF_RANGE);

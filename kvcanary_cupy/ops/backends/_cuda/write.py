@@ -9,6 +9,7 @@ _BLOCK = 32 * _loader.SPECS["write"].constant("KVC_WRITE_WARPS")
 _CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
 _DECODE_BLOCK = _loader.SPECS["write"].constant("KVC_WRITE_DECODE_THREADS")
 _DECODE_LANES = _loader.SPECS["write"].constant("KVC_WRITE_DECODE_LANES")
+_SHORT_READ_BYTES = 32  # the head kvc_request_in_group requests: two 16-byte loads
 
 
 def decode_form(num_entries: int, capacity: int, real_kv: bool) -> bool:
@@ -25,6 +26,15 @@ def decode_form(num_entries: int, capacity: int, real_kv: bool) -> bool:
 def decode_lanes(real_kv: bool) -> int:
     """Lanes a request in kvc_write_decode."""
     return _DECODE_LANES if real_kv else 1
+
+
+def short_reads(ctx) -> bool:
+    """kvc_write_decode's kShortReads: at most KVC_WRITE_DECODE_LANES real-KV sources, none folding
+    more than the 32 bytes a lane requests at once, so the decode write's hashing path holds no
+    fold loop and no second round of sources."""
+    sources = ctx.real_kv_sources
+    return (0 < len(sources) <= _DECODE_LANES
+            and all(source.read_length(ctx.hash_mode) <= _SHORT_READ_BYTES for source in sources))
 
 
 def paired(num_entries: int, max_requests: int) -> bool:
@@ -74,7 +84,8 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
         slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
     if decode_form(int(entries[-1]), capacity, real_kv):
-        name = _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), real_kv)
+        name = _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), real_kv,
+                                real_kv and short_reads(ctx))
         grid = max(1, -(-capacity * decode_lanes(real_kv) // _DECODE_BLOCK))
         return Launch(kernel("write", name, device_id), grid, _DECODE_BLOCK, args, packed=packed)
     name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity), real_kv)
