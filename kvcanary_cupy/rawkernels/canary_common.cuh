@@ -661,7 +661,7 @@ __device__ __forceinline__ KvcGroupSource kvc_request_in_group(const KvcSources&
                                                                const KvcSourceDesc& own,
                                                                kvc_i64 slot) {
     const int member = (int)(threadIdx.x & (kLanes - 1));
-    KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
+    KvcGroupSource g = {};  // no source, nothing requested
     if (member < src.count) {
         g.bytes = kvc_source_row_bytes_shifted(own, slot);
         g.read_bytes = own.read_bytes;

@@ -134,7 +134,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
             if (link_after_sources && i == begin) link_seed_after_requests();
         } else {
             // the seed's link is made while the group's sources are read, not after their folds
-            KvcGroupSource g = {nullptr, 0, {make_longlong2(0, 0), make_longlong2(0, 0)}, false};
+            KvcGroupSource g = {};
             if (hashed) g = kvc_request_in_group<kLanes>(w.src, *own_source, slot);
             if (link_after_sources && i == begin) link_seed_after_requests();
             if (hashed) h = kvc_hash_in_group<kLanes, kShortReads>(w.src, g, slot, &kv_oor);

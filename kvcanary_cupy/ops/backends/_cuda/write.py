@@ -84,8 +84,7 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
         slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
     if decode_form(int(entries[-1]), capacity, real_kv):
-        name = _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), real_kv,
-                                real_kv and short_reads(ctx))
+        name = _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), real_kv, short_reads(ctx))
         grid = max(1, -(-capacity * decode_lanes(real_kv) // _DECODE_BLOCK))
         return Launch(kernel("write", name, device_id), grid, _DECODE_BLOCK, args, packed=packed)
     name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity), real_kv)
