@@ -436,29 +436,32 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("num_sources,mode,widths", [(1, kc.HashMode.PARTIAL, (16, 32, 64)),
-                                                     (3, kc.HashMode.ALL, (16, 32, 64)),
-                                                     (4, kc.HashMode.ALL, (16, 32, 64)),
-                                                     (4, kc.HashMode.ALL, (16, 32)),
-                                                     (5, kc.HashMode.ALL, (16, 32, 64)),
-                                                     (9, kc.HashMode.ALL, (16, 32))])
-def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode, widths, monkeypatch):
+@pytest.mark.parametrize("num_sources,mode,widths,pages", [(1, kc.HashMode.PARTIAL, (16, 32, 64), (1,)),
+                                                           (3, kc.HashMode.ALL, (16, 32, 64), (1,)),
+                                                           (4, kc.HashMode.ALL, (16, 32, 64), (1,)),
+                                                           (4, kc.HashMode.ALL, (16, 32), (1,)),
+                                                           (4, kc.HashMode.ALL, (16, 32), (3, 4)),
+                                                           (5, kc.HashMode.ALL, (16, 32, 64), (1,)),
+                                                           (9, kc.HashMode.ALL, (16, 32), (1,)),
+                                                           (10, kc.HashMode.ALL, (16, 32, 64), (1, 3, 4))])
+def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode, widths, pages, monkeypatch):
     """kvc_write_decode with real-KV sources, a group of lanes a request each folding a share of the
     sources (more sources than lanes take several rounds; reads of at most 32 bytes from at most as
-    many sources as lanes take the short-reads form): slots past a short source's rows, a
-    negative and an out-of-range slot, requests of two tokens and empty ones, seeds, position
-    jumps and input-assert mismatches store and record what the CPU backend does."""
+    many sources as lanes take the short-reads form), over sources of a token a row and paged ones
+    (pages a power of two and not, in the first round of sources and in later ones): slots past a
+    short source's rows, a negative and an out-of-range slot, requests of two tokens and empty ones,
+    seeds, position jumps and input-assert mismatches store and record what the CPU backend does."""
     from kvcanary_cupy.ops.backends._cuda.write import _DECODE_LANES, decode_form
 
     launched = _record_write_kernels(monkeypatch)
 
-    rng = np.random.default_rng(40 + num_sources + len(widths))
+    rng = np.random.default_rng(40 + num_sources + len(widths) + len(pages))
     num_slots = 256
     specs = []
     for k in range(num_sources):
         width = int(rng.choice(widths))
         specs.append(random_source(rng, 200 if k == num_sources // 2 else num_slots, num_bytes_per_token=width,
-                                   read_bytes=int(rng.choice([16, width]))))
+                                   read_bytes=int(rng.choice([16, width])), page_size=pages[k % len(pages)]))
     counts = [1] * 40
     counts[3], counts[17], counts[25], counts[30] = 2, 0, 0, 2  # a token a request on average
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()

@@ -115,6 +115,35 @@ def print_warm_and_cold(warm: dict, cold: dict, width: int = 16) -> None:
               f"cold {median_iqr(cold[label])} (mean {np.mean(cold[label]):.3f})", flush=True)
 
 
+def left_behind(state) -> bytes:
+    """What a benchmark case's ops leave on copy 0 of ``state``, as bytes: the canary, both plans and
+    the scatter pool."""
+    copy = state.copies[0]
+    arrays = (state.ctx.canary_buf, copy.vplan.slot_indices, copy.vplan.expected_tokens,
+              copy.vplan.expected_positions, copy.vplan.prev_slot_indices, copy.vplan.num_valid,
+              copy.vplan.enable, copy.wplan.offsets, copy.wplan.seed_slot_indices,
+              copy.wplan.num_valid_reqs, state.expected_pool)
+    return b"".join(a.get().tobytes() for a in arrays if a is not None)
+
+
+def run_variants(timer, variants: dict, launch_of, left_behind_of) -> tuple[dict, dict]:
+    """Runs each variant of a kernel once on one case's state and captures it for timing.
+    ``variants`` maps a label to a no-argument setup (install its kernels, force its form); after
+    the setup, ``launch_of()`` gives the launch to run and capture, and ``left_behind_of()`` the bytes
+    that run leaves, to compare across variants. Returns the graphs, an empty kernel's first as the
+    floor, and each variant's bytes."""
+    graphs = {"empty kernel": timer.capture(launch_empty)}
+    outputs = {}
+    for label, setup in variants.items():
+        setup()
+        launch = launch_of()
+        launch()
+        cupy.cuda.Device().synchronize()
+        outputs[label] = left_behind_of()
+        graphs[label] = timer.capture(launch)
+    return graphs, outputs
+
+
 def median_iqr(samples) -> str:
     return f"{np.median(samples):.2f} ({np.percentile(samples, 25):.2f}-{np.percentile(samples, 75):.2f})"
 

@@ -24,7 +24,7 @@ import cupy
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, interleaved_cold, launch_empty, median_iqr, use_sources  # noqa: E402
+from _probe import cold_timer, interleaved_cold, left_behind, median_iqr, run_variants, use_sources  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
 DECODE_CASES = ["smoke_decode_empty", "e2e_decode_tail", "e2e_decode_steady", "decode_large_batch_short_prefix",
@@ -42,15 +42,6 @@ def launcher(source: str, state):
     return lambda: op(0)
 
 
-def left_behind(state) -> bytes:
-    copy = state.copies[0]
-    arrays = (state.ctx.canary_buf, copy.vplan.slot_indices, copy.vplan.expected_tokens,
-              copy.vplan.expected_positions, copy.vplan.prev_slot_indices, copy.vplan.num_valid,
-              copy.vplan.enable, copy.wplan.offsets, copy.wplan.seed_slot_indices,
-              copy.wplan.num_valid_reqs, state.expected_pool)
-    return b"".join(a.get().tobytes() for a in arrays if a is not None)
-
-
 def main() -> None:
     if len(sys.argv) < 3 or sys.argv[1] not in _loader.SPECS:
         sys.exit(__doc__)
@@ -61,15 +52,8 @@ def main() -> None:
     for name in names:
         case = S.BY_NAME[name]
         state = S.build_state(case, "cuda")
-        graphs = {"empty kernel": timer.capture(launch_empty)}
-        outputs = {}
-        for label, directory in trees.items():
-            use_sources(source, directory)
-            launch = launcher(source, state)
-            launch()
-            cupy.cuda.Device().synchronize()
-            outputs[label] = left_behind(state)
-            graphs[label] = timer.capture(launch)
+        variants = {label: (lambda d=directory: use_sources(source, d)) for label, directory in trees.items()}
+        graphs, outputs = run_variants(timer, variants, lambda: launcher(source, state), lambda: left_behind(state))
         times = interleaved_cold(timer, graphs)
         assert state.violations() == 0
         same = len(set(outputs.values())) == 1

@@ -14,12 +14,10 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import cupy
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
+from _probe import cold_timer, print_warm_and_cold, run_variants, warm_and_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import scatter as cuda_scatter  # noqa: E402
 
 DEFAULT_CASES = ("smoke_decode_empty", "decode_mid_batch", "e2e_decode_steady", "decode_large_batch_short_prefix",
@@ -36,15 +34,16 @@ def main() -> None:
         for name in names:
             case = S.BY_NAME[name]
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(launch_empty)}
-            outputs = {}
-            for label, decode in FORMS.items():
-                cuda_scatter.decode_form = lambda *_, v=decode: v
-                state.expected_pool.fill(-7)
-                state.scatter(0)
-                cupy.cuda.Device().synchronize()
-                outputs[label] = state.expected_pool.get().tobytes()
-                graphs[label] = timer.capture(lambda: state.scatter(0))
+
+            def force(decode: bool) -> None:
+                cuda_scatter.decode_form = lambda *_: decode
+
+            def launch_of(st=state):
+                st.expected_pool.fill(-7)  # a pool both forms overwrite from the same start
+                return lambda: st.scatter(0)
+
+            graphs, outputs = run_variants(timer, {label: (lambda d=decode: force(d)) for label, decode in FORMS.items()},
+                                           launch_of, lambda st=state: st.expected_pool.get().tobytes())
             cuda_scatter.decode_form = shipped
             warm, cold = warm_and_cold(timer, graphs, rounds=100)
             print(f"== {name} ({case.describe()})  outputs equal: {len(set(outputs.values())) == 1}", flush=True)

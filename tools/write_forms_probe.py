@@ -17,14 +17,11 @@ import argparse
 import pathlib
 import sys
 
-import cupy
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
-from _probe import cold_timer, install_variant, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
-from ab_probe import left_behind  # noqa: E402
+from _probe import cold_timer, install_variant, left_behind, print_warm_and_cold, run_variants, warm_and_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -58,16 +55,16 @@ def main() -> None:
             if args.cases and case.name not in args.cases:
                 continue
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(launch_empty)}
-            outputs = {}
-            for label, lanes in [("warp", None)] + [(f"lanes{n}", n) for n in args.lanes]:
+
+            def use(lanes) -> None:  # None: the warp-a-request form
                 modules.append(install_variant("write", spec.code, options(lanes or shipped_lanes)))
                 cuda_write.decode_form = (lambda *_, group=lanes is not None: group)
                 cuda_write._DECODE_LANES = lanes or shipped_lanes
-                state.write(0)
-                cupy.cuda.Device().synchronize()
-                outputs[label] = left_behind(state)
-                graphs[label] = timer.capture(lambda st=state: st.write(0))
+
+            variants = {label: (lambda n=lanes: use(n))
+                        for label, lanes in [("warp", None)] + [(f"lanes{n}", n) for n in args.lanes]}
+            graphs, outputs = run_variants(timer, variants, lambda st=state: (lambda: st.write(0)),
+                                           lambda st=state: left_behind(st))
             cuda_write.decode_form, cuda_write._DECODE_LANES = shipped_form, shipped_lanes
             warm, cold = warm_and_cold(timer, graphs, rounds=80)
             same = [label for label in outputs if outputs[label] == outputs["warp"]]

@@ -15,13 +15,10 @@ import argparse
 import pathlib
 import sys
 
-import cupy
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
-from _probe import cold_timer, install_variant, launch_empty, print_warm_and_cold, warm_and_cold  # noqa: E402
-from ab_probe import left_behind  # noqa: E402
+from _probe import cold_timer, install_variant, left_behind, print_warm_and_cold, run_variants, warm_and_cold  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -62,15 +59,14 @@ def main() -> None:
         for name in args.cases or DEFAULT_CASES:
             case = S.BY_NAME[name]
             state = S.build_state(case, "cuda")
-            graphs = {"empty": timer.capture(launch_empty)}
-            outputs = {}
-            for label, threads, patch in variants:
+
+            def use(threads: int, patch: tuple) -> None:
                 modules.append(install_variant("write", spec.code, options(threads), patch))
                 cuda_write._DECODE_BLOCK = threads
-                state.write(0)
-                cupy.cuda.Device().synchronize()
-                outputs[label] = left_behind(state)
-                graphs[label] = timer.capture(lambda st=state: st.write(0))
+
+            graphs, outputs = run_variants(timer, {label: (lambda t=threads, p=patch: use(t, p))
+                                                   for label, threads, patch in variants},
+                                           lambda st=state: (lambda: st.write(0)), lambda st=state: left_behind(st))
             cuda_write._DECODE_BLOCK = shipped
             install_variant("write", spec.code, spec.options)
             warm, cold = warm_and_cold(timer, graphs, rounds=80)

@@ -51,15 +51,31 @@ __device__ __forceinline__ kvc_i64 kvc_resolve(const KvcPlanIn& in, kvc_i64 rp, 
     return s < in.lut_len ? in.lut[s] : KVC_UNRESOLVED_SLOT;
 }
 
+// The expected-token pool's column for pos, and whether (rp, column) is a cell of the pool (never
+// when no pool was given). pos >= 0, so pos + token_offset can only overflow upwards, past any
+// valid length: the column is then -1, outside the pool.
+struct KvcExpectedCell {
+    kvc_i64 column;
+    bool in_pool;
+};
+
+__device__ __forceinline__ KvcExpectedCell kvc_expected_cell(const KvcPlanIn& in, kvc_i64 rp,
+                                                             kvc_i64 pos) {
+    const bool overflows = in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset;
+    const kvc_i64 column = overflows ? -1 : pos + in.token_offset;
+    const bool in_pool = in.has_expected && column >= 0 && rp >= 0 && rp < in.exp_rows &&
+                         column < in.exp_cols;
+    return {column, in_pool};
+}
+
+// expected_pool[rp, pos + token_offset] when that cell lies below the request's valid length,
+// else NO_EXPECTED_TOKEN.
 __device__ __forceinline__ kvc_i64 kvc_expected(const KvcPlanIn& in, kvc_i64 r, kvc_i64 rp,
                                                 kvc_i64 pos) {
     if (!in.has_expected) return KVC_NO_EXPECTED_TOKEN;
-    // pos >= 0, so pos + token_offset can only overflow upwards, past any valid length.
-    if (in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset) return KVC_NO_EXPECTED_TOKEN;
-    const kvc_i64 column = pos + in.token_offset;
-    if (column < 0 || column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
-    if (rp < 0 || rp >= in.exp_rows || column >= in.exp_cols) return KVC_NO_EXPECTED_TOKEN;
-    return (kvc_i64)in.expected_pool[rp * in.exp_stride + column];
+    const KvcExpectedCell cell = kvc_expected_cell(in, rp, pos);
+    if (!cell.in_pool || cell.column >= in.valid_lens[r]) return KVC_NO_EXPECTED_TOKEN;
+    return (kvc_i64)in.expected_pool[rp * in.exp_stride + cell.column];
 }
 
 // The plan entry of (request r, pool row rp, position pos), for the plan kernel's batches with a
@@ -97,17 +113,14 @@ __device__ __forceinline__ KvcPlanEntry kvc_plan_entry_early(const KvcPlanIn& in
     const kvc_i64 prev_cell = kvc_cell_early(in, rp, pos - 1, pos > 0);
     // the expected token's valid length and pool cell together: the cell whenever it lies
     // inside the pool, kept only below the valid length
-    const bool overflows = in.token_offset > 0 && pos > KVC_I64_MAX - in.token_offset;
-    const kvc_i64 column = overflows ? -1 : pos + in.token_offset;
-    const bool in_pool = in.has_expected && column >= 0 && rp >= 0 && rp < in.exp_rows &&
-                         column < in.exp_cols;
-    const kvc_i64 valid_len = kvc_ld_early_if(in.valid_lens + r, in_pool, 0);
+    const KvcExpectedCell exp = kvc_expected_cell(in, rp, pos);
+    const kvc_i64 valid_len = kvc_ld_early_if(in.valid_lens + r, exp.in_pool, 0);
     const int token = kvc_ld_early_if(
-        in.expected_pool + (in_pool ? rp * in.exp_stride + column : 0), in_pool, 0);
+        in.expected_pool + (exp.in_pool ? rp * in.exp_stride + exp.column : 0), exp.in_pool, 0);
     KvcPlanEntry e;
     e.slot = kvc_lut_slot(in, cell);
     e.prev = kvc_lut_slot(in, prev_cell);
-    e.token = in_pool && column < valid_len ? (kvc_i64)token : KVC_NO_EXPECTED_TOKEN;
+    e.token = exp.in_pool && exp.column < valid_len ? (kvc_i64)token : KVC_NO_EXPECTED_TOKEN;
     return e;
 }
 

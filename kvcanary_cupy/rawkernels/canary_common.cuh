@@ -474,9 +474,9 @@ __device__ __forceinline__ KvcSourceDesc kvc_source_desc_early(const KvcSources&
             kvc_ld_early(d + KVC_SRC_BYTES_PER_TOKEN), kvc_ld_early(d + KVC_SRC_READ_BYTES)};
 }
 
-// Where a source keeps the bytes of slot (>= 0), or nullptr when its row is out of range.
-__device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSourceDesc& d,
-                                                                     kvc_i64 slot) {
+// kvc_source_row_bytes for a page that is not a power of two (or not valid: then out of range).
+__device__ __forceinline__ const unsigned char* kvc_source_row_bytes_divided(
+    const KvcSourceDesc& d, kvc_i64 slot) {
     if (kvc_source_row_out_of_range(d.rows, d.page, slot)) return nullptr;
     kvc_i64 row, col;
     kvc_divmod(slot, d.page, row, col);
@@ -484,13 +484,15 @@ __device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSo
            col * d.bytes_per_token;
 }
 
-// kvc_source_row_bytes, with a power-of-two page's row and column taken by a shift and a mask: the
-// decode write addresses its sources as soon as the slot arrives, and the division was most of
-// that path. The shift and the test depend on the descriptor alone, read before the slot.
-__device__ __forceinline__ const unsigned char* kvc_source_row_bytes_shifted(
-    const KvcSourceDesc& d, kvc_i64 slot) {
+// Where a source keeps the bytes of slot (>= 0), or nullptr when its row is out of range. A
+// power-of-two page (every page of 1, and the engines' usual 16, 32 or 64) takes its row and
+// column by a shift and a mask: a decode write addresses its sources as soon as the slot arrives,
+// and the division was most of that path. The shift and the test depend on the descriptor alone,
+// which is read before the slot.
+__device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSourceDesc& d,
+                                                                     kvc_i64 slot) {
     const bool power_of_two = d.page >= 1 && (d.page & (d.page - 1)) == 0;
-    if (!power_of_two) return kvc_source_row_bytes(d, slot);
+    if (!power_of_two) return kvc_source_row_bytes_divided(d, slot);
     if (d.rows < 0 || slot >= d.rows * d.page) return nullptr;
     const int shift = __ffsll(d.page) - 1;
     return reinterpret_cast<const unsigned char*>(d.base) + (slot >> shift) * d.stride +
@@ -611,7 +613,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_prefetched(const KvcSources&
         if (k < src.count) {
             const KvcSourceDesc d = kvc_source_desc(src, k);
             nread[k] = d.read_bytes;
-            p[k] = kvc_source_row_bytes_shifted(d, slot);
+            p[k] = kvc_source_row_bytes(d, slot);
             if (p[k] == nullptr) {
                 out = true;
             } else {
@@ -663,7 +665,7 @@ __device__ __forceinline__ KvcGroupSource kvc_request_in_group(const KvcSources&
     const int member = (int)(threadIdx.x & (kLanes - 1));
     KvcGroupSource g = {};  // no source, nothing requested
     if (member < src.count) {
-        g.bytes = kvc_source_row_bytes_shifted(own, slot);
+        g.bytes = kvc_source_row_bytes(own, slot);
         g.read_bytes = own.read_bytes;
         if (g.bytes == nullptr) g.out_of_range = true;
         else g.head = kvc_request_head(g.bytes, own.read_bytes);

@@ -43,18 +43,14 @@ __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
         const auto write_rows = [&](const KvcEntry& e, kvc_i64 base) {
             if (!e.live) return;
             const kvc_i64 k = base + (threadIdx.x & 31);
-            if (kLut) {
-                const KvcPlanEntry p = kvc_plan_entry_early(in, e.request, e.rp, e.pos);
-                v_slots[k] = p.slot;
-                v_tokens[k] = p.token;
-                v_positions[k] = e.pos;
-                v_prev[k] = p.prev;
-            } else {
-                v_slots[k] = kvc_resolve(in, e.rp, e.pos);
-                v_tokens[k] = kvc_expected(in, e.request, e.rp, e.pos);
-                v_positions[k] = e.pos;
-                v_prev[k] = e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
-            }
+            // the LUT instance reads its entry's values together first; the other reads each
+            // value where it is stored (kvc_plan_entry_early says why both)
+            const KvcPlanEntry p = kLut ? kvc_plan_entry_early(in, e.request, e.rp, e.pos)
+                                        : KvcPlanEntry{};
+            v_slots[k] = kLut ? p.slot : kvc_resolve(in, e.rp, e.pos);
+            v_tokens[k] = kLut ? p.token : kvc_expected(in, e.request, e.rp, e.pos);
+            v_positions[k] = e.pos;
+            v_prev[k] = kLut ? p.prev : e.pos > 0 ? kvc_resolve(in, e.rp, e.pos - 1) : -1;
         };
         kvc_i64 total;
         if (bs <= 32) {
