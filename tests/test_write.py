@@ -369,6 +369,30 @@ def test_cuda_kernels_without_sources_have_no_hashing_code():
             assert _loader.instance(template, *flags) in _loader.SPECS[source].kernels
 
 
+@pytest.mark.parametrize("mode", list(kc.HashMode))
+@pytest.mark.parametrize("reads", [(), (16,), (32, 32, 16, 32), (64,), (16,) * 9])
+def test_cuda_decode_write_instance_is_compiled_for_every_context(mode, reads, monkeypatch):
+    """The decode write's instance for any context (sources or none, hashed or not, short reads or
+    long, few sources or many) is one the write module compiles, and it hashes exactly when the
+    context does; the short-reads form only for hashed sources of at most 32 bytes, at most as many
+    as a request's lanes."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+    from kvcanary_cupy.rawkernels import _loader
+
+    rng = np.random.default_rng(5)
+    sources = tuple(random_source(rng, 8, num_bytes_per_token=max(read, 16), read_bytes=read).build("cpu")
+                    for read in reads)
+    ctx = _ctx("cpu", real_kv_sources=sources, hash_mode=mode)
+    hashed = bool(reads) and mode != kc.HashMode.NONE
+    read_length = 16 if mode == kc.HashMode.PARTIAL else max(reads, default=0)
+    short = hashed and len(reads) <= cuda_write._DECODE_LANES and read_length <= 32
+    for vec16 in (True, False):
+        monkeypatch.setattr(cuda_write, "vec16", lambda _buf, v=vec16: v)
+        name = cuda_write.decode_instance(ctx)
+        assert name in _loader.SPECS["write"].kernels
+        assert name == _loader.instance("kvc_write_decode", vec16, hashed, short)
+
+
 def _record_write_kernels(monkeypatch) -> list[str]:
     """The names of the kernels the CUDA write launcher picks from now on, in order."""
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write

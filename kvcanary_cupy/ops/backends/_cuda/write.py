@@ -29,12 +29,18 @@ def decode_lanes(real_kv: bool) -> int:
 
 
 def short_reads(ctx) -> bool:
-    """kvc_write_decode's kShortReads: at most KVC_WRITE_DECODE_LANES real-KV sources, none folding
-    more than the 32 bytes a lane requests at once, so the decode write's hashing path holds no
-    fold loop and no second round of sources."""
+    """kvc_write_decode's kShortReads: the context hashes at most KVC_WRITE_DECODE_LANES real-KV
+    sources, none folding more than the 32 bytes a lane requests at once, so the decode write's
+    hashing path holds no fold loop and no second round of sources. False for a context that hashes
+    nothing, sources or not (mode NONE): that instance has no hashing path at all."""
     sources = ctx.real_kv_sources
-    return (0 < len(sources) <= _DECODE_LANES
+    return (has_real_kv(ctx) and len(sources) <= _DECODE_LANES
             and all(source.read_length(ctx.hash_mode) <= _SHORT_READ_BYTES for source in sources))
+
+
+def decode_instance(ctx) -> str:
+    """The kvc_write_decode instance that writes a decode-shaped batch in ``ctx``."""
+    return _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), has_real_kv(ctx), short_reads(ctx))
 
 
 def paired(num_entries: int, max_requests: int) -> bool:
@@ -84,9 +90,8 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
         slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
     )
     if decode_form(int(entries[-1]), capacity, real_kv):
-        name = _loader.instance("kvc_write_decode", vec16(ctx.canary_buf), real_kv, short_reads(ctx))
         grid = max(1, -(-capacity * decode_lanes(real_kv) // _DECODE_BLOCK))
-        return Launch(kernel("write", name, device_id), grid, _DECODE_BLOCK, args, packed=packed)
+        return Launch(kernel("write", decode_instance(ctx), device_id), grid, _DECODE_BLOCK, args, packed=packed)
     name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity), real_kv)
     fn = kernel("write", name, device_id)
     resident = resident_grid("write", name, device_id, _BLOCK)
