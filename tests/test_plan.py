@@ -263,3 +263,17 @@ def test_decode_steps_end_to_end(device, seed):
         p.write(prefix, ones, tag=kc.LaunchTag.TAIL_K_FULL)
         prefix = prefix + 1
     assert ring_rows(p.ctx) == []
+
+
+def test_every_batch_shape_names_a_compiled_plan_kernel():
+    """The plan launcher's kernel for any batch size and entry bound, with a LUT or without, is one
+    the plan module compiles: the small tile only for batches it can stage at once."""
+    from kvcanary_cupy.ops.backends._cuda.plan import SMALL_TILE, SMALL_TILE_MAX_ENTRIES, TILE, plan_tile
+    from kvcanary_cupy.rawkernels import _loader
+
+    for bs in (1, 32, SMALL_TILE, SMALL_TILE + 1, 4096):
+        for most in (0, 1, SMALL_TILE_MAX_ENTRIES, SMALL_TILE_MAX_ENTRIES + 1, 1 << 24):
+            tile = plan_tile(bs, most)
+            assert tile == (SMALL_TILE if bs <= SMALL_TILE and most <= SMALL_TILE_MAX_ENTRIES else TILE)
+            for lut in (True, False):
+                assert _loader.plan_instance(tile, lut) in _loader.SPECS["plan"].kernels

@@ -26,6 +26,12 @@ def long_rows(batch_size: int, num_tokens: int) -> bool:
     return num_tokens >= 2 * _BLOCK * batch_size
 
 
+def scatter_instance(batch_size: int, num_tokens: int, sm_count: int) -> str:
+    """The kvc_scatter instance for a batch: the decode form, the long-rows form or neither."""
+    decode = decode_form(batch_size, num_tokens, sm_count)
+    return _loader.instance("kvc_scatter", decode, not decode and long_rows(batch_size, num_tokens))
+
+
 def scatter(batch, *, stream) -> None:
     bs = batch.batch_size
     pool = batch.pool_out
@@ -36,8 +42,7 @@ def scatter(batch, *, stream) -> None:
     sms = sm_count(device_id)
     num_tokens = int(batch.flat_in.shape[0])
     decode = decode_form(bs, num_tokens, sms)
-    long = not decode and long_rows(bs, num_tokens)
-    fn = kernel("scatter", _loader.instance("kvc_scatter", decode, long), device_id)
+    fn = kernel("scatter", scatter_instance(bs, num_tokens, sms), device_id)
     stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
     grid = max(1, min(bs, _BLOCKS_PER_SM * sms))
     args = (
