@@ -12,6 +12,7 @@ CuPy is imported lazily: the package imports without it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -137,7 +138,8 @@ def compile_specs() -> tuple[CompileSpec, ...]:
     )
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _key_locks
+_key_locks: dict = {}  # a lock a module: one source compiles once, different sources at once
 _modules: dict = {}
 
 
@@ -153,6 +155,8 @@ def _module(name: str, device_id: int):
     module = _modules.get(key)
     if module is None:
         with _lock:
+            key_lock = _key_locks.setdefault(key, threading.Lock())
+        with key_lock:
             module = _modules.get(key)
             if module is None:
                 with cupy.cuda.Device(device_id):
@@ -167,9 +171,12 @@ def _module(name: str, device_id: int):
 
 
 def load_all(device_id: int) -> None:
-    """Every source's module compiled (or loaded from CuPy's cache) for the device, its kernels loaded."""
-    for spec in _SPECS:
-        _module(spec.name, device_id)
+    """Every source's module compiled (or loaded from CuPy's cache) for the device, its kernels loaded.
+    The sources compile in threads of their own: NVRTC compiles programs concurrently, so a first
+    compile on a machine takes about as long as its largest source instead of all of them."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(_SPECS)) as pool:
+        for compiled in [pool.submit(_module, spec.name, device_id) for spec in _SPECS]:
+            compiled.result()
 
 
 _functions: dict = {}
