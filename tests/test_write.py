@@ -389,7 +389,7 @@ def test_cuda_decode_write_instance_is_compiled_for_every_context(mode, reads, m
     for vec16 in (True, False):
         monkeypatch.setattr(cuda_write, "vec16", lambda _buf, v=vec16: v)
         name = cuda_write.decode_instance(ctx)
-        assert name in _loader.SPECS["write"].kernels
+        assert name in _loader.SPECS["write_decode"].kernels
         assert name == _loader.instance("kvc_write_decode", vec16, hashed, short)
 
 

@@ -3,9 +3,9 @@
     python tools/ab_probe.py SOURCE DIR [case ...]
     (DIR from an earlier commit: git archive REV kvcanary_cupy/rawkernels | tar -x -C DIR --strip-components=2)
 
-SOURCE is plan, verify, write, scatter or step. Each case runs the op that launches it (for step,
-``kc.CanaryStep``) once with the kernels compiled from DIR and once with this tree's, and compares
-what both leave behind byte for byte: the canary, copy 0's plans and the scatter pool. Then the two,
+SOURCE is plan, verify, write, write_decode (a decode-shaped write), scatter or step. Each case runs
+the op that launches it (for step, ``kc.CanaryStep``) once with the kernels compiled from DIR and
+once with this tree's, and compares what both leave behind byte for byte: the canary, copy 0's plans and the scatter pool. Then the two,
 and an empty kernel, are timed as the benchmarks time ops (host head start, L2 evicted), replayed in
 shuffled rounds (``_probe.interleaved_cold``): drift falls on both alike and neither finds its code
 in an instruction cache from its own replay before. Median and interquartile range, us.
@@ -38,7 +38,7 @@ def launcher(source: str, state):
         state.__dict__.pop("_canary_steps", None)
         step = state.canary_step(0)
         return lambda: step.launch(stream=cupy.cuda.get_current_stream())
-    op = getattr(state, source)
+    op = getattr(state, "write" if source == "write_decode" else source)
     return lambda: op(0)
 
 

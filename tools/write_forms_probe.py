@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--lanes", type=int, nargs="+", default=[4, 8], help="group sizes to time")
     args = parser.parse_args()
-    spec = next(c for c in _loader.compile_specs() if c.name == "write")
+    spec = next(c for c in _loader.compile_specs() if c.name == "write_decode")
 
     def options(lanes: int) -> tuple[str, ...]:
         return tuple(f"-DKVC_WRITE_DECODE_LANES={lanes}" if o.startswith("-DKVC_WRITE_DECODE_LANES=") else o
@@ -57,7 +57,7 @@ def main() -> None:
             state = S.build_state(case, "cuda")
 
             def use(lanes) -> None:  # None: the warp-a-request form
-                modules.append(install_variant("write", spec.code, options(lanes or shipped_lanes)))
+                modules.append(install_variant("write_decode", spec.code, options(lanes or shipped_lanes)))
                 cuda_write.decode_form = (lambda *_, group=lanes is not None: group)
                 cuda_write._DECODE_LANES = lanes or shipped_lanes
 

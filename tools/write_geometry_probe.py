@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help="case names (default: the decode cases)")
     parser.add_argument("--threads", type=int, nargs="+", default=[32, 64, 128, 256])
     args = parser.parse_args()
-    spec = next(c for c in _loader.compile_specs() if c.name == "write")
+    spec = next(c for c in _loader.compile_specs() if c.name == "write_decode")
     shipped = cuda_write._DECODE_BLOCK
 
     def options(threads: int) -> tuple[str, ...]:
@@ -61,14 +61,14 @@ def main() -> None:
             state = S.build_state(case, "cuda")
 
             def use(threads: int, patch: tuple) -> None:
-                modules.append(install_variant("write", spec.code, options(threads), patch))
+                modules.append(install_variant("write_decode", spec.code, options(threads), patch))
                 cuda_write._DECODE_BLOCK = threads
 
             graphs, outputs = run_variants(timer, {label: (lambda t=threads, p=patch: use(t, p))
                                                    for label, threads, patch in variants},
                                            lambda st=state: (lambda: st.write(0)), lambda st=state: left_behind(st))
             cuda_write._DECODE_BLOCK = shipped
-            install_variant("write", spec.code, spec.options)
+            install_variant("write_decode", spec.code, spec.options)
             warm, cold = warm_and_cold(timer, graphs, rounds=80)
             first = variants[0][0]
             same = all(outputs[label] == outputs[first] for label in outputs)
@@ -77,7 +77,7 @@ def main() -> None:
             del state, graphs
     finally:
         cuda_write._DECODE_BLOCK = shipped
-        install_variant("write", spec.code, spec.options)
+        install_variant("write_decode", spec.code, spec.options)
 
 
 if __name__ == "__main__":

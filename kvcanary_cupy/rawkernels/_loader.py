@@ -29,7 +29,7 @@ RAWKERNEL_DIR = pathlib.Path(__file__).resolve().parent
 class KernelSpec:
     """One compilation unit: a ``.cu`` file and the kernels taken from it."""
 
-    name: str                              # "verify", "write", "plan", "scatter", "step"
+    name: str                              # "verify", "write", "write_decode", "plan", "scatter", "step"
     filename: str                          # the .cu file in RAWKERNEL_DIR
     name_expressions: tuple[str, ...]      # templates to instantiate (empty: extern "C" kernels)
     kernels: tuple[str, ...]               # names passed to get_function
@@ -55,11 +55,11 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
-_WRITE_KERNELS = (_instances("kvc_write", 3)  # vec16, paired, real-KV sources
-                  # vec16, real-KV sources, short reads (only with sources)
-                  + tuple(instance("kvc_write_decode", vec16, real_kv, short)
-                          for vec16 in (True, False)
-                          for real_kv, short in ((True, True), (True, False), (False, False))))
+_WRITE_KERNELS = _instances("kvc_write", 3)  # vec16, paired, real-KV sources
+# vec16, real-KV sources, short reads (only with sources)
+_WRITE_DECODE_KERNELS = tuple(instance("kvc_write_decode", vec16, real_kv, short)
+                              for vec16 in (True, False)
+                              for real_kv, short in ((True, True), (True, False), (False, False)))
 _STEP_KERNELS = _instances("kvc_step", 3)  # vec16, tail write, real-KV sources
 # decode-shaped, long rows (never both)
 _SCATTER_KERNELS = tuple(instance("kvc_scatter", *forms) for forms in ((True, False), (False, False), (False, True)))
@@ -77,8 +77,9 @@ _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
-               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32), ("KVC_WRITE_DECODE_THREADS", 128),
-                ("KVC_WRITE_DECODE_LANES", 8))),
+               (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
+    KernelSpec("write_decode", "write_decode.cu", _WRITE_DECODE_KERNELS, _WRITE_DECODE_KERNELS,
+               (("KVC_WRITE_DECODE_THREADS", 128), ("KVC_WRITE_DECODE_LANES", 8))),
     KernelSpec("plan", "plan.cu", _PLAN_KERNELS, _PLAN_KERNELS),
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
                (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),

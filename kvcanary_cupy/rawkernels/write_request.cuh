@@ -1,4 +1,4 @@
-// The write's inputs (SPEC 3.1) and how an entry's are requested, shared by the write kernel and
+// The write's inputs (SPEC 3.1) and how an entry's are requested, shared by the write kernels and
 // the step; and one request's write walked by a single thread, for batches whose requests write a
 // token or a few each (decode): a thread per request has nothing to hand to other lanes, and the
 // serial walk is the reference's order, entry by entry.
@@ -17,6 +17,26 @@ struct KvcWriteIn {
     KvcSources src;
     kvc_i64 tag;
 };
+
+// The parameters of both write kernels, kvc_write and kvc_write_decode (the launcher passes the same
+// arguments to either).
+#define KVC_WRITE_PARAMS                                                                           \
+    unsigned char *canary, kvc_i64 num_slots, kvc_i64 slot_stride,                                \
+        const kvc_i64 *__restrict__ offsets, const kvc_i64 *__restrict__ seed_slots,               \
+        const int *__restrict__ num_valid_reqs, kvc_i64 capacity,                                  \
+        const kvc_i64 *__restrict__ input_ids, const kvc_i64 *__restrict__ positions,              \
+        const kvc_i64 *__restrict__ out_cache_loc, const kvc_i64 *__restrict__ expected_tokens,    \
+        const kvc_i64 *__restrict__ expected_positions, kvc_i64 num_entries,                       \
+        const int *__restrict__ chain_position_assert, kvc_i64 *ring_rows, kvc_i64 ring_capacity,  \
+        int *ring_write_index, unsigned long long *slot_run_counter,                               \
+        unsigned long long *kernel_run_counter, const kvc_i64 *__restrict__ source_table,          \
+        kvc_i64 num_sources, kvc_i64 tag
+// The write's inputs from those parameters (with `ring` and `src` in scope).
+#define KVC_WRITE_IN_FROM_PARAMS                                                                   \
+    KvcWriteIn {                                                                                   \
+        input_ids, positions, out_cache_loc, expected_tokens, expected_positions, num_entries,     \
+            *chain_position_assert != 0, ring, src, tag                                            \
+    }
 
 // One new token's inputs, requested with kvc_ld_early where they are written so that they overlap
 // other work: the write kernel requests a chunk while it chains the one before; a decode write,

@@ -7,13 +7,13 @@ from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 32 * _loader.SPECS["write"].constant("KVC_WRITE_WARPS")
 _CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
-_DECODE_BLOCK = _loader.SPECS["write"].constant("KVC_WRITE_DECODE_THREADS")
-_DECODE_LANES = _loader.SPECS["write"].constant("KVC_WRITE_DECODE_LANES")
+_DECODE_BLOCK = _loader.SPECS["write_decode"].constant("KVC_WRITE_DECODE_THREADS")
+_DECODE_LANES = _loader.SPECS["write_decode"].constant("KVC_WRITE_DECODE_LANES")
 _SHORT_READ_BYTES = 32  # the head kvc_request_in_group requests: two 16-byte loads
 
 
 def decode_form(num_entries: int, capacity: int, real_kv: bool) -> bool:
-    """write.cu's kvc_write_decode (a thread a request, or with real-KV sources a group of
+    """write_decode.cu's kvc_write_decode (a thread a request, or with real-KV sources a group of
     KVC_WRITE_DECODE_LANES lanes reading its sources at once) for a decode-shaped batch: at most two
     new tokens a request on average, counted over the plan's capacity; with sources at most one. A
     group walks its request's entries one after another, each entry's sources a memory round trip,
@@ -91,7 +91,7 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     )
     if decode_form(int(entries[-1]), capacity, real_kv):
         grid = max(1, -(-capacity * decode_lanes(real_kv) // _DECODE_BLOCK))
-        return Launch(kernel("write", decode_instance(ctx), device_id), grid, _DECODE_BLOCK, args, packed=packed)
+        return Launch(kernel("write_decode", decode_instance(ctx), device_id), grid, _DECODE_BLOCK, args, packed=packed)
     name = _loader.instance("kvc_write", vec16(ctx.canary_buf), paired(int(entries[-1]), capacity), real_kv)
     fn = kernel("write", name, device_id)
     resident = resident_grid("write", name, device_id, _BLOCK)
