@@ -1,0 +1,107 @@
+"""How fast DRAM gives a verify's random sectors when they come in an engine's layout, on a GPU.
+
+    python tools/sector_layout_probe.py [--entries N] [--pool SLOTS] [--sources K]
+
+A hashed verify entry reads its canary slot and, for each of K real-KV sources, the same slot's row
+of that source: K + 1 random sectors an entry, the K source reads at one offset (slot x row bytes)
+in K separate buffers, as an engine's per-layer KV buffers are laid out. Minimal kernels, a thread
+an entry indexed by a random permutation (int32, as req_to_token), each folding what it reads so
+nothing is written but a word a warp, time (as the benchmarks do: host head start, L2 evicted,
+median) the same reads in four layouts:
+
+* ``one sector``: the canary slot only (the benchmarks' bare random-read ceiling, on this pool);
+* ``engine layout``: the canary slot and each source's row of the same slot;
+* ``sources apart``: the same count of reads, each source's row at a slot of its own (a bijection
+  of the entry's slot), so that no two reads of an entry share an offset;
+* ``one buffer``: K + 1 random sectors of the canary alone.
+
+Sectors a second against ``one sector``'s rate say whether the engine layout itself costs DRAM
+throughput (the verify cannot choose where the engine keeps its KV) or the verify's own work does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _probe import cold_timer  # noqa: E402
+from _shapes import rand_bytes, rand_perm  # noqa: E402
+
+_SOURCE = r"""
+#define MAX_SOURCES 8
+
+// layout 0: canary only; 1: engine layout; 2: sources apart; 3: every read from the canary
+extern "C" __global__ void sector_probe(const ulonglong2* __restrict__ canary,
+                                        const unsigned long long* __restrict__ source_rows, int nsrc,
+                                        long long row_words, const int* __restrict__ perm, long long n,
+                                        long long pool_mask, int layout, unsigned long long* __restrict__ out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long v = 0;
+    if (i < n) {
+        const long long s = perm[i];
+        ulonglong2 a = canary[2 * s], b = canary[2 * s + 1];
+        v = a.x ^ a.y ^ b.x ^ b.y;
+        if (layout > 0) {
+            #pragma unroll
+            for (int k = 0; k < MAX_SOURCES; ++k) {
+                if (k < nsrc) {
+                    // an odd multiplier mod a power of two: a bijection, so every slot is read once
+                    const long long t = layout == 1 ? s : ((s * (2 * k + 3) * 0x9E3779B1LL + k + 1) & pool_mask);
+                    const ulonglong2* p = layout == 3 ? canary + 2 * t
+                                                      : (const ulonglong2*)source_rows[k] + row_words * t;
+                    ulonglong2 c = p[0], d = p[1];
+                    v ^= c.x ^ c.y ^ d.x ^ d.y;
+                }
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) == 0 && i < n) out[i >> 5] = v;
+}
+"""
+
+LAYOUTS = ("one sector", "engine layout", "sources apart", "one buffer")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=1 << 20, help="entries (bs256 x 4096: 1M)")
+    parser.add_argument("--pool", type=int, default=1 << 22, help="slots, a power of two (the benchmarks' 4M)")
+    parser.add_argument("--sources", type=int, default=4)
+    parser.add_argument("--row-bytes", type=int, default=64, help="a source row's bytes (32 of them are read)")
+    args = parser.parse_args()
+    assert args.pool & (args.pool - 1) == 0 and 0 < args.sources <= 8 and args.row_bytes % 16 == 0
+    n, pool = args.entries, args.pool
+    timer = cold_timer()
+    kernel = cupy.RawModule(code=_SOURCE).get_function("sector_probe")
+    canary = rand_bytes(cupy, (pool, 32), 1)
+    sources = [rand_bytes(cupy, (pool, args.row_bytes), 10 + k) for k in range(args.sources)]
+    source_rows = cupy.asarray(np.array([s.data.ptr for s in sources], dtype=np.uint64))
+    perm = rand_perm(cupy, pool, 2)[:n].astype(cupy.int32)
+    out = cupy.empty((n + 31) // 32, dtype=cupy.uint64)
+    block = 256
+    grid = (n + block - 1) // block
+    print(f"{n} entries over {pool} slots, {args.sources} sources of {args.row_bytes}-byte rows; "
+          f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    base_rate = None
+    for layout, label in enumerate(LAYOUTS):
+        def launch(_, layout=layout):
+            kernel((grid,), (block,), (canary, source_rows, np.int32(args.sources),
+                                       np.int64(args.row_bytes // 16), perm, np.int64(n), np.int64(pool - 1),
+                                       np.int32(layout), out), stream=timer.stream)
+        t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
+        sectors = n * (1 if layout == 0 else 1 + args.sources)
+        rate = sectors / t.median_s
+        base_rate = base_rate or rate
+        print(f"  {label:14s} {t.median_s * 1e6:9.2f} us  {sectors / 1e6:6.2f} M sectors  {rate / 1e9:6.2f} G sectors/s"
+              f"  {100 * rate / base_rate:5.1f} % of one sector's", flush=True)
+
+
+if __name__ == "__main__":
+    main()
