@@ -71,34 +71,15 @@ def test_no_kernel_spills(spec, arch):
 
 
 def _probe_variants():
-    """The source variants the GPU probes time (tools/chain_probe.py, tools/decode_probe.py), as
-    (spec name, label, ((old, new), ...)), and the probes' own patching (tools/_probe.py: patched).
-    The probes import CuPy at the top; their tables need none, so a stand-in module is enough to
-    read them on a machine without it."""
-    import importlib
-    import pathlib
-    import sys
-    import types
+    """The source variants the GPU probes time (tools/chain_probe.py, tools/decode_probe.py,
+    tools/write_geometry_probe.py), as (spec name, label, ((old, new), ...)), and the probes' own
+    patching (tools/_probe.py: patched)."""
+    from _tools import import_tools
 
-    root = pathlib.Path(__file__).resolve().parents[1]
-    for path in (root / "tools", root / "benchmarks"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    stand_in = "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None
-    if stand_in:
-        sys.modules["cupy"] = types.ModuleType("cupy")
-    try:
-        chain = importlib.import_module("chain_probe")
-        decode = importlib.import_module("decode_probe")
-        probe = importlib.import_module("_probe")
-    finally:
-        if stand_in:
-            del sys.modules["cupy"]
-            from kvcanary_cupy._dlpack import cupy_module
-
-            cupy_module.cache_clear()  # in case anything asked for CuPy while the stand-in was there
+    chain, decode, geometry, probe = import_tools("chain_probe", "decode_probe", "write_geometry_probe", "_probe")
     variants = [("write", label, patch) for label, _, patch in chain.WRITE_PATCHES]
     variants.append(("write", "clock64 stamps", chain.clock_patch()))
+    variants.append(("write_decode", "stored slots counted once a block", geometry.BLOCK_COUNT_PATCH))
     variants += [("step", label, patch) for label, patch in decode.PATCHES]
     variants += [("step", f"cut: {label}", ((line, "return;\n" + line),)) for label, line in decode.CUTS if line]
     variants.append(("step", "globaltimer stamps", decode.stamp_patch()))
