@@ -5,6 +5,7 @@ enough where CuPy is not installed."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pathlib
 import sys
 import types
