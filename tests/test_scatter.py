@@ -188,13 +188,13 @@ def test_decode_form_is_picked_for_one_token_rows_of_up_to_four_requests_a_block
 def test_every_batch_shape_names_a_compiled_scatter_kernel():
     """The launcher's kernel for any batch (decode-shaped or not, short rows or long, few SMs or
     many) is one the scatter module compiles, and never both forms at once."""
-    from kvcanary_cupy.ops.backends._cuda.scatter import decode_form, long_rows, scatter_instance
+    from kvcanary_cupy.ops.backends._cuda.scatter import decode_form, long_rows, scatter_form
     from kvcanary_cupy.rawkernels import _loader
 
     for sms in (1, 16, 132):
         for bs in (1, 2, 31, 256, 4096, 5000):
             for num_tokens in (0, 1, bs, 2 * bs, 2 * bs + 1, 128 * bs, 4096 * bs):
-                name = scatter_instance(bs, num_tokens, sms)
-                assert name in _loader.SPECS["scatter"].kernels
-                decode = decode_form(bs, num_tokens, sms)
-                assert name == _loader.instance("kvc_scatter", decode, not decode and long_rows(bs, num_tokens))
+                decode, long = scatter_form(bs, num_tokens, sms)
+                assert _loader.instance("kvc_scatter", decode, long) in _loader.SPECS["scatter"].kernels
+                assert decode == decode_form(bs, num_tokens, sms)
+                assert long == (not decode and long_rows(bs, num_tokens))

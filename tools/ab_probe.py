@@ -5,10 +5,10 @@
 
 SOURCE is plan, verify, write, write_decode (a decode-shaped write), scatter or step. Each case runs
 the op that launches it (for step, ``kc.CanaryStep``) once with the kernels compiled from DIR and
-once with this tree's, and compares what both leave behind byte for byte: the canary, copy 0's plans and the scatter pool. Then the two,
-and an empty kernel, are timed as the benchmarks time ops (host head start, L2 evicted), replayed in
-shuffled rounds (``_probe.interleaved_cold``): drift falls on both alike and neither finds its code
-in an instruction cache from its own replay before. Median and interquartile range, us.
+once with this tree's, and compares what both leave behind byte for byte: the canary, copy 0's
+plans and the scatter pool. Then the two, and an empty kernel, are timed as the benchmarks time ops
+(host head start, L2 evicted), replayed in shuffled rounds (``_probe.interleaved_cold``): drift
+falls on both alike and neither finds its code in an instruction cache from its own replay before. Median and interquartile range, us.
 
 The launchers are this tree's: a change that also changed a launcher (a grid, an argument) needs
 that launcher's old form for a fair comparison.

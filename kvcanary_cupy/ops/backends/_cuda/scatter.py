@@ -26,10 +26,11 @@ def long_rows(batch_size: int, num_tokens: int) -> bool:
     return num_tokens >= 2 * _BLOCK * batch_size
 
 
-def scatter_instance(batch_size: int, num_tokens: int, sm_count: int) -> str:
-    """The kvc_scatter instance for a batch: the decode form, the long-rows form or neither."""
+def scatter_form(batch_size: int, num_tokens: int, sm_count: int) -> tuple[bool, bool]:
+    """kvc_scatter's (kDecode, kLongRows) for a batch: the decode form, the long-rows form or
+    neither, never both."""
     decode = decode_form(batch_size, num_tokens, sm_count)
-    return _loader.instance("kvc_scatter", decode, not decode and long_rows(batch_size, num_tokens))
+    return decode, not decode and long_rows(batch_size, num_tokens)
 
 
 def scatter(batch, *, stream) -> None:
@@ -41,8 +42,8 @@ def scatter(batch, *, stream) -> None:
     device_id = batch.device.index
     sms = sm_count(device_id)
     num_tokens = int(batch.flat_in.shape[0])
-    decode = decode_form(bs, num_tokens, sms)
-    fn = kernel("scatter", scatter_instance(bs, num_tokens, sms), device_id)
+    decode, long = scatter_form(bs, num_tokens, sms)
+    fn = kernel("scatter", _loader.instance("kvc_scatter", decode, long), device_id)
     stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
     grid = max(1, min(bs, _BLOCKS_PER_SM * sms))
     args = (
