@@ -105,12 +105,13 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
 
 @requires_gpu
 @pytest.mark.parametrize("bs, n, sources, launches", [
-    (1, 1, True, 1), (32, 64, True, 1), (32, 65, True, 2), (33, 33, True, 2), (256, 256, True, 2),
+    (1, 1, True, 1), (32, 64, True, 1), (32, 65, True, 2), (33, 33, True, 1), (256, 256, True, 1),
+    (512, 1024, True, 1), (513, 513, True, 2), (256, 513, True, 2),
     (33, 33, False, 1), (256, 256, False, 1), (512, 1024, False, 1), (513, 513, False, 2), (256, 513, False, 2),
     (1, 4096, False, 2)])
 def test_step_launch_count_on_gpu(bs, n, sources, launches):
-    """Decode batches (at most two new tokens a request on average) are one launch: up to 32 requests
-    always, up to a block's threads (512) without real-KV sources."""
+    """Decode batches (at most two new tokens a request on average) of up to a block's threads (512)
+    requests are one launch, with or without real-KV sources."""
     import cupy
 
     kw = {}
@@ -127,7 +128,8 @@ def test_step_launch_count_on_gpu(bs, n, sources, launches):
 
 
 @requires_gpu
-# one launch (the first warp of the last block writes), two, one (block 0 writes), two
+# one launch (the first warp of the last block writes), one (block 0 writes, hashing the sources
+# ahead), one (block 0 writes), two
 @pytest.mark.parametrize("bs, sources", [(8, True), (64, True), (64, False), (600, False)])
 def test_step_graph_replay_matches_eager(bs, sources):
     """A captured CanaryStep replayed after refilling its inputs in place equals eager launches."""

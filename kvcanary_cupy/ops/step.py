@@ -37,8 +37,7 @@ class CanaryStep:
     leave; a batch with more entries than ``verify_capacity`` skips its verify, as an overflowing plan
     does. On a GPU no verify plan is materialised: the kernel derives each entry from
     ``req_to_token`` where it checks it, and a decode batch (at most two new tokens per request on
-    average; at most 32 requests, or 512 in a context without real-KV sources) is one launch;
-    otherwise two.
+    average, at most 512 requests) is one launch; otherwise two.
 
     The arrays are bound here: refill them in place between launches, as for a captured CUDA graph.
     Call ``launch`` after the forward has written its KV, since the write fingerprints those bytes.
@@ -72,8 +71,8 @@ class CanaryStep:
 
     @property
     def num_launches(self) -> int:
-        """Kernel launches per step on this device (on a GPU, 1 for a decode batch of up to 32
-        requests, or up to 512 without real-KV sources; otherwise 2)."""
+        """Kernel launches per step on this device (on a GPU, 1 for a decode batch of up to 512
+        requests; otherwise 2)."""
         return len(self._launches)
 
     def launch(self, *, stream: Any = None) -> None:

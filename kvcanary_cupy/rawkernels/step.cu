@@ -16,10 +16,11 @@
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan (and verifies nothing, in a grid of several blocks).
-//   For decode batches of up to kThreads requests without real-KV sources (the host's
-//   plan_block_write) it then writes them too, a thread a request: it reads the plan it stored,
-//   the entries and the seeds' slots while the other blocks verify, waits until every one of them
-//   has published its completion, and stores. Otherwise the write kernel runs next.
+//   For decode batches of up to kThreads requests (the host's plan_block_write) it then writes
+//   them too, a thread a request: it reads the plan it stored, the entries, the seeds' slots and
+//   the new slots' real-KV bytes (hashed ahead, an entry a thread) while the other blocks verify,
+//   waits until every one of them has published its completion, and stores. Otherwise the write
+//   kernel runs next.
 // * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out,
 //   which a decode step with cold instruction caches feels as much as its memory round trips.
 #include "batch_plan.cuh"
@@ -41,6 +42,9 @@ constexpr int kTailMaxRequests = KVC_STEP_TAIL_MAX_REQUESTS;  // the host's tail
 // a decode batch of kThreads requests can have, even time-sliced with other work on the GPU.
 constexpr unsigned long long kWaitLimitNs = 1000000000ull;
 static_assert(kTailMaxRequests <= 32, "the tail write takes a request per lane of one warp");
+// The new tokens whose real-KV hash block 0 computes ahead: the host's plan_block_write sends at
+// most two a request, a request a thread.
+constexpr int kAheadEntries = 2 * kThreads;
 }
 
 // What the write plan needs of request r (pool row, prefix and extend lengths), requested early.
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     const kvc_i64* __restrict__ out_cache_loc, const kvc_i64* __restrict__ expected_tokens,
     const kvc_i64* __restrict__ expected_positions, kvc_i64 num_entries, kvc_i64 write_tag,
     unsigned int* blocks_done,
-    // not kTailWrite, without real-KV sources: block 0 writes (the host's plan_block_write)
+    // not kTailWrite: block 0 writes (the host's plan_block_write)
     kvc_i64 plan_block_writes) {
     __shared__ kvc_i64 s_warp[kWarps];
     __shared__ kvc_i64 s_start[kThreads];
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             kvc_whole_grid(), verify);
     } else if (plan_block_apart && blockIdx.x == 0) {
         for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
-        if (!kRealKv && plan_block_writes != 0) kvc_prefetch_write_entries(w);
+        if (plan_block_writes != 0) kvc_prefetch_write_entries(w);
     } else {
         const KvcEntryBlocks blocks =
             plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
@@ -204,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         }
         kvc_finish_write_plan<kThreads>(bs, carry_w, w_offsets, w_seeds, w_num_valid_reqs,
                                         w_capacity);
-        if (kRealKv || plan_block_writes == 0) return;
+        if (plan_block_writes == 0) return;
         if (blockIdx.x != 0) {
             // a verify block: its reads (and ring rows) are done before it says so
             __syncthreads();
@@ -217,6 +221,26 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         // slot too: verify writes no slot); it waits for every verify block before it stores
         // anything or records a row.
         __syncthreads();  // the write plan is stored
+        // With real-KV sources every entry's bytes are read and hashed now, an entry a thread,
+        // while the other blocks verify (no verify reads them). Hashed in the request walk below,
+        // with the seed and the first entry held across the wait, they spilled at 64 registers.
+        __shared__ kvc_u64 s_kv_hash[kRealKv ? kAheadEntries : 1];
+        __shared__ unsigned s_kv_oor[kRealKv ? kAheadEntries / 32 : 1];
+        const KvcAheadHashes ahead = {s_kv_hash, s_kv_oor, kvc_min64(num_entries, kAheadEntries)};
+        if (kRealKv) {
+#pragma unroll 1
+            for (int i = tid; i < kAheadEntries; i += kThreads) {
+                const kvc_i64 slot = i < num_entries ? out_cache_loc[i] : -1;
+                bool out_of_range = false;
+                kvc_u64 hash = 0;
+                if (slot >= 0 && slot < num_slots) {
+                    hash = kvc_real_kv_hash<1>(src, slot, &out_of_range);
+                }
+                s_kv_hash[i] = hash;
+                const unsigned oor_bits = __ballot_sync(KVC_FULL_MASK, out_of_range);
+                if ((tid & 31) == 0) s_kv_oor[i >> 5] = oor_bits;
+            }
+        }
         KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
         wl.chain_position_assert = *chain_position_assert != 0;
         const kvc_i64 rows = kvc_min64(bs, w_capacity);
@@ -239,7 +263,8 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         __syncthreads();
         unsigned long long stored = 0;
         if (tid < rows) {
-            stored = kvc_write_request<kVec16>(c, wl, begin, end, seed, first, true, &seed_words);
+            stored = kvc_write_request<kVec16>(c, wl, begin, end, seed, first, true, &seed_words,
+                                               nullptr, kRealKv ? &ahead : nullptr);
         }
         stored = kvc_warp_sum(stored);
         if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);

@@ -86,9 +86,21 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
     return e;
 }
 
+// The real_kv_hash of the write's entries 0 .. count - 1, computed ahead by a caller that has time
+// to spare before it may store (the step's block 0, while the other blocks verify): the hash of
+// entry i and its out-of-range flag, bit i % 32 of out_of_range[i / 32]. Entries past count have
+// none (the caller's bound keeps every entry below it).
+struct KvcAheadHashes {
+    const kvc_u64* hash;
+    const unsigned* out_of_range;
+    kvc_i64 count;
+};
+
 // Writes entries [begin, end) chained from seed; returns how many slots it stored. With
 // have_first, `first` holds entry begin's inputs, requested by the caller already; with
-// seed_words, the seed's slot as the caller read it (when the seed is in range).
+// seed_words, the seed's slot as the caller read it (when the seed is in range); with ahead
+// (kLanes 1 only), the entries' real_kv_hash as the caller computed them: the walk then reads no
+// source, and holds none of their reads' registers.
 // kLanes > 1: an aligned group of kLanes lanes walks the request together, each folding a share
 // of the real-KV sources (kvc_request_in_group and kvc_hash_in_group, with the lane's own_source);
 // the group's first lane records and stores. kShortReads: see kvc_hash_in_group.
@@ -96,7 +108,7 @@ template <bool kVec16, int kLanes = 1, bool kShortReads = false>
 __device__ __forceinline__ unsigned long long kvc_write_request(
     const KvcCanary& c, const KvcWriteIn& w, kvc_i64 begin, kvc_i64 end, kvc_i64 seed,
     const KvcWriteEntry& first, bool have_first, const KvcSlot* seed_words = nullptr,
-    const KvcSourceDesc* own_source = nullptr) {
+    const KvcSourceDesc* own_source = nullptr, const KvcAheadHashes* ahead = nullptr) {
     if (begin >= end) return 0;
     const bool has_expected = kvc_checks_expected(w);
     const bool leader = kLanes == 1 || (threadIdx.x & (kLanes - 1)) == 0;
@@ -150,7 +162,13 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
             start_chain();
         };
         if (kLanes == 1) {
-            if (hashed) h = kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor);
+            if (hashed && ahead != nullptr) {
+                const bool held = i < ahead->count;  // i >= 0: a listed entry
+                h = held ? ahead->hash[i] : 0ull;
+                kv_oor = held && ((ahead->out_of_range[i >> 5] >> (i & 31)) & 1u) != 0;
+            } else if (hashed) {
+                h = kvc_real_kv_hash_prefetched(w.src, slot, &kv_oor);
+            }
             if (link_after_sources && i == begin) link_seed_after_requests();
         } else {
             // the seed's link is made while the group's sources are read, not after their folds

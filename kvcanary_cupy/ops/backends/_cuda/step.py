@@ -1,7 +1,6 @@
 """The canary step on a CUDA device: one launch for decode batches (verify entries derived from the
 metadata, then the write: by the last block's first warp up to 32 requests; by block 0, which
-stores the write plan and waits for the verify blocks, a thread a request up to 512 without real-KV
-sources), otherwise the step kernel (verify and the write plan) followed by the write kernel."""
+stores the write plan and waits for the verify blocks, a thread a request up to 512), otherwise the step kernel (verify and the write plan) followed by the write kernel."""
 
 from __future__ import annotations
 
@@ -25,12 +24,12 @@ def tail_write(batch_size: int, num_entries: int) -> bool:
     return batch_size <= TAIL_MAX_REQUESTS and decode_shaped(batch_size, num_entries)
 
 
-def plan_block_write(batch_size: int, num_entries: int, real_kv: bool) -> bool:
+def plan_block_write(batch_size: int, num_entries: int) -> bool:
     """Past tail_write: the step kernel's block 0, which stores the write plan, also writes, a
     thread a request, once the other blocks have verified, instead of a second launch.
-    Decode-shaped, at most one request a thread of a block, and without real-KV sources (their
-    hashing does not fit the verify's register budget)."""
-    return not real_kv and decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
+    Decode-shaped and at most one request a thread of a block. With real-KV sources it reads and
+    hashes each request's first new slot while the other blocks verify."""
+    return decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
 
 
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
@@ -39,7 +38,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     bs = batch.batch_size
     real_kv = has_real_kv(ctx)
     tail = tail_write(bs, writes.num_entries)
-    plan_block = not tail and plan_block_write(bs, writes.num_entries, real_kv)
+    plan_block = not tail and plan_block_write(bs, writes.num_entries)
     name = _loader.instance("kvc_step", vec16(ctx.canary_buf), tail, real_kv)
     fn = kernel("step", name, device_id)
     # Entries live on the device; the grid is sized by what they can be at most (the grid-stride
