@@ -9,8 +9,8 @@ launcher rule: block 0 writes only without sources), this tree's kernel in two l
 change of code does to the verify alone) and this tree's one launch. Their outputs (canary, plans,
 pool) are compared byte for byte, then they and an empty kernel are timed interleaved, L2 evicted
 and code cold (``_probe.interleaved_cold``): median and interquartile range, us. The cases are
-e2e_decode_steady_hash, the real-KV steps that keep two launches (their kernel is the same instance)
-and decode shapes where block 0's path is long against the verify's (short prefixes, 512 requests).
+e2e_decode_steady_hash, the real-KV steps that keep two launches (their kernel is the same
+instance) and decode shapes where block 0's path is long against the verify's (short prefixes, 512 requests).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ CASES = (
     S.Case("bs256_ext2_4src", 256, 4096, 2, sources=S.Sources(4, 64, 32), hash_mode=_A),
     S.BY_NAME["small_extend_batch_hash"],
     S.BY_NAME["e2e_prefill_chunk_hash"],
+    S.BY_NAME["verify_16m"],
 )
 
 

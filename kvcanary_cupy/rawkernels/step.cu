@@ -127,6 +127,9 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     __shared__ kvc_i64 s_rp[kThreads];
     __shared__ kvc_i64 s_pos0[kThreads];
     __shared__ bool s_last;
+    // the new slots' real-KV hashes, computed ahead by block 0 (plan_block_writes)
+    __shared__ kvc_u64 s_kv_hash[kRealKv ? kAheadEntries : 1];
+    __shared__ unsigned s_kv_oor[kRealKv ? kAheadEntries / 32 : 1];
 
     const KvcPlanIn in = KVC_PLAN_IN_FROM_PARAMS;
     const KvcEntryTile entries = {s_start, s_rp, s_pos0};
@@ -186,6 +189,24 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     } else if (plan_block_apart && blockIdx.x == 0) {
         for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
         if (plan_block_writes != 0) kvc_prefetch_write_entries(w);
+        // With real-KV sources every new slot's bytes are read and hashed now, an entry a thread,
+        // while the other blocks verify (no verify reads them). Hashed in the request walk of the
+        // write below, with the seed and the first entry held across the wait, they spilled at 64
+        // registers.
+        if (kRealKv && plan_block_writes != 0) {
+#pragma unroll 1
+            for (int i = tid; i < kAheadEntries; i += kThreads) {
+                const kvc_i64 slot = i < num_entries ? out_cache_loc[i] : -1;
+                bool out_of_range = false;
+                kvc_u64 hash = 0;
+                if (slot >= 0 && slot < num_slots) {
+                    hash = kvc_real_kv_hash<1>(src, slot, &out_of_range);
+                }
+                s_kv_hash[i] = hash;
+                const unsigned oor_bits = __ballot_sync(KVC_FULL_MASK, out_of_range);
+                if ((tid & 31) == 0) s_kv_oor[i >> 5] = oor_bits;
+            }
+        }
     } else {
         const KvcEntryBlocks blocks =
             plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
@@ -220,27 +241,8 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         // plan this block stored. What it reads is read while the other blocks verify (the seed's
         // slot too: verify writes no slot); it waits for every verify block before it stores
         // anything or records a row.
-        __syncthreads();  // the write plan is stored
-        // With real-KV sources every entry's bytes are read and hashed now, an entry a thread,
-        // while the other blocks verify (no verify reads them). Hashed in the request walk below,
-        // with the seed and the first entry held across the wait, they spilled at 64 registers.
-        __shared__ kvc_u64 s_kv_hash[kRealKv ? kAheadEntries : 1];
-        __shared__ unsigned s_kv_oor[kRealKv ? kAheadEntries / 32 : 1];
+        __syncthreads();  // the write plan is stored (and the hashes ahead)
         const KvcAheadHashes ahead = {s_kv_hash, s_kv_oor, kvc_min64(num_entries, kAheadEntries)};
-        if (kRealKv) {
-#pragma unroll 1
-            for (int i = tid; i < kAheadEntries; i += kThreads) {
-                const kvc_i64 slot = i < num_entries ? out_cache_loc[i] : -1;
-                bool out_of_range = false;
-                kvc_u64 hash = 0;
-                if (slot >= 0 && slot < num_slots) {
-                    hash = kvc_real_kv_hash<1>(src, slot, &out_of_range);
-                }
-                s_kv_hash[i] = hash;
-                const unsigned oor_bits = __ballot_sync(KVC_FULL_MASK, out_of_range);
-                if ((tid & 31) == 0) s_kv_oor[i >> 5] = oor_bits;
-            }
-        }
         KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
         wl.chain_position_assert = *chain_position_assert != 0;
         const kvc_i64 rows = kvc_min64(bs, w_capacity);
