@@ -10,7 +10,8 @@ change of code does to the verify alone) and this tree's one launch. Their outpu
 pool) are compared byte for byte, then they and an empty kernel are timed interleaved, L2 evicted
 and code cold (``_probe.interleaved_cold``): median and interquartile range, us. The cases are
 e2e_decode_steady_hash, the real-KV steps that keep two launches (their kernel is the same
-instance) and decode shapes where block 0's path is long against the verify's (short prefixes, 512 requests).
+instance) and decode shapes where block 0's path is long against the verify's (short prefixes, 512 requests,
+long reads and many sources).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ CASES = (
     S.Case("bs64_prefix128_4src", 64, 128, sources=S.Sources(4, 64, 32), hash_mode=_A),
     S.Case("bs512_prefix1024_4src", 512, 1024, sources=S.Sources(4, 64, 32), hash_mode=_A),
     S.Case("bs256_ext2_4src", 256, 4096, 2, sources=S.Sources(4, 64, 32), hash_mode=_A),
+    # block 0 hashes its entries a thread each, source after source: the longest per-thread hashing
+    # against little verify work
+    S.Case("bs512_prefix16_1src576", 512, 16, sources=S.Sources(1, 576, 576), hash_mode=_A),
+    S.Case("bs512_prefix128_2src256", 512, 128, sources=S.Sources(2, 256, 256), hash_mode=_A),
+    S.Case("bs256_prefix64_9src", 256, 64, sources=S.Sources(9, 64, 64), hash_mode=_A),
     S.BY_NAME["small_extend_batch_hash"],
     S.BY_NAME["e2e_prefill_chunk_hash"],
     S.BY_NAME["verify_16m"],
