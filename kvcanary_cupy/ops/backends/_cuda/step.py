@@ -27,8 +27,9 @@ def tail_write(batch_size: int, num_entries: int) -> bool:
 def plan_block_write(batch_size: int, num_entries: int) -> bool:
     """Past tail_write: the step kernel's block 0, which stores the write plan, also writes, a
     thread a request, once the other blocks have verified, instead of a second launch.
-    Decode-shaped and at most one request a thread of a block. With real-KV sources it reads and
-    hashes each request's first new slot while the other blocks verify."""
+    Decode-shaped and at most one request a thread of a block, so at most two entries a thread:
+    with real-KV sources block 0 hashes that many new slots ahead (the kernel's kAheadEntries)
+    while the other blocks verify."""
     return decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
 
 
