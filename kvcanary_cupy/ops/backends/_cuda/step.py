@@ -1,6 +1,7 @@
 """The canary step on a CUDA device: one launch for decode batches (verify entries derived from the
 metadata, then the write: by the last block's first warp up to 32 requests; by block 0, which
-stores the write plan and waits for the verify blocks, a thread a request up to 512), otherwise the step kernel (verify and the write plan) followed by the write kernel."""
+stores the write plan and waits for the verify blocks, a thread a request up to 512), otherwise
+the step kernel (verify and the write plan) followed by the write kernel."""
 
 from __future__ import annotations
 
