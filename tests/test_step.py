@@ -103,6 +103,56 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
     assert tuple(int(to_numpy(c)[0]) for c in (ctx.slot_run_counter, ctx.kernel_run_counter)) == (3, 2)
 
 
+def _seed_slots(case: dict) -> set:
+    """The slots the case's requests chain their new tokens from (through the LUT when there is one)."""
+    table, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
+    seeds = set()
+    for rp, p in zip(case["req_pool_indices"].tolist(), case["prefix_lens"].tolist()):
+        if 0 < rp < table.shape[0] and 0 < p <= table.shape[1]:
+            cell = int(table[rp, p - 1])
+            seeds.add(int(lut[cell]) if lut is not None and 0 <= cell < len(lut) else cell)
+    return seeds
+
+
+def _block_zero_case(rng: np.random.Generator) -> dict:
+    """A step case that the GPU runs as one launch whose block 0 hashes the new slots' real-KV bytes
+    ahead (33 to 512 requests, decode-shaped, real-KV sources), with its first source a few rows
+    short and some new tokens written into the slots past its rows (their hash flags out of range)."""
+    while True:
+        case = F.make_step_case(rng, 2000)
+        bs, n = len(case["req_pool_indices"]), len(case["input_ids"])
+        pool = case["pool"]
+        if not (32 < bs <= 512 and 0 < n <= 2 * bs and pool["sources"] and pool["hash_mode"] != 0):
+            continue
+        src = pool["sources"][0]
+        rows = max(1, pool["num_slots"] // src["page_size"] - 3)
+        src["data"] = src["data"][:rows]
+        taken = set(case["out_cache_loc"].tolist()) | _seed_slots(case)  # a GPU write of those races
+        past = [s for s in range(rows * src["page_size"], pool["num_slots"]) if s not in taken]
+        live = np.flatnonzero(case["out_cache_loc"] >= 0)
+        for i, slot in zip(rng.permutation(live)[:3], past):
+            case["out_cache_loc"][i] = slot
+        return case
+
+
+@requires_gpu
+def test_step_block_zero_write_with_sources_equals_plan_verify_write():
+    """Decode batches past 32 requests with real-KV sources: one launch, whose block 0 hashes every
+    new slot ahead while the other blocks verify, equal to plan + verify + write on the CPU, slots
+    past a source's rows included."""
+    rng = np.random.default_rng(2026)
+    for i in range(40):
+        case = _block_zero_case(rng)
+        arrays = {k: (None if case[k] is None else to_device(case[k], "cuda")) for k in F.STEP_ARRAYS}
+        ctx = F.build_context(case["pool"], "cuda")
+        assert kc.CanaryStep(ctx, **arrays, **{k: case[k] for k in F.STEP_SETTINGS}).num_launches == 1
+        fused = F.run_step(case, "cuda")
+        unfused = F.run_step_unfused(case, "cpu")
+        if unfused["write_index"] > unfused["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
+        assert F.compare("step", case, unfused, fused) == [], f"case {i}"
+
+
 @requires_gpu
 @pytest.mark.parametrize("bs, n, sources, launches", [
     (1, 1, True, 1), (32, 64, True, 1), (32, 65, True, 2), (33, 33, True, 1), (256, 256, True, 1),
