@@ -5,7 +5,8 @@
 16M plan entries as verify_16m's plan makes them: 4096 requests of 4096 positions, each request's
 slots a row of a random permutation read from a randomly ordered pool row (64 MiB of int32 read),
 four int64 arrays written (512 MiB). Every kernel computes the same four values (slot, -1, position,
-predecessor slot); what differs is how entries are laid over threads and blocks. Medians of 20
+predecessor slot); what differs is how entries are laid over threads and blocks, and how they are
+stored (the streaming hint, 16-byte pairs). Medians of 20
 launches between CUDA events, us. The plan kernel's own launch is the grid-stride loop with one
 1024-thread block an SM; ``benchmarks/_ceilings.py``'s plan-shaped stream is an entry a thread.
 """
@@ -46,6 +47,36 @@ extern "C" __global__ void chunk_a_block(const int* __restrict__ rtt, const i64*
     const i64 lo = per * blockIdx.x, hi = min(n, lo + per);
     for (i64 k = lo + threadIdx.x; k < hi; k += blockDim.x) entry(rtt, rows, k, a, b, c, d, with_prev);
 }
+// the same values stored with the evict-first (streaming) hint: a plan's rows are not read again by
+// the kernel that writes them
+__device__ __forceinline__ void entry_cs(const int* __restrict__ rtt, const i64* __restrict__ rows, i64 k, i64* slot,
+                                         i64* token, i64* position, i64* prev) {
+    const i64 r = k >> 12, pos = k & 4095;
+    const int* p = rtt + rows[r] * 4096 + pos;
+    __stcs(slot + k, (i64)p[0]);
+    __stcs(token + k, -1ll);
+    __stcs(position + k, pos);
+    __stcs(prev + k, pos > 0 ? (i64)p[-1] : -1ll);
+}
+extern "C" __global__ void grid_stride_cs(const int* __restrict__ rtt, const i64* __restrict__ rows, i64 n, i64* a,
+                                          i64* b, i64* c, i64* d, int) {
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x)
+        entry_cs(rtt, rows, k, a, b, c, d);
+}
+// two consecutive entries of one request a thread, each array's pair stored as one 16-byte vector
+extern "C" __global__ void grid_stride_pairs(const int* __restrict__ rtt, const i64* __restrict__ rows, i64 n,
+                                             i64* a, i64* b, i64* c, i64* d, int) {
+    for (i64 h = (i64)blockIdx.x * blockDim.x + threadIdx.x; 2 * h < n; h += (i64)gridDim.x * blockDim.x) {
+        const i64 k = 2 * h, r = k >> 12, pos = k & 4095;
+        const int* p = rtt + rows[r] * 4096 + pos;
+        const int2 v = *reinterpret_cast<const int2*>(p);
+        const i64 before = pos > 0 ? (i64)p[-1] : -1ll;
+        reinterpret_cast<longlong2*>(a)[h] = make_longlong2(v.x, v.y);
+        reinterpret_cast<longlong2*>(b)[h] = make_longlong2(-1, -1);
+        reinterpret_cast<longlong2*>(c)[h] = make_longlong2(pos, pos + 1);
+        reinterpret_cast<longlong2*>(d)[h] = make_longlong2(before, v.x);
+    }
+}
 extern "C" __global__ void stores_only(const int* __restrict__ rtt, const i64* __restrict__ rows, i64 n, i64* a,
                                        i64* b, i64* c, i64* d, int with_prev) {
     for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x) {
@@ -85,6 +116,11 @@ def main() -> None:
         "an entry a thread, blocks of 128": kernel("grid_stride", ENTRIES // 128, 128),
         "an entry a thread, blocks of 256": kernel("grid_stride", ENTRIES // 256, 256),
         "an entry a thread, blocks of 1024": kernel("grid_stride", ENTRIES // 1024, 1024),
+        "grid-stride, 1 x 1024 an SM, streaming stores": kernel("grid_stride_cs", sms, 1024),
+        "grid-stride, 2 x 1024 an SM, streaming stores": kernel("grid_stride_cs", 2 * sms, 1024),
+        "an entry a thread, blocks of 256, streaming stores": kernel("grid_stride_cs", ENTRIES // 256, 256),
+        "grid-stride, 2 x 1024 an SM, 2 entries a thread": kernel("grid_stride_pairs", 2 * sms, 1024),
+        "2 entries a thread, blocks of 256": kernel("grid_stride_pairs", ENTRIES // 512, 256),
         "a contiguous chunk a block, 1 x 1024 an SM": kernel("chunk_a_block", sms, 1024),
         "a contiguous chunk a block, 2 x 1024 an SM": kernel("chunk_a_block", 2 * sms, 1024),
         "CuPy elementwise kernel, contiguous read": lambda: elementwise(flat, *outs),
