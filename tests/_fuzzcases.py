@@ -9,6 +9,7 @@ indices. ``run_*`` executes a case on a device and returns every output as host 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import numpy as np
 
@@ -366,6 +367,23 @@ def run_scatter(case: dict, device: str) -> dict:
 # --- step ----------------------------------------------------------------------------------------
 
 
+def through_lut(lut: Optional[np.ndarray], slot: int) -> int:
+    """A req_to_token cell as plan resolves it: through the LUT when there is one (negative cells
+    pass; cells past the LUT are unresolved)."""
+    if lut is None or slot < 0:
+        return int(slot)
+    return int(lut[slot]) if slot < len(lut) else UNRESOLVED
+
+
+def seed_slots(pool_rows: np.ndarray, prefix: np.ndarray, req_to_token: np.ndarray,
+               lut: Optional[np.ndarray]) -> set:
+    """The slots a step's requests chain their new tokens from: a GPU write into one of them races
+    with the request that reads it as its seed."""
+    rows, width = req_to_token.shape
+    return {through_lut(lut, int(req_to_token[rp, p - 1])) for rp, p in zip(pool_rows, prefix)
+            if 0 < rp < rows and 0 < p <= width}
+
+
 def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     """An engine batch with chained prefixes (some corrupted) and new tokens, decode-shaped more often
     than not; hostile corners as in the plan and write cases. New tokens never write a seed slot and
@@ -396,9 +414,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
         lut = lut[: num_slots - int(rng.integers(0, 3))]
 
     def tr(slot: int) -> int:
-        if lut is None or slot < 0:
-            return int(slot)
-        return int(lut[slot]) if slot < len(lut) else UNRESOLVED
+        return through_lut(lut, slot)
 
     # chain every live prefix on the CPU, so most verify entries start out consistent
     ctx = build_context(pool, "cpu")
@@ -417,8 +433,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     prefix[rng.random(bs) < 0.01] = width + 5            # past the table's width
     prefix[rng.random(bs) < 0.01] = -3
 
-    seeds = {tr(int(req_to_token[rp, p - 1])) for rp, p in zip(pool_rows, prefix)
-             if 0 < rp < rows and 0 < p <= width}
+    seeds = seed_slots(pool_rows, prefix, req_to_token, lut)
     ids, positions, locs = [], [], []
     for r in range(bs):
         rp, p, e = int(pool_rows[r]), int(prefix[r]), int(extend[r])

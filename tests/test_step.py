@@ -103,17 +103,6 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
     assert tuple(int(to_numpy(c)[0]) for c in (ctx.slot_run_counter, ctx.kernel_run_counter)) == (3, 2)
 
 
-def _seed_slots(case: dict) -> set:
-    """The slots the case's requests chain their new tokens from (through the LUT when there is one)."""
-    table, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
-    seeds = set()
-    for rp, p in zip(case["req_pool_indices"].tolist(), case["prefix_lens"].tolist()):
-        if 0 < rp < table.shape[0] and 0 < p <= table.shape[1]:
-            cell = int(table[rp, p - 1])
-            seeds.add(int(lut[cell]) if lut is not None and 0 <= cell < len(lut) else cell)
-    return seeds
-
-
 def _block_zero_case(rng: np.random.Generator) -> dict:
     """A step case that the GPU runs as one launch whose block 0 hashes the new slots' real-KV bytes
     ahead (33 to 512 requests, decode-shaped, real-KV sources), with its first source a few rows
@@ -127,7 +116,8 @@ def _block_zero_case(rng: np.random.Generator) -> dict:
         src = pool["sources"][0]
         rows = max(1, pool["num_slots"] // src["page_size"] - 3)
         src["data"] = src["data"][:rows]
-        taken = set(case["out_cache_loc"].tolist()) | _seed_slots(case)  # a GPU write of those races
+        taken = set(case["out_cache_loc"].tolist()) | F.seed_slots(
+            case["req_pool_indices"], case["prefix_lens"], case["req_to_token"], case["full_to_swa_index_mapping"])
         past = [s for s in range(rows * src["page_size"], pool["num_slots"]) if s not in taken]
         live = np.flatnonzero(case["out_cache_loc"] >= 0)
         for i, slot in zip(rng.permutation(live)[:3], past):

@@ -19,13 +19,12 @@ from __future__ import annotations
 import pathlib
 import sys
 
-import cupy
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _shapes as S  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
 from _probe import cold_timer, interleaved_cold, left_behind, median_iqr, run_variants, use_sources  # noqa: E402
+from ab_probe import launcher  # noqa: E402
 from kvcanary_cupy.ops.backends._cuda import step as cuda_step  # noqa: E402
 from kvcanary_cupy.rawkernels import _loader  # noqa: E402
 
@@ -76,12 +75,8 @@ def main() -> None:
                 "this tree, one launch": variant(_loader.RAWKERNEL_DIR, shipped_rule),
             }
 
-            def launch_of():
-                state.__dict__.pop("_canary_steps", None)
-                step = state.canary_step(0)
-                return lambda: step.launch(stream=cupy.cuda.get_current_stream())
-
-            graphs, outputs = run_variants(timer, variants, launch_of, lambda: left_behind(state))
+            graphs, outputs = run_variants(timer, variants, lambda: launcher("step", state),
+                                           lambda: left_behind(state))
             times = interleaved_cold(timer, graphs)
             assert state.violations() == 0
             same = len(set(outputs.values())) == 1
