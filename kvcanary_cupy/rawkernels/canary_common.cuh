@@ -432,12 +432,17 @@ __device__ __forceinline__ kvc_u64 kvc_fold(const unsigned char* p, kvc_i64 nbyt
     return kvc_fold_from<kBatch>(0ull, p, nbytes);
 }
 
-// Whether slot (>= 0) maps past a source's rows: row = slot / page >= rows  <=>  slot >= rows *
-// page (page >= 1; rows * page is bounded by the source's size in bytes, so it cannot overflow).
-// A bad page reads as out of range.
+// Whether slot (>= 0) maps past a source's rows, for a page already known to be >= 1: row = slot /
+// page >= rows  <=>  slot >= rows * page (rows * page is bounded by the source's size in bytes, so
+// it cannot overflow).
+__device__ __forceinline__ bool kvc_source_row_past_end(kvc_i64 rows, kvc_i64 page, kvc_i64 slot) {
+    return rows < 0 || slot >= rows * page;
+}
+
+// kvc_source_row_past_end for any page: a bad one reads as out of range.
 __device__ __forceinline__ bool kvc_source_row_out_of_range(kvc_i64 rows, kvc_i64 page,
                                                             kvc_i64 slot) {
-    return page < 1 || rows < 0 || slot >= rows * page;
+    return page < 1 || kvc_source_row_past_end(rows, page, slot);
 }
 
 // True when slot (>= 0) maps to a row past some source's rows; no data is read.
@@ -493,7 +498,7 @@ __device__ __forceinline__ const unsigned char* kvc_source_row_bytes(const KvcSo
                                                                      kvc_i64 slot) {
     const bool power_of_two = d.page >= 1 && (d.page & (d.page - 1)) == 0;
     if (!power_of_two) return kvc_source_row_bytes_divided(d, slot);
-    if (d.rows < 0 || slot >= d.rows * d.page) return nullptr;
+    if (kvc_source_row_past_end(d.rows, d.page, slot)) return nullptr;
     const int shift = __ffsll(d.page) - 1;
     return reinterpret_cast<const unsigned char*>(d.base) + (slot >> shift) * d.stride +
            (slot & (d.page - 1)) * d.bytes_per_token;
