@@ -15,6 +15,11 @@ median) the same reads in four layouts:
   of the entry's slot), so that no two reads of an entry share an offset;
 * ``one buffer``: K + 1 random sectors of the canary alone.
 
+``--orders`` repeats the layouts with the same slots sorted, or sorted by bucket of slots, as a
+verify that sorted its entries first would read them: whether DRAM gives sectors faster when nearby
+slots come together, and what the sort costs. ``--l2-fetch`` sets the device's L2 fetch
+granularity hint (how much L2 asks DRAM for on a miss) before anything runs.
+
 Sectors a second against ``one sector``'s rate say whether the engine layout itself costs DRAM
 throughput (the verify cannot choose where the engine keeps its KV) or the verify's own work does.
 """
@@ -75,7 +80,15 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=1 << 22, help="slots, a power of two (the benchmarks' 4M)")
     parser.add_argument("--sources", type=int, default=4)
     parser.add_argument("--row-bytes", type=int, default=64, help="a source row's bytes (32 of them are read)")
+    parser.add_argument("--orders", default="random",
+                        help="comma-separated entry orders: random (as an engine's slots come), sorted (by "
+                             "slot), or bucketN (by slot >> N, random within a bucket)")
+    parser.add_argument("--l2-fetch", type=int, default=None,
+                        help="set the device's L2 fetch granularity hint first "
+                             "(cudaLimitMaxL2FetchGranularity, bytes; 64 by default)")
     args = parser.parse_args()
+    if args.l2_fetch is not None:
+        cupy.cuda.runtime.deviceSetLimit(5, args.l2_fetch)  # cudaLimitMaxL2FetchGranularity
     assert args.pool & (args.pool - 1) == 0 and 0 < args.sources <= 8 and args.row_bytes % 16 == 0
     n, pool = args.entries, args.pool
     timer = cold_timer()
@@ -83,25 +96,45 @@ def main() -> None:
     canary = rand_bytes(cupy, (pool, 32), 1)
     sources = [rand_bytes(cupy, (pool, args.row_bytes), 10 + k) for k in range(args.sources)]
     source_rows = cupy.asarray(np.array([s.data.ptr for s in sources], dtype=np.uint64))
-    perm = rand_perm(cupy, pool, 2)[:n].astype(cupy.int32)
+    random_slots = rand_perm(cupy, pool, 2)[:n].astype(cupy.int32)
     out = cupy.empty((n + 31) // 32, dtype=cupy.uint64)
     block = 256
     grid = (n + block - 1) // block
     print(f"{n} entries over {pool} slots, {args.sources} sources of {args.row_bytes}-byte rows; "
-          f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+          f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; L2 fetch granularity hint "
+          f"{cupy.cuda.runtime.deviceGetLimit(5)} B")
     base_rate = None
-    for layout, label in enumerate(LAYOUTS):
-        def launch(_, layout=layout):
-            kernel((grid,), (block,), (canary, source_rows, np.int32(args.sources),
-                                       np.int64(args.row_bytes // 16), perm, np.int64(n), np.int64(pool - 1),
-                                       np.int32(layout), out), stream=timer.stream)
-        t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
-        sectors = n * (1 if layout == 0 else 1 + args.sources)
-        rate = sectors / t.median_s
-        base_rate = base_rate or rate
-        print(f"  {label:14s} {t.median_s * 1e6:9.2f} us  {sectors / 1e6:6.2f} M sectors  {rate / 1e9:6.2f} G sectors/s"
-              f"  {100 * rate / base_rate:5.1f} % of one sector's", flush=True)
+    for order in args.orders.split(","):
+        perm = _ordered(random_slots, order)
+        print(f" entries in {order} order")
+        for layout, label in enumerate(LAYOUTS):
+            def launch(_, layout=layout):
+                kernel((grid,), (block,), (canary, source_rows, np.int32(args.sources),
+                                           np.int64(args.row_bytes // 16), perm, np.int64(n), np.int64(pool - 1),
+                                           np.int32(layout), out), stream=timer.stream)
+            t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
+            sectors = n * (1 if layout == 0 else 1 + args.sources)
+            rate = sectors / t.median_s
+            base_rate = base_rate or rate
+            print(f"  {label:14s} {t.median_s * 1e6:9.2f} us  {sectors / 1e6:6.2f} M sectors  "
+                  f"{rate / 1e9:6.2f} G sectors/s  {100 * rate / base_rate:5.1f} % of random order's one sector",
+                  flush=True)
+        if order != "random":
+            def put_in_order(_):
+                with timer.stream:
+                    _ordered(random_slots, order)
+            t = timer.eager(put_in_order, 1, warmup=3, reps=30, cold=True)
+            print(f"  putting {n} slots in this order with cupy.argsort: {t.median_s * 1e6:9.2f} us", flush=True)
 
+
+def _ordered(slots, order: str):
+    """``slots`` in ``order``: random (as given), sorted, or bucketN (sorted by slot >> N only)."""
+    if order == "random":
+        return slots
+    if order == "sorted":
+        return cupy.sort(slots)
+    shift = int(order.removeprefix("bucket"))
+    return slots[cupy.argsort(slots >> shift)]
 
 if __name__ == "__main__":
     main()
