@@ -16,11 +16,11 @@
 //   and the entry each request writes in a decode batch are requested when the kernel starts, and
 //   the launch's counters take one atomic each.
 // * Otherwise block 0 stores the write plan (and verifies nothing, in a grid of several blocks).
-//   For decode batches of up to kAheadEntries requests and new tokens (the host's
-//   plan_block_write) it then writes them too, a thread a request (two past kThreads): it reads
-//   the plan it stored, the entries, the seeds' slots and the new slots' real-KV bytes (hashed
-//   ahead, an entry a thread) while the other blocks verify, waits until every one of them has
-//   published its completion, and stores. Otherwise the write kernel runs next.
+//   For decode batches of up to kThreads requests (the host's plan_block_write) it then writes
+//   them too, a thread a request: it reads the plan it stored, the entries, the seeds' slots and
+//   the new slots' real-KV bytes (hashed ahead, an entry a thread) while the other blocks verify,
+//   waits until every one of them has published its completion, and stores. Otherwise the write
+//   kernel runs next.
 // * kRealKv, as in the write kernel: without real-KV sources the hashing code is compiled out,
 //   which a decode step with cold instruction caches feels as much as its memory round trips.
 #include "batch_plan.cuh"
@@ -42,9 +42,8 @@ constexpr int kTailMaxRequests = KVC_STEP_TAIL_MAX_REQUESTS;  // the host's tail
 // a decode batch of kThreads requests can have, even time-sliced with other work on the GPU.
 constexpr unsigned long long kWaitLimitNs = 1000000000ull;
 static_assert(kTailMaxRequests <= 32, "the tail write takes a request per lane of one warp");
-// The new tokens whose real-KV hash block 0 computes ahead, and the requests it writes: the host's
-// plan_block_write sends at most this many of each (two tokens a request up to kThreads requests,
-// one a request past that).
+// The new tokens whose real-KV hash block 0 computes ahead: the host's plan_block_write sends at
+// most two a request, a request a thread.
 constexpr int kAheadEntries = 2 * kThreads;
 }
 
@@ -237,13 +236,11 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             if (tid == 0) kvc_release_add(blocks_done, 1u);
             return;
         }
-        // ---- write of a decode batch of up to kAheadEntries requests, by block 0 -------------
-        // A thread a request, and a second one (tid + kThreads) past kThreads requests (the host's
-        // plan_block_write), from the write plan this block stored. What the first request reads
-        // is read while the other blocks verify (the seed's slot too: verify writes no slot); the
-        // second's seed slot is asked of L2 then, and read after the wait, as its plan row and
-        // entries are (held across the wait too, they would take registers from the verify's
-        // budget). It waits for every verify block before it stores anything or records a row.
+        // ---- write of a decode batch of up to kThreads requests, by block 0 ------------------
+        // A thread a request (the host's plan_block_write takes at most kThreads), from the write
+        // plan this block stored. What it reads is read while the other blocks verify (the seed's
+        // slot too: verify writes no slot); it waits for every verify block before it stores
+        // anything or records a row.
         __syncthreads();  // the write plan is stored (and the hashes ahead)
         const KvcAheadHashes ahead = {s_kv_hash, s_kv_oor, kvc_min64(num_entries, kAheadEntries)};
         KvcWriteIn wl = w;  // w reads the position-assert cell for kTailWrite only
@@ -261,12 +258,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             }
             if (begin < end) first = kvc_request_write_entry(wl, begin);
         }
-        const kvc_i64 second = tid + kThreads;
-        if (second < rows) {
-            const kvc_i64 second_seed = w_seeds[second];
-            if (second_seed >= 0 && second_seed < num_slots)
-                kvc_prefetch_word(canary + second_seed * slot_stride);
-        }
         if (tid == 0) {
             kvc_wait_for_count(blocks_done, gridDim.x - 1, kWaitLimitNs);
             *blocks_done = 0u;
@@ -276,11 +267,6 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
         if (tid < rows) {
             stored = kvc_write_request<kVec16>(c, wl, begin, end, seed, first, true, &seed_words,
                                                nullptr, kRealKv ? &ahead : nullptr);
-        }
-        if (second < rows) {
-            stored += kvc_write_request<kVec16>(c, wl, w_offsets[second], w_offsets[second + 1],
-                                                w_seeds[second], first, false, nullptr, nullptr,
-                                                kRealKv ? &ahead : nullptr);
         }
         stored = kvc_warp_sum(stored);
         if ((tid & 31) == 0 && stored) atomicAdd(slot_run_counter, stored);

@@ -1,7 +1,6 @@
 """The canary step on a CUDA device: one launch for decode batches (verify entries derived from the
 metadata, then the write: by the last block's first warp up to 32 requests; by block 0, which
-stores the write plan and waits for the verify blocks, a thread a request up to 512 and two past that,
-up to 1024 requests and new tokens), otherwise
+stores the write plan and waits for the verify blocks, a thread a request up to 512), otherwise
 the step kernel (verify and the write plan) followed by the write kernel."""
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from .plan import batch_args, most_verify_entries, write_plan_args
 from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
 
 _BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
-_AHEAD_ENTRIES = 2 * _BLOCK  # step.cu: kAheadEntries
 # The kTailWrite kernel's last block writes a request per lane of its first warp, with the small
 # batch path alone in its code. The kernel's bound (it writes nothing past it).
 TAIL_MAX_REQUESTS = _loader.SPECS["step"].constant("KVC_STEP_TAIL_MAX_REQUESTS")
@@ -29,12 +27,11 @@ def tail_write(batch_size: int, num_entries: int) -> bool:
 
 def plan_block_write(batch_size: int, num_entries: int) -> bool:
     """Past tail_write: the step kernel's block 0, which stores the write plan, also writes, a
-    thread a request (two past a block's threads), once the other blocks have verified, instead
-    of a second launch. Decode-shaped, with at most two requests and two new tokens a thread of a
-    block: with real-KV sources block 0 hashes that many new slots ahead (the kernel's
-    kAheadEntries) while the other blocks verify."""
-    return (decode_shaped(batch_size, num_entries) and batch_size <= _AHEAD_ENTRIES
-            and num_entries <= _AHEAD_ENTRIES)
+    thread a request, once the other blocks have verified, instead of a second launch.
+    Decode-shaped and at most one request a thread of a block, so at most two entries a thread:
+    with real-KV sources block 0 hashes that many new slots ahead (the kernel's kAheadEntries)
+    while the other blocks verify."""
+    return decode_shaped(batch_size, num_entries) and batch_size <= _BLOCK
 
 
 def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
