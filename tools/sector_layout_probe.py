@@ -13,7 +13,9 @@ median) the same reads in four layouts:
 * ``engine layout``: the canary slot and each source's row of the same slot;
 * ``sources apart``: the same count of reads, each source's row at a slot of its own (a bijection
   of the entry's slot), so that no two reads of an entry share an offset;
-* ``one buffer``: K + 1 random sectors of the canary alone.
+* ``one buffer``: K + 1 random sectors of the canary alone;
+* ``one big buffer``: the same within one buffer at least as large as the canary and the sources
+  together: whether reads from K + 1 buffers cost more than reads spread as wide in one.
 
 ``--orders`` repeats the layouts with the same slots sorted, or sorted by bucket of slots, as a
 verify that sorted its entries first would read them: whether DRAM gives sectors faster when nearby
@@ -71,7 +73,8 @@ extern "C" __global__ void sector_probe(const ulonglong2* __restrict__ canary,
 }
 """
 
-LAYOUTS = ("one sector", "engine layout", "sources apart", "one buffer")
+LAYOUTS = ("one sector", "engine layout", "sources apart", "one buffer", "one big buffer")
+ONE_BIG_BUFFER = 4  # "one buffer"'s kernel (layout 3) over a buffer as large as the canary and sources together
 
 
 def main() -> None:
@@ -96,6 +99,9 @@ def main() -> None:
     canary = rand_bytes(cupy, (pool, 32), 1)
     sources = [rand_bytes(cupy, (pool, args.row_bytes), 10 + k) for k in range(args.sources)]
     source_rows = cupy.asarray(np.array([s.data.ptr for s in sources], dtype=np.uint64))
+    # 32-byte sectors at least as many as the canary's and the sources' together, a power of two
+    big_slots = 1 << (pool * (32 + args.sources * args.row_bytes) // 32 - 1).bit_length()
+    big = rand_bytes(cupy, (big_slots, 32), 3)
     random_slots = rand_perm(cupy, pool, 2)[:n].astype(cupy.int32)
     out = cupy.empty((n + 31) // 32, dtype=cupy.uint64)
     block = 256
@@ -109,9 +115,10 @@ def main() -> None:
         print(f" entries in {order} order")
         for layout, label in enumerate(LAYOUTS):
             def launch(_, layout=layout):
-                kernel((grid,), (block,), (canary, source_rows, np.int32(args.sources),
-                                           np.int64(args.row_bytes // 16), perm, np.int64(n), np.int64(pool - 1),
-                                           np.int32(layout), out), stream=timer.stream)
+                buffer, slots = (big, big_slots) if layout == ONE_BIG_BUFFER else (canary, pool)
+                kernel((grid,), (block,), (buffer, source_rows, np.int32(args.sources),
+                                           np.int64(args.row_bytes // 16), perm, np.int64(n), np.int64(slots - 1),
+                                           np.int32(min(layout, 3)), out), stream=timer.stream)
             t = timer.eager(launch, 1, warmup=3, reps=30, cold=True)
             sectors = n * (1 if layout == 0 else 1 + args.sources)
             rate = sectors / t.median_s
