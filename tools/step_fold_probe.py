@@ -4,8 +4,8 @@ writes once the verify blocks are done) against two (the step kernel, then the w
     python tools/step_fold_probe.py DIR [case ...]
     (DIR from an earlier commit: git archive REV kvcanary_cupy/rawkernels | tar -x -C DIR --strip-components=2)
 
-Three variants of ``kc.CanaryStep`` on each case's state: DIR's step kernel in two launches (its
-launcher rule: block 0 writes only without sources), this tree's kernel in two launches (what its
+Three variants of ``kc.CanaryStep`` on each case's state: DIR's step kernel in two launches (block 0
+never writes, as before for a context with sources), this tree's kernel in two launches (what its
 change of code does to the verify alone) and this tree's one launch. Their outputs (canary, plans,
 pool) are compared byte for byte, then they and an empty kernel are timed interleaved, L2 evicted
 and code cold (``_probe.interleaved_cold``): median and interquartile range, us. The cases are
@@ -46,7 +46,8 @@ CASES = (
 
 
 def _two_launches(batch_size: int, num_entries: int) -> bool:
-    """The earlier rule: block 0 writes only in a context without real-KV sources."""
+    """Block 0 never writes (the earlier rule, for a context with real-KV sources): the write
+    kernel follows the step kernel."""
     return False
 
 

@@ -1,7 +1,6 @@
-// write_decode: the write (SPEC 3.1 and 4) of a decode-shaped batch, at most two new tokens a
-// request on average (the host's decode_form). A compilation unit of its own: it compiles at the
-// same time as kvc_write's (write.cu), and a process that writes only decode batches compiles only
-// this one.
+// write_decode: the write (SPEC 3.1 and 4) of a decode-shaped batch, kvc_write_decode below. A
+// compilation unit of its own: it compiles at the same time as kvc_write's (write.cu), and a
+// process that writes only decode batches compiles only this one.
 #include "write_request.cuh"
 
 // A decode-shaped write (the host's decode_form: at most two new tokens a request on average),
