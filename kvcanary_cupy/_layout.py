@@ -54,7 +54,8 @@ SOURCE_DESCRIPTOR_WORDS = 6
 # --- plans -------------------------------------------------------------------------------------
 NO_PREDECESSOR = -1
 NO_EXPECTED_TOKEN = -1
-UNRESOLVED_SLOT = (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1
+UNRESOLVED_SLOT = INT64_MAX
 INT32_MAX = (1 << 31) - 1
 
 

@@ -20,6 +20,29 @@ UNRESOLVED = L.UNRESOLVED_SLOT
 
 
 LARGE_CASE = 100_000
+# Lengths and offsets whose sums or differences overflow int64: totals must saturate and spans must
+# stay exact, never wrap into a plan or row that seems to fit.
+HUGE = np.array([1 << 62, L.INT64_MAX], np.int64)
+HUGE_OFFSETS = np.array([-(1 << 63), -(1 << 62), 1 << 62, L.INT64_MAX], np.int64)
+
+
+def _some_huge(rng: np.random.Generator, values: np.ndarray, rate: float, choices: np.ndarray = HUGE) -> None:
+    """Sets about ``rate`` of ``values`` (in place) to a value from ``choices``."""
+    hit = rng.random(len(values)) < rate
+    values[hit] = rng.choice(choices, size=int(hit.sum()))
+
+
+def verify_total(pool_rows: np.ndarray, prefix: np.ndarray, swa: int) -> int:
+    """The verify entries of a batch, exactly (Python ints: prefixes may add up past int64)."""
+    return sum(p - (max(0, p - swa) if swa else 0)
+               for rp, p in zip(pool_rows.tolist(), prefix.tolist()) if rp != 0 and p > 0)
+
+
+def verify_capacity_for(rng: np.random.Generator, total: int, margins: tuple) -> int:
+    """A verify capacity at or near ``total`` (one that a plan can allocate when ``total`` is huge)."""
+    if total > 1 << 40:
+        return int(rng.integers(0, 64))
+    return max(0, total + int(rng.choice(margins)))
 
 
 def _log_uniform(rng: np.random.Generator, high: int) -> int:
@@ -227,6 +250,8 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     capacity = num_requests + int(rng.choice([0, 0, 2]))
     if rng.random() < 0.05 and n:  # offsets past the entry arrays
         offsets[-1] = n + int(rng.integers(1, 10))
+    if rng.random() < 0.03:  # spans past int64
+        _some_huge(rng, offsets, 0.3, HUGE_OFFSETS)
     full_offsets = np.concatenate([offsets, np.full(capacity - num_requests, offsets[-1])]).astype(np.int64)
     full_seeds = np.concatenate([seeds, np.full(capacity - num_requests, -1)]).astype(np.int64)
     return {
@@ -283,7 +308,9 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
     prefix = rng.integers(0, per_request + 1, size=bs)
     prefix[rng.random(bs) < 0.02] = width + 5
     prefix[rng.random(bs) < 0.02] = -3
+    _some_huge(rng, prefix, 0.01)
     extend = rng.integers(-1, 5, size=bs)
+    _some_huge(rng, extend, 0.01)
     swa = int(rng.choice([0, 0, 0, 1, 4, 128]))
     lut = None
     if swa:
@@ -294,9 +321,8 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
         expected = rng.integers(0, 150_000, size=(rows, width + int(rng.integers(-2, 3))), dtype=np.int64).astype(
             np.int32)
         valid = rng.integers(-1, width + 3, size=bs)
-    total = int(np.sum(np.where((pool_rows != 0) & (prefix > 0),
-                                prefix - (np.maximum(0, prefix - swa) if swa else 0), 0)))
-    capacity = max(0, total + int(rng.choice([0, 0, 5, -1, -total])))
+    total = verify_total(pool_rows, prefix, swa)
+    capacity = verify_capacity_for(rng, total, (0, 0, 5, -1, -total))
     return {
         "op": "plan",
         "verify_capacity": capacity,
@@ -345,6 +371,7 @@ def make_scatter_case(rng: np.random.Generator, max_entries: int) -> dict:
     offsets = np.concatenate([[0], cuts, [n]])[: bs + 1] if bs else np.zeros(1, np.int64)
     hostile = rng.random(len(offsets)) < 0.03
     offsets[hostile] += rng.integers(-5, 20, size=int(hostile.sum()))
+    _some_huge(rng, offsets, 0.01, HUGE_OFFSETS)
     pool_rows = rng.permutation(rows)[:bs] if bs <= rows else rng.integers(0, rows, size=bs)
     pool_rows = pool_rows.astype(np.int64)
     pool_rows[rng.random(bs) < 0.03] = rows + 1
@@ -432,6 +459,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     _corrupt(pool, rng, int(rng.choice([0, 0, 1, 5])))
     prefix[rng.random(bs) < 0.01] = width + 5            # past the table's width
     prefix[rng.random(bs) < 0.01] = -3
+    _some_huge(rng, prefix, 0.005)
 
     seeds = seed_slots(pool_rows, prefix, req_to_token, lut)
     ids, positions, locs = [], [], []
@@ -440,7 +468,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
         if rp == 0 or e <= 0:
             continue
         for j in range(e):
-            pos = max(p, 0) + j
+            pos = min(max(p, 0), L.INT64_MAX - e) + j
             slot = tr(int(req_to_token[rp, pos])) if 0 < rp < rows and pos < width else -1
             locs.append(slot)
             ids.append(int(rng.integers(0, 150_000)))
@@ -468,12 +496,11 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.5:
         expected = np.where(rng.random(tokens.shape) < 0.01, tokens + 1, tokens).astype(np.int32)
         valid = rng.integers(-1, width + 3, size=bs).astype(np.int64)
-    total = int(np.sum(np.where((pool_rows != 0) & (prefix > 0),
-                                prefix - (np.maximum(0, prefix - swa) if swa else 0), 0)))
+    total = verify_total(pool_rows, prefix, swa)
     return {
         "op": "step",
         "pool": pool,
-        "verify_capacity": max(0, total + int(rng.choice([0, 0, 5, 1000, -1, -total]))),
+        "verify_capacity": verify_capacity_for(rng, total, (0, 0, 5, 1000, -1, -total)),
         "verify_tag": int(rng.integers(0, 12)),
         "write_tag": int(rng.integers(0, 12)),
         "check_expected_token": bool(rng.random() < 0.5),

@@ -185,6 +185,21 @@ def test_overflow_disables(device, extra):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("prefix", [[2**62] * 4, [2**63 - 1, 2, 0, 1]])
+def test_total_past_int64_overflows(device, prefix):
+    """Prefixes adding up past int64 saturate the total: the plan overflows, nothing is written."""
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan = kc.VerifyPlan.allocate(16, device=device)
+    wplan = kc.WritePlan.allocate(4, device=device)
+    sentinel = 987654321
+    vplan.slot_indices[...] = sentinel
+    kc.plan(vplan, wplan, req_pool_indices=put([1, 2, 3, 4]), prefix_lens=put(prefix), extend_seq_lens=put([0] * 4),
+            req_to_token=to_device(np.ones((5, 8), np.int32), device))
+    assert (int(to_numpy(vplan.num_valid)[0]), int(to_numpy(vplan.enable)[0])) == (16, 0)
+    assert (to_numpy(vplan.slot_indices) == sentinel).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_unresolved_markers(device):
     table = np.array([[0] * 4, [1, 2, 3, 4], [5, 6, 7, 9]], dtype=np.int32)
     lut = np.array([0, 1, 2, 3, 4, 5, 6, 7], dtype=np.int64)  # no entry for full slot 9

@@ -198,3 +198,15 @@ def test_every_batch_shape_names_a_compiled_scatter_kernel():
                 assert _loader.instance("kvc_scatter", decode, long) in _loader.SPECS["scatter"].kernels
                 assert decode == decode_form(bs, num_tokens, sms)
                 assert long == (not decode and long_rows(bs, num_tokens))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_span_past_int64(device):
+    """offsets[r+1] - offsets[r] >= 2**63: the row is filled to its width, from flat_in's cells only."""
+    pool = np.full((3, 4), -7, np.int32)
+    got = _scatter(device, [7, 8, 9], [-2, 2**63 - 1, 2**63 - 1], [1, 2], pool)
+    want = pool.copy()
+    want[1, 2:] = [7, 8]
+    assert got.tolist() == want.tolist()
+    got = _scatter(device, [7, 8, 9], [-2**63, 2**63 - 1], [1], pool)
+    assert got.tolist() == pool.tolist()

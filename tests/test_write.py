@@ -267,7 +267,9 @@ def test_seed_out_of_range(device, seed):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("offsets,stored", [([0, 5], 3), ([-2, 1], 0), ([2, 7, 0], 1)])
+@pytest.mark.parametrize("offsets,stored", [([0, 5], 3), ([-2, 1], 0), ([2, 7, 0], 1),
+                                            # spans of 2**63 or more: no int64 length may wrap
+                                            ([-2, 2**63 - 1], 0), ([1, 2**63 - 1], 2), ([-2**63, 2], 0)])
 def test_offsets_outside_entries(device, offsets, stored):
     ctx = _ctx(device)
     seeds = [-1] * (len(offsets) - 1)

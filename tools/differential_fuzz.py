@@ -85,7 +85,8 @@ def _size(op: str, case: dict) -> int:
     if op == "write":
         return len(case["input_ids"])
     if op == "step":
-        return int(np.sum(case["prefix_lens"].clip(0))) + len(case["input_ids"])
+        return min(F.verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"]),
+                   case["verify_capacity"]) + len(case["input_ids"])
     if op == "plan":
         return int(case["verify_capacity"])
     return len(case["flat_in"])

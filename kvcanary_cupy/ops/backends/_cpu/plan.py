@@ -11,6 +11,7 @@ from .hashing import JIT, serial_and_parallel
 _UNRESOLVED = L.UNRESOLVED_SLOT
 _NO_PREDECESSOR = L.NO_PREDECESSOR
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
+_INT64_MAX = np.int64(L.INT64_MAX)
 PARALLEL_MIN_ENTRIES = 65536
 
 
@@ -64,12 +65,15 @@ _fill_entries_serial, _fill_entries_parallel = serial_and_parallel(_fill_entries
 
 @numba.njit(**JIT)
 def _count_entries(req_pool_indices, prefix_lens, swa_window, starts):
+    """Each request's first entry and the batch's total, saturating at int64's maximum as the GPU's
+    does: a wrapped total could pass for one that fits the plan."""
     total = 0
     for r in range(req_pool_indices.shape[0]):
         starts[r] = total
         prefix = prefix_lens[r]
         if req_pool_indices[r] != 0 and prefix > 0:
-            total += prefix - window_start(prefix, swa_window)
+            count = prefix - window_start(prefix, swa_window)
+            total = _INT64_MAX if total > _INT64_MAX - count else total + count
     return total
 
 

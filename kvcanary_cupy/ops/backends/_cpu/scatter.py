@@ -5,7 +5,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .... import _layout as L
 from .hashing import JIT
+
+_INT64_MAX = np.int64(L.INT64_MAX)
 
 
 @numba.njit(**JIT)
@@ -17,8 +20,13 @@ def _scatter(flat_in, offsets, req_pool_indices, pool_out):
         if pool_row < 0 or pool_row >= rows:
             continue
         begin = offsets[r]
-        count = min(offsets[r + 1] - begin, width)
-        for j in range(max(count, 0)):
+        end = offsets[r + 1]
+        if end <= begin:
+            continue
+        # end - begin overflows int64 exactly when begin < 0 and end > INT64_MAX + begin; the row is
+        # then filled to its width.
+        count = width if begin < 0 and end > _INT64_MAX + begin else min(end - begin, width)
+        for j in range(count):
             source = begin + j
             if 0 <= source < available:
                 pool_out[pool_row, j] = np.int32(flat_in[source])

@@ -35,8 +35,12 @@ def _write(words, hashes, out_of_range, offsets, seed_slots, num_valid_reqs, inp
         running = link(words, seed)
         position_assert = seed >= 0 and chain_position_assert[0] != 0
         prev_pos = words[seed, F_POSITION] if seed >= 0 else 0
-        for i in range(begin, end):
-            if i < 0 or i >= num_entries:
+        if begin < 0 or begin >= num_entries:
+            record(ring, write_index, tag, -1, 0, 0, 0, as_i64(running), 0, BIT_OUT_OF_RANGE)
+            continue
+        # Bounded by the entries, as range(begin, end) could overflow its length (end - begin >= 2**63).
+        for i in range(begin, min(end, num_entries + 1)):
+            if i >= num_entries:
                 record(ring, write_index, tag, -1, 0, 0, 0, as_i64(running), 0, BIT_OUT_OF_RANGE)
                 break
             slot = out_cache_loc[i]
