@@ -205,7 +205,10 @@ class _CapsuleKeeper:
 
 def raw_byte_view(obj: Any, name: str):
     """A uint8 view with the same byte geometry as ``obj``: shape ``(*shape[:-1], shape[-1] * itemsize)``."""
-    capsule = obj.__dlpack__()
+    try:
+        capsule = obj.__dlpack__()
+    except (BufferError, RuntimeError) as error:  # e.g. a PyTorch tensor that requires grad
+        raise ValueError(f"kv-canary: {name} cannot be shared through DLPack: {error}") from None
     address = _get_capsule_pointer(capsule, b"dltensor")
     tensor = _DLManagedTensor.from_address(address).dl_tensor
     itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from . import _layout as L
 from . import validate as check
 
 _VERIFY_ENTRY_BYTES = 4 * 8  # slot, expected token, expected position, predecessor (int64 each)
@@ -43,6 +44,19 @@ class Capacities:
         chunk = prefill if chunked_prefill_size is None or chunked_prefill_size <= 0 else min(
             prefill, chunked_prefill_size)
         max_bs = max(graph_bs, pool_rows)
+        # Each derived capacity must fit in int32: name the argument that breaks it.
+        for derived, limit, argument, value in (
+                ("verify_capacity = 3 * pool_slot_count", L.INT32_MAX // PREFIX_SHARING_FACTOR,
+                 "pool_slot_count", slots),
+                ("max_bs = max(cuda_graph_max_bs, req_to_token_pool_size)", L.INT32_MAX,
+                 "cuda_graph_max_bs" if graph_bs >= pool_rows else "req_to_token_pool_size", max_bs),
+                ("write_entry_capacity = max_bs * speculative_num_draft_tokens", L.INT32_MAX // max_bs,
+                 "speculative_num_draft_tokens", drafts),
+                ("write_entry_capacity = the prefill chunk", L.INT32_MAX,
+                 "max_prefill_tokens" if chunk == prefill else "chunked_prefill_size", chunk)):
+            if value > limit:
+                raise ValueError(f"{check.PREFIX}{argument} must be <= {limit}, as {derived} must fit in "
+                                 f"int32, got {value}")
         return cls(
             max_bs=max_bs,
             verify_capacity=PREFIX_SHARING_FACTOR * slots,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -88,6 +88,9 @@ class CanaryContext:
         names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                  "kernel_run_counter", "chain_position_assert")
         devices = check.adopt_views(self, {name: name for name in names})
+        if not isinstance(self.real_kv_sources, (list, tuple)):
+            raise TypeError(f"{check.PREFIX}real_kv_sources must be a list or tuple of RealKvSource, "
+                            f"got {type(self.real_kv_sources).__name__}")
         sources = tuple(self.real_kv_sources)
         for index, source in enumerate(sources):
             if not isinstance(source, RealKvSource):
@@ -95,7 +98,7 @@ class CanaryContext:
                                 f"got {type(source).__name__}")
             devices[f"real_kv_sources[{index}].tensor"] = source.device
         device = check.one_device(devices)
-        mode = check.one_of("hash_mode", self.hash_mode, list(L.HashMode), L.HashMode)
+        mode = check.member("hash_mode", self.hash_mode, L.HashMode)
 
         buf = self.canary_buf
         check.dtype("canary_buf", buf, np.uint8)
@@ -121,6 +124,8 @@ class CanaryContext:
         check.scalar_cell("slot_run_counter", self.slot_run_counter, np.int64)
         check.scalar_cell("kernel_run_counter", self.kernel_run_counter, np.int64)
         check.scalar_cell("chain_position_assert", self.chain_position_assert, np.int32)
+        for name in names:
+            check.writable(name, getattr(self, name))
 
         hashed = sources if mode != L.HashMode.NONE else ()
         descriptors = np.array([s.descriptor(mode) for s in hashed], dtype=np.int64).reshape(
@@ -140,12 +145,19 @@ class CanaryContext:
                  real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.NONE,
                  chain_position_assert: bool = False) -> "CanaryContext":
         """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot)."""
+        # Every size is checked before anything is allocated.
         num_slots = check.positive("num_slots", num_slots)
-        ring_capacity = check.non_negative("ring_capacity", ring_capacity)
+        if num_slots > L.INT32_MAX + 1:
+            raise ValueError(f"{check.PREFIX}num_slots must be <= 2**31 (slot indices fit in int32), got {num_slots}")
+        ring_capacity = check.fits_int32("ring_capacity", check.non_negative("ring_capacity", ring_capacity))
         slot_stride_bytes = check.at_least("slot_stride_bytes", slot_stride_bytes, L.MIN_SLOT_STRIDE_BYTES)
         if slot_stride_bytes % L.SLOT_WORD_BYTES:
             raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
         assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
+        mode = check.member("hash_mode", hash_mode, L.HashMode)
+        if not isinstance(real_kv_sources, (list, tuple)):
+            raise TypeError(f"{check.PREFIX}real_kv_sources must be a list or tuple of RealKvSource, "
+                            f"got {type(real_kv_sources).__name__}")
         where = parse_device(device)
         return cls(
             canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
@@ -155,7 +167,7 @@ class CanaryContext:
             kernel_run_counter=empty((1,), np.int64, where),
             chain_position_assert=empty((1,), np.int32, where, fill=assert_flag),
             real_kv_sources=tuple(real_kv_sources),
-            hash_mode=hash_mode,
+            hash_mode=mode,
         )
 
     # --- facts ----------------------------------------------------------------------------------
@@ -231,8 +243,11 @@ class VerifyPlan:
     enable: Any
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
 
+    ARRAYS: ClassVar[tuple[str, ...]] = ("slot_indices", "expected_tokens", "expected_positions",
+                                         "prev_slot_indices", "num_valid", "enable")
+
     def __post_init__(self) -> None:
-        names = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices", "num_valid", "enable")
+        names = self.ARRAYS
         devices = check.adopt_views(self, {n: f"VerifyPlan.{n}" for n in names})
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("VerifyPlan.slot_indices", self.slot_indices, np.int64)
@@ -267,8 +282,10 @@ class WritePlan:
     num_valid_reqs: Any
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
 
+    ARRAYS: ClassVar[tuple[str, ...]] = ("offsets", "seed_slot_indices", "num_valid_reqs")
+
     def __post_init__(self) -> None:
-        names = ("offsets", "seed_slot_indices", "num_valid_reqs")
+        names = self.ARRAYS
         devices = check.adopt_views(self, {n: f"WritePlan.{n}" for n in names})
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("WritePlan.seed_slot_indices", self.seed_slot_indices, np.int64)

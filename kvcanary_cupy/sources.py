@@ -49,7 +49,13 @@ class RealKvSource:
         view = native_view(self.tensor, "RealKvSource.tensor", device)
         if view.ndim < 2:
             raise ValueError(f"{check.PREFIX}RealKvSource.tensor must be at least 2-D, got shape {tuple(view.shape)}")
+        if np.dtype(view.dtype).hasobject:
+            raise TypeError(f"{check.PREFIX}RealKvSource.tensor must hold plain bytes (a numeric dtype), "
+                            f"got dtype {view.dtype}")
         _require_contiguous_rows(view)
+        if view.shape[0] > 1 and view.strides[0] < 0:
+            raise ValueError(f"{check.PREFIX}RealKvSource.tensor must have a non-negative row stride, "
+                             f"got {view.strides[0]} bytes (shape={tuple(view.shape)})")
         row_bytes = int(np.prod(view.shape[1:])) * view.itemsize
         needed = page_size * bytes_per_token
         if row_bytes < needed:

@@ -68,8 +68,18 @@ def test_bad_types(name):
         _caps(**{name: 1.5})
 
 
-def test_int32_bound():
-    with pytest.raises(ValueError, match=r"^kv-canary: verify_capacity must fit in int32"):
-        _caps(pool_slot_count=2**30)
+@pytest.mark.parametrize("arguments,named,derived", [
+    (dict(pool_slot_count=2**30), "pool_slot_count", "verify_capacity"),
+    (dict(req_to_token_pool_size=2**31), "req_to_token_pool_size", "max_bs"),
+    (dict(cuda_graph_max_bs=2**31), "cuda_graph_max_bs", "max_bs"),
+    (dict(speculative_num_draft_tokens=2**30), "speculative_num_draft_tokens", "write_entry_capacity"),
+    (dict(max_prefill_tokens=2**31, chunked_prefill_size=None), "max_prefill_tokens", "write_entry_capacity"),
+])
+def test_int32_bound_names_the_argument(arguments, named, derived):
+    """A derived capacity past int32 is reported against the argument the user passed."""
+    with pytest.raises(ValueError, match=rf"^kv-canary: {named} must be <= \d+, as {derived} = .* must fit in int32, "
+                                         rf"got {list(arguments.values())[0]}"):
+        _caps(**arguments)
+    # The derived values themselves are bounded too, when given directly.
     with pytest.raises(ValueError, match=r"^kv-canary: max_bs must fit in int32"):
-        _caps(req_to_token_pool_size=2**31)
+        kc.Capacities(max_bs=2**31, verify_capacity=1, write_req_capacity=1, write_entry_capacity=1)

@@ -125,6 +125,15 @@ def test_torch_source_dtypes(dtype, strided):
     assert [(r[1], r[7]) for r in ring_rows(ctx)] == [(7, 4)]
 
 
+def test_torch_tensor_requiring_grad_refused():
+    """A tensor that PyTorch will not export (it requires grad) is refused with the package's message."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource\.tensor cannot be shared through DLPack: .*"
+                                         r"require.*grad"):
+        kc.RealKvSource(tensor=torch.zeros(8, 16, requires_grad=True), page_size=1, num_bytes_per_token=64,
+                        read_bytes=64)
+
+
 def test_generic_dlpack_objects():
     buf = np.zeros((6, 32), np.uint8)
     ctx = kc.CanaryContext(canary_buf=DLPackOnly(buf), violation_ring=DLPackOnly(np.zeros((4, 8), np.int64)),

@@ -58,6 +58,17 @@ def _misaligned():
     return raw[start:start + 4 * 48].reshape(4, 48)
 
 
+def _read_only(array):
+    array.flags.writeable = False
+    return array
+
+
+def _misaligned_int64(count):
+    raw = np.zeros(8 * count + 8, np.uint8)
+    start = (-raw.ctypes.data) % 8 + 4
+    return raw[start:start + 8 * count].view(np.int64)
+
+
 def _ctx_arrays(**kw):
     args = dict(canary_buf=np.zeros((8, 32), np.uint8), violation_ring=np.zeros((4, 8), np.int64),
                 violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
@@ -105,7 +116,37 @@ CONSTRUCTION = [
      r"slot_stride_bytes must be >= 32, got 24"),
     ("ctx ring negative", lambda: kc.CanaryContext.allocate(4, ring_capacity=-1), ValueError,
      r"ring_capacity must be non-negative, got -1"),
-    ("ctx hash_mode", lambda: kc.CanaryContext.allocate(4, hash_mode=7), ValueError, r"hash_mode must be one of"),
+    ("ctx hash_mode", lambda: kc.CanaryContext.allocate(4, hash_mode=7), ValueError,
+     r"hash_mode must be a HashMode \(NONE=0, PARTIAL=1, ALL=2\), got 7"),
+    ("ctx hash_mode bool", lambda: kc.CanaryContext.allocate(4, hash_mode=True), TypeError,
+     r"hash_mode must be a HashMode, got bool True"),
+    ("ctx hash_mode name", lambda: kc.CanaryContext.allocate(4, hash_mode="PARTIAL"), TypeError,
+     r"hash_mode must be a HashMode, got str 'PARTIAL'"),
+    ("ctx sources None", lambda: kc.CanaryContext.allocate(4, real_kv_sources=None), TypeError,
+     r"real_kv_sources must be a list or tuple of RealKvSource, got NoneType"),
+    ("ctx one source bare", lambda: kc.CanaryContext.allocate(4, real_kv_sources=_source()()), TypeError,
+     r"real_kv_sources must be a list or tuple of RealKvSource, got RealKvSource"),
+    ("ctx sources None given arrays", _ctx_arrays(real_kv_sources=None), TypeError,
+     r"real_kv_sources must be a list or tuple"),
+    # sizes are checked before anything is allocated
+    ("ctx num_slots past int32", lambda: kc.CanaryContext.allocate(2**45), ValueError,
+     r"num_slots must be <= 2\*\*31 \(slot indices fit in int32\), got 35184372088832"),
+    ("ctx ring past int32", lambda: kc.CanaryContext.allocate(4, ring_capacity=2**31), ValueError,
+     r"ring_capacity must fit in int32 \(<= 2147483647\), got 2147483648"),
+    ("ctx buf read-only", _ctx_arrays(canary_buf=_read_only(np.zeros((8, 32), np.uint8))), ValueError,
+     r"canary_buf must be writable"),
+    ("ctx ring read-only", _ctx_arrays(violation_ring=_read_only(np.zeros((4, 8), np.int64))), ValueError,
+     r"violation_ring must be writable"),
+    ("ctx counter read-only", _ctx_arrays(slot_run_counter=_read_only(np.zeros(1, np.int64))), ValueError,
+     r"slot_run_counter must be writable"),
+    ("source negative row stride", _source(tensor=_u8(8, 64)[::-1]), ValueError,
+     r"RealKvSource\.tensor must have a non-negative row stride, got -64"),
+    ("source object dtype", _source(tensor=np.zeros((4, 64), object)), TypeError,
+     r"RealKvSource\.tensor must hold plain bytes"),
+    ("wplan big-endian", _wplan_arrays(offsets=np.zeros(5, ">i8")), TypeError,
+     r"WritePlan\.offsets must have dtype int64, got int64 in non-native byte order \('>i8'\)"),
+    ("wplan misaligned", _wplan_arrays(offsets=_misaligned_int64(5)), ValueError,
+     r"WritePlan\.offsets must be 8-byte aligned"),
     ("ctx device", lambda: kc.CanaryContext.allocate(4, device="tpu"), ValueError, r"device must be"),
     ("ctx assert flag", lambda: kc.CanaryContext.allocate(4, chain_position_assert=1), TypeError,
      r"chain_position_assert must be a bool"),
@@ -245,13 +286,13 @@ OPS = [
     ("write expected length", lambda w: w.write(expected_input_tokens=_d(w, np.arange(2)),
                                                 expected_input_positions=_d(w, np.arange(2))), ValueError,
      r"expected_input_tokens must have length 3"),
-    ("write tag range", lambda w: w.write(tag=12), ValueError, r"tag must be a LaunchTag value .*got 12"),
+    ("write tag range", lambda w: w.write(tag=12), ValueError, r"tag must be a LaunchTag \(.*\), got 12"),
     ("write tag type", lambda w: w.write(tag="HEAD"), TypeError, r"tag must be a LaunchTag"),
     ("write tag bool", lambda w: w.write(tag=True), TypeError, r"tag must be a LaunchTag"),
     ("write ctx type", lambda w: w.write(ctx=object()), TypeError, r"ctx must be a CanaryContext"),
     ("write wplan type", lambda w: w.write(wplan=w.vplan), TypeError, r"wplan must be a WritePlan"),
     ("write ids list", lambda w: w.write(input_ids=[1, 2, 3]), TypeError, r"input_ids must be an array"),
-    ("verify tag negative", lambda w: w.verify(tag=-1), ValueError, r"tag must be a LaunchTag value .*got -1"),
+    ("verify tag negative", lambda w: w.verify(tag=-1), ValueError, r"tag must be a LaunchTag \(.*\), got -1"),
     ("verify check flag", lambda w: w.verify(check_expected_token=1), TypeError,
      r"check_expected_token must be a bool"),
     ("verify vplan type", lambda w: w.verify(vplan=w.wplan), TypeError, r"vplan must be a VerifyPlan"),
@@ -276,6 +317,12 @@ OPS = [
      ValueError, r"req_to_verify_expected_tokens_valid_lens must have length 2"),
     ("plan offset type", lambda w: w.plan(kv_token_id_vs_position_offset=1.0), TypeError,
      r"kv_token_id_vs_position_offset must be an int"),
+    ("plan offset past int64", lambda w: w.plan(kv_token_id_vs_position_offset=2**64), ValueError,
+     r"kv_token_id_vs_position_offset must fit in int64 \[.*\], got 18446744073709551616"),
+    ("plan offset below int64", lambda w: w.plan(kv_token_id_vs_position_offset=-2**63 - 1), ValueError,
+     r"kv_token_id_vs_position_offset must fit in int64"),
+    ("plan swa past int64", lambda w: w.plan(swa_window_size=2**64, full_to_swa_index_mapping=w.lut), ValueError,
+     r"swa_window_size must fit in int64"),
     ("plan table dtype", lambda w: w.plan(req_to_token=_d(w, np.zeros((3, 6), np.int64))), TypeError,
      r"req_to_token must have dtype int32"),
     ("plan table 1-D", lambda w: w.plan(req_to_token=_d(w, np.zeros(6, np.int32))), ValueError,
@@ -314,6 +361,41 @@ def test_op_rules_change_nothing(device, name, call, exc, pattern):
     assert re.search(pattern, str(info.value)), str(info.value)
     for index, (old, new) in enumerate(zip(before, w.buffers())):
         assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+
+
+READ_ONLY_OUTPUTS = [
+    ("plan", "vplan", "slot_indices", r"VerifyPlan\.slot_indices must be writable"),
+    ("plan", "vplan", "enable", r"VerifyPlan\.enable must be writable"),
+    ("plan", "wplan", "offsets", r"WritePlan\.offsets must be writable"),
+    ("plan", "wplan", "num_valid_reqs", r"WritePlan\.num_valid_reqs must be writable"),
+    ("scatter", None, "pool", r"scatter_req_token_ids pool_out must be writable"),
+]
+
+
+@pytest.mark.parametrize("op,owner,field,pattern", READ_ONLY_OUTPUTS, ids=[f"{c[0]} {c[2]}" for c in READ_ONLY_OUTPUTS])
+def test_read_only_outputs_change_nothing(op, owner, field, pattern):
+    """An output that NumPy marks read-only is refused before any other output is written."""
+    w = World("cpu")
+    if owner is None:
+        _read_only(getattr(w, field))
+    else:
+        _read_only(getattr(getattr(w, owner), field))
+    before = snapshot(*w.buffers())
+    with pytest.raises(ValueError, match="^kv-canary: " + pattern):
+        getattr(w, op)()
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+
+
+def test_empty_tables_accepted():
+    """A table with no rows (NumPy gives it zero strides) resolves nothing; it is not an error."""
+    vplan, wplan = kc.VerifyPlan.allocate(4), kc.WritePlan.allocate(1)
+    kc.plan(vplan, wplan, req_pool_indices=np.array([1]), prefix_lens=np.array([2]), extend_seq_lens=np.array([1]),
+            req_to_token=np.zeros((0, 8), np.int32))
+    assert vplan.slot_indices[:2].tolist() == [kc.UNRESOLVED_SLOT] * 2
+    pool = np.zeros((0, 4), np.int32)
+    kc.scatter_req_token_ids(flat_in=np.arange(3), offsets=np.array([0, 3]), req_pool_indices=np.array([0]),
+                             pool_out=pool)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -22,13 +22,7 @@ def _adopt_arrays(owner: Any, required: tuple[str, ...], optional: tuple[str, ..
 
 
 def launch_tag(tag: Any) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
-        raise TypeError(f"{check.PREFIX}tag must be a LaunchTag, got {type(tag).__name__} {tag!r}")
-    try:
-        return int(L.LaunchTag(int(tag)))
-    except ValueError:
-        raise ValueError(f"{check.PREFIX}tag must be a LaunchTag value in [0, {len(L.LaunchTag) - 1}], "
-                         f"got {int(tag)}") from None
+    return int(check.member("tag", tag, L.LaunchTag))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +82,10 @@ class PlanBatch:
         return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls) if field.init})
 
     def __post_init__(self) -> None:
-        window = check.non_negative("swa_window_size", self.swa_window_size)
+        window = check.non_negative("swa_window_size", check.int64_scalar("swa_window_size", self.swa_window_size))
         object.__setattr__(self, "swa_window_size", window)
         object.__setattr__(self, "kv_token_id_vs_position_offset",
-                           check.integer("kv_token_id_vs_position_offset", self.kv_token_id_vs_position_offset))
+                           check.int64_scalar("kv_token_id_vs_position_offset", self.kv_token_id_vs_position_offset))
         if window > 0 and self.full_to_swa_index_mapping is None:
             raise ValueError(f"{check.PREFIX}full_to_swa_index_mapping is required when swa_window_size > 0, "
                              f"got None with swa_window_size={window}")
@@ -140,6 +134,7 @@ class ScatterBatch:
         check.vector("scatter_req_token_ids offsets", self.offsets, np.int64, bs + 1,
                      "batch size + 1, one more than req_pool_indices")
         check.table("scatter_req_token_ids pool_out", self.pool_out, np.int32)
+        check.writable("scatter_req_token_ids pool_out", self.pool_out)
 
     @property
     def batch_size(self) -> int:

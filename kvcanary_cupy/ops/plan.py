@@ -25,6 +25,9 @@ def plan(vplan: VerifyPlan, wplan: WritePlan, *, req_pool_indices: Any, prefix_l
     if not isinstance(wplan, WritePlan):
         raise TypeError(f"{check.PREFIX}wplan must be a WritePlan, got {type(wplan).__name__}")
     batch = PlanBatch.from_arguments(locals())
+    for plan_ in (vplan, wplan):
+        for name in plan_.ARRAYS:
+            check.writable(f"{type(plan_).__name__}.{name}", getattr(plan_, name))
     if batch.batch_size > wplan.capacity:
         raise ValueError(f"{check.PREFIX}batch size must be <= the write plan's capacity {wplan.capacity}, "
                          f"got {batch.batch_size}")

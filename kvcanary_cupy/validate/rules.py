@@ -11,9 +11,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .._dlpack import Device, data_pointer, device_of, native_view
+from .._layout import INT32_MAX, INT64_MAX
 
 PREFIX = "kv-canary: "
-INT32_MAX = (1 << 31) - 1
+INT64_MIN = -INT64_MAX - 1
 
 
 def integer(name: str, value: Any) -> int:
@@ -50,6 +51,14 @@ def fits_int32(name: str, value: int) -> int:
     return value
 
 
+def int64_scalar(name: str, value: Any) -> int:
+    """An int that the kernels receive as an int64 argument."""
+    value = integer(name, value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{PREFIX}{name} must fit in int64 [{INT64_MIN}, {INT64_MAX}], got {value}")
+    return value
+
+
 def positive_multiple(name: str, value: Any, multiple: int) -> int:
     value = integer(name, value)
     if value <= 0 or value % multiple:
@@ -64,8 +73,26 @@ def boolean(name: str, value: Any) -> bool:
 
 
 def dtype(name: str, array, expected: np.dtype) -> None:
-    if np.dtype(array.dtype) != np.dtype(expected):
-        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {np.dtype(array.dtype).name}")
+    got = np.dtype(array.dtype)
+    if got != np.dtype(expected):
+        # A byte-swapped int64 is named int64 too: show its byte order.
+        shown = got.name if got.isnative else f"{got.name} in non-native byte order ({got.str!r})"
+        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {shown}")
+
+
+def member(name: str, value: Any, kind: type) -> Any:
+    """``value`` as a member of the int enum ``kind``; bools, floats and strings are refused."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{PREFIX}{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}")
+    try:
+        return kind(int(value))
+    except ValueError:
+        values = sorted(int(m) for m in kind)
+        allowed = (", ".join(f"{m.name}={int(m)}" for m in kind) if len(values) <= 4
+                   else f"a value in [{values[0]}, {values[-1]}]")
+        raise ValueError(f"{PREFIX}{name} must be a {kind.__name__} ({allowed}), got {int(value)}") from None
 
 
 def ndim(name: str, array, expected: int) -> None:
@@ -84,7 +111,10 @@ def c_contiguous(name: str, array) -> None:
 
 
 def rows_contiguous(name: str, array) -> None:
-    """Each row contiguous (last dimension unit-stride); rows may be strided."""
+    """Each row contiguous (last dimension unit-stride); rows may be strided. An empty array has
+    no rows to read, whatever strides it reports."""
+    if array.size == 0:
+        return
     if array.ndim >= 2 and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         raise ValueError(
             f"{PREFIX}{name} must have a contiguous last dimension, got strides {tuple(array.strides)}"
@@ -99,11 +129,31 @@ def aligned(name: str, array, alignment: int) -> None:
         raise ValueError(f"{PREFIX}{name} must be {alignment}-byte aligned, got address 0x{address:x}")
 
 
+def elements_aligned(name: str, array) -> None:
+    """Each element at an address that is a multiple of its size: the kernels load elements whole,
+    and a GPU faults on a misaligned load."""
+    if array.size == 0:
+        return
+    # NumPy's flag costs a twentieth of reading the address through ctypes.
+    fits = array.flags.aligned if isinstance(array, np.ndarray) else data_pointer(array) % array.itemsize == 0
+    if not fits:
+        aligned(name, array, array.itemsize)
+
+
+def writable(name: str, array) -> None:
+    """An array an op stores into: a read-only NumPy array (or read-only DLPack export) is refused
+    before anything is written."""
+    flags = getattr(array, "flags", None)
+    if flags is not None and not getattr(flags, "writeable", True):
+        raise ValueError(f"{PREFIX}{name} must be writable (the op stores into it), got a read-only array")
+
+
 def vector(name: str, array, dtype_: np.dtype, expected_length: int | None = None, why: str = "") -> None:
     """A 1-D C-contiguous array of ``dtype_`` (and of ``expected_length`` if given)."""
     dtype(name, array, dtype_)
     ndim(name, array, 1)
     c_contiguous(name, array)
+    elements_aligned(name, array)
     if expected_length is not None:
         length(name, array, expected_length, why)
 
@@ -118,6 +168,7 @@ def table(name: str, array, dtype_: np.dtype) -> None:
     dtype(name, array, dtype_)
     ndim(name, array, 2)
     rows_contiguous(name, array)
+    elements_aligned(name, array)
     if array.shape[0] > 1 and array.strides[0] % array.itemsize:
         raise ValueError(f"{PREFIX}{name} row stride must be a whole number of elements, got {array.strides[0]} bytes")
 
