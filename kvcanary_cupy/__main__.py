@@ -52,10 +52,7 @@ def _compile(args: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
-    devices = [args.device] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())]
-    if not devices:
-        print("no CUDA device seen: nothing to compile (the CPU backend compiles at first use)")
-        return 0
+    devices = [args.device] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())] or ["cpu"]
     for device in devices:
         start = time.perf_counter()
         try:
@@ -74,11 +71,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = commands.add_parser("info", help="version, backends and devices available")
     info.set_defaults(handler=_info)
     compile_ = commands.add_parser(
-        "compile", help="compile every CUDA kernel now (CuPy caches them on disk: later processes only load them)",
-        description="Compile and load every CUDA kernel for each device seen (or --device), as "
-                    "kc.compile_kernels does: for a container build or an engine's start-up, so that no "
-                    "forward waits for NVRTC.")
-    compile_.add_argument("--device", default=None, help="cuda or cuda:N (default: every CUDA device seen)")
+        "compile", help="compile every kernel now (CuPy and numba cache them on disk: later processes only load them)",
+        description="Compile and load every CUDA kernel for each device seen (or --device), or the CPU "
+                    "backend's numba kernels when there is none, as kc.compile_kernels does: for a "
+                    "container build or an engine's start-up, so that no forward waits for a compiler.")
+    compile_.add_argument("--device", default=None,
+                          help="cuda, cuda:N or cpu (default: every CUDA device seen, else cpu)")
     compile_.set_defaults(handler=_compile)
     from .sim import cli  # noqa: PLC0415
 

@@ -2,26 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Iterable
 
+from . import validate as check
 from ._dlpack import cuda_device_count, parse_device, require_cupy
 from .rawkernels import _loader
 
 
-def compile_kernels(*, device: Any = "cuda") -> None:
-    """Compile every CUDA kernel of the package for ``device`` ("cuda", "cuda:N" or N) and load them,
-    so that no op pays for it later.
+def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 1)) -> None:
+    """Compile every kernel of the package for ``device`` ("cuda", "cuda:N", N or "cpu") and load
+    them, so that no op pays for it later.
 
-    Kernels are otherwise compiled when an op first needs them. A first compile on a machine
-    takes a few seconds (NVRTC), and a forward that triggers it stalls that long. CuPy keeps the
-    binaries in its on-disk cache, so later processes on the machine only load them. On ``"cpu"``
-    there is nothing to do: numba compiles each op at its first call and caches it on disk too.
+    Kernels are otherwise compiled when an op first needs them, and a forward that triggers it
+    stalls that long: a first compile on a machine takes a few seconds for the CUDA kernels (NVRTC)
+    and about ten for the CPU backend's (numba). Both keep what they compiled in an on-disk cache,
+    so later processes on the machine only load it.
+
+    ``source_counts`` matters on the CPU only, where numba compiles a build of the hashing ops for
+    each number of real-KV sources a context hashes (0 when its hash mode is NONE): pass the counts
+    of your contexts (``len(ctx.source_words)``).
     """
     where = parse_device(device)
     if not where.is_cuda:
+        counts = sorted({check.non_negative("source_counts item", count) for count in source_counts})
+        _warm_cpu(counts)
         return
     require_cupy("device")
     count = cuda_device_count()
     if where.index >= count:
         raise ValueError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, got {where}")
     _loader.load_all(where.index)
+
+
+def _warm_cpu(source_counts: Iterable[int]) -> None:
+    """Runs each CPU op on host arrays, with each number of hashed sources, at a size that takes its
+    parallel build and at one that takes its serial build, so that numba compiles (or loads) them."""
+    import numpy as np
+
+    from . import _layout as L
+    from .context import CanaryContext, VerifyPlan, WritePlan
+    from .ops import plan, scatter_req_token_ids, verify, write
+    from .ops.backends._cpu import plan as cpu_plan
+    from .ops.backends._cpu import verify as cpu_verify
+    from .ops.backends._cpu import write as cpu_write
+    from .sources import RealKvSource
+
+    large = max(cpu_plan.PARALLEL_MIN_ENTRIES, cpu_verify.PARALLEL_MIN_ENTRIES, cpu_write.PARALLEL_MIN_ENTRIES)
+    for count, tokens in itertools.product(source_counts, (large, 2)):
+        slots = np.arange(1, tokens + 1, dtype=np.int64)
+        req_to_token = np.zeros((2, tokens + 1), np.int32)
+        req_to_token[1, :tokens] = slots
+        kv = np.arange((tokens + 1) * 16, dtype=np.int64).astype(np.uint8).reshape(tokens + 1, 16)
+        sources = [RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=16, read_bytes=16)] * count
+        ctx = CanaryContext.allocate(tokens + 1, hash_mode=L.HashMode.PARTIAL if count else L.HashMode.NONE,
+                                     real_kv_sources=sources)
+        vplan, wplan = VerifyPlan.allocate(tokens), WritePlan.allocate(1)
+        batch = dict(req_pool_indices=np.array([1]), req_to_token=req_to_token)
+        plan(vplan, wplan, prefix_lens=np.array([0]), extend_seq_lens=np.array([tokens]), **batch)
+        write(ctx, wplan, tag=L.LaunchTag.TAIL_K_FULL, input_ids=slots, positions=slots - 1, out_cache_loc=slots)
+        plan(vplan, wplan, prefix_lens=np.array([tokens]), extend_seq_lens=np.array([1]), **batch)
+        verify(ctx, vplan, tag=L.LaunchTag.HEAD_K_FULL)
+        scatter_req_token_ids(flat_in=slots, offsets=np.array([0, tokens]), req_pool_indices=np.array([1]),
+                              pool_out=req_to_token)

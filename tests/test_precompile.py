@@ -1,4 +1,4 @@
-"""compile_kernels and `python -m kvcanary_cupy compile`: every CUDA kernel ready before the first op."""
+"""compile_kernels and `python -m kvcanary_cupy compile`: every kernel ready before the first op."""
 
 from __future__ import annotations
 
@@ -10,8 +10,37 @@ from kvcanary_cupy.rawkernels import _loader
 from _devices import HAS_CUDA
 
 
-def test_cpu_has_nothing_to_compile():
-    assert kc.compile_kernels(device="cpu") is None
+def test_cpu_ops_compile_nothing_more_after_it():
+    """On the CPU it compiles each numba op for the source counts asked for (serial and parallel
+    builds), so that an op of a context with that many sources compiles nothing at its first call."""
+    import numpy as np
+    from numba.core.registry import CPUDispatcher
+
+    from kvcanary_cupy.ops.backends._cpu import hashing, plan, scatter, verify, write
+
+    def signatures():
+        return {(module.__name__, name): len(value.signatures) for module in (hashing, plan, scatter, verify, write)
+                for name, value in vars(module).items() if isinstance(value, CPUDispatcher)}
+
+    kc.compile_kernels(device="cpu", source_counts=[3])
+    before = signatures()
+    kv = np.ones((70_000, 32), np.uint8)
+    ctx = kc.CanaryContext.allocate(70_000, hash_mode=kc.HashMode.ALL, real_kv_sources=[
+        kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=32, read_bytes=32)] * 3)
+    vplan, wplan = kc.VerifyPlan.allocate(70_000), kc.WritePlan.allocate(1)
+    table = np.arange(1, 70_003, dtype=np.int32).reshape(1, -1).repeat(2, axis=0)  # position p: slot p + 1
+    for tokens in (69_000, 3):
+        kc.plan(vplan, wplan, req_pool_indices=np.array([1]), prefix_lens=np.array([0]),
+                extend_seq_lens=np.array([tokens]), req_to_token=table)
+        ids = np.arange(1, tokens + 1, dtype=np.int64)
+        kc.write(ctx, wplan, tag=2, input_ids=ids, positions=ids - 1, out_cache_loc=ids)
+        kc.plan(vplan, wplan, req_pool_indices=np.array([1]), prefix_lens=np.array([tokens]),
+                extend_seq_lens=np.array([1]), req_to_token=table)
+        kc.verify(ctx, vplan, tag=0)
+    assert signatures() == before
+    assert ctx.violations().total == 0
+    with pytest.raises(ValueError, match="^kv-canary: source_counts item must be non-negative, got -1"):
+        kc.compile_kernels(device="cpu", source_counts=[-1])
 
 
 @pytest.mark.parametrize("device, error", [("gpu", ValueError), (True, TypeError), (-1, ValueError),
@@ -31,7 +60,7 @@ def test_cuda_without_a_device_says_why():
 def test_cli_compiles_every_device_seen(capsys):
     assert cli_main(["compile"]) == 0
     out = capsys.readouterr().out
-    assert ("kernels ready" in out) if HAS_CUDA else ("no CUDA device seen" in out)
+    assert ("cuda:0: kernels ready" if HAS_CUDA else "cpu: kernels ready") in out
 
 
 @pytest.mark.gpu
