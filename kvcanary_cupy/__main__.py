@@ -31,7 +31,8 @@ def _info(_: argparse.Namespace) -> int:
     cupy = cupy_module()
     count = cuda_device_count()
     if cupy is None:
-        print("  cuda backend: unavailable (CuPy not installed: pip install kvcanary_cupy[cuda12])")
+        print("  cuda backend: unavailable (CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x, "
+              "this package's cuda12 or cuda13 extra)")
     else:
         print(f"  cuda backend: CuPy {cupy.__version__}, {count} device(s)")
     print("  devices     : cpu" + "".join(f", cuda:{i}" for i in range(count)))

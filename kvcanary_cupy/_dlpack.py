@@ -157,8 +157,8 @@ def require_cupy(name: str):
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError(
-            f"kv-canary: {name} lives on a CUDA device but CuPy is not available; "
-            "install kvcanary_cupy[cuda12] or kvcanary_cupy[cuda13]"
+            f"kv-canary: {name}: a CUDA device needs CuPy, which is not installed; install cupy-cuda12x "
+            "or cupy-cuda13x (this package's cuda12 or cuda13 extra)"
         )
     return cupy
 

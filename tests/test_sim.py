@@ -112,3 +112,14 @@ def test_demo_cli_writes_png_chart(tmp_path):
     assert demo_main(["--device", "cpu", "--steps", "40", "--seed", "2", "--chart", str(path), "--no-progress"]) == 0
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
+    """Asked for a GPU it cannot use, the demo says why in one line and exits 2 (no traceback)."""
+    from kvcanary_cupy._dlpack import cupy_module
+
+    if cupy_module() is not None:
+        pytest.skip("CuPy is installed")
+    assert demo_main(["--device", "cuda", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv-canary: ") and "cupy-cuda12x" in err and "Traceback" not in err

@@ -34,17 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
     parser.add_argument("--fault-every", type=int, default=10, help="steps between injected faults (default 10)")
     parser.add_argument("--hash-mode", default="all", choices=[m.name.lower() for m in HashMode],
-                        help="how much real KV each slot fingerprints (default all: every fault class is visible; partial is the cheaper production mode, see docs/detection.md)")
+                        help="how much real KV each slot fingerprints (default all: every fault class is "
+                             "visible; partial, the cheaper production mode, hashes each slot's first 16 bytes, "
+                             "so a bit flipped past them goes unseen: see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
     parser.add_argument("--pool-slots", type=int, default=8192, help="KV slots in the pool (default 8192)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--max-running", type=int, default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--swa-window", type=int, default=0, help="add a sliding-window group of this window")
-    parser.add_argument("--sweep-every", type=int, default=16, help="steps between sweeps of all live requests")
+    parser.add_argument("--swa-window", type=int, default=0,
+                        help="add a sliding-window group of this window (default 0: none)")
+    parser.add_argument("--sweep-every", type=int, default=16,
+                        help="steps between sweeps of all live requests (default 16)")
     parser.add_argument("--no-expected-checks", action="store_true",
                         help="turn off the expected-token checks (token_swap then goes unseen)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: kvcanary_cupy[plot])")
+    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -60,8 +64,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     from .runner import run  # noqa: PLC0415
 
     config = config_from_args(args)
-    result = run(config, args.faults, fault_every=args.fault_every,
-                 progress=not args.no_progress and sys.stderr.isatty())
+    try:
+        result = run(config, args.faults, fault_every=args.fault_every,
+                     progress=not args.no_progress and sys.stderr.isatty())
+    except (RuntimeError, ValueError) as error:
+        if not str(error).startswith("kv-canary: "):
+            raise
+        print(error, file=sys.stderr)  # e.g. --device cuda without CuPy: one line, not a traceback
+        return 2
     print(result.summary())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -73,7 +83,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if write_chart(result, args.chart):
             print(f"wrote {args.chart}")
         else:
-            print("chart skipped: matplotlib is not installed (pip install kvcanary_cupy[plot])", file=sys.stderr)
+            print("chart skipped: matplotlib is not installed (this package's plot extra)", file=sys.stderr)
     return 0
 
 
