@@ -34,9 +34,15 @@ def _row_bytes(view) -> int:
 
 
 def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) -> list:
+    if not isinstance(buffers, (list, tuple)):
+        raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of arrays (one per layer), "
+                        f"got {type(buffers).__name__}")
     buffers = list(buffers)
     if layers is None:
         return buffers
+    if not isinstance(layers, (list, tuple, range)):
+        raise TypeError(f"{check.PREFIX}layers must be a list, tuple or range of layer indices, "
+                        f"got {type(layers).__name__} {layers!r}")
     picked = []
     for layer in layers:
         layer = check.integer(f"{name} layer index", layer)

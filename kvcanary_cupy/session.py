@@ -23,13 +23,11 @@ import numpy as np
 from . import _layout as L
 from . import reference as _ref
 from . import validate as check
-from ._dlpack import cupy_module, empty, native_view, parse_device, settle, to_host
+from ._dlpack import Device, cupy_module, device_of, empty, native_view, parse_device, settle, to_host
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
-from .ops import plan as _plan
-from .ops._dispatch import resolve_stream
-from .ops import verify as _verify
-from .ops import write as _write
+from .ops._dispatch import backend_module, resolve_stream
+from .ops.batches import PlanBatch, WriteBatch, launch_tag
 from .sources import RealKvSource
 
 __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
@@ -200,7 +198,8 @@ class _Group:
         self.device = device
         self.window = window
         self.lut = lut
-        self.head_tag, self.tail_tag, self.sweep_tag = tags
+        # As the verify op passes them on: plain ints (a LaunchTag member crashes the numba backend).
+        self.head_tag, self.tail_tag, self.sweep_tag = (launch_tag(tag) for tag in tags)
         self.capacities = capacities
         self.vplan = VerifyPlan.allocate(capacities.verify_capacity, device=device)
         self.wplan = WritePlan.allocate(capacities.write_req_capacity, device=device)
@@ -217,10 +216,10 @@ def _xp(device):
 
 @contextlib.contextmanager
 def _on(device, stream: Any):
-    """The canary's own array work between its ops, on their device and stream: queued on another
-    stream it would not wait for the ops before it (nor they for it)."""
+    """The ops and the canary's own array work between them, on their device and ``stream`` (resolved):
+    queued on another stream that work would not wait for the ops before it (nor they for it)."""
     if device.is_cuda:
-        with cupy_module().cuda.Device(device.index), resolve_stream(stream, device):
+        with cupy_module().cuda.Device(device.index), stream:
             yield
     else:
         yield
@@ -229,6 +228,42 @@ def _on(device, stream: Any):
 def _signed(value: int) -> int:
     value &= L.U64_MASK
     return value - (1 << 64) if value >> 63 else value
+
+
+# --- argument checks (SPEC §4) of what only the session takes; the ops' own rules run through their
+# --- argument bundles (PlanBatch, WriteBatch), all built before the first launch of a call ---------
+def _require(name: str, value: Any, kind: type) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{check.PREFIX}{name} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _sources(name: str, sources: Any) -> tuple:
+    """``sources`` by CanaryContext's rule, checked here so that an SWA group's are named as such
+    and refused before the full group's context is allocated."""
+    if not isinstance(sources, (list, tuple)):
+        raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of RealKvSource, got {type(sources).__name__}")
+    for index, source in enumerate(sources):
+        _require(f"{name}[{index}]", source, RealKvSource)
+    return tuple(sources)
+
+
+def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
+    """A zero-copy native view of ``array`` on the session's device, passing ``rule(name, view,
+    *rule_args)``. For the tables the session keeps (checked at construction by the rule the ops
+    apply, not at the first forward) and for the arrays the ops would check under another name
+    (``LiveRequests.seq_lens`` becomes the plan's ``prefix_lens``)."""
+    check.one_device({"the canary": device, name: device_of(array, name)})
+    view = native_view(array, name, device)
+    rule(name, view, *rule_args)
+    return view
+
+
+def _req_ids(req_ids: Any) -> None:
+    """Only ``poll`` reads them (``len`` and indexing), long after the call that took them."""
+    if req_ids is not None and not (hasattr(req_ids, "__len__") and hasattr(req_ids, "__getitem__")):
+        raise TypeError(f"{check.PREFIX}req_ids must be None or a sequence (one per batch row), "
+                        f"got {type(req_ids).__name__} {req_ids!r}")
 
 
 class Canary:
@@ -249,41 +284,56 @@ class Canary:
                  expected_tokens: Optional[Any] = None, check_expected_token: Optional[bool] = None,
                  token_offset: int = 0, chain_position_assert: bool = False,
                  logger: Optional[logging.Logger] = None):
+        # Every argument is checked before anything is allocated.
         if mode not in MODES:
             raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(capacities, Capacities):
-            raise TypeError(f"{check.PREFIX}capacities must be a Capacities, got {type(capacities).__name__}")
+        _require("capacities", capacities, Capacities)
+        device = parse_device(device)
+        pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
+        hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
+        real_kv_sources = _sources("real_kv_sources", real_kv_sources)
+        req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
+        if expected_tokens is not None:
+            expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32)
+        check_expected_token = (expected_tokens is not None if check_expected_token is None
+                                else check.boolean("check_expected_token", check_expected_token))
+        token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
+        if swa is not None:
+            _require("swa", swa, SwaGroup)
+            window = check.positive("SwaGroup.window", swa.window)
+            lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
+            swa_slots = check.positive("SwaGroup.num_slots", swa.num_slots)
+            swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources)
+
         self.mode = mode
-        self.device = parse_device(device)
+        self.device = device
         self.capacities = capacities
-        self.pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
-        self.hash_mode = L.HashMode(hash_mode)
+        self.pool_slot_count = pool_slot_count
+        self.hash_mode = hash_mode
         self.req_to_token = req_to_token
         self.expected_tokens = expected_tokens
-        self.check_expected_token = (expected_tokens is not None) if check_expected_token is None else bool(
-            check_expected_token)
-        self.token_offset = check.integer("token_offset", token_offset)
+        self.check_expected_token = check_expected_token
+        self.token_offset = token_offset
         self.logger = logger or _LOG
         self.forwards = 0
         self._planned: Any = None
         self._host_cache: dict = {}
-        full_ctx = CanaryContext.allocate(self.pool_slot_count, device=self.device, ring_capacity=ring_capacity,
-                                          real_kv_sources=tuple(real_kv_sources), hash_mode=self.hash_mode,
+        # The backends themselves: each call validates its bundles once, up front, for all its launches.
+        self._plan_op = backend_module(device, "plan").plan
+        self._verify_op = backend_module(device, "verify").verify
+        self._write_op = backend_module(device, "write").write
+        full_ctx = CanaryContext.allocate(pool_slot_count, device=device, ring_capacity=ring_capacity,
+                                          real_kv_sources=real_kv_sources, hash_mode=hash_mode,
                                           chain_position_assert=chain_position_assert)
         T = L.LaunchTag
-        self.groups = [_Group("full", full_ctx, capacities, self.device, 0, None,
+        self.groups = [_Group("full", full_ctx, capacities, device, 0, None,
                               (T.HEAD_K_FULL, T.TAIL_K_FULL, T.SWEEP_K_FULL))]
         self.swa = swa
         if swa is not None:
-            if not isinstance(swa, SwaGroup):
-                raise TypeError(f"{check.PREFIX}swa must be a SwaGroup, got {type(swa).__name__}")
-            window = check.positive("SwaGroup.window", swa.window)
-            lut = native_view(swa.lut, "SwaGroup.lut")
-            check.vector("SwaGroup.lut", lut, np.int64)
-            swa_ctx = CanaryContext.allocate(check.positive("SwaGroup.num_slots", swa.num_slots), device=self.device,
-                                             ring_capacity=ring_capacity, real_kv_sources=tuple(swa.real_kv_sources),
-                                             hash_mode=self.hash_mode, chain_position_assert=chain_position_assert)
-            self.groups.append(_Group("swa", swa_ctx, capacities, self.device, window, lut,
+            swa_ctx = CanaryContext.allocate(swa_slots, device=device, ring_capacity=ring_capacity,
+                                             real_kv_sources=swa_sources, hash_mode=hash_mode,
+                                             chain_position_assert=chain_position_assert)
+            self.groups.append(_Group("swa", swa_ctx, capacities, device, window, lut,
                                       (T.HEAD_K_SWA, T.TAIL_K_SWA, T.SWEEP_K_SWA)))
 
     # --- facts ------------------------------------------------------------------------------------
@@ -301,32 +351,67 @@ class Canary:
         return self.mode != "off"
 
     # --- per forward ------------------------------------------------------------------------------
-    def _plan(self, group: _Group, vplan: VerifyPlan, wplan: WritePlan, req_pool_indices, prefix_lens,
-              extend_seq_lens, valid_lens, stream) -> None:
+    def _stream(self, stream: Any):
+        """The call's stream, resolved (and so checked) once, before anything is launched."""
+        return resolve_stream(stream, self.device) if self.device.is_cuda else None
+
+    def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
+        """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes
+        against its plans (device, write-plan capacity), all before the call launches anything."""
         expected = self.expected_tokens if self.check_expected_token else None
-        _plan(vplan, wplan, req_pool_indices=req_pool_indices, prefix_lens=prefix_lens,
-              extend_seq_lens=extend_seq_lens, req_to_token=self.req_to_token,
-              swa_window_size=group.window, full_to_swa_index_mapping=group.lut,
-              req_to_verify_expected_tokens=expected,
-              req_to_verify_expected_tokens_valid_lens=None if expected is None else (
-                  prefix_lens if valid_lens is None else valid_lens),
-              kv_token_id_vs_position_offset=self.token_offset, stream=stream)
+        full = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
+                         req_to_token=self.req_to_token, req_to_verify_expected_tokens=expected,
+                         req_to_verify_expected_tokens_valid_lens=None if expected is None else (
+                             prefix_lens if valid_lens is None else valid_lens),
+                         kv_token_id_vs_position_offset=self.token_offset)
+        check.one_device({"the canary": self.device, "req_pool_indices": full.device})
+        if full.batch_size > self.capacities.write_req_capacity:  # every write plan has this capacity
+            raise ValueError(f"{check.PREFIX}batch size (req_pool_indices length) must be <= "
+                             f"capacities.write_req_capacity {self.capacities.write_req_capacity}, "
+                             f"got {full.batch_size}")
+        return [full if group.lut is None else dataclasses.replace(
+            full, swa_window_size=group.window, full_to_swa_index_mapping=group.lut) for group in self.groups]
+
+    def _writes(self, batch: ForwardBatch, stream) -> list[WriteBatch]:
+        """Each group's write bundle, validated by the write op's rules (the SWA group's slots
+        translated on ``stream`` when the batch does not give them)."""
+        full = WriteBatch(tag=self.groups[0].tail_tag, input_ids=batch.input_ids, positions=batch.positions,
+                          out_cache_loc=batch.out_cache_loc, expected_input_tokens=batch.expected_input_tokens,
+                          expected_input_positions=batch.expected_input_positions)
+        check.one_device({"the canary": self.device, "input_ids": full.device})
+        writes = [full]
+        for group in self.groups[1:]:
+            if batch.swa_out_cache_loc is not None:
+                loc = _adopt("swa_out_cache_loc", batch.swa_out_cache_loc, self.device, check.vector, np.int64,
+                             full.num_entries, "one per entry, as input_ids")
+            else:
+                xp = _xp(self.device)
+                with _on(self.device, stream):
+                    inside = (full.out_cache_loc >= 0) & (full.out_cache_loc < group.lut.shape[0])
+                    loc = xp.where(inside, group.lut[xp.clip(full.out_cache_loc, 0, group.lut.shape[0] - 1)], -1)
+            writes.append(dataclasses.replace(full, tag=group.tail_tag, out_cache_loc=loc))
+        return writes
 
     def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:
-        _verify(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
-        with _on(self.device, stream):
-            group.overflows += 1 - vplan.enable  # skipped launches, counted on the device, read by poll()
+        """Verify ``vplan`` (inside ``_on``, so the count below follows the launch on its stream)."""
+        self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
+        group.overflows += 1 - vplan.enable  # skipped launches, counted on the device, read by poll()
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         if not self.enabled:
             return
+        _require("batch", batch, ForwardBatch)
+        _req_ids(batch.req_ids)
+        plans = self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens,
+                            batch.expected_valid_lens)
+        stream = self._stream(stream)
         self.forwards += 1
-        for group in self.groups:
-            self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
-                       batch.extend_seq_lens, batch.expected_valid_lens, stream)
-            self._check(group, group.vplan, group.head_tag, stream)
-            group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
+        with _on(self.device, stream):
+            for group, plan in zip(self.groups, plans):
+                self._plan_op(group.vplan, group.wplan, plan, stream=stream)
+                self._check(group, group.vplan, group.head_tag, stream)
+                group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
         self._planned = batch
 
     def after_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
@@ -334,47 +419,53 @@ class Canary:
         prefix slots the forward read (TAIL)."""
         if not self.enabled:
             return
-        if self._planned is not batch:
-            self.forwards += 1
-            for group in self.groups:
-                self._plan(group, group.vplan, group.wplan, batch.req_pool_indices, batch.prefix_lens,
-                           batch.extend_seq_lens, batch.expected_valid_lens, stream)
-        for group in self.groups:
-            loc = batch.out_cache_loc if group.lut is None else self._swa_loc(group, batch, stream)
-            _write(group.ctx, group.wplan, tag=group.tail_tag, input_ids=batch.input_ids, positions=batch.positions,
-                   out_cache_loc=loc, expected_input_tokens=batch.expected_input_tokens,
-                   expected_input_positions=batch.expected_input_positions, stream=stream)
-            group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch, write_loc=loc))
-            self._check(group, group.vplan, group.tail_tag, stream)
-            group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
-        self._planned = None
-
-    def _swa_loc(self, group: _Group, batch: ForwardBatch, stream):
-        if batch.swa_out_cache_loc is not None:
-            return batch.swa_out_cache_loc
-        xp = _xp(self.device)
+        _require("batch", batch, ForwardBatch)
+        _req_ids(batch.req_ids)
+        stream = self._stream(stream)
+        plans = None if self._planned is batch else self._plans(
+            batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.expected_valid_lens)
+        writes = self._writes(batch, stream)
         with _on(self.device, stream):
-            loc = native_view(batch.out_cache_loc, "out_cache_loc")
-            inside = (loc >= 0) & (loc < group.lut.shape[0])
-            return xp.where(inside, group.lut[xp.clip(loc, 0, group.lut.shape[0] - 1)], -1)
+            if plans is not None:
+                self.forwards += 1
+                for group, plan in zip(self.groups, plans):
+                    self._plan_op(group.vplan, group.wplan, plan, stream=stream)
+            for group, write in zip(self.groups, writes):
+                self._write_op(group.ctx, group.wplan, write, stream=stream)
+                group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch,
+                                         write_loc=write.out_cache_loc))
+                self._check(group, group.vplan, group.tail_tag, stream)
+                group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
+        self._planned = None
 
     def sweep(self, live_requests: LiveRequests, *, stream: Any = None) -> None:
         """Verify every cached token of ``live_requests`` (the last ``window`` of them in the SWA group)."""
         if not self.enabled:
             return
-        bs = int(native_view(live_requests.req_pool_indices, "req_pool_indices").shape[0])
+        _require("live_requests", live_requests, LiveRequests)
+        _req_ids(live_requests.req_ids)
+        rows = _adopt("LiveRequests.req_pool_indices", live_requests.req_pool_indices, self.device, check.vector,
+                      np.int64)
+        bs = int(rows.shape[0])
+        seq_lens = _adopt("LiveRequests.seq_lens", live_requests.seq_lens, self.device, check.vector, np.int64, bs,
+                          "one per request, as req_pool_indices")
+        stream = self._stream(stream)
         if bs == 0:
             return
         with _on(self.device, stream):
             zeros = empty((bs,), np.int64, self.device)
+        plans = self._plans(rows, seq_lens, zeros, None)
         for group in self.groups:
+            # Allocated (and settled) on the current stream, as a group's other plans are, before
+            # the launches' stream is made current.
             if group.sweep_vplan is None:
                 group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
                 group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
-            self._plan(group, group.sweep_vplan, group.sweep_wplan, live_requests.req_pool_indices,
-                       live_requests.seq_lens, zeros, None, stream)
-            self._check(group, group.sweep_vplan, group.sweep_tag, stream)
-            group.log.append(_Launch("verify", "sweep", group.sweep_tag, self.forwards, live_requests))
+        with _on(self.device, stream):
+            for group, plan in zip(self.groups, plans):
+                self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
+                self._check(group, group.sweep_vplan, group.sweep_tag, stream)
+                group.log.append(_Launch("verify", "sweep", group.sweep_tag, self.forwards, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
     def poll(self) -> CanaryReport:

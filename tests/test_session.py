@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -274,6 +276,12 @@ def test_layout_builders_geometry():
         kc.layouts.per_layer(k, v[:1])
     with pytest.raises(ValueError, match="kv-canary"):
         kc.layouts.paged([np.zeros((4, 16), np.float16)])
+    with pytest.raises(TypeError, match=r"^kv-canary: k_buffers must be a list or tuple of arrays .*got NoneType"):
+        kc.layouts.per_layer(None)
+    with pytest.raises(TypeError, match=r"^kv-canary: layers must be a list, tuple or range .*got int 5"):
+        kc.layouts.per_layer(k, layers=5)
+    with pytest.raises(ValueError, match=r"^kv-canary: k_buffers layer index must be in \[0, 3\), got 3"):
+        kc.layouts.per_layer(k, layers=range(4))
 
 
 def test_layout_builders_accept_torch_bfloat16():
@@ -296,3 +304,189 @@ def test_layout_builders_accept_torch_bfloat16():
     buf[0][3, 1, 0, 0] = 1.5  # V half
     kc.verify(ctx, vplan, tag=kc.LaunchTag.HEAD_K_FULL)
     assert ctx.violations().total == 1
+
+
+# --- bad input (SPEC §4): prefixed errors naming the argument, and a rejected call changes nothing ---
+def _state(canary: kc.Canary) -> list:
+    """Every mutable piece of a session, copied to the host."""
+    arrays = []
+    for group in canary.groups:
+        ctx = group.ctx
+        arrays += [ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter,
+                   ctx.kernel_run_counter, group.overflows]
+        for plan in (group.vplan, group.wplan, group.sweep_vplan, group.sweep_wplan):
+            if plan is not None:
+                arrays += [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "device"]
+    logs = [list(group.log) for group in canary.groups]
+    plans = [(group.sweep_vplan is None, group.sweep_wplan is None) for group in canary.groups]
+    return [to_numpy(a).copy() for a in arrays] + [canary.forwards, id(canary._planned), logs, plans]
+
+
+def _assert_same(before: list, after: list) -> None:
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert a == b
+
+
+def _rejected(canary: kc.Canary, call, error: type, *names: str) -> None:
+    """``call()`` raises ``error`` with a prefixed message naming each of ``names``, leaving ``canary`` as it was."""
+    before = _state(canary)
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith("kv-canary: "), message
+    for name in names:
+        assert name in message, message
+    _assert_same(before, _state(canary))
+
+
+def _batch(device, **overrides) -> kc.ForwardBatch:
+    i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
+    fields = dict(req_pool_indices=i64([1]), prefix_lens=i64([3]), extend_seq_lens=i64([1]), input_ids=i64([7]),
+                  positions=i64([3]), out_cache_loc=i64([20]))
+    fields.update(overrides)
+    return kc.ForwardBatch(**fields)
+
+
+def _warm(device, **kwargs) -> Tiny:
+    """A session with some history: a planned-and-written forward and a sweep."""
+    eng = Tiny(device, **kwargs)
+    eng.step({"a": 3, "b": 2})
+    eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([1], np.int64), device),
+                                     seq_lens=to_device(np.array([3], np.int64), device)))
+    return eng
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rejected_before_forward_changes_nothing(device):
+    eng = _warm(device, swa=True)
+    planned = _batch(device)
+    eng.canary.before_forward(planned)
+    int32 = to_device(np.array([3], np.int32), device)
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, prefix_lens=int32)), TypeError,
+              "prefix_lens", "int64", "int32")
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, extend_seq_lens=to_device(
+        np.array([1, 1], np.int64), device))), ValueError, "extend_seq_lens", "length 1")
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=5)), TypeError, "req_ids")
+    over = to_device(np.ones(eng.canary.capacities.write_req_capacity + 1, np.int64), device)
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_pool_indices=over, prefix_lens=over,
+                                                                   extend_seq_lens=over)),
+              ValueError, "write_req_capacity")
+    assert eng.canary._planned is planned
+
+
+@pytest.mark.parametrize("batch", [{"req_pool_indices": np.ones(1, np.int64)}, None])
+def test_calls_refuse_what_is_not_a_batch(batch):
+    eng = _warm("cpu")
+    for call in (eng.canary.before_forward, eng.canary.after_forward):
+        _rejected(eng.canary, lambda: call(batch), TypeError, "batch must be a ForwardBatch",
+                  type(batch).__name__)
+    _rejected(eng.canary, lambda: eng.canary.sweep(batch), TypeError, "live_requests must be a LiveRequests",
+              type(batch).__name__)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rejected_after_forward_of_an_unplanned_batch_leaves_the_plans(device):
+    eng = _warm(device)
+    int32 = to_device(np.array([7], np.int32), device)
+    _rejected(eng.canary, lambda: eng.canary.after_forward(_batch(device, input_ids=int32)), TypeError,
+              "input_ids", "int32")
+    _rejected(eng.canary, lambda: eng.canary.after_forward(_batch(device, positions=to_device(
+        np.array([3, 4], np.int64), device))), ValueError, "positions")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("planned", [True, False])
+def test_rejected_swa_write_changes_neither_group(device, planned):
+    """The full group's write would come first: it must not run when the SWA group's is refused."""
+    eng = _warm(device, swa=True)
+    bad = _batch(device, swa_out_cache_loc=to_device(np.array([20], np.int32), device))
+    if planned:
+        eng.canary.before_forward(bad)
+    _rejected(eng.canary, lambda: eng.canary.after_forward(bad), TypeError, "swa_out_cache_loc", "int32")
+    short = _batch(device, swa_out_cache_loc=to_device(np.zeros(0, np.int64), device))
+    _rejected(eng.canary, lambda: eng.canary.after_forward(short), ValueError, "swa_out_cache_loc", "length 1")
+
+
+def test_rejected_swa_write_of_a_list_changes_nothing():
+    eng = _warm("cpu", swa=True)
+    _rejected(eng.canary, lambda: eng.canary.after_forward(_batch("cpu", out_cache_loc=[20])), TypeError,
+              "out_cache_loc", "list")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rejected_sweep_changes_nothing(device):
+    eng = Tiny(device)
+    eng.step({"a": 3})
+    rows = to_device(np.array([1], np.int64), device)
+    cases = [(kc.LiveRequests(req_pool_indices=rows, seq_lens=to_device(np.array([3], np.int32), device)),
+              TypeError, "LiveRequests.seq_lens"),
+             (kc.LiveRequests(req_pool_indices=rows, seq_lens=to_device(np.array([3, 3], np.int64), device)),
+              ValueError, "LiveRequests.seq_lens"),
+             (kc.LiveRequests(req_pool_indices=to_device(np.array(1, np.int64), device), seq_lens=rows),
+              ValueError, "LiveRequests.req_pool_indices"),
+             (kc.LiveRequests(req_pool_indices=[1], seq_lens=rows), TypeError, "LiveRequests.req_pool_indices")]
+    for live, error, name in cases:  # the first sweep would allocate the sweep plans: it must not
+        _rejected(eng.canary, lambda: eng.canary.sweep(live), error, name)
+    assert all(group.sweep_vplan is None for group in eng.canary.groups)
+
+
+def _construct(**overrides) -> kc.Canary:
+    caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
+                                   max_prefill_tokens=64)
+    args = dict(pool_slot_count=SLOTS, capacities=caps, req_to_token=np.zeros((ROWS, WIDTH), np.int32),
+                real_kv_sources=kc.layouts.per_layer([np.zeros((SLOTS, 2, 8), np.float32)]),
+                hash_mode=kc.HashMode.ALL)
+    args.update(overrides)
+    return kc.Canary(**args)
+
+
+def _swa(**overrides) -> kc.SwaGroup:
+    fields = dict(window=4, lut=np.arange(SLOTS + 1, dtype=np.int64), num_slots=SLOTS)
+    fields.update(overrides)
+    return kc.SwaGroup(**fields)
+
+
+@pytest.mark.parametrize("overrides, error, names", [
+    ({"hash_mode": 7}, ValueError, ("hash_mode", "7")),
+    ({"hash_mode": True}, TypeError, ("hash_mode", "bool")),
+    ({"hash_mode": "ALL"}, TypeError, ("hash_mode", "str")),
+    ({"hash_mode": 2.0}, TypeError, ("hash_mode", "float")),
+    ({"check_expected_token": 1}, TypeError, ("check_expected_token", "bool", "int 1")),
+    ({"check_expected_token": "no"}, TypeError, ("check_expected_token", "'no'")),
+    ({"req_to_token": np.zeros((ROWS, WIDTH), np.int64)}, TypeError, ("req_to_token", "int32", "int64")),
+    ({"req_to_token": None}, TypeError, ("req_to_token", "NoneType")),
+    ({"req_to_token": np.zeros(WIDTH, np.int32)}, ValueError, ("req_to_token", "2-D")),
+    ({"expected_tokens": np.zeros((ROWS, WIDTH))}, TypeError, ("expected_tokens", "float64")),
+    ({"expected_tokens": np.zeros(WIDTH, np.int32)}, ValueError, ("expected_tokens", "2-D")),
+    ({"token_offset": 1 << 63}, ValueError, ("token_offset", "int64")),
+    ({"real_kv_sources": None}, TypeError, ("real_kv_sources", "NoneType")),
+    ({"real_kv_sources": [object()]}, TypeError, ("real_kv_sources[0]", "RealKvSource")),
+    ({"swa": _swa(real_kv_sources=None)}, TypeError, ("SwaGroup.real_kv_sources", "NoneType")),
+    ({"swa": _swa(real_kv_sources=["k"])}, TypeError, ("SwaGroup.real_kv_sources[0]", "str")),
+    ({"swa": _swa(lut=np.arange(SLOTS + 1, dtype=np.int32))}, TypeError, ("SwaGroup.lut", "int32")),
+    ({"swa": _swa(num_slots=0)}, ValueError, ("SwaGroup.num_slots", "0")),
+    ({"swa": {"window": 4}}, TypeError, ("swa", "SwaGroup", "dict")),
+])
+def test_construction_checks_before_allocating(monkeypatch, overrides, error, names):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before every argument was checked")
+
+    monkeypatch.setattr(kc.CanaryContext, "allocate", no_allocation)
+    with pytest.raises(error) as info:
+        _construct(**overrides)
+    message = str(info.value)
+    assert message.startswith("kv-canary: "), message
+    for name in names:
+        assert name in message, message
+
+
+def test_construction_keeps_the_tables_in_place():
+    table, expected = np.zeros((ROWS, WIDTH), np.int32), np.zeros((ROWS, WIDTH), np.int32)
+    canary = _construct(req_to_token=table, expected_tokens=expected, check_expected_token=False,
+                        hash_mode=np.int64(1))
+    assert canary.req_to_token is table and canary.expected_tokens is expected
+    assert canary.hash_mode is kc.HashMode.PARTIAL and canary.check_expected_token is False

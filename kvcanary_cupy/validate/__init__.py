@@ -21,7 +21,6 @@ from .rules import (  # noqa: F401
     non_negative,
     one_device,
     member,
-    one_of,
     positive,
     positive_multiple,
     rows_contiguous,

@@ -6,7 +6,7 @@ received. ``TypeError`` is for a wrong type or dtype, ``ValueError`` for a wrong
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -191,15 +191,6 @@ def both_or_neither(first: tuple[str, Any], second: tuple[str, Any]) -> None:
     if (value_a is None) != (value_b is None):
         given, missing = (name_a, name_b) if value_b is None else (name_b, name_a)
         raise ValueError(f"{PREFIX}{given} requires {missing}: pass both or neither, got {missing}=None")
-
-
-def one_of(name: str, value: Any, allowed: Iterable[Any], kind: type) -> Any:
-    try:
-        converted = kind(value)
-    except (ValueError, TypeError):
-        allowed_text = ", ".join(repr(a) for a in allowed)
-        raise ValueError(f"{PREFIX}{name} must be one of {allowed_text}, got {value!r}") from None
-    return converted
 
 
 def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False) -> dict[str, Device]:
