@@ -1,0 +1,44 @@
+"""The examples in ``examples/`` run on the CPU and print the violation the README shows."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(script: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--device", "cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_quickstart():
+    out = _run("quickstart.py")
+    assert "1 violation(s), 0 dropped" in out
+    assert ("HEAD_K_FULL: slot 655 position 7 [REAL_KV_HASH] token stored=18503 expected=-1 "
+            "chain stored=0x9fcfebb3f18735e9 aux=0x9fcfebb3f18735e9") in out
+
+
+def test_session():
+    out = _run("session.py")
+    assert "after 3 forwards: 0 violation(s)" in out
+    assert ("[HEAD_K_FULL step 4] request 'b' position 3 slot 23: REAL_KV_HASH "
+            "(stored token 19412 position 3)") in out
+    assert ("[TAIL_K_FULL step 4] request 'b' position 3 slot 23: REAL_KV_HASH "
+            "(stored token 19412 position 3)") in out
+
+
+def test_torch_quickstart():
+    pytest.importorskip("torch")
+    out = _run("torch_quickstart.py")
+    assert "1 violation(s), 0 dropped" in out
+    assert ("HEAD_K_FULL: slot 3 position 7 [REAL_KV_HASH] token stored=14933 expected=-1 "
+            "chain stored=0xc258788ae6f55ecb aux=0xc258788ae6f55ecb") in out
