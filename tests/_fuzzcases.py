@@ -26,10 +26,11 @@ HUGE = np.array([1 << 62, L.INT64_MAX], np.int64)
 HUGE_OFFSETS = np.array([-(1 << 63), -(1 << 62), 1 << 62, L.INT64_MAX], np.int64)
 
 
-def _some_huge(rng: np.random.Generator, values: np.ndarray, rate: float, choices: np.ndarray = HUGE) -> None:
-    """Sets about ``rate`` of ``values`` (in place) to a value from ``choices``."""
-    hit = rng.random(len(values)) < rate
-    values[hit] = rng.choice(choices, size=int(hit.sum()))
+def _one_huge(rng: np.random.Generator, values: np.ndarray, rate: float, choices: np.ndarray = HUGE) -> None:
+    """In about ``rate`` of the cases, sets one cell of ``values`` (in place) to a value from ``choices``
+    (per case, not per cell: a large batch would otherwise always overflow its plan)."""
+    if len(values) and rng.random() < rate:
+        values[rng.integers(0, len(values))] = rng.choice(choices)
 
 
 def verify_total(pool_rows: np.ndarray, prefix: np.ndarray, swa: int) -> int:
@@ -311,9 +312,9 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
     prefix = rng.integers(0, per_request + 1, size=bs)
     prefix[rng.random(bs) < 0.02] = width + 5
     prefix[rng.random(bs) < 0.02] = -3
-    _some_huge(rng, prefix, 0.01)
+    _one_huge(rng, prefix, 0.05)
     extend = rng.integers(-1, 5, size=bs)
-    _some_huge(rng, extend, 0.01)
+    _one_huge(rng, extend, 0.05)
     swa = int(rng.choice([0, 0, 0, 1, 4, 128]))
     lut = None
     if swa:
@@ -374,7 +375,7 @@ def make_scatter_case(rng: np.random.Generator, max_entries: int) -> dict:
     offsets = np.concatenate([[0], cuts, [n]])[: bs + 1] if bs else np.zeros(1, np.int64)
     hostile = rng.random(len(offsets)) < 0.03
     offsets[hostile] += rng.integers(-5, 20, size=int(hostile.sum()))
-    _some_huge(rng, offsets, 0.01, HUGE_OFFSETS)
+    _one_huge(rng, offsets, 0.05, HUGE_OFFSETS)
     pool_rows = rng.permutation(rows)[:bs] if bs <= rows else rng.integers(0, rows, size=bs)
     pool_rows = pool_rows.astype(np.int64)
     pool_rows[rng.random(bs) < 0.03] = rows + 1
@@ -462,7 +463,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     _corrupt(pool, rng, int(rng.choice([0, 0, 1, 5])))
     prefix[rng.random(bs) < 0.01] = width + 5            # past the table's width
     prefix[rng.random(bs) < 0.01] = -3
-    _some_huge(rng, prefix, 0.005)
+    _one_huge(rng, prefix, 0.03)
 
     seeds = seed_slots(pool_rows, prefix, req_to_token, lut)
     ids, positions, locs = [], [], []
