@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import SourceSpec, snapshot
-from _devices import BACKENDS, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 # --- the SPEC's four messages, verbatim -----------------------------------------------------------
 
@@ -385,6 +385,31 @@ def test_read_only_outputs_change_nothing(op, owner, field, pattern):
         getattr(w, op)()
     for index, (old, new) in enumerate(zip(before, w.buffers())):
         assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+
+
+@requires_gpu
+def test_misaligned_cuda_arrays_refused():
+    """A CuPy view whose int64 elements straddle 8-byte boundaries is refused on the host: loading
+    it in a kernel would fault, and a fault ends the CUDA context."""
+    import cupy
+
+    w = World("cuda")
+    before = snapshot(*w.buffers())
+    raw = cupy.zeros(8 * 4, cupy.uint8)
+    misaligned = raw[4:4 + 8 * 3].view(cupy.int64)
+    assert misaligned.data.ptr % 8 == 4
+    calls = [
+        (lambda: w.write(input_ids=misaligned), r"input_ids must be 8-byte aligned"),
+        (lambda: w.scatter(flat_in=misaligned[:2]), r"flat_in must be 8-byte aligned"),
+        (lambda: w.plan(prefix_lens=misaligned[:2]), r"prefix_lens must be 8-byte aligned"),
+    ]
+    for call, pattern in calls:
+        with pytest.raises(ValueError, match="^kv-canary: .*" + pattern):
+            call()
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+    w.write()  # the context still works
+    assert w.ctx.counters()["kernel_run_counter"] == 7
 
 
 def test_empty_tables_accepted():
