@@ -322,6 +322,7 @@ class Canary:
         self._plan_op = backend_module(device, "plan").plan
         self._verify_op = backend_module(device, "verify").verify
         self._write_op = backend_module(device, "write").write
+        self._count_disabled = backend_module(device, "verify").count_disabled
         full_ctx = CanaryContext.allocate(pool_slot_count, device=device, ring_capacity=ring_capacity,
                                           real_kv_sources=real_kv_sources, hash_mode=hash_mode,
                                           chain_position_assert=chain_position_assert)
@@ -393,9 +394,9 @@ class Canary:
         return writes
 
     def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:
-        """Verify ``vplan`` (inside ``_on``, so the count below follows the launch on its stream)."""
+        """Verify ``vplan`` and count the launch if its plan disabled it, both on ``stream``."""
         self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
-        group.overflows += 1 - vplan.enable  # skipped launches, counted on the device, read by poll()
+        self._count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""

@@ -33,7 +33,24 @@ def main() -> None:
     batch = dict(req_pool_indices=xp.asarray(np.arange(1, bs + 1)), prefix_lens=xp.zeros(bs, dtype=xp.int64),
                  extend_seq_lens=xp.ones(bs, dtype=xp.int64), req_to_token=xp.asarray(table))
     ids, pos, loc = xp.arange(bs, dtype=xp.int64), xp.zeros(bs, dtype=xp.int64), xp.asarray(table[1:, 0].astype(np.int64))
+    # the session's forward (before + after) and the prepared step, over the same batch
+    canary = kc.Canary(pool_slot_count=4096, req_to_token=batch["req_to_token"], device=args.device, mode="log",
+                       capacities=kc.Capacities.from_args(req_to_token_pool_size=bs + 1, max_seq_len_per_req=64,
+                                                          pool_slot_count=4096, max_prefill_tokens=64))
+    forward = kc.ForwardBatch(**{k: v for k, v in batch.items() if k != "req_to_token"}, input_ids=ids,
+                              positions=pos, out_cache_loc=loc)
+    step = kc.CanaryStep(ctx, verify_capacity=1024, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                         write_tag=kc.LaunchTag.TAIL_K_FULL, **batch, input_ids=ids, positions=pos, out_cache_loc=loc)
+
+    def session_forward():
+        canary.before_forward(forward)
+        canary.after_forward(forward)
+        if len(canary.groups[0].log) > 4096:  # poll now and then, as an engine does (not timed apart)
+            canary.poll()
+
     calls = {
+        "session forward (before_forward + after_forward)": session_forward,
+        "CanaryStep.launch": step.launch,
         "plan": lambda: kc.plan(vplan, wplan, **batch),
         "verify": lambda: kc.verify(ctx, vplan, tag=kc.LaunchTag.HEAD_K_FULL),
         "write": lambda: kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=ids, positions=pos,

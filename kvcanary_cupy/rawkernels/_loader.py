@@ -55,6 +55,7 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
+COUNT_DISABLED_KERNEL = "kvc_count_disabled"  # extern "C", beside the verify kernel
 _WRITE_KERNELS = _instances("kvc_write", 3)  # vec16, paired, real-KV sources
 # vec16, real-KV sources, short reads (only with sources)
 _WRITE_DECODE_KERNELS = tuple(instance("kvc_write_decode", vec16, real_kv, short)
@@ -75,7 +76,8 @@ def plan_instance(tile: int, lut: bool) -> str:
 _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
 
 _SPECS = (
-    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
+    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, (*_VERIFY_KERNELS, COUNT_DISABLED_KERNEL),
+               (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
                (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
     KernelSpec("write_decode", "write_decode.cu", _WRITE_DECODE_KERNELS, _WRITE_DECODE_KERNELS,

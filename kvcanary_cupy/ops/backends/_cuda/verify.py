@@ -25,3 +25,9 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
         ptr(table), i64(int(table.shape[0])), i64(int(tag)), i64(1 if check_expected_token else 0),
     )
     launch(fn, grid, _BLOCK, args, stream)
+
+
+def count_disabled(vplan, disabled, *, stream) -> None:
+    """``disabled[0] += 1`` when ``vplan``'s verify was skipped (its ``enable`` cell 0), on ``stream``."""
+    fn = kernel("verify", _loader.COUNT_DISABLED_KERNEL, vplan.device.index)
+    launch(fn, 1, 1, (ptr(vplan.enable), ptr(disabled)), stream)
