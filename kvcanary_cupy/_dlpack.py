@@ -43,6 +43,12 @@ class Device:
 CPU = Device("cpu")
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_device(index: int) -> Device:
+    """``Device("cuda", index)``, made once: every op asks it of each of its arrays."""
+    return Device("cuda", index)
+
+
 @functools.lru_cache(maxsize=1)
 def cupy_module():
     """CuPy, or ``None`` when it is not installed or cannot initialise."""
@@ -101,7 +107,7 @@ def device_of(obj: Any, name: str) -> Device:
         return CPU
     cupy = cupy_module()
     if cupy is not None and isinstance(obj, cupy.ndarray):
-        return Device("cuda", int(obj.device.id))
+        return cuda_device(obj.data.device_id)  # not obj.device, which makes a cupy Device a call
     probe = getattr(obj, "__dlpack_device__", None)
     if probe is None and hasattr(obj, "__cuda_array_interface__"):
         return Device("cuda", _cuda_interface_device(obj, name))

@@ -231,6 +231,15 @@ class CanaryContext:
                 "prev_hash": int(words[L.FIELD_PREV_HASH]), "real_kv_hash": int(words[L.FIELD_REAL_KV_HASH])}
 
 
+def require_writable(plan) -> None:
+    """The plan op's rule: every array of ``plan`` writable (it stores into each; verify and write
+    only read them). The name is formatted only for a read-only one: this runs every call."""
+    for name in plan.ARRAYS:
+        array = getattr(plan, name)
+        if isinstance(array, np.ndarray) and not array.flags.writeable:
+            check.writable(f"{type(plan).__name__}.{name}", array)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifyPlan:
     """Which slots a verify launch checks, and against what."""

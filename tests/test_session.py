@@ -316,7 +316,7 @@ def _state(canary: kc.Canary) -> list:
                    ctx.kernel_run_counter, group.overflows]
         for plan in (group.vplan, group.wplan, group.sweep_vplan, group.sweep_wplan):
             if plan is not None:
-                arrays += [getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "device"]
+                arrays += [getattr(plan, name) for name in plan.ARRAYS]
     logs = [list(group.log) for group in canary.groups]
     plans = [(group.sweep_vplan is None, group.sweep_wplan is None) for group in canary.groups]
     return [to_numpy(a).copy() for a in arrays] + [canary.forwards, id(canary._planned), logs, plans]

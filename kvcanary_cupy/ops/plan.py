@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .. import validate as check
-from ..context import VerifyPlan, WritePlan
+from ..context import VerifyPlan, WritePlan, require_writable
 from ._dispatch import backend_module, launch_scope
 from .batches import PlanBatch
 
@@ -25,9 +25,8 @@ def plan(vplan: VerifyPlan, wplan: WritePlan, *, req_pool_indices: Any, prefix_l
     if not isinstance(wplan, WritePlan):
         raise TypeError(f"{check.PREFIX}wplan must be a WritePlan, got {type(wplan).__name__}")
     batch = PlanBatch.from_arguments(locals())
-    for plan_ in (vplan, wplan):
-        for name in plan_.ARRAYS:
-            check.writable(f"{type(plan_).__name__}.{name}", getattr(plan_, name))
+    require_writable(vplan)
+    require_writable(wplan)
     if batch.batch_size > wplan.capacity:
         raise ValueError(f"{check.PREFIX}batch size must be <= the write plan's capacity {wplan.capacity}, "
                          f"got {batch.batch_size}")

@@ -141,10 +141,9 @@ def elements_aligned(name: str, array) -> None:
 
 
 def writable(name: str, array) -> None:
-    """An array an op stores into: a read-only NumPy array (or read-only DLPack export) is refused
-    before anything is written."""
-    flags = getattr(array, "flags", None)
-    if flags is not None and not getattr(flags, "writeable", True):
+    """An array an op stores into: a read-only NumPy array (a read-only DLPack export included) is
+    refused before anything is written. Device arrays have no such flag (CuPy's are writable)."""
+    if isinstance(array, np.ndarray) and not array.flags.writeable:
         raise ValueError(f"{PREFIX}{name} must be writable (the op stores into it), got a read-only array")
 
 
