@@ -10,7 +10,7 @@ import numpy as np
 from . import _layout as L
 from . import validate as check
 from ._dlpack import CPU, Device, empty, from_host, parse_device, require_cupy, settle, to_host
-from .sources import RealKvSource
+from .sources import RealKvSource, source_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +88,8 @@ class CanaryContext:
         names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                  "kernel_run_counter", "chain_position_assert")
         devices = check.adopt_views(self, {name: name for name in names})
-        if not isinstance(self.real_kv_sources, (list, tuple)):
-            raise TypeError(f"{check.PREFIX}real_kv_sources must be a list or tuple of RealKvSource, "
-                            f"got {type(self.real_kv_sources).__name__}")
-        sources = tuple(self.real_kv_sources)
+        sources = source_list("real_kv_sources", self.real_kv_sources)
         for index, source in enumerate(sources):
-            if not isinstance(source, RealKvSource):
-                raise TypeError(f"{check.PREFIX}real_kv_sources[{index}] must be a RealKvSource, "
-                                f"got {type(source).__name__}")
             devices[f"real_kv_sources[{index}].tensor"] = source.device
         device = check.one_device(devices)
         mode = check.member("hash_mode", self.hash_mode, L.HashMode)
@@ -155,9 +149,7 @@ class CanaryContext:
             raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
         assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
         mode = check.member("hash_mode", hash_mode, L.HashMode)
-        if not isinstance(real_kv_sources, (list, tuple)):
-            raise TypeError(f"{check.PREFIX}real_kv_sources must be a list or tuple of RealKvSource, "
-                            f"got {type(real_kv_sources).__name__}")
+        sources = source_list("real_kv_sources", real_kv_sources)
         where = parse_device(device)
         return cls(
             canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
@@ -166,7 +158,7 @@ class CanaryContext:
             slot_run_counter=empty((1,), np.int64, where),
             kernel_run_counter=empty((1,), np.int64, where),
             chain_position_assert=empty((1,), np.int32, where, fill=assert_flag),
-            real_kv_sources=tuple(real_kv_sources),
+            real_kv_sources=sources,
             hash_mode=mode,
         )
 

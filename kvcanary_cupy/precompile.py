@@ -24,6 +24,9 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
     of your contexts (``len(ctx.source_words)``).
     """
     where = parse_device(device)
+    if not isinstance(source_counts, (list, tuple, range)):
+        raise TypeError(f"{check.PREFIX}source_counts must be a list, tuple or range of ints, "
+                        f"got {type(source_counts).__name__} {source_counts!r}")
     if not where.is_cuda:
         counts = sorted({check.non_negative("source_counts item", count) for count in source_counts})
         _warm_cpu(counts)

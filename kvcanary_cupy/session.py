@@ -28,7 +28,7 @@ from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, resolve_stream
 from .ops.batches import PlanBatch, WriteBatch, launch_tag
-from .sources import RealKvSource
+from .sources import RealKvSource, source_list
 
 __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
            "SwaGroup", "MODES"]
@@ -238,14 +238,13 @@ def _require(name: str, value: Any, kind: type) -> Any:
     return value
 
 
-def _sources(name: str, sources: Any) -> tuple:
-    """``sources`` by CanaryContext's rule, checked here so that an SWA group's are named as such
-    and refused before the full group's context is allocated."""
-    if not isinstance(sources, (list, tuple)):
-        raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of RealKvSource, got {type(sources).__name__}")
+def _sources(name: str, sources: Any, device: Device) -> tuple:
+    """``sources`` by CanaryContext's rules of type and device, checked here so that an SWA
+    group's are named as such and refused before the full group's context is allocated."""
+    sources = source_list(name, sources)
     for index, source in enumerate(sources):
-        _require(f"{name}[{index}]", source, RealKvSource)
-    return tuple(sources)
+        check.one_device({"the canary": device, f"{name}[{index}].tensor": source.device})
+    return sources
 
 
 def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
@@ -260,10 +259,11 @@ def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
 
 
 def _req_ids(req_ids: Any) -> None:
-    """Only ``poll`` reads them (``len`` and indexing), long after the call that took them."""
-    if req_ids is not None and not (hasattr(req_ids, "__len__") and hasattr(req_ids, "__getitem__")):
-        raise TypeError(f"{check.PREFIX}req_ids must be None or a sequence (one per batch row), "
-                        f"got {type(req_ids).__name__} {req_ids!r}")
+    """Only ``poll`` reads them (``len`` and indexing), long after the call that took them; a str
+    or a dict would index as a sequence of something else."""
+    if req_ids is not None and not isinstance(req_ids, (list, tuple, np.ndarray)):
+        raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or NumPy array (one per batch "
+                        f"row), got {type(req_ids).__name__} {req_ids!r}")
 
 
 class Canary:
@@ -291,7 +291,7 @@ class Canary:
         device = parse_device(device)
         pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
-        real_kv_sources = _sources("real_kv_sources", real_kv_sources)
+        real_kv_sources = _sources("real_kv_sources", real_kv_sources, device)
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
         if expected_tokens is not None:
             expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32)
@@ -300,10 +300,10 @@ class Canary:
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
         if swa is not None:
             _require("swa", swa, SwaGroup)
-            window = check.positive("SwaGroup.window", swa.window)
+            window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
             lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
             swa_slots = check.positive("SwaGroup.num_slots", swa.num_slots)
-            swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources)
+            swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device)
 
         self.mode = mode
         self.device = device
@@ -353,8 +353,12 @@ class Canary:
 
     # --- per forward ------------------------------------------------------------------------------
     def _stream(self, stream: Any):
-        """The call's stream, resolved (and so checked) once, before anything is launched."""
-        return resolve_stream(stream, self.device) if self.device.is_cuda else None
+        """The call's stream on the canary's device, resolved (and so checked) once, before anything
+        is launched."""
+        if not self.device.is_cuda:
+            return None
+        with cupy_module().cuda.Device(self.device.index):
+            return resolve_stream(stream, self.device)
 
     def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
         """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes

@@ -122,3 +122,13 @@ def _require_contiguous_rows(view) -> None:
                 f"got strides {tuple(view.strides)} for shape {tuple(view.shape)}"
             )
         expected *= size
+
+
+def source_list(name: str, sources: Any) -> tuple:
+    """``sources`` as a tuple of :class:`RealKvSource`: a list or tuple of them, nothing else."""
+    if not isinstance(sources, (list, tuple)):
+        raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of RealKvSource, got {type(sources).__name__}")
+    for index, source in enumerate(sources):
+        if not isinstance(source, RealKvSource):
+            raise TypeError(f"{check.PREFIX}{name}[{index}] must be a RealKvSource, got {type(source).__name__}")
+    return tuple(sources)

@@ -177,6 +177,45 @@ def test_buffers_on_each_device_run_on_that_device():
             step.ctx.counters()
 
 
+def test_streams_resolve_on_the_arrays_device():
+    """With another device current, the default stream is the current stream of the arrays' device
+    (for the ops and for kc.Canary alike), and a stream of another device is refused before any
+    launch."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with cupy.cuda.Device(0):
+        foreign = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.Device(1):
+        own = cupy.cuda.Stream(non_blocking=True)
+        ctx = kc.CanaryContext.allocate(64, device="cuda:1")
+        vplan = kc.VerifyPlan.allocate(8, device="cuda:1")
+        table = cupy.zeros((2, 8), cupy.int32)
+        table[1, :3] = cupy.arange(1, 4, dtype=cupy.int32)
+        canary = kc.Canary(pool_slot_count=64, req_to_token=table, device="cuda:1", mode="log",
+                           capacities=kc.Capacities.from_args(req_to_token_pool_size=2, max_seq_len_per_req=8,
+                                                              pool_slot_count=64, max_prefill_tokens=8))
+        batch = kc.ForwardBatch(req_pool_indices=cupy.array([1]), prefix_lens=cupy.array([0]),
+                                extend_seq_lens=cupy.array([3]), input_ids=cupy.array([7, 8, 9]),
+                                positions=cupy.arange(3), out_cache_loc=cupy.arange(1, 4))
+    with cupy.cuda.Device(1), own, cupy.cuda.Device(0):  # own: device 1's current stream; device 0 current
+        assert canary._stream(None).ptr == own.ptr
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+        kc.verify(ctx, vplan, tag=0)
+        before = (canary.forwards, [list(group.log) for group in canary.groups])
+        with pytest.raises(ValueError, match=r"^kv-canary: stream must belong to the arrays' device cuda:1, "
+                                             r"got a stream of cuda:0"):
+            kc.verify(ctx, vplan, tag=0, stream=foreign)
+        with pytest.raises(ValueError, match=r"^kv-canary: stream must belong"):
+            canary.before_forward(batch, stream=foreign)
+        assert (canary.forwards, [list(group.log) for group in canary.groups]) == before
+    own.synchronize()
+    report = canary.poll()
+    assert (report.total, report.forwards) == (0, 1)
+    assert ctx.counters()["kernel_run_counter"] == 1
+    assert canary.context.counters()["slot_run_counter"] == 3
+
+
 def _dlpack_write_roundtrip(make, read):
     """Ops on arrays from another framework write into that framework's memory."""
     rng = np.random.default_rng(5)

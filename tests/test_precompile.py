@@ -41,6 +41,8 @@ def test_cpu_ops_compile_nothing_more_after_it():
     assert ctx.violations().total == 0
     with pytest.raises(ValueError, match="^kv-canary: source_counts item must be non-negative, got -1"):
         kc.compile_kernels(device="cpu", source_counts=[-1])
+    with pytest.raises(TypeError, match="^kv-canary: source_counts must be a list, tuple or range of ints, got int 5"):
+        kc.compile_kernels(device="cpu", source_counts=5)
 
 
 @pytest.mark.parametrize("device, error", [("gpu", ValueError), (True, TypeError), (-1, ValueError),

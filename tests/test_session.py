@@ -371,6 +371,7 @@ def test_rejected_before_forward_changes_nothing(device):
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, extend_seq_lens=to_device(
         np.array([1, 1], np.int64), device))), ValueError, "extend_seq_lens", "length 1")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=5)), TypeError, "req_ids")
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids="ab")), TypeError, "req_ids")
     over = to_device(np.ones(eng.canary.capacities.write_req_capacity + 1, np.int64), device)
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_pool_indices=over, prefix_lens=over,
                                                                    extend_seq_lens=over)),
@@ -470,6 +471,7 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"swa": _swa(lut=np.arange(SLOTS + 1, dtype=np.int32))}, TypeError, ("SwaGroup.lut", "int32")),
     ({"swa": _swa(num_slots=0)}, ValueError, ("SwaGroup.num_slots", "0")),
     ({"swa": {"window": 4}}, TypeError, ("swa", "SwaGroup", "dict")),
+    ({"swa": _swa(window=1 << 64)}, ValueError, ("SwaGroup.window", "int64")),
 ])
 def test_construction_checks_before_allocating(monkeypatch, overrides, error, names):
     def no_allocation(*args, **kwargs):

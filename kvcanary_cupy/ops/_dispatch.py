@@ -17,11 +17,16 @@ def backend_module(device: Device, op: str):
 
 
 def resolve_stream(stream: Any, device: Device):
-    """A CuPy stream object for ``stream`` (None, a CuPy stream, a raw handle, ``__cuda_stream__``)."""
+    """A CuPy stream object for ``stream`` (None, a CuPy stream, a raw handle, ``__cuda_stream__``)
+    on ``device``: None is CuPy's current stream of that device, whichever device is current."""
     cupy = require_cupy("stream")
     if stream is None:
-        return cupy.cuda.get_current_stream()
+        return cupy.cuda.get_current_stream(device.index)
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        owner = getattr(stream, "device_id", -1)
+        if owner not in (-1, device.index):
+            raise ValueError(f"{check.PREFIX}stream must belong to the arrays' device {device}, "
+                             f"got a stream of cuda:{owner}")
         return stream
     if hasattr(stream, "__cuda_stream__"):
         handle = stream.__cuda_stream__()[1]
@@ -34,7 +39,8 @@ def resolve_stream(stream: Any, device: Device):
                         f"object with __cuda_stream__, got {type(stream).__name__}")
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:  # CuPy >= 14 deprecates ExternalStream in favour of the protocol
-        return from_external(_StreamHandle(int(handle)))
+        with cupy.cuda.Device(device.index):  # the stream is taken to be the current device's
+            return from_external(_StreamHandle(int(handle)))
     return cupy.cuda.ExternalStream(int(handle), device.index)
 
 
