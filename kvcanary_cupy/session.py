@@ -374,8 +374,7 @@ class Canary:
             raise ValueError(f"{check.PREFIX}batch size (req_pool_indices length) must be <= "
                              f"capacities.write_req_capacity {self.capacities.write_req_capacity}, "
                              f"got {full.batch_size}")
-        return [full if group.lut is None else dataclasses.replace(
-            full, swa_window_size=group.window, full_to_swa_index_mapping=group.lut) for group in self.groups]
+        return [full if group.lut is None else full.for_window(group.window, group.lut) for group in self.groups]
 
     def _writes(self, batch: ForwardBatch, stream) -> list[WriteBatch]:
         """Each group's write bundle, validated by the write op's rules (the SWA group's slots
@@ -394,7 +393,7 @@ class Canary:
                 with _on(self.device, stream):
                     inside = (full.out_cache_loc >= 0) & (full.out_cache_loc < group.lut.shape[0])
                     loc = xp.where(inside, group.lut[xp.clip(full.out_cache_loc, 0, group.lut.shape[0] - 1)], -1)
-            writes.append(dataclasses.replace(full, tag=group.tail_tag, out_cache_loc=loc))
+            writes.append(full.for_group(group.tail_tag, loc))
         return writes
 
     def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:

@@ -55,6 +55,12 @@ class WriteBatch:
     def num_entries(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def for_group(self, tag: int, out_cache_loc: Any) -> "WriteBatch":
+        """This batch for another slot group (an SWA pool): its tag and slots, which the caller has
+        checked (a native int64 vector of ``num_entries`` on this device); nothing else is checked
+        again."""
+        return _copy_with(self, tag=tag, out_cache_loc=out_cache_loc)
+
     @property
     def has_input_assert(self) -> bool:
         return self.expected_input_tokens is not None
@@ -114,6 +120,21 @@ class PlanBatch:
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.shape[0])
+
+    def for_window(self, window: int, lut: Any) -> "PlanBatch":
+        """This batch for a sliding-window group: its window and LUT, which the caller has checked
+        (a positive int64 scalar; a native int64 vector on this device); nothing else is checked
+        again."""
+        return _copy_with(self, swa_window_size=window, full_to_swa_index_mapping=lut)
+
+
+def _copy_with(bundle: Any, **changes: Any) -> Any:
+    """A copy of a validated frozen bundle with ``changes`` (already checked by the caller), without
+    running its validation again: a session derives a group's bundles from the full group's every
+    forward."""
+    copy = object.__new__(type(bundle))
+    copy.__dict__.update(bundle.__dict__, **changes)
+    return copy
 
 
 @dataclasses.dataclass(frozen=True)
