@@ -210,10 +210,6 @@ class _Group:
         self.log: list[_Launch] = []
 
 
-def _xp(device):
-    return cupy_module() if device.is_cuda else np
-
-
 @contextlib.contextmanager
 def _on(device, stream: Any):
     """The ops and the canary's own array work between them, on their device and ``stream`` (resolved):
@@ -322,7 +318,7 @@ class Canary:
         self._plan_op = backend_module(device, "plan").plan
         self._verify_op = backend_module(device, "verify").verify
         self._write_op = backend_module(device, "write").write
-        self._count_disabled = backend_module(device, "verify").count_disabled
+        self._bookkeeping = backend_module(device, "session")
         full_ctx = CanaryContext.allocate(pool_slot_count, device=device, ring_capacity=ring_capacity,
                                           real_kv_sources=real_kv_sources, hash_mode=hash_mode,
                                           chain_position_assert=chain_position_assert)
@@ -389,17 +385,16 @@ class Canary:
                 loc = _adopt("swa_out_cache_loc", batch.swa_out_cache_loc, self.device, check.vector, np.int64,
                              full.num_entries, "one per entry, as input_ids")
             else:
-                xp = _xp(self.device)
-                with _on(self.device, stream):
-                    inside = (full.out_cache_loc >= 0) & (full.out_cache_loc < group.lut.shape[0])
-                    loc = xp.where(inside, group.lut[xp.clip(full.out_cache_loc, 0, group.lut.shape[0] - 1)], -1)
+                with _on(self.device, stream):  # allocated (and zeroed) on the stream that fills it
+                    loc = empty((full.num_entries,), np.int64, self.device)
+                    self._bookkeeping.translate_slots(full.out_cache_loc, group.lut, loc, stream=stream)
             writes.append(full.for_group(group.tail_tag, loc))
         return writes
 
     def _check(self, group: _Group, vplan: VerifyPlan, tag: int, stream) -> None:
         """Verify ``vplan`` and count the launch if its plan disabled it, both on ``stream``."""
         self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
-        self._count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
+        self._bookkeeping.count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""

@@ -492,3 +492,36 @@ def test_construction_keeps_the_tables_in_place():
                         hash_mode=np.int64(1))
     assert canary.req_to_token is table and canary.expected_tokens is expected
     assert canary.hash_mode is kc.HashMode.PARTIAL and canary.check_expected_token is False
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_bookkeeping_kernels(device):
+    """The session's device bookkeeping: a SWA group's write slots through the LUT (-1 outside it),
+    and the tally of verify launches a plan disabled."""
+    from kvcanary_cupy._dlpack import parse_device
+    from kvcanary_cupy.ops._dispatch import backend_module
+
+    where = parse_device(device)
+    ops = backend_module(where, "session")
+    stream = None
+    if where.is_cuda:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+    lut = np.array([0, 17, 18, -1, 19], np.int64)
+    loc = np.array([-3, 1, 4, 5, 99, 2, 3, 0, -(1 << 62)], np.int64)
+    out = to_device(np.full(loc.shape, 1234, np.int64), device)
+    ops.translate_slots(to_device(loc, device), to_device(lut, device), out, stream=stream)
+    assert to_numpy(out).tolist() == [-1, 17, 19, -1, -1, 18, -1, 0, -1]
+    big = np.arange(100_000, dtype=np.int64) - 7  # a grid-stride's worth, past the LUT and below 0
+    out = to_device(np.zeros(big.shape, np.int64), device)
+    ops.translate_slots(to_device(big, device), to_device(lut, device), out, stream=stream)
+    want = np.where((big >= 0) & (big < lut.size), lut[np.clip(big, 0, lut.size - 1)], -1)
+    assert np.array_equal(to_numpy(out), want)
+
+    vplan = kc.VerifyPlan.allocate(4, device=device)
+    disabled = to_device(np.array([5], np.int64), device)
+    for enable, total in ((1, 5), (0, 6), (0, 7), (2, 7)):
+        vplan.enable[...] = enable
+        ops.count_disabled(vplan, disabled, stream=stream)
+        assert int(to_numpy(disabled)[0]) == total

@@ -55,7 +55,6 @@ def _instances(template: str, arity: int) -> tuple[str, ...]:
 
 
 _VERIFY_KERNELS = _instances("kvc_verify", 1)
-COUNT_DISABLED_KERNEL = "kvc_count_disabled"  # extern "C", beside the verify kernel
 _WRITE_KERNELS = _instances("kvc_write", 3)  # vec16, paired, real-KV sources
 # vec16, real-KV sources, short reads (only with sources)
 _WRITE_DECODE_KERNELS = tuple(instance("kvc_write_decode", vec16, real_kv, short)
@@ -74,10 +73,10 @@ def plan_instance(tile: int, lut: bool) -> str:
 
 
 _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
+_SESSION_KERNELS = ("kvc_count_disabled", "kvc_translate_slots")  # extern "C"
 
 _SPECS = (
-    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, (*_VERIFY_KERNELS, COUNT_DISABLED_KERNEL),
-               (("KVC_VERIFY_THREADS", 256),)),
+    KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
     KernelSpec("write", "write.cu", _WRITE_KERNELS, _WRITE_KERNELS,
                (("KVC_WRITE_WARPS", 8), ("KVC_WRITE_CHUNK", 32))),
     KernelSpec("write_decode", "write_decode.cu", _WRITE_DECODE_KERNELS, _WRITE_DECODE_KERNELS,
@@ -89,6 +88,7 @@ _SPECS = (
     # the one-launch step writes a request per lane of one warp: at most 32 requests
     KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS,
                (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),
+    KernelSpec("session", "session.cu", (), _SESSION_KERNELS, (("KVC_SESSION_THREADS", 256),)),
 )
 SPECS = {spec.name: spec for spec in _SPECS}
 

@@ -59,10 +59,3 @@ __global__ void __launch_bounds__(KVC_VERIFY_THREADS) kvc_verify(
                                  now.prev);
     }
 }
-
-// kc.Canary's tally of the verify launches whose plan disabled them (enable == 0 skips the step,
-// SPEC 3.2), read at its next poll: one thread, so that the session's bookkeeping after a verify is
-// one launch rather than an array expression's two.
-extern "C" __global__ void kvc_count_disabled(const int* __restrict__ enable, kvc_i64* disabled) {
-    if (*enable == 0) *disabled += 1;
-}

@@ -110,8 +110,3 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> 
             vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
             ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
 
-
-def count_disabled(vplan, disabled, *, stream=None) -> None:
-    """``disabled[0] += 1`` when ``vplan``'s verify was skipped (its ``enable`` cell 0)."""
-    if vplan.enable[0] == 0:
-        disabled[0] += 1

@@ -26,8 +26,3 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
     )
     launch(fn, grid, _BLOCK, args, stream)
 
-
-def count_disabled(vplan, disabled, *, stream) -> None:
-    """``disabled[0] += 1`` when ``vplan``'s verify was skipped (its ``enable`` cell 0), on ``stream``."""
-    fn = kernel("verify", _loader.COUNT_DISABLED_KERNEL, vplan.device.index)
-    launch(fn, 1, 1, (ptr(vplan.enable), ptr(disabled)), stream)

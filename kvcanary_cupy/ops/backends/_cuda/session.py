@@ -1,0 +1,25 @@
+"""kc.Canary's device bookkeeping between its ops on a CUDA device: one launch each."""
+
+from __future__ import annotations
+
+from ....rawkernels import _loader
+from . import i64, kernel, launch, ptr, resident_grid
+
+_BLOCK = _loader.SPECS["session"].constant("KVC_SESSION_THREADS")
+
+
+def count_disabled(vplan, disabled, *, stream) -> None:
+    """``disabled[0] += 1`` when ``vplan``'s verify was skipped (its ``enable`` cell 0)."""
+    fn = kernel("session", "kvc_count_disabled", vplan.device.index)
+    launch(fn, 1, 1, (ptr(vplan.enable), ptr(disabled)), stream)
+
+
+def translate_slots(out_cache_loc, lut, out, *, stream) -> None:
+    """``out[i] = lut[out_cache_loc[i]]`` where the slot lies in the LUT, else -1."""
+    count = int(out_cache_loc.shape[0])
+    if count == 0:
+        return
+    device_id = out.device.id
+    fn = kernel("session", "kvc_translate_slots", device_id)
+    grid = max(1, min(resident_grid("session", "kvc_translate_slots", device_id, _BLOCK), -(-count // _BLOCK)))
+    launch(fn, grid, _BLOCK, (ptr(out_cache_loc), i64(count), ptr(lut), i64(int(lut.shape[0])), ptr(out)), stream)
