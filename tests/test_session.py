@@ -494,6 +494,16 @@ def test_construction_keeps_the_tables_in_place():
     assert canary.hash_mode is kc.HashMode.PARTIAL and canary.check_expected_token is False
 
 
+def test_construction_keeps_a_torch_table_zero_copy():
+    """A table from another framework is kept as a view of its memory: the engine's later writes
+    into it are what the canary reads."""
+    torch = pytest.importorskip("torch")
+    table = torch.zeros((ROWS, WIDTH), dtype=torch.int32)
+    canary = _construct(req_to_token=table)
+    table[1, 3] = 42
+    assert int(canary.req_to_token[1, 3]) == 42
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_bookkeeping_kernels(device):
     """The session's device bookkeeping: a SWA group's write slots through the LUT (-1 outside it),
