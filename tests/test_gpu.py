@@ -208,6 +208,13 @@ def test_streams_resolve_on_the_arrays_device():
             kc.verify(ctx, vplan, tag=0, stream=foreign)
         with pytest.raises(ValueError, match=r"^kv-canary: stream must belong"):
             canary.before_forward(batch, stream=foreign)
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            with pytest.raises(ValueError, match=r"^kv-canary: stream must belong .* got a stream of cuda:0"):
+                kc.verify(ctx, vplan, tag=0, stream=torch.cuda.Stream(device=0))
         assert (canary.forwards, [list(group.log) for group in canary.groups]) == before
     own.synchronize()
     report = canary.poll()

@@ -23,14 +23,12 @@ def resolve_stream(stream: Any, device: Device):
     if stream is None:
         return cupy.cuda.get_current_stream(device.index)
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
-        owner = getattr(stream, "device_id", -1)
-        if owner not in (-1, device.index):
-            raise ValueError(f"{check.PREFIX}stream must belong to the arrays' device {device}, "
-                             f"got a stream of cuda:{owner}")
+        _same_device(getattr(stream, "device_id", -1), device)
         return stream
     if hasattr(stream, "__cuda_stream__"):
         handle = stream.__cuda_stream__()[1]
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        _same_device(getattr(getattr(stream, "device", None), "index", None), device)
         handle = stream.cuda_stream
     elif isinstance(stream, int) and not isinstance(stream, bool):
         handle = stream
@@ -42,6 +40,13 @@ def resolve_stream(stream: Any, device: Device):
         with cupy.cuda.Device(device.index):  # the stream is taken to be the current device's
             return from_external(_StreamHandle(int(handle)))
     return cupy.cuda.ExternalStream(int(handle), device.index)
+
+
+def _same_device(owner, device: Device) -> None:
+    """A stream whose device is known (``owner``; -1 or None: not known) must be the arrays'."""
+    if owner not in (-1, None, device.index):
+        raise ValueError(f"{check.PREFIX}stream must belong to the arrays' device {device}, "
+                         f"got a stream of cuda:{owner}")
 
 
 class _StreamHandle:
