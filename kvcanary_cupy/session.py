@@ -228,12 +228,6 @@ def _signed(value: int) -> int:
 
 # --- argument checks (SPEC §4) of what only the session takes; the ops' own rules run through their
 # --- argument bundles (PlanBatch, WriteBatch), all built before the first launch of a call ---------
-def _require(name: str, value: Any, kind: type) -> Any:
-    if not isinstance(value, kind):
-        raise TypeError(f"{check.PREFIX}{name} must be a {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
 def _sources(name: str, sources: Any, device: Device) -> tuple:
     """``sources`` by CanaryContext's rules of type and device, checked here so that an SWA
     group's are named as such and refused before the full group's context is allocated."""
@@ -283,7 +277,7 @@ class Canary:
         # Every argument is checked before anything is allocated.
         if mode not in MODES:
             raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
-        _require("capacities", capacities, Capacities)
+        check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
         pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
@@ -295,7 +289,7 @@ class Canary:
                                 else check.boolean("check_expected_token", check_expected_token))
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
         if swa is not None:
-            _require("swa", swa, SwaGroup)
+            check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
             lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
             swa_slots = check.positive("SwaGroup.num_slots", swa.num_slots)
@@ -351,10 +345,7 @@ class Canary:
     def _stream(self, stream: Any):
         """The call's stream on the canary's device, resolved (and so checked) once, before anything
         is launched."""
-        if not self.device.is_cuda:
-            return None
-        with cupy_module().cuda.Device(self.device.index):
-            return resolve_stream(stream, self.device)
+        return resolve_stream(stream, self.device) if self.device.is_cuda else None
 
     def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
         """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes
@@ -400,7 +391,7 @@ class Canary:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         if not self.enabled:
             return
-        _require("batch", batch, ForwardBatch)
+        check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
         plans = self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens,
                             batch.expected_valid_lens)
@@ -418,7 +409,7 @@ class Canary:
         prefix slots the forward read (TAIL)."""
         if not self.enabled:
             return
-        _require("batch", batch, ForwardBatch)
+        check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
         stream = self._stream(stream)
         plans = None if self._planned is batch else self._plans(
@@ -441,7 +432,7 @@ class Canary:
         """Verify every cached token of ``live_requests`` (the last ``window`` of them in the SWA group)."""
         if not self.enabled:
             return
-        _require("live_requests", live_requests, LiveRequests)
+        check.instance("live_requests", live_requests, LiveRequests)
         _req_ids(live_requests.req_ids)
         rows = _adopt("LiveRequests.req_pool_indices", live_requests.req_pool_indices, self.device, check.vector,
                       np.int64)

@@ -53,9 +53,7 @@ class RealKvSource:
             raise TypeError(f"{check.PREFIX}RealKvSource.tensor must hold plain bytes (a numeric dtype), "
                             f"got dtype {view.dtype}")
         _require_contiguous_rows(view)
-        if view.shape[0] > 1 and view.strides[0] < 0:
-            raise ValueError(f"{check.PREFIX}RealKvSource.tensor must have a non-negative row stride, "
-                             f"got {view.strides[0]} bytes (shape={tuple(view.shape)})")
+        check.non_negative_row_stride("RealKvSource.tensor", view)
         row_bytes = int(np.prod(view.shape[1:])) * view.itemsize
         needed = page_size * bytes_per_token
         if row_bytes < needed:
@@ -129,6 +127,5 @@ def source_list(name: str, sources: Any) -> tuple:
     if not isinstance(sources, (list, tuple)):
         raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of RealKvSource, got {type(sources).__name__}")
     for index, source in enumerate(sources):
-        if not isinstance(source, RealKvSource):
-            raise TypeError(f"{check.PREFIX}{name}[{index}] must be a RealKvSource, got {type(source).__name__}")
+        check.instance(f"{name}[{index}]", source, RealKvSource)
     return tuple(sources)

@@ -20,10 +20,8 @@ def plan(vplan: VerifyPlan, wplan: WritePlan, *, req_pool_indices: Any, prefix_l
     A batch whose prefixes exceed ``vplan``'s capacity sets ``enable = 0`` (verify then skips the
     step) and leaves the entry arrays untouched.
     """
-    if not isinstance(vplan, VerifyPlan):
-        raise TypeError(f"{check.PREFIX}vplan must be a VerifyPlan, got {type(vplan).__name__}")
-    if not isinstance(wplan, WritePlan):
-        raise TypeError(f"{check.PREFIX}wplan must be a WritePlan, got {type(wplan).__name__}")
+    check.instance("vplan", vplan, VerifyPlan)
+    check.instance("wplan", wplan, WritePlan)
     batch = PlanBatch.from_arguments(locals())
     require_writable(vplan)
     require_writable(wplan)

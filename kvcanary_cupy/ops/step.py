@@ -53,8 +53,7 @@ class CanaryStep:
                  req_to_verify_expected_tokens_valid_lens: Optional[Any] = None,
                  kv_token_id_vs_position_offset: int = 0, check_expected_token: bool = False,
                  expected_input_tokens: Optional[Any] = None, expected_input_positions: Optional[Any] = None):
-        if not isinstance(ctx, CanaryContext):
-            raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
+        check.instance("ctx", ctx, CanaryContext)
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
         batch = PlanBatch.from_arguments(locals())
         writes = WriteBatch(tag=write_tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,

@@ -17,10 +17,8 @@ def verify(ctx: CanaryContext, vplan: VerifyPlan, *, tag: int, check_expected_to
     Reads the canary buffer only; writes the violation ring and counters. ``num_valid`` and
     ``enable`` are read by the backend, never by the host.
     """
-    if not isinstance(ctx, CanaryContext):
-        raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
-    if not isinstance(vplan, VerifyPlan):
-        raise TypeError(f"{check.PREFIX}vplan must be a VerifyPlan, got {type(vplan).__name__}")
+    check.instance("ctx", ctx, CanaryContext)
+    check.instance("vplan", vplan, VerifyPlan)
     tag = launch_tag(tag)
     check_expected_token = check.boolean("check_expected_token", check_expected_token)
     with launch_scope({"ctx": ctx.device, "vplan": vplan.device}, stream) as (device, resolved):

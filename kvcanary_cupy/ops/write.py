@@ -18,10 +18,8 @@ def write(ctx: CanaryContext, wplan: WritePlan, *, tag: int, input_ids: Any, pos
     With ``expected_input_*`` every entry is also checked against what the engine meant to write;
     the context's ``chain_position_assert`` flag checks positions grow by one along each chain.
     """
-    if not isinstance(ctx, CanaryContext):
-        raise TypeError(f"{check.PREFIX}ctx must be a CanaryContext, got {type(ctx).__name__}")
-    if not isinstance(wplan, WritePlan):
-        raise TypeError(f"{check.PREFIX}wplan must be a WritePlan, got {type(wplan).__name__}")
+    check.instance("ctx", ctx, CanaryContext)
+    check.instance("wplan", wplan, WritePlan)
     batch = WriteBatch(tag=tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                        expected_input_tokens=expected_input_tokens,
                        expected_input_positions=expected_input_positions)

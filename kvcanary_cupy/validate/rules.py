@@ -24,6 +24,13 @@ def integer(name: str, value: Any) -> int:
     return int(value)
 
 
+def instance(name: str, value: Any, kind: type) -> Any:
+    """``value``, which must be a ``kind`` (an argument bundle, a plan, a context...)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{PREFIX}{name} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def positive(name: str, value: Any) -> int:
     value = integer(name, value)
     if value <= 0:
@@ -119,7 +126,14 @@ def rows_contiguous(name: str, array) -> None:
         raise ValueError(
             f"{PREFIX}{name} must have a contiguous last dimension, got strides {tuple(array.strides)}"
         )
-    if array.ndim >= 2 and array.shape[0] > 1 and array.strides[0] < 0:
+    if array.ndim >= 2:
+        non_negative_row_stride(name, array)
+
+
+def non_negative_row_stride(name: str, array) -> None:
+    """Rows laid out forwards: the kernels address row r at base + r * stride with a stride they
+    take to be non-negative."""
+    if array.shape[0] > 1 and array.strides[0] < 0:
         raise ValueError(f"{PREFIX}{name} must have a non-negative row stride, got {array.strides[0]}")
 
 

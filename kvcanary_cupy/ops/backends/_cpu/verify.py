@@ -109,4 +109,3 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> 
     _verify(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
             vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
             ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
-

@@ -25,4 +25,3 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
         ptr(table), i64(int(table.shape[0])), i64(int(tag)), i64(1 if check_expected_token else 0),
     )
     launch(fn, grid, _BLOCK, args, stream)
-
