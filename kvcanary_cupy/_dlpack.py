@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,8 @@ def device_of(obj: Any, name: str) -> Device:
     cupy = cupy_module()
     if cupy is not None and isinstance(obj, cupy.ndarray):
         return cuda_device(obj.data.device_id)  # not obj.device, which makes a cupy Device a call
+    if _is_cuda_torch_tensor(obj):
+        return cuda_device(obj.get_device())
     probe = getattr(obj, "__dlpack_device__", None)
     if probe is None and hasattr(obj, "__cuda_array_interface__"):
         return Device("cuda", _cuda_interface_device(obj, name))
@@ -150,6 +153,10 @@ def native_view(obj: Any, name: str, device: Device | None = None):
     cupy = require_cupy(name)
     if isinstance(obj, cupy.ndarray):
         return obj
+    if _is_cuda_torch_tensor(obj):
+        view = _torch_view(cupy, obj, device)
+        if view is not None:
+            return view
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
         with cupy.cuda.Device(device.index):
             return cupy.asarray(obj)  # zero-copy over the interface's pointer (numba device arrays)
@@ -157,6 +164,65 @@ def native_view(obj: Any, name: str, device: Device | None = None):
         return cupy.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
         return raw_byte_view(obj, name)
+
+
+def _is_cuda_torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch tensor means torch is imported; never import it here
+    return torch is not None and isinstance(obj, getattr(torch, "Tensor", ())) and obj.is_cuda
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_dtypes() -> dict:
+    """The torch dtypes a CuPy view can have, as NumPy dtypes (torch is imported when this runs)."""
+    torch = sys.modules["torch"]
+    names = ("int64", "int32", "int16", "int8", "uint8", "float64", "float32", "float16", "bool")
+    return {getattr(torch, name): np.dtype(name) for name in names}
+
+
+def _torch_view(cupy, tensor: Any, device: Device):
+    """A CuPy view of a CUDA tensor built from its attributes, or ``None`` where DLPack must decide
+    (dtypes CuPy has not, tensors DLPack refuses or that are empty). What ``cupy.from_dlpack`` does,
+    at a fraction of its host time (about 30 us a tensor on an H200 host): the engine's tensors are
+    adopted again every forward. As DLPack's exchange does, CuPy's current stream is made to wait for
+    torch's when they differ."""
+    dtype = _torch_dtypes().get(tensor.dtype)
+    if (dtype is None or tensor.requires_grad or tensor.is_conj() or tensor.is_neg()
+            or tensor.layout is not sys.modules["torch"].strided or tensor.numel() == 0):
+        return None
+    _order_after_torch(cupy, device.index)
+    itemsize = dtype.itemsize
+    shape = tuple(tensor.shape)
+    element_strides = tensor.stride()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, element_strides))
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor, device.index)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(stride * itemsize for stride in element_strides))
+
+
+def _torch_current_stream(index: int) -> int:
+    """The raw handle of torch's current stream on device ``index``."""
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels ask; no Stream object
+    if raw is not None:
+        return int(raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def _order_after_torch(cupy, index: int) -> None:
+    """Make CuPy's current stream of device ``index`` wait for what torch has queued on its current
+    stream, as a DLPack exchange between the two does; nothing when they are the same stream."""
+    producer = _torch_current_stream(index)
+    consumer = int(cupy.cuda.get_current_stream(index).ptr)
+    if producer == consumer or {producer, consumer} <= {0, 1}:  # 0 and 1: both the legacy default
+        return
+    runtime = cupy.cuda.runtime
+    with cupy.cuda.Device(index):
+        event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+        try:
+            runtime.eventRecord(event, producer)
+            runtime.streamWaitEvent(consumer, event)
+        finally:
+            runtime.eventDestroy(event)
 
 
 def require_cupy(name: str):

@@ -287,6 +287,92 @@ def test_torch_bfloat16_source_is_hashed_as_bytes():
     assert np.array_equal(results[0], results[1]) and np.array_equal(results[1], results[2])
 
 
+def _cuda_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    return torch
+
+
+def test_torch_cuda_tensors_are_viewed_in_place_without_dlpack(monkeypatch):
+    """CUDA tensors of the dtypes CuPy has are viewed from their attributes (an engine's tensors are
+    adopted every forward, and DLPack's exchange costs about 30 us each): same bytes, shape and
+    strides, offsets and strided rows included, writes land in the tensor."""
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import Device, device_of, native_view
+
+    def no_dlpack(*args, **kwargs):
+        raise AssertionError("a plain CUDA tensor must not go through DLPack")
+
+    wide = torch.arange(6 * 40, dtype=torch.int32, device="cuda").reshape(6, 40)
+    tensors = [torch.arange(17, dtype=torch.int64, device="cuda"),
+               torch.arange(17, dtype=torch.int64, device="cuda")[5:],  # a storage offset
+               wide[1:, 3:35],  # strided rows
+               torch.ones(3, dtype=torch.bool, device="cuda"),
+               torch.randn(4, 8, device="cuda", dtype=torch.float16).t()]  # transposed
+    monkeypatch.setattr(cupy, "from_dlpack", no_dlpack)
+    for tensor in tensors:
+        view = native_view(tensor, "x")
+        assert device_of(tensor, "x") == Device("cuda", tensor.get_device())
+        assert isinstance(view, cupy.ndarray) and view.data.ptr == tensor.data_ptr()
+        assert view.shape == tuple(tensor.shape)
+        assert view.strides == tuple(stride * tensor.element_size() for stride in tensor.stride())
+        assert np.array_equal(view.get(), tensor.cpu().numpy())
+    view = native_view(wide[1:, 3:35], "x")
+    view[2, 5] = -7
+    assert int(wide[3, 8]) == -7
+    # a plan from torch tensors equals the same plan from CuPy arrays
+    table = torch.randint(0, 4096, (9, 64), dtype=torch.int32, device="cuda")
+    batch = dict(req_pool_indices=torch.arange(1, 9, device="cuda"), prefix_lens=torch.randint(0, 64, (8,), device="cuda"),
+                 extend_seq_lens=torch.ones(8, dtype=torch.int64, device="cuda"), req_to_token=table)
+    plans = []
+    for convert in (lambda t: t, lambda t: cupy.asarray(t.cpu().numpy())):
+        vplan, wplan = kc.VerifyPlan.allocate(1024, device="cuda"), kc.WritePlan.allocate(8, device="cuda")
+        kc.plan(vplan, wplan, **{name: convert(value) for name, value in batch.items()})
+        plans.append([getattr(vplan, name).get() for name in kc.VerifyPlan.ARRAYS])
+    for ours, theirs in zip(*plans):
+        assert np.array_equal(ours, theirs)
+
+
+def test_torch_tensors_dlpack_must_judge_still_take_dlpack():
+    """bfloat16 is adopted through DLPack (as CuPy's bfloat16 where it has one, else as bytes), a
+    tensor requiring grad is refused with the package's message, an empty tensor is adopted."""
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import native_view
+
+    bf16 = torch.randn(4, 8, device="cuda").to(torch.bfloat16)
+    view = native_view(bf16, "kv")
+    assert view.data.ptr == bf16.data_ptr() and view.shape[0] == 4 and view.nbytes == 64
+    with pytest.raises(ValueError, match=r"^kv-canary: kv cannot be shared through DLPack"):
+        native_view(torch.zeros(4, device="cuda", requires_grad=True), "kv")
+    assert native_view(torch.zeros(0, dtype=torch.int64, device="cuda"), "x").shape == (0,)
+
+
+def test_torch_view_waits_for_torchs_current_stream():
+    """Under ``torch.cuda.stream(s)``, a tensor torch is still filling on s is read by CuPy's current
+    stream only after the fill, as a DLPack exchange would order it."""
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import native_view
+
+    side = torch.cuda.Stream()
+    values = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the side stream first
+        values.fill_(3)
+        view = native_view(values, "values")
+        total = int(view.sum())  # on CuPy's current stream, the legacy default
+    assert total == 3 << 20
+    # The control: the same view without the wait reads the tensor before torch's next fill.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        values.fill_(5)
+        memory = cupy.cuda.UnownedMemory(values.data_ptr(), values.numel() * 8, values, values.get_device())
+        early = int(cupy.ndarray(values.shape, np.int64, cupy.cuda.MemoryPointer(memory, 0)).sum())
+    assert early == 3 << 20
+    torch.cuda.synchronize()
+
+
 def test_numba_device_arrays_through_the_cuda_array_interface():
     numba_cuda = pytest.importorskip("numba.cuda")
     if not numba_cuda.is_available():
