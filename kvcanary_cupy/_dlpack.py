@@ -166,6 +166,18 @@ def native_view(obj: Any, name: str, device: Device | None = None):
         return raw_byte_view(obj, name)
 
 
+def launch_geometry(obj: Any):
+    """What a launch prepared over a device array depends on: its address, shape, strides, dtype and
+    device (and, for torch, whether it requires grad: such a tensor is refused); ``None`` for
+    anything but a CuPy array or a CUDA torch tensor."""
+    cupy = cupy_module()
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return (obj.data.ptr, obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+    if _is_cuda_torch_tensor(obj):
+        return (obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype, obj.get_device(), obj.requires_grad)
+    return None
+
+
 def _is_cuda_torch_tensor(obj: Any) -> bool:
     torch = sys.modules.get("torch")  # a torch tensor means torch is imported; never import it here
     return torch is not None and isinstance(obj, getattr(torch, "Tensor", ())) and obj.is_cuda

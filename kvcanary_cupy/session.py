@@ -13,8 +13,10 @@ the ``req_to_token`` table; the mapping is done only for the violating slots.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Any, Iterator, Optional, Sequence
 
@@ -23,10 +25,12 @@ import numpy as np
 from . import _layout as L
 from . import reference as _ref
 from . import validate as check
-from ._dlpack import Device, cupy_module, device_of, empty, native_view, parse_device, settle, to_host
+from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, parse_device, settle,
+                      to_host)
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, resolve_stream
+from .ops.backends._cpu import session as _host_bookkeeping
 from .ops.batches import PlanBatch, WriteBatch, launch_tag
 from .sources import RealKvSource, source_list
 
@@ -183,7 +187,7 @@ class _Launch:
     tag: int
     step: int
     batch: Any  # ForwardBatch or LiveRequests
-    write_loc: Any = None  # the out_cache_loc the write used (SWA: translated)
+    write_loc: Any = None  # the slots the write used (None: the SWA group's, translated by its LUT)
     _verify_index: Any = None
     _write_index: Any = None
 
@@ -208,6 +212,62 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
+        self.checks: dict = {}  # by tag: verify the forward's plan, then count it if disabled (Canary sets them)
+
+
+# The ForwardBatch arrays each part of a forward launches over: the plan's, then the write's.
+_PLAN_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "expected_valid_lens")
+_WRITE_FIELDS = ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions",
+                 "swa_out_cache_loc")
+
+
+class _PreparedLaunches:
+    """Launches prepared over the arrays of one geometry (addresses, shapes, strides, dtypes), for
+    the geometries a session meets again: an engine's static buffers, refilled every forward, come
+    back at the same addresses; an eager engine's fresh tensors now and then. A geometry met a second
+    time gets its launches packed once (what ``kc.CanaryStep`` does for one); a call whose arrays
+    have a prepared geometry is neither validated again (every rule depends on the geometry alone)
+    nor converted again. The launches hold no reference to the caller's arrays (a cache must not
+    keep an engine's tensors alive): the caller's arrays of this call are at those addresses."""
+
+    SIZE = 64  # geometries kept per part; more than the batch shapes an engine cycles through
+
+    def __init__(self):
+        self.prepared: collections.OrderedDict = collections.OrderedDict()
+        self.met_once: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key):
+        entry = self.prepared.get(key) if key is not None else None
+        if entry is not None:
+            self.prepared.move_to_end(key)
+        return entry
+
+    def second_meeting(self, key) -> bool:
+        """Whether ``key`` was met before without being prepared (and remember it if not)."""
+        if key is None:
+            return False
+        if self.met_once.pop(key, False) is None:
+            return True
+        self.met_once[key] = None
+        if len(self.met_once) > self.SIZE:
+            self.met_once.popitem(last=False)
+        return False
+
+    def put(self, key, entry):
+        self.prepared[key] = entry
+        if len(self.prepared) > self.SIZE:
+            self.prepared.popitem(last=False)
+        return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedWrites:
+    """The write part of a forward, prepared: the SWA slots' translation (into ``swa_slots``, which
+    the entry owns) when the batch does not give them, then each group's write."""
+
+    translate: Any
+    writes: tuple
+    swa_slots: Any
 
 
 @contextlib.contextmanager
@@ -219,6 +279,17 @@ def _on(device, stream: Any):
             yield
     else:
         yield
+
+
+def _launch_all(launches: tuple, stream) -> None:
+    for launch in launches:
+        launch(stream)
+
+
+def _written_slots(batch: ForwardBatch, group_index: int) -> Any:
+    """The slots a forward's write of group ``group_index`` stored into, for ``poll``: the batch's own
+    (``None`` for an SWA group whose slots the session translated: ``poll`` translates them again)."""
+    return batch.out_cache_loc if group_index == 0 else batch.swa_out_cache_loc
 
 
 def _signed(value: int) -> int:
@@ -326,6 +397,10 @@ class Canary:
                                              chain_position_assert=chain_position_assert)
             self.groups.append(_Group("swa", swa_ctx, capacities, device, window, lut,
                                       (T.HEAD_K_SWA, T.TAIL_K_SWA, T.SWEEP_K_SWA)))
+        for group in self.groups:
+            group.checks = self._forward_checks(group)
+        self._prepared_plans = _PreparedLaunches()
+        self._prepared_writes = _PreparedLaunches()
 
     # --- facts ------------------------------------------------------------------------------------
     @property
@@ -387,22 +462,85 @@ class Canary:
         self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
         self._bookkeeping.count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
 
+    def _forward_checks(self, group: _Group) -> dict:
+        """The head and tail checks of ``group``'s forward plan, by tag. On a GPU their two launches
+        are packed once here: they take only the session's own arrays."""
+        if not self.device.is_cuda:
+            return {tag: functools.partial(self._check, group, group.vplan, tag)
+                    for tag in (group.head_tag, group.tail_tag)}
+        verify_backend = backend_module(self.device, "verify")
+        checks = {}
+        with cupy_module().cuda.Device(self.device.index):
+            for tag in (group.head_tag, group.tail_tag):
+                launches = (verify_backend.prepare(group.ctx, group.vplan, tag=tag,
+                                                   check_expected_token=self.check_expected_token, packed=True),
+                            self._bookkeeping.prepare_count_disabled(group.vplan, group.overflows, packed=True))
+                checks[tag] = functools.partial(_launch_all, launches)
+        return checks
+
+    def _geometry_key(self, batch: ForwardBatch, fields: tuple[str, ...]):
+        """The geometry of ``batch``'s ``fields`` (absent ones as None), or None where an array is
+        not one whose geometry is known (host arrays, other frameworks' device arrays)."""
+        if not self.device.is_cuda:
+            return None
+        key = []
+        for name in fields:
+            value = getattr(batch, name)
+            if value is not None:
+                value = launch_geometry(value)
+                if value is None:
+                    return None
+            key.append(value)
+        return tuple(key)
+
+    def _prepare_plans(self, plans: list[PlanBatch]) -> tuple:
+        backend = backend_module(self.device, "plan")
+        return tuple(backend.prepare(group.vplan, group.wplan, plan, packed=True).detach()
+                     for group, plan in zip(self.groups, plans))
+
+    def _prepare_writes(self, batch: ForwardBatch, writes: list[WriteBatch]) -> _PreparedWrites:
+        """``writes`` (from :meth:`_writes`, this call's) as packed launches; an SWA group's translated
+        slots move to a buffer of the entry's own, filled by its own translation launch."""
+        backend = backend_module(self.device, "write")
+        translate = swa_slots = None
+        if len(writes) > 1 and batch.swa_out_cache_loc is None:
+            swa_slots = empty((writes[0].num_entries,), np.int64, self.device)
+            translate = self._bookkeeping.prepare_translate_slots(writes[0].out_cache_loc, self.groups[1].lut,
+                                                                  swa_slots, packed=True)
+            translate = translate.detach() if translate is not None else None
+            writes = [writes[0], writes[1].for_group(writes[1].tag, swa_slots)]
+        launches = tuple(backend.prepare(group.ctx, group.wplan, write, packed=True).detach()
+                         for group, write in zip(self.groups, writes))
+        return _PreparedWrites(translate, launches, swa_slots)
+
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         if not self.enabled:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
-        plans = self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens,
-                            batch.expected_valid_lens)
+        key = self._geometry_key(batch, _PLAN_FIELDS)
+        prepared = self._prepared_plans.get(key)
+        plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
         self.forwards += 1
         with _on(self.device, stream):
-            for group, plan in zip(self.groups, plans):
-                self._plan_op(group.vplan, group.wplan, plan, stream=stream)
-                self._check(group, group.vplan, group.head_tag, stream)
+            if prepared is None and self._prepared_plans.second_meeting(key):
+                prepared = self._prepared_plans.put(key, self._prepare_plans(plans))
+            for index, group in enumerate(self.groups):
+                self._launch_plan(group, index, plans, prepared, stream)
+                group.checks[group.head_tag](stream)
                 group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
         self._planned = batch
+
+    def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
+        return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.expected_valid_lens)
+
+    def _launch_plan(self, group: _Group, index: int, plans, prepared, stream) -> None:
+        if prepared is not None:
+            prepared[index](stream)
+        else:
+            self._plan_op(group.vplan, group.wplan, plans[index], stream=stream)
 
     def after_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Fingerprint the batch's new tokens (their KV must be written by now), then re-verify the
@@ -412,19 +550,33 @@ class Canary:
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
         stream = self._stream(stream)
-        plans = None if self._planned is batch else self._plans(
-            batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.expected_valid_lens)
-        writes = self._writes(batch, stream)
+        replan = self._planned is not batch
+        plan_key = self._geometry_key(batch, _PLAN_FIELDS) if replan else None
+        prepared_plans = self._prepared_plans.get(plan_key)
+        plans = self._batch_plans(batch) if replan and prepared_plans is None else None
+        write_key = self._geometry_key(batch, _WRITE_FIELDS)
+        prepared_writes = self._prepared_writes.get(write_key)
+        writes = None if prepared_writes is not None else self._writes(batch, stream)
         with _on(self.device, stream):
-            if plans is not None:
+            if plans is not None and self._prepared_plans.second_meeting(plan_key):
+                prepared_plans = self._prepared_plans.put(plan_key, self._prepare_plans(plans))
+            if writes is not None and self._prepared_writes.second_meeting(write_key):
+                prepared_writes = self._prepared_writes.put(write_key, self._prepare_writes(batch, writes))
+                writes = None  # written from the entry from now on (which translates into its own slots)
+            if prepared_writes is not None and prepared_writes.translate is not None:
+                prepared_writes.translate(stream)
+            if replan:
                 self.forwards += 1
-                for group, plan in zip(self.groups, plans):
-                    self._plan_op(group.vplan, group.wplan, plan, stream=stream)
-            for group, write in zip(self.groups, writes):
-                self._write_op(group.ctx, group.wplan, write, stream=stream)
+                for index, group in enumerate(self.groups):
+                    self._launch_plan(group, index, plans, prepared_plans, stream)
+            for index, group in enumerate(self.groups):
+                if writes is not None:
+                    self._write_op(group.ctx, group.wplan, writes[index], stream=stream)
+                else:
+                    prepared_writes.writes[index](stream)
                 group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch,
-                                         write_loc=write.out_cache_loc))
-                self._check(group, group.vplan, group.tail_tag, stream)
+                                         write_loc=_written_slots(batch, index)))
+                group.checks[group.tail_tag](stream)
                 group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
         self._planned = None
 
@@ -570,8 +722,19 @@ class Canary:
                 best, best_score = (owner, pos), score
         return best
 
-    def _match_write(self, launch: _Launch, v: Violation):
-        loc = self._host(id(launch.write_loc), launch.write_loc)
+    def _written_slots(self, group: _Group, launch: _Launch) -> np.ndarray:
+        if launch.write_loc is not None:
+            return self._host(id(launch.write_loc), launch.write_loc)
+        key = ("translated", id(launch.batch.out_cache_loc))
+        if key not in self._host_cache:
+            loc = self._host(id(launch.batch.out_cache_loc), launch.batch.out_cache_loc)
+            translated = np.empty(loc.shape, np.int64)
+            _host_bookkeeping.translate_slots(loc, self._host(("lut", group.name), group.lut), translated)
+            self._host_cache[key] = translated
+        return self._host_cache[key]
+
+    def _match_write(self, group: _Group, launch: _Launch, v: Violation):
+        loc = self._written_slots(group, launch)
         hits = np.flatnonzero(loc == v.slot_idx)
         if hits.size == 0:
             return None
@@ -601,7 +764,7 @@ class Canary:
                 if launch.tag != int(v.kernel_kind):
                     continue
                 if launch.kind == "write":
-                    match = self._match_write(launch, v) if may_write else None
+                    match = self._match_write(group, launch, v) if may_write else None
                 else:
                     match = self._match_verify(group, launch, v) if may_verify else None
                 if match is not None:

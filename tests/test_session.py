@@ -16,9 +16,14 @@ WIDTH = 32
 class Tiny:
     """Two requests in a 64-slot pool with per-layer K/V buffers, on ``device``."""
 
-    def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None):
+    def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None,
+                 static=False, frame=None):
         self.device = device
         self.stream = stream
+        # static: the batch arrays are buffers refilled in place, one per field and length, as a
+        # CUDA-graph engine's are; frame: a function the batch arrays are passed through (torch views)
+        self.buffers = {} if static else None
+        self.frame = frame or (lambda array: array)
         self.spin = spin_kernel() if stream is not None else None
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
@@ -41,7 +46,8 @@ class Tiny:
         self.next_slot = 1
         self.rng = np.random.default_rng(0)
 
-    def step(self, extend: dict) -> kc.ForwardBatch:
+    def step(self, extend: dict, stale_position: dict | None = None) -> kc.ForwardBatch:
+        """One forward; ``stale_position`` writes a request's new tokens that many positions back."""
         rids = list(extend)
         ids, pos, loc = [], [], []
         table = to_numpy(self.table).copy()
@@ -49,15 +55,15 @@ class Tiny:
             for p in range(self.lens[rid], self.lens[rid] + extend[rid]):
                 table[self.rows[rid], p] = self.next_slot
                 ids.append(1000 * self.rows[rid] + p)
-                pos.append(p)
+                pos.append(p - (stale_position or {}).get(rid, 0))
                 loc.append(self.next_slot)
                 self.next_slot += 1
         self.table[...] = to_device(table, self.device)
         i64 = lambda a: to_device(np.asarray(a, np.int64), self.device)  # noqa: E731
-        batch = kc.ForwardBatch(req_pool_indices=i64([self.rows[r] for r in rids]),
-                                prefix_lens=i64([self.lens[r] for r in rids]),
-                                extend_seq_lens=i64([extend[r] for r in rids]), input_ids=i64(ids),
-                                positions=i64(pos), out_cache_loc=i64(loc), req_ids=rids)
+        fields = dict(req_pool_indices=[self.rows[r] for r in rids], prefix_lens=[self.lens[r] for r in rids],
+                      extend_seq_lens=[extend[r] for r in rids], input_ids=ids, positions=pos, out_cache_loc=loc)
+        batch = kc.ForwardBatch(**{name: self.frame(self.array(name, values)) for name, values in fields.items()},
+                                req_ids=rids)
         self.call(self.canary.before_forward, batch)
         n = len(loc)
         for buf in (self.k, self.v):
@@ -69,6 +75,15 @@ class Tiny:
         for rid in rids:
             self.lens[rid] += extend[rid]
         return batch
+
+    def array(self, name: str, values: list):
+        """The batch's array ``name``: new, or with ``static`` the field's buffer refilled in place."""
+        values = to_device(np.asarray(values, np.int64), self.device)
+        if self.buffers is None:
+            return values
+        buffer = self.buffers.setdefault((name, len(values)), values)
+        buffer[...] = values
+        return buffer
 
     def call(self, op, argument) -> None:
         """``op(argument)``; with a stream, the op runs on it while it is still busy with a spin and
@@ -240,6 +255,66 @@ def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
     assert (report.total, report.dropped, report.capacity_overflows, report.forwards) == (
         expected.total, expected.dropped, expected.capacity_overflows, expected.forwards)
     assert _event_keys(report) == _event_keys(expected)
+
+
+def _static_decode(device, frame=None):
+    """A prefill, then decode forwards over static buffers (one geometry each part, so a GPU canary
+    prepares its launches at the second and launches them from then on), with a KV corruption, a
+    stale write position (its write rows map through the SWA group's LUT on the host) and an SWA
+    corruption on the way; polled after each forward (the buffers are refilled in place)."""
+    eng = Tiny(device, swa=True, static=True, frame=frame)
+    events = []
+    eng.step({"a": 4, "b": 3})
+    for forward in range(7):
+        if forward == 2:
+            eng.k[eng.slot("b", 1), 0, 0] += 1.0
+        if forward == 5:
+            eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", eng.lens["a"] - 2)]), 1, 2] -= 1.0
+        eng.step({"a": 1, "b": 1}, stale_position={"b": 2} if forward == 3 else None)
+        report = eng.canary.poll()
+        events.append((report.total, report.capacity_overflows, _event_keys(report)))
+    buffers = [to_numpy(group.ctx.canary_buf) for group in eng.canary.groups]
+    return eng, events, buffers
+
+
+@requires_gpu
+@pytest.mark.parametrize("frame", ["cupy", "torch"])
+def test_prepared_launches_of_static_buffers_match_the_cpu(frame):
+    """A GPU canary over static batch buffers launches prepared launches from the second meeting of
+    a geometry on (plans, writes, the SWA slots' translation), without validating or converting
+    again: its reports and canary buffers equal the CPU's forward by forward."""
+    if frame == "torch":
+        torch = pytest.importorskip("torch")
+        frame_fn = torch.from_dlpack
+    else:
+        frame_fn = None
+    _, expected, expected_buffers = _static_decode("cpu")
+    assert [total for total, _, _ in expected] == [0, 0, 2, 4, 8, 8, 8]
+    kinds = {key[:2] for _, _, keys in expected for key in keys}
+    assert {("full", "head"), ("full", "write"), ("swa", "head"), ("swa", "write")} <= kinds
+    eng, events, buffers = _static_decode("cuda", frame_fn)
+    assert events == expected
+    for ours, theirs in zip(buffers, expected_buffers):
+        assert np.array_equal(ours, theirs)
+    canary = eng.canary
+    assert len(canary._prepared_plans.prepared) == 1 and len(canary._prepared_writes.prepared) == 1
+    assert next(iter(canary._prepared_writes.prepared.values())).translate is not None
+
+
+def test_prepared_launches_cache_keeps_what_it_met_twice():
+    from kvcanary_cupy.session import _PreparedLaunches
+
+    cache = _PreparedLaunches()
+    assert cache.get(None) is None and not cache.second_meeting(None)
+    assert not cache.second_meeting("k") and cache.second_meeting("k") and not cache.second_meeting("k")
+    assert cache.put("k", 1) == 1 and cache.get("k") == 1
+    for index in range(cache.SIZE):
+        cache.put(index, index)
+        cache.second_meeting(("once", index))
+    cache.get(0)  # the oldest but one now
+    cache.put("new", 2)
+    assert cache.get(0) == 0 and cache.get(1) is None and len(cache.prepared) == cache.SIZE
+    assert len(cache.met_once) == cache.SIZE
 
 
 def test_bad_mode_rejected():

@@ -79,19 +79,23 @@ def main() -> None:
     write_batch = WriteBatch(tag=kc.LaunchTag.TAIL_K_FULL, **writes)
     devices = {"vplan": vplan.device, "wplan": wplan.device, "req_pool_indices": plan_batch.device}
 
-    captured = {}
-    real_launch = cuda_plan.launch
+    if hasattr(cuda_plan, "prepare"):
+        plan_launch = cuda_plan.prepare(vplan, wplan, plan_batch)
+        fn, grid, block, plan_args = plan_launch.fn, plan_launch.grid[0], plan_launch.block[0], plan_launch.args
+    else:  # a tree whose plan launcher launches at once: its arguments captured on the way
+        captured = {}
+        real_launch = cuda_plan.launch
 
-    def capture(fn, grid, block, kernel_args, launch_stream):
-        captured["plan"] = (fn, grid, block, kernel_args)
-        real_launch(fn, grid, block, kernel_args, launch_stream)
+        def capture(fn, grid, block, kernel_args, launch_stream):
+            captured["plan"] = (fn, grid, block, kernel_args)
+            real_launch(fn, grid, block, kernel_args, launch_stream)
 
-    cuda_plan.launch = capture
-    try:
-        cuda_plan.plan(vplan, wplan, plan_batch, stream=stream)
-    finally:
-        cuda_plan.launch = real_launch
-    fn, grid, block, plan_args = captured["plan"]
+        cuda_plan.launch = capture
+        try:
+            cuda_plan.plan(vplan, wplan, plan_batch, stream=stream)
+        finally:
+            cuda_plan.launch = real_launch
+        fn, grid, block, plan_args = captured["plan"]
     packed_plan = StructLaunch(fn, plan_args)
     write_launch = cuda_write.prepare(ctx, wplan, write_batch)
     packed_write = StructLaunch(write_launch.fn, write_launch.args)
@@ -117,10 +121,21 @@ def main() -> None:
         canary.before_forward(forward)
         canary.after_forward(forward)
 
+    # 100 batches of distinct arrays in turn: more geometries than a canary prepares, so none is
+    rotating = [kc.ForwardBatch(**{k: v.copy() for k, v in batch.items() if k != "req_to_token"},
+                                **{k: v.copy() for k, v in writes.items()}) for _ in range(100)]
+    turn = [0]
+
+    def session_forward_unprepared():
+        turn[0] = (turn[0] + 1) % len(rotating)
+        canary.before_forward(rotating[turn[0]])
+        canary.after_forward(rotating[turn[0]])
+
     vector = batch["prefix_lens"]
     parts = {
-        "kc.Canary forward (before + after)": session_forward,
+        "kc.Canary forward (before + after), same arrays": session_forward,
         "  before_forward": lambda: canary.before_forward(forward),
+        "kc.Canary forward, 100 batches in turn": session_forward_unprepared,
         "kc.plan, whole call": lambda: kc.plan(vplan, wplan, **batch),
         "  PlanBatch(...) (adopt + check 4 arrays)": lambda: PlanBatch(**batch),
         "  require_writable x2": lambda: (require_writable(vplan), require_writable(wplan)),
@@ -159,7 +174,7 @@ def main() -> None:
             torch_canary.before_forward(torch_forward)
             torch_canary.after_forward(torch_forward)
 
-        parts["kc.Canary forward, torch tensors"] = torch_session_forward
+        parts["kc.Canary forward, torch tensors, same tensors"] = torch_session_forward
     except ImportError:
         pass
     print(f"# {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, cupy {cp.__version__}, bs {bs} decode, "

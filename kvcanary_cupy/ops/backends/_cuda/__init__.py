@@ -107,6 +107,15 @@ class Launch:
         self.args = args
         self._packed = _PackedParameters(fn, args) if packed else None
 
+    def detach(self) -> "Launch":
+        """This packed launch without its references to the arrays it points at, for a cache keyed by
+        those arrays' addresses and shapes: each call then finds live arrays of the same addresses
+        and shapes, the ones its caller was given."""
+        if self._packed is None:
+            raise ValueError("kv-canary: only a packed launch holds its parameters without its arrays")
+        self.args = ()
+        return self
+
     def __call__(self, stream) -> None:
         packed = self._packed
         if packed is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import i64, kernel, launch, ptr, resident_grid
+from . import Launch, i64, kernel, ptr, resident_grid
 
 SMALL_TILE, TILE = _loader.PLAN_TILES
 # Verify entries up to which a batch that fits the small tile takes it.
@@ -66,6 +66,10 @@ def write_plan_args(wplan) -> tuple:
 
 
 def plan(vplan, wplan, batch, *, stream) -> None:
+    prepare(vplan, wplan, batch)(stream)
+
+
+def prepare(vplan, wplan, batch, *, packed: bool = False) -> Launch:
     device_id = batch.device.index
     v_capacity = int(vplan.capacity)
     w_capacity = int(wplan.capacity)
@@ -83,4 +87,4 @@ def plan(vplan, wplan, batch, *, stream) -> None:
         ptr(vplan.prev_slot_indices), ptr(vplan.num_valid), ptr(vplan.enable), i64(v_capacity),
         *write_plan_args(wplan),
     )
-    launch(fn, grid, tile, args, stream)
+    return Launch(fn, grid, tile, args, packed=packed)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import i64, kernel, launch, ptr, resident_grid, vec16
+from . import Launch, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = _loader.SPECS["verify"].constant("KVC_VERIFY_THREADS")
 
 
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
+    prepare(ctx, vplan, tag=tag, check_expected_token=check_expected_token)(stream)
+
+
+def prepare(ctx, vplan, *, tag: int, check_expected_token: bool, packed: bool = False) -> Launch:
     device_id = ctx.device.index
     name = _loader.instance("kvc_verify", vec16(ctx.canary_buf))
     fn = kernel("verify", name, device_id)
@@ -24,4 +28,4 @@ def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream) -> None:
         ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter),
         ptr(table), i64(int(table.shape[0])), i64(int(tag)), i64(1 if check_expected_token else 0),
     )
-    launch(fn, grid, _BLOCK, args, stream)
+    return Launch(fn, grid, _BLOCK, args, packed=packed)
