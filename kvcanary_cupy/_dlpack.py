@@ -167,15 +167,23 @@ def native_view(obj: Any, name: str, device: Device | None = None):
 
 
 def launch_geometry(obj: Any):
-    """What a launch prepared over a device array depends on: its address, shape, strides, dtype and
-    device (and, for torch, whether it requires grad: such a tensor is refused); ``None`` for
-    anything but a CuPy array or a CUDA torch tensor."""
+    """``(geometry, address)`` of a CuPy array or of a CUDA torch tensor that :func:`native_view`
+    views from its attributes: the geometry (framework, shape, strides, dtype, device) is what the
+    rules an op checks and the launch it prepares depend on, the address is where the launch finds
+    the elements. ``None`` for any other array, and for an address its elements are not aligned to
+    (a rule refuses that)."""
     cupy = cupy_module()
     if cupy is not None and isinstance(obj, cupy.ndarray):
-        return (obj.data.ptr, obj.shape, obj.strides, obj.dtype, obj.data.device_id)
-    if _is_cuda_torch_tensor(obj):
-        return (obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype, obj.get_device(), obj.requires_grad)
-    return None
+        address, itemsize = obj.data.ptr, obj.itemsize
+        geometry = ("cupy", obj.shape, obj.strides, obj.dtype, obj.data.device_id)
+    elif _is_cuda_torch_tensor(obj) and _torch_viewable(obj):
+        address, itemsize = obj.data_ptr(), obj.element_size()
+        geometry = ("torch", tuple(obj.shape), obj.stride(), obj.dtype, obj.get_device())
+    else:
+        return None
+    if address % itemsize:
+        return None
+    return geometry, address
 
 
 def _is_cuda_torch_tensor(obj: Any) -> bool:
@@ -191,17 +199,23 @@ def _torch_dtypes() -> dict:
     return {getattr(torch, name): np.dtype(name) for name in names}
 
 
+def _torch_viewable(tensor: Any) -> bool:
+    """A CUDA tensor CuPy can view as it is: a dtype CuPy has, strided, not empty, and one DLPack
+    would export (no grad, no lazy conjugate or negation)."""
+    return (tensor.dtype in _torch_dtypes() and not tensor.requires_grad and not tensor.is_conj()
+            and not tensor.is_neg() and tensor.layout is sys.modules["torch"].strided and tensor.numel() > 0)
+
+
 def _torch_view(cupy, tensor: Any, device: Device):
     """A CuPy view of a CUDA tensor built from its attributes, or ``None`` where DLPack must decide
     (dtypes CuPy has not, tensors DLPack refuses or that are empty). What ``cupy.from_dlpack`` does,
     at a fraction of its host time (about 30 us a tensor on an H200 host): the engine's tensors are
     adopted again every forward. As DLPack's exchange does, CuPy's current stream is made to wait for
     torch's when they differ."""
-    dtype = _torch_dtypes().get(tensor.dtype)
-    if (dtype is None or tensor.requires_grad or tensor.is_conj() or tensor.is_neg()
-            or tensor.layout is not sys.modules["torch"].strided or tensor.numel() == 0):
+    if not _torch_viewable(tensor):
         return None
-    _order_after_torch(cupy, device.index)
+    order_after_torch(device.index)
+    dtype = _torch_dtypes()[tensor.dtype]
     itemsize = dtype.itemsize
     shape = tuple(tensor.shape)
     element_strides = tensor.stride()
@@ -220,9 +234,10 @@ def _torch_current_stream(index: int) -> int:
     return int(torch.cuda.current_stream(index).cuda_stream)
 
 
-def _order_after_torch(cupy, index: int) -> None:
+def order_after_torch(index: int) -> None:
     """Make CuPy's current stream of device ``index`` wait for what torch has queued on its current
     stream, as a DLPack exchange between the two does; nothing when they are the same stream."""
+    cupy = cupy_module()
     producer = _torch_current_stream(index)
     consumer = int(cupy.cuda.get_current_stream(index).ptr)
     if producer == consumer or {producer, consumer} <= {0, 1}:  # 0 and 1: both the legacy default

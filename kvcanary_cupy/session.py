@@ -25,8 +25,8 @@ import numpy as np
 from . import _layout as L
 from . import reference as _ref
 from . import validate as check
-from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, parse_device, settle,
-                      to_host)
+from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, order_after_torch,
+                      parse_device, settle, to_host)
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, resolve_stream
@@ -222,13 +222,14 @@ _WRITE_FIELDS = ("input_ids", "positions", "out_cache_loc", "expected_input_toke
 
 
 class _PreparedLaunches:
-    """Launches prepared over the arrays of one geometry (addresses, shapes, strides, dtypes), for
-    the geometries a session meets again: an engine's static buffers, refilled every forward, come
-    back at the same addresses; an eager engine's fresh tensors now and then. A geometry met a second
-    time gets its launches packed once (what ``kc.CanaryStep`` does for one); a call whose arrays
-    have a prepared geometry is neither validated again (every rule depends on the geometry alone)
-    nor converted again. The launches hold no reference to the caller's arrays (a cache must not
-    keep an engine's tensors alive): the caller's arrays of this call are at those addresses."""
+    """Launches prepared for arrays of one geometry (framework, shapes, strides, dtypes, device), for
+    the geometries a session meets again: a decode batch of one size comes back forward after
+    forward, whether in an engine's static buffers or in fresh tensors. A geometry met a second time
+    gets its launches packed once (what ``kc.CanaryStep`` does for one); a call whose arrays have a
+    prepared geometry is neither validated nor converted again (every rule depends on the geometry
+    alone, and on the element alignment of the addresses, which ``launch_geometry`` checks), only
+    its addresses are written into the packed parameters. The launches hold no reference to the
+    caller's arrays (a cache must not keep an engine's tensors alive)."""
 
     SIZE = 64  # geometries kept per part; more than the batch shapes an engine cycles through
 
@@ -236,16 +237,19 @@ class _PreparedLaunches:
         self.prepared: collections.OrderedDict = collections.OrderedDict()
         self.met_once: collections.OrderedDict = collections.OrderedDict()
 
-    def get(self, key):
-        entry = self.prepared.get(key) if key is not None else None
+    def get(self, geometry):
+        """The launches prepared for ``geometry`` (a :class:`_Geometry` or None), or None."""
+        entry = self.prepared.get(geometry.key) if geometry is not None else None
         if entry is not None:
-            self.prepared.move_to_end(key)
+            self.prepared.move_to_end(geometry.key)
         return entry
 
-    def second_meeting(self, key) -> bool:
-        """Whether ``key`` was met before without being prepared (and remember it if not)."""
-        if key is None:
+    def second_meeting(self, geometry) -> bool:
+        """Whether ``geometry`` (a :class:`_Geometry` or None) was met before without being prepared
+        (and remember it if not)."""
+        if geometry is None:
             return False
+        key = geometry.key
         if self.met_once.pop(key, False) is None:
             return True
         self.met_once[key] = None
@@ -253,11 +257,43 @@ class _PreparedLaunches:
             self.met_once.popitem(last=False)
         return False
 
-    def put(self, key, entry):
+    def put(self, geometry, entry):
+        key = geometry.key
         self.prepared[key] = entry
         if len(self.prepared) > self.SIZE:
             self.prepared.popitem(last=False)
         return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """A forward's arrays of one part: their geometry (the cache's key), their addresses this call,
+    and whether any is a torch tensor (whose stream CuPy's is made to wait for, as a view would)."""
+
+    key: tuple
+    addresses: list
+    torch: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """A prepared launch, and which of its parameters take which of the batch's addresses."""
+
+    launch: Any
+    bindings: tuple  # (parameter index, index into _Geometry.addresses)
+
+    @classmethod
+    def of(cls, launch, bundle, slots: dict) -> "_Bound":
+        """``launch`` (packed over ``bundle``'s arrays) bound by ``slots``: bundle attribute -> the
+        address index of the batch array it views."""
+        bindings = tuple((index, slot) for attribute, slot in slots.items()
+                         if getattr(bundle, attribute) is not None
+                         for index in launch.parameters_of(getattr(bundle, attribute)))
+        return cls(launch.detach(), bindings)
+
+    def __call__(self, addresses: list, stream) -> None:
+        self.launch.rebind(self.bindings, addresses)
+        self.launch(stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,39 +514,51 @@ class Canary:
                 checks[tag] = functools.partial(_launch_all, launches)
         return checks
 
-    def _geometry_key(self, batch: ForwardBatch, fields: tuple[str, ...]):
-        """The geometry of ``batch``'s ``fields`` (absent ones as None), or None where an array is
-        not one whose geometry is known (host arrays, other frameworks' device arrays)."""
+    def _geometry(self, batch: ForwardBatch, fields: tuple[str, ...]) -> Optional[_Geometry]:
+        """The geometry and addresses of ``batch``'s ``fields`` (an absent one: None and 0), or None
+        where an array's geometry is not known (host arrays, other frameworks' device arrays) or its
+        address is misaligned: the validating path then takes the call."""
         if not self.device.is_cuda:
             return None
-        key = []
+        key, addresses, torch = [], [], False
         for name in fields:
             value = getattr(batch, name)
-            if value is not None:
-                value = launch_geometry(value)
-                if value is None:
+            found = None if value is None else launch_geometry(value)
+            if found is None:
+                if value is not None:
                     return None
-            key.append(value)
-        return tuple(key)
+                found = (None, 0)
+            key.append(found[0])
+            addresses.append(found[1])
+            torch = torch or (found[0] is not None and found[0][0] == "torch")
+        return _Geometry(tuple(key), addresses, torch)
 
-    def _prepare_plans(self, plans: list[PlanBatch]) -> tuple:
+    def _prepare_plans(self, batch: ForwardBatch, plans: list[PlanBatch]) -> tuple:
         backend = backend_module(self.device, "plan")
-        return tuple(backend.prepare(group.vplan, group.wplan, plan, packed=True).detach()
+        slots = {name: _PLAN_FIELDS.index(name) for name in _PLAN_FIELDS[:3]}
+        # the expected tokens' valid lengths are the batch's own, or its prefix lengths
+        valid_lens = "expected_valid_lens" if batch.expected_valid_lens is not None else "prefix_lens"
+        slots["req_to_verify_expected_tokens_valid_lens"] = _PLAN_FIELDS.index(valid_lens)
+        return tuple(_Bound.of(backend.prepare(group.vplan, group.wplan, plan, packed=True), plan, slots)
                      for group, plan in zip(self.groups, plans))
 
     def _prepare_writes(self, batch: ForwardBatch, writes: list[WriteBatch]) -> _PreparedWrites:
         """``writes`` (from :meth:`_writes`, this call's) as packed launches; an SWA group's translated
         slots move to a buffer of the entry's own, filled by its own translation launch."""
         backend = backend_module(self.device, "write")
+        slots = {name: _WRITE_FIELDS.index(name) for name in _WRITE_FIELDS[:5]}
+        group_slots = [slots, dict(slots, out_cache_loc=_WRITE_FIELDS.index("swa_out_cache_loc"))]
         translate = swa_slots = None
         if len(writes) > 1 and batch.swa_out_cache_loc is None:
             swa_slots = empty((writes[0].num_entries,), np.int64, self.device)
             translate = self._bookkeeping.prepare_translate_slots(writes[0].out_cache_loc, self.groups[1].lut,
                                                                   swa_slots, packed=True)
-            translate = translate.detach() if translate is not None else None
+            if translate is not None:
+                translate = _Bound.of(translate, writes[0], {"out_cache_loc": slots["out_cache_loc"]})
             writes = [writes[0], writes[1].for_group(writes[1].tag, swa_slots)]
-        launches = tuple(backend.prepare(group.ctx, group.wplan, write, packed=True).detach()
-                         for group, write in zip(self.groups, writes))
+            group_slots[1] = {name: slot for name, slot in slots.items() if name != "out_cache_loc"}
+        launches = tuple(_Bound.of(backend.prepare(group.ctx, group.wplan, write, packed=True), write, fields)
+                         for group, write, fields in zip(self.groups, writes, group_slots))
         return _PreparedWrites(translate, launches, swa_slots)
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
@@ -519,16 +567,15 @@ class Canary:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
-        key = self._geometry_key(batch, _PLAN_FIELDS)
-        prepared = self._prepared_plans.get(key)
+        geometry, prepared = self._lookup(self._prepared_plans, batch, _PLAN_FIELDS)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
         self.forwards += 1
         with _on(self.device, stream):
-            if prepared is None and self._prepared_plans.second_meeting(key):
-                prepared = self._prepared_plans.put(key, self._prepare_plans(plans))
+            if prepared is None and self._prepared_plans.second_meeting(geometry):
+                prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
             for index, group in enumerate(self.groups):
-                self._launch_plan(group, index, plans, prepared, stream)
+                self._launch_plan(group, index, plans, prepared, geometry, stream)
                 group.checks[group.head_tag](stream)
                 group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
         self._planned = batch
@@ -536,9 +583,19 @@ class Canary:
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
         return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.expected_valid_lens)
 
-    def _launch_plan(self, group: _Group, index: int, plans, prepared, stream) -> None:
+    def _lookup(self, cache: _PreparedLaunches, batch: ForwardBatch, fields: tuple[str, ...]):
+        """``(geometry, prepared)``: the geometry of ``batch``'s ``fields`` and ``cache``'s launches for
+        it (None for none). Prepared launches are about to skip the views, so CuPy's current stream
+        is made to wait for torch's here, as a view of a torch tensor would make it."""
+        geometry = self._geometry(batch, fields)
+        prepared = cache.get(geometry)
+        if prepared is not None and geometry.torch:
+            order_after_torch(self.device.index)
+        return geometry, prepared
+
+    def _launch_plan(self, group: _Group, index: int, plans, prepared, geometry, stream) -> None:
         if prepared is not None:
-            prepared[index](stream)
+            prepared[index](geometry.addresses, stream)
         else:
             self._plan_op(group.vplan, group.wplan, plans[index], stream=stream)
 
@@ -551,29 +608,29 @@ class Canary:
         _req_ids(batch.req_ids)
         stream = self._stream(stream)
         replan = self._planned is not batch
-        plan_key = self._geometry_key(batch, _PLAN_FIELDS) if replan else None
-        prepared_plans = self._prepared_plans.get(plan_key)
-        plans = self._batch_plans(batch) if replan and prepared_plans is None else None
-        write_key = self._geometry_key(batch, _WRITE_FIELDS)
-        prepared_writes = self._prepared_writes.get(write_key)
+        plan_geometry = prepared_plans = plans = None
+        if replan:
+            plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, _PLAN_FIELDS)
+            plans = None if prepared_plans is not None else self._batch_plans(batch)
+        write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, _WRITE_FIELDS)
         writes = None if prepared_writes is not None else self._writes(batch, stream)
         with _on(self.device, stream):
-            if plans is not None and self._prepared_plans.second_meeting(plan_key):
-                prepared_plans = self._prepared_plans.put(plan_key, self._prepare_plans(plans))
-            if writes is not None and self._prepared_writes.second_meeting(write_key):
-                prepared_writes = self._prepared_writes.put(write_key, self._prepare_writes(batch, writes))
+            if plans is not None and self._prepared_plans.second_meeting(plan_geometry):
+                prepared_plans = self._prepared_plans.put(plan_geometry, self._prepare_plans(batch, plans))
+            if writes is not None and self._prepared_writes.second_meeting(write_geometry):
+                prepared_writes = self._prepared_writes.put(write_geometry, self._prepare_writes(batch, writes))
                 writes = None  # written from the entry from now on (which translates into its own slots)
             if prepared_writes is not None and prepared_writes.translate is not None:
-                prepared_writes.translate(stream)
+                prepared_writes.translate(write_geometry.addresses, stream)
             if replan:
                 self.forwards += 1
                 for index, group in enumerate(self.groups):
-                    self._launch_plan(group, index, plans, prepared_plans, stream)
+                    self._launch_plan(group, index, plans, prepared_plans, plan_geometry, stream)
             for index, group in enumerate(self.groups):
                 if writes is not None:
                     self._write_op(group.ctx, group.wplan, writes[index], stream=stream)
                 else:
-                    prepared_writes.writes[index](stream)
+                    prepared_writes.writes[index](write_geometry.addresses, stream)
                 group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch,
                                          write_loc=_written_slots(batch, index)))
                 group.checks[group.tail_tag](stream)

@@ -257,12 +257,12 @@ def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
     assert _event_keys(report) == _event_keys(expected)
 
 
-def _static_decode(device, frame=None):
-    """A prefill, then decode forwards over static buffers (one geometry each part, so a GPU canary
-    prepares its launches at the second and launches them from then on), with a KV corruption, a
-    stale write position (its write rows map through the SWA group's LUT on the host) and an SWA
-    corruption on the way; polled after each forward (the buffers are refilled in place)."""
-    eng = Tiny(device, swa=True, static=True, frame=frame)
+def _decode_run(device, frame=None, static=True):
+    """A prefill, then decode forwards of one geometry (so a GPU canary prepares their launches at
+    the second and launches them from then on), over static buffers refilled in place or fresh
+    arrays, with a KV corruption, a stale write position (its write rows map through the SWA group's
+    LUT on the host) and an SWA corruption on the way; polled after each forward."""
+    eng = Tiny(device, swa=True, static=static, frame=frame)
     events = []
     eng.step({"a": 4, "b": 3})
     for forward in range(7):
@@ -278,42 +278,61 @@ def _static_decode(device, frame=None):
 
 
 @requires_gpu
+@pytest.mark.parametrize("static", [True, False], ids=["static", "fresh"])
 @pytest.mark.parametrize("frame", ["cupy", "torch"])
-def test_prepared_launches_of_static_buffers_match_the_cpu(frame):
-    """A GPU canary over static batch buffers launches prepared launches from the second meeting of
-    a geometry on (plans, writes, the SWA slots' translation), without validating or converting
-    again: its reports and canary buffers equal the CPU's forward by forward."""
+def test_prepared_launches_match_the_cpu(frame, static):
+    """A GPU canary launches prepared launches from the second meeting of a batch geometry on
+    (plans, writes, the SWA slots' translation), over the same buffers or fresh arrays at other
+    addresses, without validating or converting again: its reports and canary buffers equal the
+    CPU's forward by forward. A misaligned array of a prepared geometry is still refused."""
+    import cupy
+
     if frame == "torch":
         torch = pytest.importorskip("torch")
         frame_fn = torch.from_dlpack
     else:
         frame_fn = None
-    _, expected, expected_buffers = _static_decode("cpu")
+    _, expected, expected_buffers = _decode_run("cpu")
     assert [total for total, _, _ in expected] == [0, 0, 2, 4, 8, 8, 8]
     kinds = {key[:2] for _, _, keys in expected for key in keys}
     assert {("full", "head"), ("full", "write"), ("swa", "head"), ("swa", "write")} <= kinds
-    eng, events, buffers = _static_decode("cuda", frame_fn)
+    eng, events, buffers = _decode_run("cuda", frame_fn, static)
     assert events == expected
     for ours, theirs in zip(buffers, expected_buffers):
         assert np.array_equal(ours, theirs)
     canary = eng.canary
     assert len(canary._prepared_plans.prepared) == 1 and len(canary._prepared_writes.prepared) == 1
     assert next(iter(canary._prepared_writes.prepared.values())).translate is not None
+    if frame == "cupy":
+        i64 = lambda values: cupy.asarray(np.asarray(values, np.int64))  # noqa: E731
+        raw = cupy.zeros(8 * 3, cupy.uint8)
+        misaligned = raw[4:20].view(cupy.int64)
+        misaligned[...] = i64([5, 5])
+        batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=misaligned, extend_seq_lens=i64([1, 1]),
+                                input_ids=i64([1, 2]), positions=i64([5, 5]), out_cache_loc=i64([60, 61]))
+        forwards = canary.forwards
+        with pytest.raises(ValueError, match=r"^kv-canary: prefix_lens must be 8-byte aligned"):
+            canary.before_forward(batch)
+        assert canary.forwards == forwards
 
 
 def test_prepared_launches_cache_keeps_what_it_met_twice():
-    from kvcanary_cupy.session import _PreparedLaunches
+    from kvcanary_cupy.session import _Geometry, _PreparedLaunches
+
+    def met(key):
+        return _Geometry(key, [], False)
 
     cache = _PreparedLaunches()
     assert cache.get(None) is None and not cache.second_meeting(None)
-    assert not cache.second_meeting("k") and cache.second_meeting("k") and not cache.second_meeting("k")
-    assert cache.put("k", 1) == 1 and cache.get("k") == 1
+    assert not cache.second_meeting(met("k")) and cache.second_meeting(met("k"))
+    assert not cache.second_meeting(met("k"))
+    assert cache.put(met("k"), 1) == 1 and cache.get(met("k")) == 1
     for index in range(cache.SIZE):
-        cache.put(index, index)
-        cache.second_meeting(("once", index))
-    cache.get(0)  # the oldest but one now
-    cache.put("new", 2)
-    assert cache.get(0) == 0 and cache.get(1) is None and len(cache.prepared) == cache.SIZE
+        cache.put(met(index), index)
+        cache.second_meeting(met(("once", index)))
+    cache.get(met(0))  # the oldest but one now
+    cache.put(met("new"), 2)
+    assert cache.get(met(0)) == 0 and cache.get(met(1)) is None and len(cache.prepared) == cache.SIZE
     assert len(cache.met_once) == cache.SIZE
 
 

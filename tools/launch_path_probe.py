@@ -121,21 +121,30 @@ def main() -> None:
         canary.before_forward(forward)
         canary.after_forward(forward)
 
-    # 100 batches of distinct arrays in turn: more geometries than a canary prepares, so none is
+    # 100 batches of fresh arrays in turn, one geometry at 100 addresses each array
     rotating = [kc.ForwardBatch(**{k: v.copy() for k, v in batch.items() if k != "req_to_token"},
                                 **{k: v.copy() for k, v in writes.items()}) for _ in range(100)]
     turn = [0]
 
-    def session_forward_unprepared():
+    def session_forward_rotating(session):
         turn[0] = (turn[0] + 1) % len(rotating)
-        canary.before_forward(rotating[turn[0]])
-        canary.after_forward(rotating[turn[0]])
+        session.before_forward(rotating[turn[0]])
+        session.after_forward(rotating[turn[0]])
+
+    # the same with nothing prepared: every forward validated and converted (a tree that prepares
+    # nothing, or a canary told never to)
+    unprepared = kc.Canary(pool_slot_count=1 << 16, req_to_token=batch["req_to_token"], device="cuda", mode="log",
+                           capacities=canary.capacities)
+    for cache in ("_prepared_plans", "_prepared_writes"):
+        if hasattr(unprepared, cache):
+            getattr(unprepared, cache).second_meeting = lambda geometry: False
 
     vector = batch["prefix_lens"]
     parts = {
         "kc.Canary forward (before + after), same arrays": session_forward,
         "  before_forward": lambda: canary.before_forward(forward),
-        "kc.Canary forward, 100 batches in turn": session_forward_unprepared,
+        "kc.Canary forward, 100 fresh batches in turn": lambda: session_forward_rotating(canary),
+        "kc.Canary forward, 100 fresh batches, nothing prepared": lambda: session_forward_rotating(unprepared),
         "kc.plan, whole call": lambda: kc.plan(vplan, wplan, **batch),
         "  PlanBatch(...) (adopt + check 4 arrays)": lambda: PlanBatch(**batch),
         "  require_writable x2": lambda: (require_writable(vplan), require_writable(wplan)),

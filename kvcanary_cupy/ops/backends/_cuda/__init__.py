@@ -107,14 +107,24 @@ class Launch:
         self.args = args
         self._packed = _PackedParameters(fn, args) if packed else None
 
+    def parameters_of(self, array) -> list[int]:
+        """The indices of the parameters that point at ``array`` (the object itself)."""
+        return [index for index, argument in enumerate(self.args) if argument is array]
+
     def detach(self) -> "Launch":
         """This packed launch without its references to the arrays it points at, for a cache keyed by
-        those arrays' addresses and shapes: each call then finds live arrays of the same addresses
-        and shapes, the ones its caller was given."""
+        those arrays' geometry: before each call, :meth:`rebind` points it at the caller's arrays
+        of that geometry."""
         if self._packed is None:
             raise ValueError("kv-canary: only a packed launch holds its parameters without its arrays")
         self.args = ()
         return self
+
+    def rebind(self, bindings: tuple, addresses: list) -> None:
+        """Set each ``(parameter index, slot)`` of ``bindings`` to ``addresses[slot]``."""
+        values = self._packed.values
+        for index, slot in bindings:
+            values[index].value = addresses[slot]
 
     def __call__(self, stream) -> None:
         packed = self._packed
