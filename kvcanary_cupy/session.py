@@ -531,6 +531,9 @@ class Canary:
             key.append(found[0])
             addresses.append(found[1])
             torch = torch or (found[0] is not None and found[0][0] == "torch")
+        # Which fields share an array: a launch prepared over one array passed twice points both
+        # parameters at it, so it serves only batches that share it the same way.
+        key.append(tuple(addresses.index(address) for address in addresses))
         return _Geometry(tuple(key), addresses, torch)
 
     def _prepare_plans(self, batch: ForwardBatch, plans: list[PlanBatch]) -> tuple:

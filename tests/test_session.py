@@ -316,6 +316,34 @@ def test_prepared_launches_match_the_cpu(frame, static):
         assert canary.forwards == forwards
 
 
+@requires_gpu
+def test_prepared_launches_tell_shared_arrays_apart():
+    """Forwards that pass one array as both input_ids and positions prepare launches of their own:
+    a later batch of the same shapes with two arrays writes its own token ids (the canary buffer
+    equals the CPU's)."""
+    buffers = []
+    for device in ("cpu", "cuda"):
+        eng = Tiny(device, hash_mode=kc.HashMode.NONE)
+        i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        table = np.zeros((ROWS, WIDTH), np.int32)
+        table[1, :8], table[2, :8] = np.arange(1, 9), np.arange(11, 19)
+        eng.table[...] = to_device(table, device)
+        for position in range(8):
+            shared = i64([position, position])
+            ids, positions = (shared, shared) if position < 4 else (i64([100 + position, 200 + position]),
+                                                                    i64([position, position]))
+            batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([position, position]),
+                                    extend_seq_lens=i64([1, 1]), input_ids=ids, positions=positions,
+                                    out_cache_loc=i64([1 + position, 11 + position]))
+            eng.canary.before_forward(batch)
+            eng.canary.after_forward(batch)
+        assert eng.canary.poll().total == 0
+        if device == "cuda":
+            assert len(eng.canary._prepared_writes.prepared) == 2  # one for each way of passing them
+        buffers.append(to_numpy(eng.canary.context.canary_buf))
+    assert np.array_equal(buffers[0], buffers[1])
+
+
 def test_prepared_launches_cache_keeps_what_it_met_twice():
     from kvcanary_cupy.session import _Geometry, _PreparedLaunches
 
