@@ -220,7 +220,8 @@ def _torch_view(cupy, tensor: Any, device: Device):
     shape = tuple(tensor.shape)
     element_strides = tensor.stride()
     extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, element_strides))
-    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor, device.index)
+    # The storage owns the bytes: the tensor could be pointed at other storage (set_) while viewed.
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * itemsize, tensor.untyped_storage(), device.index)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
                         tuple(stride * itemsize for stride in element_strides))
 

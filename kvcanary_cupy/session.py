@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 from typing import Any, Iterator, Optional, Sequence
 
@@ -30,7 +29,6 @@ from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, na
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, resolve_stream
-from .ops.backends._cpu import session as _host_bookkeeping
 from .ops.batches import PlanBatch, WriteBatch, launch_tag
 from .sources import RealKvSource, source_list
 
@@ -187,7 +185,7 @@ class _Launch:
     tag: int
     step: int
     batch: Any  # ForwardBatch or LiveRequests
-    write_loc: Any = None  # the slots the write used (None: the SWA group's, translated by its LUT)
+    write_loc: Any = None  # the slots the write used (SWA: translated)
     _verify_index: Any = None
     _write_index: Any = None
 
@@ -212,7 +210,7 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
-        self.checks: dict = {}  # by tag: verify the forward's plan, then count it if disabled (Canary sets them)
+        self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches (Canary's)
 
 
 # The ForwardBatch arrays each part of a forward launches over: the plan's, then the write's.
@@ -283,12 +281,10 @@ class _Bound:
     bindings: tuple  # (parameter index, index into _Geometry.addresses)
 
     @classmethod
-    def of(cls, launch, bundle, slots: dict) -> "_Bound":
-        """``launch`` (packed over ``bundle``'s arrays) bound by ``slots``: bundle attribute -> the
-        address index of the batch array it views."""
-        bindings = tuple((index, slot) for attribute, slot in slots.items()
-                         if getattr(bundle, attribute) is not None
-                         for index in launch.parameters_of(getattr(bundle, attribute)))
+    def of(cls, launch, views: list) -> "_Bound":
+        """``launch``, packed over this call's arrays, bound by ``views``: ``(array, slot)``, each
+        array one the launch was given, to the index of its address in every call's addresses."""
+        bindings = tuple((index, slot) for view, slot in views for index in launch.parameters_of(view))
         return cls(launch.detach(), bindings)
 
     def __call__(self, addresses: list, stream) -> None:
@@ -296,14 +292,20 @@ class _Bound:
         self.launch(stream)
 
 
+def _views(bundle, slots: dict) -> list:
+    """``(array, slot)`` of each of ``bundle``'s arrays named in ``slots`` (attribute -> slot)."""
+    return [(getattr(bundle, name), slot) for name, slot in slots.items() if getattr(bundle, name) is not None]
+
+
 @dataclasses.dataclass(frozen=True)
 class _PreparedWrites:
-    """The write part of a forward, prepared: the SWA slots' translation (into ``swa_slots``, which
-    the entry owns) when the batch does not give them, then each group's write."""
+    """The write part of a forward, prepared: each group's write and, when the batch does not give
+    the SWA group's slots, their translation into a buffer of ``swa_entries`` each forward allocates
+    (``swa_entries`` None: no such buffer)."""
 
     translate: Any
     writes: tuple
-    swa_slots: Any
+    swa_entries: Optional[int]
 
 
 @contextlib.contextmanager
@@ -315,17 +317,6 @@ def _on(device, stream: Any):
             yield
     else:
         yield
-
-
-def _launch_all(launches: tuple, stream) -> None:
-    for launch in launches:
-        launch(stream)
-
-
-def _written_slots(batch: ForwardBatch, group_index: int) -> Any:
-    """The slots a forward's write of group ``group_index`` stored into, for ``poll``: the batch's own
-    (``None`` for an SWA group whose slots the session translated: ``poll`` translates them again)."""
-    return batch.out_cache_loc if group_index == 0 else batch.swa_out_cache_loc
 
 
 def _signed(value: int) -> int:
@@ -407,10 +398,11 @@ class Canary:
         self.capacities = capacities
         self.pool_slot_count = pool_slot_count
         self.hash_mode = hash_mode
-        self.req_to_token = req_to_token
-        self.expected_tokens = expected_tokens
-        self.check_expected_token = check_expected_token
-        self.token_offset = token_offset
+        # Read-only (properties below): prepared launches take them in once.
+        self._req_to_token = req_to_token
+        self._expected_tokens = expected_tokens
+        self._check_expected_token = check_expected_token
+        self._token_offset = token_offset
         self.logger = logger or _LOG
         self.forwards = 0
         self._planned: Any = None
@@ -433,8 +425,9 @@ class Canary:
                                              chain_position_assert=chain_position_assert)
             self.groups.append(_Group("swa", swa_ctx, capacities, device, window, lut,
                                       (T.HEAD_K_SWA, T.TAIL_K_SWA, T.SWEEP_K_SWA)))
-        for group in self.groups:
-            group.checks = self._forward_checks(group)
+        # The batch fields a forward's launches read (the others are ignored, as the ops ignore them).
+        self._plan_fields = _PLAN_FIELDS if check_expected_token else _PLAN_FIELDS[:3]
+        self._write_fields = _WRITE_FIELDS if swa is not None else _WRITE_FIELDS[:5]
         self._prepared_plans = _PreparedLaunches()
         self._prepared_writes = _PreparedLaunches()
 
@@ -451,6 +444,23 @@ class Canary:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def req_to_token(self):
+        """The engine's ``req_to_token`` table, referenced in place (a native view of it)."""
+        return self._req_to_token
+
+    @property
+    def expected_tokens(self):
+        return self._expected_tokens
+
+    @property
+    def check_expected_token(self) -> bool:
+        return self._check_expected_token
+
+    @property
+    def token_offset(self) -> int:
+        return self._token_offset
 
     # --- per forward ------------------------------------------------------------------------------
     def _stream(self, stream: Any):
@@ -498,21 +508,20 @@ class Canary:
         self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
         self._bookkeeping.count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
 
-    def _forward_checks(self, group: _Group) -> dict:
-        """The head and tail checks of ``group``'s forward plan, by tag. On a GPU their two launches
-        are packed once here: they take only the session's own arrays."""
+    def _forward_check(self, group: _Group, tag: int, stream) -> None:
+        """:meth:`_check` of ``group``'s forward plan. On a GPU its two launches are packed at the
+        first call of each tag (on the current device): they take only the session's own arrays."""
         if not self.device.is_cuda:
-            return {tag: functools.partial(self._check, group, group.vplan, tag)
-                    for tag in (group.head_tag, group.tail_tag)}
-        verify_backend = backend_module(self.device, "verify")
-        checks = {}
-        with cupy_module().cuda.Device(self.device.index):
-            for tag in (group.head_tag, group.tail_tag):
-                launches = (verify_backend.prepare(group.ctx, group.vplan, tag=tag,
-                                                   check_expected_token=self.check_expected_token, packed=True),
-                            self._bookkeeping.prepare_count_disabled(group.vplan, group.overflows, packed=True))
-                checks[tag] = functools.partial(_launch_all, launches)
-        return checks
+            self._check(group, group.vplan, tag, stream)
+            return
+        launches = group.checks.get(tag)
+        if launches is None:
+            verify = backend_module(self.device, "verify").prepare(
+                group.ctx, group.vplan, tag=tag, check_expected_token=self.check_expected_token, packed=True)
+            count = self._bookkeeping.prepare_count_disabled(group.vplan, group.overflows, packed=True)
+            launches = group.checks[tag] = (verify, count)
+        for launch in launches:
+            launch(stream)
 
     def _geometry(self, batch: ForwardBatch, fields: tuple[str, ...]) -> Optional[_Geometry]:
         """The geometry and addresses of ``batch``'s ``fields`` (an absent one: None and 0), or None
@@ -538,31 +547,53 @@ class Canary:
 
     def _prepare_plans(self, batch: ForwardBatch, plans: list[PlanBatch]) -> tuple:
         backend = backend_module(self.device, "plan")
-        slots = {name: _PLAN_FIELDS.index(name) for name in _PLAN_FIELDS[:3]}
-        # the expected tokens' valid lengths are the batch's own, or its prefix lengths
-        valid_lens = "expected_valid_lens" if batch.expected_valid_lens is not None else "prefix_lens"
-        slots["req_to_verify_expected_tokens_valid_lens"] = _PLAN_FIELDS.index(valid_lens)
-        return tuple(_Bound.of(backend.prepare(group.vplan, group.wplan, plan, packed=True), plan, slots)
+        fields = self._plan_fields
+        slots = {name: fields.index(name) for name in _PLAN_FIELDS[:3]}
+        if self.check_expected_token:  # the valid lengths are the batch's own, or its prefix lengths
+            valid_lens = "expected_valid_lens" if batch.expected_valid_lens is not None else "prefix_lens"
+            slots["req_to_verify_expected_tokens_valid_lens"] = fields.index(valid_lens)
+        return tuple(_Bound.of(backend.prepare(group.vplan, group.wplan, plan, packed=True), _views(plan, slots))
                      for group, plan in zip(self.groups, plans))
 
     def _prepare_writes(self, batch: ForwardBatch, writes: list[WriteBatch]) -> _PreparedWrites:
-        """``writes`` (from :meth:`_writes`, this call's) as packed launches; an SWA group's translated
-        slots move to a buffer of the entry's own, filled by its own translation launch."""
+        """``writes`` (from :meth:`_writes`, this call's) as packed launches. An SWA group's slots,
+        when the batch does not give them, are translated by a launch of the entry into a buffer
+        each forward allocates (its address is the last one bound), as the validating path does."""
         backend = backend_module(self.device, "write")
-        slots = {name: _WRITE_FIELDS.index(name) for name in _WRITE_FIELDS[:5]}
-        group_slots = [slots, dict(slots, out_cache_loc=_WRITE_FIELDS.index("swa_out_cache_loc"))]
-        translate = swa_slots = None
-        if len(writes) > 1 and batch.swa_out_cache_loc is None:
-            swa_slots = empty((writes[0].num_entries,), np.int64, self.device)
-            translate = self._bookkeeping.prepare_translate_slots(writes[0].out_cache_loc, self.groups[1].lut,
-                                                                  swa_slots, packed=True)
-            if translate is not None:
-                translate = _Bound.of(translate, writes[0], {"out_cache_loc": slots["out_cache_loc"]})
-            writes = [writes[0], writes[1].for_group(writes[1].tag, swa_slots)]
-            group_slots[1] = {name: slot for name, slot in slots.items() if name != "out_cache_loc"}
-        launches = tuple(_Bound.of(backend.prepare(group.ctx, group.wplan, write, packed=True), write, fields)
-                         for group, write, fields in zip(self.groups, writes, group_slots))
-        return _PreparedWrites(translate, launches, swa_slots)
+        fields = self._write_fields
+        slots = {name: fields.index(name) for name in _WRITE_FIELDS[:5]}
+        group_slots = [slots]
+        translate = swa_entries = None
+        if len(writes) > 1:
+            if batch.swa_out_cache_loc is not None:
+                group_slots.append(dict(slots, out_cache_loc=fields.index("swa_out_cache_loc")))
+            else:
+                per_forward = len(fields)
+                group_slots.append(dict(slots, out_cache_loc=per_forward))
+                swa_entries = writes[0].num_entries
+                launch = self._bookkeeping.prepare_translate_slots(
+                    writes[0].out_cache_loc, self.groups[1].lut, writes[1].out_cache_loc, packed=True)
+                if launch is not None:
+                    translate = _Bound.of(launch, [(writes[0].out_cache_loc, slots["out_cache_loc"]),
+                                                   (writes[1].out_cache_loc, per_forward)])
+        launches = tuple(_Bound.of(backend.prepare(group.ctx, group.wplan, write, packed=True), _views(write, bound))
+                         for group, write, bound in zip(self.groups, writes, group_slots))
+        return _PreparedWrites(translate, launches, swa_entries)
+
+    def _translate(self, batch: ForwardBatch, prepared: _PreparedWrites, geometry: _Geometry, stream):
+        """A prepared forward's write addresses and each group's written slots (which ``poll``
+        reads): the SWA group's translated by the entry's launch into a buffer of this forward's."""
+        addresses, slots = geometry.addresses, [batch.out_cache_loc]
+        if len(self.groups) > 1:
+            if prepared.swa_entries is None:
+                slots.append(batch.swa_out_cache_loc)
+            else:
+                translated = cupy_module().empty((prepared.swa_entries,), np.int64)  # every cell is written
+                addresses = addresses + [translated.data.ptr]
+                if prepared.translate is not None:
+                    prepared.translate(addresses, stream)
+                slots.append(translated)
+        return addresses, slots
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
@@ -570,16 +601,16 @@ class Canary:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids)
-        geometry, prepared = self._lookup(self._prepared_plans, batch, _PLAN_FIELDS)
+        geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
-        self.forwards += 1
         with _on(self.device, stream):
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
+            self.forwards += 1
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
-                group.checks[group.head_tag](stream)
+                self._forward_check(group, group.head_tag, stream)
                 group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
         self._planned = batch
 
@@ -613,18 +644,20 @@ class Canary:
         replan = self._planned is not batch
         plan_geometry = prepared_plans = plans = None
         if replan:
-            plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, _PLAN_FIELDS)
+            plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, self._plan_fields)
             plans = None if prepared_plans is not None else self._batch_plans(batch)
-        write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, _WRITE_FIELDS)
+        write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, self._write_fields)
         writes = None if prepared_writes is not None else self._writes(batch, stream)
         with _on(self.device, stream):
             if plans is not None and self._prepared_plans.second_meeting(plan_geometry):
                 prepared_plans = self._prepared_plans.put(plan_geometry, self._prepare_plans(batch, plans))
             if writes is not None and self._prepared_writes.second_meeting(write_geometry):
-                prepared_writes = self._prepared_writes.put(write_geometry, self._prepare_writes(batch, writes))
-                writes = None  # written from the entry from now on (which translates into its own slots)
-            if prepared_writes is not None and prepared_writes.translate is not None:
-                prepared_writes.translate(write_geometry.addresses, stream)
+                # for the forwards to come; this one's writes are ready (its SWA slots translated)
+                self._prepared_writes.put(write_geometry, self._prepare_writes(batch, writes))
+            if writes is not None:
+                slots = [write.out_cache_loc for write in writes]
+            else:
+                addresses, slots = self._translate(batch, prepared_writes, write_geometry, stream)
             if replan:
                 self.forwards += 1
                 for index, group in enumerate(self.groups):
@@ -633,10 +666,10 @@ class Canary:
                 if writes is not None:
                     self._write_op(group.ctx, group.wplan, writes[index], stream=stream)
                 else:
-                    prepared_writes.writes[index](write_geometry.addresses, stream)
+                    prepared_writes.writes[index](addresses, stream)
                 group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch,
-                                         write_loc=_written_slots(batch, index)))
-                group.checks[group.tail_tag](stream)
+                                         write_loc=slots[index]))
+                self._forward_check(group, group.tail_tag, stream)
                 group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
         self._planned = None
 
@@ -782,19 +815,8 @@ class Canary:
                 best, best_score = (owner, pos), score
         return best
 
-    def _written_slots(self, group: _Group, launch: _Launch) -> np.ndarray:
-        if launch.write_loc is not None:
-            return self._host(id(launch.write_loc), launch.write_loc)
-        key = ("translated", id(launch.batch.out_cache_loc))
-        if key not in self._host_cache:
-            loc = self._host(id(launch.batch.out_cache_loc), launch.batch.out_cache_loc)
-            translated = np.empty(loc.shape, np.int64)
-            _host_bookkeeping.translate_slots(loc, self._host(("lut", group.name), group.lut), translated)
-            self._host_cache[key] = translated
-        return self._host_cache[key]
-
-    def _match_write(self, group: _Group, launch: _Launch, v: Violation):
-        loc = self._written_slots(group, launch)
+    def _match_write(self, launch: _Launch, v: Violation):
+        loc = self._host(id(launch.write_loc), launch.write_loc)
         hits = np.flatnonzero(loc == v.slot_idx)
         if hits.size == 0:
             return None
@@ -824,7 +846,7 @@ class Canary:
                 if launch.tag != int(v.kernel_kind):
                     continue
                 if launch.kind == "write":
-                    match = self._match_write(group, launch, v) if may_write else None
+                    match = self._match_write(launch, v) if may_write else None
                 else:
                     match = self._match_verify(group, launch, v) if may_verify else None
                 if match is not None:

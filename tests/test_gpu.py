@@ -321,6 +321,13 @@ def test_torch_cuda_tensors_are_viewed_in_place_without_dlpack(monkeypatch):
     view = native_view(wide[1:, 3:35], "x")
     view[2, 5] = -7
     assert int(wide[3, 8]) == -7
+    # the view keeps the tensor's storage, not only the tensor: pointed elsewhere, its bytes stay
+    moved = torch.arange(1 << 16, dtype=torch.int64, device="cuda")
+    moved_view = native_view(moved, "x")
+    moved.set_(torch.zeros(4, dtype=torch.int64, device="cuda"))
+    torch.cuda.synchronize()
+    reuse = [torch.full((1 << 16,), 7, dtype=torch.int64, device="cuda") for _ in range(4)]
+    assert np.array_equal(moved_view.get(), np.arange(1 << 16)) and reuse
     # a plan from torch tensors equals the same plan from CuPy arrays
     table = torch.randint(0, 4096, (9, 64), dtype=torch.int32, device="cuda")
     batch = dict(req_pool_indices=torch.arange(1, 9, device="cuda"), prefix_lens=torch.randint(0, 64, (8,), device="cuda"),

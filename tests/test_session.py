@@ -316,6 +316,28 @@ def test_prepared_launches_match_the_cpu(frame, static):
         assert canary.forwards == forwards
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_swa_write_rows_map_to_the_slots_of_their_forward(device):
+    """``poll`` maps an SWA write row through the slots its forward translated, even after the
+    engine's LUT has changed (a freed slot's entry zeroed); on a GPU the forward's launches are the
+    prepared ones (the batch geometry met before)."""
+    eng = Tiny(device, swa=True)
+    eng.step({"a": 4, "b": 3})
+    for _ in range(3):
+        eng.step({"a": 1, "b": 1})
+    assert eng.canary.poll().total == 0
+    eng.step({"a": 1, "b": 1}, stale_position={"b": 2})
+    position = eng.lens["b"] - 1
+    lut = to_numpy(eng.lut).copy()
+    swa_slot = int(lut[eng.slot("b", position)])
+    lut[eng.slot("b", position)] = 0
+    eng.lut[...] = to_device(lut, device)
+    writes = [(e.group, e.request, e.position, e.slot) for e in eng.canary.poll() if e.phase == "write"]
+    assert ("swa", "b", position, swa_slot) in writes
+    if device == "cuda":
+        assert len(eng.canary._prepared_writes.prepared) == 1
+
+
 @requires_gpu
 def test_prepared_launches_tell_shared_arrays_apart():
     """Forwards that pass one array as both input_ids and positions prepare launches of their own:
