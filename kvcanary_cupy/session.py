@@ -210,7 +210,7 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
-        self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches (Canary's)
+        self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches
 
 
 # The ForwardBatch arrays each part of a forward launches over: the plan's, then the write's.
@@ -395,7 +395,7 @@ class Canary:
 
         self.mode = mode
         self.device = device
-        self.capacities = capacities
+        self._capacities = capacities
         self.pool_slot_count = pool_slot_count
         self.hash_mode = hash_mode
         # Read-only (properties below): prepared launches take them in once.
@@ -426,7 +426,7 @@ class Canary:
             self.groups.append(_Group("swa", swa_ctx, capacities, device, window, lut,
                                       (T.HEAD_K_SWA, T.TAIL_K_SWA, T.SWEEP_K_SWA)))
         # The batch fields a forward's launches read (the others are ignored, as the ops ignore them).
-        self._plan_fields = _PLAN_FIELDS if check_expected_token else _PLAN_FIELDS[:3]
+        self._plan_fields = _PLAN_FIELDS if self._plans_expect_tokens else _PLAN_FIELDS[:3]
         self._write_fields = _WRITE_FIELDS if swa is not None else _WRITE_FIELDS[:5]
         self._prepared_plans = _PreparedLaunches()
         self._prepared_writes = _PreparedLaunches()
@@ -446,6 +446,10 @@ class Canary:
         return self.mode != "off"
 
     @property
+    def capacities(self) -> Capacities:
+        return self._capacities
+
+    @property
     def req_to_token(self):
         """The engine's ``req_to_token`` table, referenced in place (a native view of it)."""
         return self._req_to_token
@@ -462,6 +466,12 @@ class Canary:
     def token_offset(self) -> int:
         return self._token_offset
 
+    @property
+    def _plans_expect_tokens(self) -> bool:
+        """Whether the plans fill expected tokens (from the table, bounded by
+        ``ForwardBatch.expected_valid_lens``, which is ignored otherwise)."""
+        return self.check_expected_token and self.expected_tokens is not None
+
     # --- per forward ------------------------------------------------------------------------------
     def _stream(self, stream: Any):
         """The call's stream on the canary's device, resolved (and so checked) once, before anything
@@ -471,7 +481,7 @@ class Canary:
     def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
         """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes
         against its plans (device, write-plan capacity), all before the call launches anything."""
-        expected = self.expected_tokens if self.check_expected_token else None
+        expected = self.expected_tokens if self._plans_expect_tokens else None
         full = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
                          req_to_token=self.req_to_token, req_to_verify_expected_tokens=expected,
                          req_to_verify_expected_tokens_valid_lens=None if expected is None else (
@@ -508,19 +518,25 @@ class Canary:
         self._verify_op(group.ctx, vplan, tag=tag, check_expected_token=self.check_expected_token, stream=stream)
         self._bookkeeping.count_disabled(vplan, group.overflows, stream=stream)  # read by poll()
 
+    def _prepare_checks(self) -> None:
+        """On a GPU, pack every group's head and tail checks (verify, then the disabled count: they
+        take only the session's own arrays) once, at the first forward, before it launches
+        anything, on the current device."""
+        if not self.device.is_cuda or self.groups[0].checks:
+            return
+        verify = backend_module(self.device, "verify")
+        for group in self.groups:
+            group.checks = {tag: (verify.prepare(group.ctx, group.vplan, tag=tag,
+                                                 check_expected_token=self.check_expected_token, packed=True),
+                                  self._bookkeeping.prepare_count_disabled(group.vplan, group.overflows, packed=True))
+                            for tag in (group.head_tag, group.tail_tag)}
+
     def _forward_check(self, group: _Group, tag: int, stream) -> None:
-        """:meth:`_check` of ``group``'s forward plan. On a GPU its two launches are packed at the
-        first call of each tag (on the current device): they take only the session's own arrays."""
+        """:meth:`_check` of ``group``'s forward plan, through its packed launches on a GPU."""
         if not self.device.is_cuda:
             self._check(group, group.vplan, tag, stream)
             return
-        launches = group.checks.get(tag)
-        if launches is None:
-            verify = backend_module(self.device, "verify").prepare(
-                group.ctx, group.vplan, tag=tag, check_expected_token=self.check_expected_token, packed=True)
-            count = self._bookkeeping.prepare_count_disabled(group.vplan, group.overflows, packed=True)
-            launches = group.checks[tag] = (verify, count)
-        for launch in launches:
+        for launch in group.checks[tag]:
             launch(stream)
 
     def _geometry(self, batch: ForwardBatch, fields: tuple[str, ...]) -> Optional[_Geometry]:
@@ -549,7 +565,7 @@ class Canary:
         backend = backend_module(self.device, "plan")
         fields = self._plan_fields
         slots = {name: fields.index(name) for name in _PLAN_FIELDS[:3]}
-        if self.check_expected_token:  # the valid lengths are the batch's own, or its prefix lengths
+        if self._plans_expect_tokens:  # the valid lengths are the batch's own, or its prefix lengths
             valid_lens = "expected_valid_lens" if batch.expected_valid_lens is not None else "prefix_lens"
             slots["req_to_verify_expected_tokens_valid_lens"] = fields.index(valid_lens)
         return tuple(_Bound.of(backend.prepare(group.vplan, group.wplan, plan, packed=True), _views(plan, slots))
@@ -605,6 +621,7 @@ class Canary:
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
         with _on(self.device, stream):
+            self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
             self.forwards += 1
@@ -649,6 +666,7 @@ class Canary:
         write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, self._write_fields)
         writes = None if prepared_writes is not None else self._writes(batch, stream)
         with _on(self.device, stream):
+            self._prepare_checks()
             if plans is not None and self._prepared_plans.second_meeting(plan_geometry):
                 prepared_plans = self._prepared_plans.put(plan_geometry, self._prepare_plans(batch, plans))
             if writes is not None and self._prepared_writes.second_meeting(write_geometry):

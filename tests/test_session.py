@@ -260,8 +260,8 @@ def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
 def _decode_run(device, frame=None, static=True):
     """A prefill, then decode forwards of one geometry (so a GPU canary prepares their launches at
     the second and launches them from then on), over static buffers refilled in place or fresh
-    arrays, with a KV corruption, a stale write position (its write rows map through the SWA group's
-    LUT on the host) and an SWA corruption on the way; polled after each forward."""
+    arrays, with a KV corruption, a stale write position (write rows in both groups) and an SWA
+    corruption on the way; polled after each forward."""
     eng = Tiny(device, swa=True, static=static, frame=frame)
     events = []
     eng.step({"a": 4, "b": 3})
@@ -330,10 +330,12 @@ def test_swa_write_rows_map_to_the_slots_of_their_forward(device):
     position = eng.lens["b"] - 1
     lut = to_numpy(eng.lut).copy()
     swa_slot = int(lut[eng.slot("b", position)])
+    eng.step({"a": 1, "b": 1})  # another forward of the geometry, into other slots, before the poll
+    lut = to_numpy(eng.lut).copy()
     lut[eng.slot("b", position)] = 0
     eng.lut[...] = to_device(lut, device)
-    writes = [(e.group, e.request, e.position, e.slot) for e in eng.canary.poll() if e.phase == "write"]
-    assert ("swa", "b", position, swa_slot) in writes
+    writes = [(e.group, e.request, e.position, e.slot, e.step) for e in eng.canary.poll() if e.phase == "write"]
+    assert ("swa", "b", position, swa_slot, 5) in writes
     if device == "cuda":
         assert len(eng.canary._prepared_writes.prepared) == 1
 
@@ -364,6 +366,14 @@ def test_prepared_launches_tell_shared_arrays_apart():
             assert len(eng.canary._prepared_writes.prepared) == 2  # one for each way of passing them
         buffers.append(to_numpy(eng.canary.context.canary_buf))
     assert np.array_equal(buffers[0], buffers[1])
+
+
+def test_settings_are_read_only():
+    """Prepared launches take the settings in once, so they cannot be swapped under them."""
+    canary = Tiny("cpu").canary
+    for name in ("req_to_token", "expected_tokens", "check_expected_token", "token_offset", "capacities"):
+        with pytest.raises(AttributeError):
+            setattr(canary, name, getattr(canary, name))
 
 
 def test_prepared_launches_cache_keeps_what_it_met_twice():
