@@ -69,7 +69,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = commands.add_parser("info", help="version, backends and devices available")
+    info = commands.add_parser("info", help="version, backends and devices available",
+                               description="Print this package's version, the backends it can use (numba on the "
+                                           "CPU; CuPy on CUDA GPUs) and the devices it sees.")
     info.set_defaults(handler=_info)
     compile_ = commands.add_parser(
         "compile", help="compile every kernel now (CuPy and numba cache them on disk: later processes only load them)",
@@ -82,13 +84,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .sim import cli  # noqa: PLC0415
 
     demo = commands.add_parser("demo", help="simulate a serving engine, inject KV-cache faults, show what is caught",
-                               description=cli.main.__doc__ or "")
+                               description=cli.DESCRIPTION)
     cli.add_arguments(demo)
     demo.set_defaults(handler=cli.run_from_args)
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)
+        return 2
     return args.handler(args)
 
 

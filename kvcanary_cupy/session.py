@@ -346,12 +346,20 @@ def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
     return view
 
 
-def _req_ids(req_ids: Any) -> None:
+def _req_ids(req_ids: Any, req_pool_indices: Any) -> None:
     """Only ``poll`` reads them (``len`` and indexing), long after the call that took them; a str
-    or a dict would index as a sequence of something else."""
-    if req_ids is not None and not isinstance(req_ids, (list, tuple, np.ndarray)):
+    or a dict would index as a sequence of something else, and a list of another length would name
+    the wrong requests (or none). The batch's rows are counted from ``req_pool_indices``' shape,
+    which its own rules check later."""
+    if req_ids is None:
+        return
+    if not isinstance(req_ids, (list, tuple, np.ndarray)):
         raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or NumPy array (one per batch "
                         f"row), got {type(req_ids).__name__} {req_ids!r}")
+    shape = getattr(req_pool_indices, "shape", None)
+    if isinstance(shape, tuple) and len(shape) == 1 and len(req_ids) != shape[0]:
+        raise ValueError(f"{check.PREFIX}req_ids must have one id per batch row (req_pool_indices has "
+                         f"{shape[0]}), got {len(req_ids)}")
 
 
 class Canary:
@@ -539,10 +547,11 @@ class Canary:
         for launch in group.checks[tag]:
             launch(stream)
 
-    def _geometry(self, batch: ForwardBatch, fields: tuple[str, ...]) -> Optional[_Geometry]:
-        """The geometry and addresses of ``batch``'s ``fields`` (an absent one: None and 0), or None
-        where an array's geometry is not known (host arrays, other frameworks' device arrays) or its
-        address is misaligned: the validating path then takes the call."""
+    def _geometry(self, batch: Any, fields: tuple[str, ...]) -> Optional[_Geometry]:
+        """The geometry and addresses of ``batch``'s ``fields`` (a ForwardBatch's or LiveRequests'; an
+        absent one: None and 0), or None where an array's geometry is not known (host arrays, other
+        frameworks' device arrays) or its address is misaligned: the validating path then takes the
+        call."""
         if not self.device.is_cuda:
             return None
         key, addresses, torch = [], [], False
@@ -616,11 +625,12 @@ class Canary:
         if not self.enabled:
             return
         check.instance("batch", batch, ForwardBatch)
-        _req_ids(batch.req_ids)
+        _req_ids(batch.req_ids, batch.req_pool_indices)
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
         with _on(self.device, stream):
+            self._order_after_torch(geometry)
             self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
@@ -636,13 +646,17 @@ class Canary:
 
     def _lookup(self, cache: _PreparedLaunches, batch: ForwardBatch, fields: tuple[str, ...]):
         """``(geometry, prepared)``: the geometry of ``batch``'s ``fields`` and ``cache``'s launches for
-        it (None for none). Prepared launches are about to skip the views, so CuPy's current stream
-        is made to wait for torch's here, as a view of a torch tensor would make it."""
+        it (None for none)."""
         geometry = self._geometry(batch, fields)
-        prepared = cache.get(geometry)
-        if prepared is not None and geometry.torch:
+        return geometry, cache.get(geometry)
+
+    def _order_after_torch(self, *geometries: Optional[_Geometry]) -> None:
+        """Make the stream the call launches on (CuPy's current one inside ``_on``) wait, once, for
+        torch's current stream when any of the call's arrays is a torch tensor, as a DLPack exchange
+        makes its consumer wait: a prepared launch builds no view that would, and a view waits on
+        CuPy's stream outside ``_on``, which a ``stream=`` argument can make another one."""
+        if any(geometry is not None and geometry.torch for geometry in geometries):
             order_after_torch(self.device.index)
-        return geometry, prepared
 
     def _launch_plan(self, group: _Group, index: int, plans, prepared, geometry, stream) -> None:
         if prepared is not None:
@@ -656,7 +670,7 @@ class Canary:
         if not self.enabled:
             return
         check.instance("batch", batch, ForwardBatch)
-        _req_ids(batch.req_ids)
+        _req_ids(batch.req_ids, batch.req_pool_indices)
         stream = self._stream(stream)
         replan = self._planned is not batch
         plan_geometry = prepared_plans = plans = None
@@ -664,6 +678,8 @@ class Canary:
             plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, self._plan_fields)
             plans = None if prepared_plans is not None else self._batch_plans(batch)
         write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, self._write_fields)
+        with _on(self.device, stream):  # before the call's first launch: _writes may translate SWA slots
+            self._order_after_torch(plan_geometry, write_geometry)
         writes = None if prepared_writes is not None else self._writes(batch, stream)
         with _on(self.device, stream):
             self._prepare_checks()
@@ -696,7 +712,7 @@ class Canary:
         if not self.enabled:
             return
         check.instance("live_requests", live_requests, LiveRequests)
-        _req_ids(live_requests.req_ids)
+        _req_ids(live_requests.req_ids, live_requests.req_pool_indices)
         rows = _adopt("LiveRequests.req_pool_indices", live_requests.req_pool_indices, self.device, check.vector,
                       np.int64)
         bs = int(rows.shape[0])
@@ -715,6 +731,7 @@ class Canary:
                 group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
                 group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
         with _on(self.device, stream):
+            self._order_after_torch(self._geometry(live_requests, ("req_pool_indices", "seq_lens")))
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
                 self._check(group, group.sweep_vplan, group.sweep_tag, stream)

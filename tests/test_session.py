@@ -316,6 +316,125 @@ def test_prepared_launches_match_the_cpu(frame, static):
         assert canary.forwards == forwards
 
 
+def _forward_frames() -> list[dict]:
+    """A prefill of two requests and five decode forwards: each forward's table and batch values."""
+    table = np.zeros((ROWS, WIDTH), np.int32)
+    lens, next_slot, frames = {1: 0, 2: 0}, 1, []
+    for extend in [{1: 4, 2: 3}] + [{1: 1, 2: 1}] * 5:
+        ids, positions, loc = [], [], []
+        for row, count in extend.items():
+            for position in range(lens[row], lens[row] + count):
+                table[row, position] = next_slot
+                ids.append(1000 * row + position)
+                positions.append(position)
+                loc.append(next_slot)
+                next_slot += 1
+        frames.append({"req_to_token": table.copy(), "req_pool_indices": list(extend),
+                       "prefix_lens": [lens[row] for row in extend], "extend_seq_lens": list(extend.values()),
+                       "input_ids": ids, "positions": positions, "out_cache_loc": loc})
+        for row, count in extend.items():
+            lens[row] += count
+    return frames
+
+
+class _Engine:
+    """Runs ``_forward_frames`` through a canary with an SWA group and no real-KV sources, refilling
+    one array a field and length in place each forward (the table included), on the host."""
+
+    device = "cpu"
+
+    def zeros(self, name: str, shape):
+        return np.zeros(shape, np.int32 if name == "req_to_token" else np.int64)
+
+    def fill(self, target, values) -> None:
+        target[...] = values
+
+    def forward(self, canary: kc.Canary, batch: kc.ForwardBatch) -> None:
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+
+    def run(self):
+        """Each forward's events, the canary buffer, and the canary."""
+        frames = _forward_frames()
+        caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH,
+                                       pool_slot_count=SLOTS, max_prefill_tokens=64)
+        arrays = {("req_to_token", 0): self.zeros("req_to_token", (ROWS, WIDTH))}
+        lut = np.arange(SLOTS + 1, dtype=np.int64)[::-1] % SLOTS  # an SWA group whose slots are translated
+        swa = kc.SwaGroup(window=4, lut=self.zeros("lut", lut.shape), num_slots=SLOTS)
+        self.fill(swa.lut, lut)
+        canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=arrays[("req_to_token", 0)],
+                           device=self.device, swa=swa)
+        events = []
+        for frame in frames:
+            fields = {}
+            for name, values in frame.items():
+                key = (name, 0 if name == "req_to_token" else len(values))
+                target = arrays.setdefault(key, self.zeros(name, np.shape(values)))
+                self.fill(target, np.asarray(values))
+                fields[name] = target
+            del fields["req_to_token"]
+            self.forward(canary, kc.ForwardBatch(**fields))
+            report = canary.poll()
+            events.append((report.total, _event_keys(report)))
+        return events, [to_numpy(group.ctx.canary_buf) for group in canary.groups], canary
+
+
+class _LateTorchEngine(_Engine):
+    """The same forwards in CUDA torch tensors that a side torch stream, current during the canary's
+    calls, fills late (after a spin), while the canary launches on a third, non-blocking CuPy stream:
+    only a wait for torch's stream orders the canary's reads after the fill."""
+
+    device = "cuda"
+
+    def __init__(self, torch):
+        import cupy
+
+        self.torch = torch
+        self.side = torch.cuda.Stream()
+        self.launch_stream = cupy.cuda.Stream(non_blocking=True)
+
+    def zeros(self, name: str, shape):
+        return self.torch.zeros(shape, dtype=self.torch.int32 if name == "req_to_token" else self.torch.int64,
+                                device="cuda")
+
+    def fill(self, target, values) -> None:
+        source = self.torch.as_tensor(values, device="cuda").to(target.dtype)
+        self.side.wait_stream(self.torch.cuda.current_stream())
+        with self.torch.cuda.stream(self.side):
+            self.torch.cuda._sleep(20_000_000)  # each copy about 10 ms late
+            target.copy_(source)
+
+    def forward(self, canary: kc.Canary, batch: kc.ForwardBatch) -> None:
+        with self.torch.cuda.stream(self.side):
+            canary.before_forward(batch, stream=self.launch_stream)
+            canary.after_forward(batch, stream=self.launch_stream)
+        self.launch_stream.synchronize()
+        self.torch.cuda.synchronize()
+
+
+@requires_gpu
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "control"])
+def test_torch_batches_are_read_after_torchs_stream_on_the_stream_given(monkeypatch, ordered):
+    """A table and batch arrays that torch fills on its current stream are read only after that
+    fill by the stream passed as ``stream=`` (neither torch's current stream nor CuPy's), on the
+    validating forwards and the prepared ones alike: the canary equals the CPU's forward by forward.
+    The control, with the wait taken out, reads them early and differs."""
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy import session
+
+    expected_events, expected_buffers, _ = _Engine().run()
+    assert [total for total, _ in expected_events] == [0] * 6 and all(np.any(b) for b in expected_buffers)
+    if not ordered:
+        monkeypatch.setattr(session, "order_after_torch", lambda index: None)
+    events, buffers, canary = _LateTorchEngine(torch).run()
+    same = events == expected_events and all(np.array_equal(*pair) for pair in zip(buffers, expected_buffers))
+    if ordered:
+        assert same
+        assert len(canary._prepared_plans.prepared) == 1 and len(canary._prepared_writes.prepared) == 1
+    else:
+        assert not same
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_swa_write_rows_map_to_the_slots_of_their_forward(device):
     """``poll`` maps an SWA write row through the slots its forward translated, even after the
@@ -524,6 +643,8 @@ def test_rejected_before_forward_changes_nothing(device):
         np.array([1, 1], np.int64), device))), ValueError, "extend_seq_lens", "length 1")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=5)), TypeError, "req_ids")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids="ab")), TypeError, "req_ids")
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=["a", "b"])), ValueError,
+              "req_ids must have one id per batch row", "req_pool_indices has 1", "got 2")
     over = to_device(np.ones(eng.canary.capacities.write_req_capacity + 1, np.int64), device)
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_pool_indices=over, prefix_lens=over,
                                                                    extend_seq_lens=over)),
@@ -581,7 +702,8 @@ def test_rejected_sweep_changes_nothing(device):
               ValueError, "LiveRequests.seq_lens"),
              (kc.LiveRequests(req_pool_indices=to_device(np.array(1, np.int64), device), seq_lens=rows),
               ValueError, "LiveRequests.req_pool_indices"),
-             (kc.LiveRequests(req_pool_indices=[1], seq_lens=rows), TypeError, "LiveRequests.req_pool_indices")]
+             (kc.LiveRequests(req_pool_indices=[1], seq_lens=rows), TypeError, "LiveRequests.req_pool_indices"),
+             (kc.LiveRequests(req_pool_indices=rows, seq_lens=rows, req_ids=[]), ValueError, "req_ids")]
     for live, error, name in cases:  # the first sweep would allocate the sweep plans: it must not
         _rejected(eng.canary, lambda: eng.canary.sweep(live), error, name)
     assert all(group.sweep_vplan is None for group in eng.canary.groups)

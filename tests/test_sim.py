@@ -123,3 +123,29 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     assert demo_main(["--device", "cuda", "--steps", "2", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kv-canary: ") and "cupy-cuda12x" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "argument --page-size: must be >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--steps", "-1"], "argument --steps: must be >= 1, got -1"),
+    (["--fault-every", "0"], "argument --fault-every: must be >= 1, got 0"),
+    (["--max-running", "x"], "argument --max-running: must be an integer, got 'x'"),
+    (["--pool-slots", "10"], "kv-canary: pool_slots must be >= 528"),
+])
+def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
+    """A demo option that would crash the simulator, or let it report a clean pass of nothing, is
+    refused in one line with exit status 2."""
+    try:
+        status = demo_main(["--device", "cpu", "--no-progress", *argv])
+    except SystemExit as exit_:  # argparse's refusal
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_sim_config_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match=r"^kv-canary: max_running must be an integer >= 1, got 0$"):
+        SimConfig(max_running=0)
+    with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):
+        SimConfig(pool_slots=100, max_len=256, page_size=32)

@@ -25,26 +25,43 @@ def _faults(text: str) -> list[str]:
     return names
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which ones the canary catches, "
+               "how fast, and at what cost.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, for a parser of its own or a ``demo`` subcommand."""
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
-    parser.add_argument("--steps", type=int, default=300, help="forward passes to simulate (default 300)")
-    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed (default 0)")
+    parser.add_argument("--steps", type=_at_least(1), default=300, help="forward passes to simulate (default 300)")
+    parser.add_argument("--seed", type=_at_least(0), default=0, help="workload and fault seed (default 0)")
     parser.add_argument("--faults", type=_faults, default=list(FAULT_CLASSES), metavar="CLASSES",
                         help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
-    parser.add_argument("--fault-every", type=int, default=10, help="steps between injected faults (default 10)")
+    parser.add_argument("--fault-every", type=_at_least(1), default=10, help="steps between injected faults (default 10)")
     parser.add_argument("--hash-mode", default="all", choices=[m.name.lower() for m in HashMode],
                         help="how much real KV each slot fingerprints (default all: every fault class is "
                              "visible; partial, the cheaper production mode, hashes each slot's first 16 bytes, "
                              "so a bit flipped past them goes unseen: see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
-    parser.add_argument("--pool-slots", type=int, default=8192, help="KV slots in the pool (default 8192)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    parser.add_argument("--max-running", type=int, default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--swa-window", type=int, default=0,
+    parser.add_argument("--pool-slots", type=_at_least(1), default=8192, help="KV slots in the pool (default 8192)")
+    parser.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per page (default 16)")
+    parser.add_argument("--max-running", type=_at_least(1), default=16, help="concurrent requests (default 16)")
+    parser.add_argument("--swa-window", type=_at_least(0), default=0,
                         help="add a sliding-window group of this window (default 0: none)")
-    parser.add_argument("--sweep-every", type=int, default=16,
-                        help="steps between sweeps of all live requests (default 16)")
+    parser.add_argument("--sweep-every", type=_at_least(0), default=16,
+                        help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
                         help="turn off the expected-token checks (token_swap then goes unseen)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -63,8 +80,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     from .runner import run  # noqa: PLC0415
 
-    config = config_from_args(args)
     try:
+        config = config_from_args(args)
         result = run(config, args.faults, fault_every=args.fault_every,
                      progress=not args.no_progress and sys.stderr.isatty())
     except (RuntimeError, ValueError) as error:
@@ -72,7 +89,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise
         print(error, file=sys.stderr)  # e.g. --device cuda without CuPy: one line, not a traceback
         return 2
-    print(result.summary())
+    try:
+        print(result.summary())
+    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
+        sys.stderr.close()
+        return 0
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result.to_json(), handle, indent=2)
@@ -88,9 +109,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy demo",
-                                     description="Simulate a serving engine, inject KV-cache faults and show "
-                                                 "which ones the canary catches, how fast, and at what cost.")
+    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy demo", description=DESCRIPTION)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 

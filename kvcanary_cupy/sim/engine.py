@@ -62,6 +62,21 @@ class SimConfig:
     ring_capacity: int = 1024
     vocab: int = 32000
 
+    def __post_init__(self) -> None:
+        """Refuse a shape in which the simulation could not run a request (its report would be a
+        clean pass of nothing), with the package's messages."""
+        for name, minimum in (("steps", 1), ("seed", 0), ("page_size", 1), ("max_running", 1), ("max_len", 1),
+                              ("swa_window", 0), ("sweep_every", 0), ("poll_every", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"kv-canary: {name} must be an integer >= {minimum}, got {value!r}")
+        # one request of max_len tokens must fit in the pages beside the padding slot's
+        smallest_pool = (-(-self.max_len // self.page_size) + 1) * self.page_size
+        if self.pool_slots < smallest_pool:
+            raise ValueError(f"kv-canary: pool_slots must be >= {smallest_pool} (a request of max_len "
+                             f"{self.max_len} tokens in pages of {self.page_size}, beside the padding page), "
+                             f"got {self.pool_slots!r}")
+
 
 @dataclasses.dataclass
 class Request:
