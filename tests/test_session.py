@@ -403,6 +403,7 @@ class _LateTorchEngine(_Engine):
         with self.torch.cuda.stream(self.side):
             self.torch.cuda._sleep(20_000_000)  # each copy about 10 ms late
             target.copy_(source)
+        source.record_stream(self.side)  # torch must not hand its memory to the next source before the copy
 
     def forward(self, canary: kc.Canary, batch: kc.ForwardBatch) -> None:
         with self.torch.cuda.stream(self.side):
