@@ -238,7 +238,9 @@ def _overflow_swa_and_sweep(eng: Tiny) -> kc.CanaryReport:
 
 
 def _event_keys(report: kc.CanaryReport) -> list:
-    return sorted((e.group, e.phase, e.tag, e.request, e.position, e.slot, e.step, tuple(e.reasons)) for e in report)
+    # repr orders events whose request or position is unknown (None) too
+    return sorted(((e.group, e.phase, e.tag, e.request, e.position, e.slot, e.step, tuple(e.reasons)) for e in report),
+                  key=repr)
 
 
 @requires_gpu
