@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
+from _devices import requires_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(script: str) -> str:
+def _run(script: str, device: str = "cpu") -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--device", "cpu"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--device", device], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -42,3 +44,15 @@ def test_torch_quickstart():
     assert "1 violation(s), 0 dropped" in out
     assert ("HEAD_K_FULL: slot 3 position 7 [REAL_KV_HASH] token stored=14933 expected=-1 "
             "chain stored=0xc258788ae6f55ecb aux=0xc258788ae6f55ecb") in out
+
+
+@requires_gpu
+def test_torch_cuda_graph():
+    """The canary step captured with a decode forward in a torch CUDA graph: clean replays report
+    nothing, and the replay after a bit flip in a cached K row reports that slot and position."""
+    pytest.importorskip("torch")
+    out = _run("torch_cuda_graph.py", "cuda")
+    assert "after 16 decode steps (15 graph replays): 0 violation(s)" in out
+    flipped = re.search(r"after the bit flip in slot (\d+): 1 violation\(s\)", out)
+    assert flipped, out
+    assert re.search(rf"HEAD_K_FULL: slot {flipped.group(1)} position 5 \[REAL_KV_HASH\]", out), out
