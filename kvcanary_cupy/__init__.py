@@ -14,7 +14,7 @@ from .sources import RealKvSource
 from .precompile import compile_kernels
 from . import layouts
 from .session import (Canary, CanaryEvent, CanaryReport, CanaryViolation, ForwardBatch, LiveRequests,
-                      SwaGroup)
+                      StaticForward, SwaGroup)
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "Capacities",
     "ForwardBatch",
     "LiveRequests",
+    "StaticForward",
     "SwaGroup",
     "layouts",
     "CanaryContext",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Any, Iterator, Optional, Sequence
 
@@ -210,6 +211,9 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
+        # What the StaticForwards over this group launch: kept for good, each matched against its
+        # arrays' contents at poll (a replayed graph leaves no log behind)
+        self.static_log: list[_Launch] = []
         self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches
 
 
@@ -707,6 +711,17 @@ class Canary:
                 group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
         self._planned = None
 
+    def static_forward(self, batch: ForwardBatch) -> "StaticForward":
+        """The canary's part of every forward over ``batch``'s arrays, validated and prepared once:
+        for an engine that refills the same arrays in place each forward, and for a forward captured
+        in a CUDA graph. Call :meth:`StaticForward.before` and :meth:`StaticForward.after` where
+        :meth:`before_forward` and :meth:`after_forward` would go (inside the capture, with the
+        capturing stream as ``stream=``); build it outside any capture. ``poll`` maps what its
+        launches find to requests from the arrays as they are when it polls, with no step number."""
+        check.instance("batch", batch, ForwardBatch)
+        _req_ids(batch.req_ids, batch.req_pool_indices)
+        return StaticForward(self, batch)
+
     def sweep(self, live_requests: LiveRequests, *, stream: Any = None) -> None:
         """Verify every cached token of ``live_requests`` (the last ``window`` of them in the SWA group)."""
         if not self.enabled:
@@ -748,6 +763,8 @@ class Canary:
         total = dropped = overflows = 0
         self._host_cache = {}
         for group in self.groups:
+            for launch in group.static_log:  # their arrays have been refilled since the last poll
+                launch._verify_index = None
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
             if group_overflows:
@@ -877,24 +894,136 @@ class Canary:
             may_verify = not bits & _WRITE_BITS
             order = list(range(pointer, len(log))) + list(range(0, pointer))
             for index in order:
-                launch = log[index]
-                if launch.tag != int(v.kernel_kind):
-                    continue
-                if launch.kind == "write":
-                    match = self._match_write(launch, v) if may_write else None
-                else:
-                    match = self._match_verify(group, launch, v) if may_verify else None
+                match = self._match(group, log[index], v, may_write, may_verify)
                 if match is not None:
                     found = (index, match)
                     break
             if found is None:
+                static = next(((launch, match) for launch in group.static_log
+                               for match in [self._match(group, launch, v, may_write, may_verify)]
+                               if match is not None), None)
+                if static is not None:
+                    launch, (r, position) = static
+                    events.append(CanaryEvent(group.name, launch.phase, None, v.slot_idx,
+                                              _request_name(launch.batch, r), position, v))
+                    continue
                 launch = next((l for l in log[pointer:] if l.tag == int(v.kernel_kind)), None)
                 events.append(CanaryEvent(group.name, launch.phase if launch else "unknown",
                                           launch.step if launch else None, v.slot_idx, None, None, v))
                 continue
             pointer, (r, position) = found
             launch = log[pointer]
-            ids = launch.batch.req_ids
-            request = ids[r] if ids is not None and r < len(ids) else r
-            events.append(CanaryEvent(group.name, launch.phase, launch.step, v.slot_idx, request, position, v))
+            events.append(CanaryEvent(group.name, launch.phase, launch.step, v.slot_idx,
+                                      _request_name(launch.batch, r), position, v))
         return events
+
+    def _match(self, group: _Group, launch: _Launch, v: Violation, may_write: bool, may_verify: bool):
+        """``(batch row, position)`` of ``v`` in ``launch``, or None."""
+        if launch.tag != int(v.kernel_kind):
+            return None
+        if launch.kind == "write":
+            return self._match_write(launch, v) if may_write else None
+        return self._match_verify(group, launch, v) if may_verify else None
+
+
+def _request_name(batch, row: int):
+    """The name of ``batch``'s row ``row``: its id, or the row itself without one."""
+    ids = batch.req_ids
+    return ids[row] if ids is not None and row < len(ids) else row
+
+
+class StaticForward:
+    """The canary's part of every forward over one :class:`ForwardBatch`'s arrays, validated and
+    prepared once (:meth:`Canary.static_forward`).
+
+    The arrays are bound here: the engine refills them in place before each forward. ``before``
+    plans the batch and verifies every prefix slot it reads (HEAD), ``after`` fingerprints its new
+    tokens and verifies the prefix again (TAIL), exactly as :meth:`Canary.before_forward` and
+    :meth:`Canary.after_forward` would for the arrays' contents at that moment. On a GPU both are
+    packed kernel launches and nothing else, so they can be captured in a CUDA graph with the
+    forward and replayed; on the CPU they run the ops. Forwards over it are not counted in
+    ``CanaryReport.forwards`` (a replay is invisible to the host), and its events carry no step.
+    """
+
+    def __init__(self, canary: Canary, batch: ForwardBatch):
+        self.batch = batch
+        self._canary = canary
+        self._plans: tuple = ()
+        self._writes: tuple = ()
+        self._translate = None
+        self._geometries: tuple = ()
+        if not canary.enabled:
+            return
+        plans = canary._batch_plans(batch)
+        stream = canary._stream(None)
+        writes = canary._writes(batch, stream)  # the SWA group's slots, when translated, in a buffer kept here
+        groups = canary.groups
+        translates = len(groups) > 1 and batch.swa_out_cache_loc is None
+        if canary.device.is_cuda:
+            with _on(canary.device, stream):
+                canary._prepare_checks()
+                plan = backend_module(canary.device, "plan")
+                write = backend_module(canary.device, "write")
+                self._plans = tuple(plan.prepare(group.vplan, group.wplan, bundle, packed=True)
+                                    for group, bundle in zip(groups, plans))
+                self._writes = tuple(write.prepare(group.ctx, group.wplan, bundle, packed=True)
+                                     for group, bundle in zip(groups, writes))
+                if translates:
+                    self._translate = canary._bookkeeping.prepare_translate_slots(
+                        writes[0].out_cache_loc, groups[1].lut, writes[1].out_cache_loc, packed=True)
+            self._geometries = (canary._geometry(batch, canary._plan_fields),
+                                canary._geometry(batch, canary._write_fields))
+        else:
+            self._plans = tuple(functools.partial(_run_plan, canary, group, bundle) for group, bundle in zip(groups, plans))
+            self._writes = tuple(functools.partial(_run_write, canary, group, bundle)
+                                 for group, bundle in zip(groups, writes))
+            if translates:
+                self._translate = functools.partial(_run_translate, canary, writes)
+        for group, bundle in zip(groups, writes):
+            group.static_log.extend([
+                _Launch("verify", "head", group.head_tag, 0, batch),
+                _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
+                _Launch("verify", "tail", group.tail_tag, 0, batch)])
+
+    def before(self, *, stream: Any = None) -> None:
+        """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
+        canary = self._canary
+        if not canary.enabled or not self._plans:
+            return
+        stream = canary._stream(stream)
+        with _on(canary.device, stream):
+            canary._order_after_torch(*self._geometries)
+            for group, plan in zip(canary.groups, self._plans):
+                plan(stream)
+                canary._forward_check(group, group.head_tag, stream)
+        canary._planned = None  # the plans are this batch's now: an eager after_forward plans its own
+
+    def after(self, *, stream: Any = None) -> None:
+        """Fingerprint the batch's new tokens (their KV written by now), then verify the prefix
+        again (TAIL)."""
+        canary = self._canary
+        if not canary.enabled or not self._writes:
+            return
+        stream = canary._stream(stream)
+        with _on(canary.device, stream):
+            canary._order_after_torch(*self._geometries)
+            if self._translate is not None:
+                self._translate(stream)
+            for group, write in zip(canary.groups, self._writes):
+                write(stream)
+                canary._forward_check(group, group.tail_tag, stream)
+
+
+# A StaticForward's launches on the CPU, where the ops run (and validate nothing again: the bundles
+# were built from the batch once).
+def _run_plan(canary: Canary, group: _Group, plan: PlanBatch, stream) -> None:
+    canary._plan_op(group.vplan, group.wplan, plan, stream=stream)
+
+
+def _run_write(canary: Canary, group: _Group, write: WriteBatch, stream) -> None:
+    canary._write_op(group.ctx, group.wplan, write, stream=stream)
+
+
+def _run_translate(canary: Canary, writes: list, stream) -> None:
+    canary._bookkeeping.translate_slots(writes[0].out_cache_loc, canary.groups[1].lut, writes[1].out_cache_loc,
+                                        stream=stream)

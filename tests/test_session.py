@@ -17,12 +17,14 @@ class Tiny:
     """Two requests in a 64-slot pool with per-layer K/V buffers, on ``device``."""
 
     def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None,
-                 static=False, frame=None):
+                 static=False, frame=None, bound=False):
         self.device = device
         self.stream = stream
         # static: the batch arrays are buffers refilled in place, one per field and length, as a
-        # CUDA-graph engine's are; frame: a function the batch arrays are passed through (torch views)
-        self.buffers = {} if static else None
+        # CUDA-graph engine's are; frame: a function the batch arrays are passed through (torch views);
+        # bound: each batch shape's forwards go through one StaticForward over its buffers
+        self.buffers = {} if static or bound else None
+        self.bound = {} if bound else None
         self.frame = frame or (lambda array: array)
         self.spin = spin_kernel() if stream is not None else None
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
@@ -64,14 +66,21 @@ class Tiny:
                       extend_seq_lens=[extend[r] for r in rids], input_ids=ids, positions=pos, out_cache_loc=loc)
         batch = kc.ForwardBatch(**{name: self.frame(self.array(name, values)) for name, values in fields.items()},
                                 req_ids=rids)
-        self.call(self.canary.before_forward, batch)
+        before, after = self.canary.before_forward, self.canary.after_forward
+        if self.bound is not None:
+            shape = tuple(len(values) for values in fields.values())
+            if shape not in self.bound:
+                self.bound[shape] = self.canary.static_forward(batch)
+            forward = self.bound[shape]
+            before, after = (lambda _, **kw: forward.before(**kw)), (lambda _, **kw: forward.after(**kw))
+        self.call(before, batch)
         n = len(loc)
         for buf in (self.k, self.v):
             buf[i64(loc)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
         if hasattr(self, "swa_k"):
             swa = to_numpy(self.lut)[loc]
             self.swa_k[i64(swa)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
-        self.call(self.canary.after_forward, batch)
+        self.call(after, batch)
         for rid in rids:
             self.lens[rid] += extend[rid]
         return batch
@@ -259,12 +268,12 @@ def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
     assert _event_keys(report) == _event_keys(expected)
 
 
-def _decode_run(device, frame=None, static=True):
+def _decode_run(device, frame=None, static=True, bound=False):
     """A prefill, then decode forwards of one geometry (so a GPU canary prepares their launches at
     the second and launches them from then on), over static buffers refilled in place or fresh
     arrays, with a KV corruption, a stale write position (write rows in both groups) and an SWA
     corruption on the way; polled after each forward."""
-    eng = Tiny(device, swa=True, static=static, frame=frame)
+    eng = Tiny(device, swa=True, static=static, frame=frame, bound=bound)
     events = []
     eng.step({"a": 4, "b": 3})
     for forward in range(7):
@@ -436,6 +445,190 @@ def test_torch_batches_are_read_after_torchs_stream_on_the_stream_given(monkeypa
         assert len(canary._prepared_plans.prepared) == 1 and len(canary._prepared_writes.prepared) == 1
     else:
         assert not same
+
+
+def _without_steps(events: list) -> list:
+    return [(total, overflows, sorted((key[:6] + key[7:] for key in keys), key=repr))
+            for total, overflows, keys in events]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forwards_match_eager_forwards(device):
+    """Forwards through StaticForwards (one a batch shape, over arrays refilled in place) report what
+    eager forwards on the CPU report, mapped to the same requests and positions but with no step,
+    and leave the same canary buffers: KV and SWA corruptions and a stale write position included."""
+    _, expected, expected_buffers = _decode_run("cpu")
+    eng, events, buffers = _decode_run(device, bound=True)
+    assert _without_steps(events) == _without_steps(expected)
+    assert {key[6] for _, _, keys in events for key in keys} == {None}
+    for ours, theirs in zip(buffers, expected_buffers):
+        assert np.array_equal(ours, theirs)
+    assert len(eng.bound) == 2 and eng.canary.forwards == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forwards_count_overflows_and_mix_with_eager_ones(device):
+    """A StaticForward's plan overflowing the verify capacity is counted as an eager one is; eager
+    forwards and a sweep between static ones find what they find on the CPU's eager run."""
+    expected = _overflow_swa_and_sweep(Tiny("cpu", verify_capacity=10, swa=True))
+    eng = Tiny(device, verify_capacity=10, swa=True, bound=True)
+    eng.step({"a": 6, "b": 2})
+    eng.bound = None  # the next forward eager, over the same buffers
+    eng.step({"a": 1, "b": 1})
+    eng.bound = {}
+    eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", 5)]), 0, 0] += 1.0
+    eng.k[eng.slot("b", 1), 1, 3] -= 1.0
+    eng.step({"a": 1, "b": 1})
+    eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), device),
+                                     seq_lens=to_device(np.array([8, 4], np.int64), device), req_ids=["a", "b"]))
+    report = eng.canary.poll()
+    assert expected.capacity_overflows > 0
+    assert (report.total, report.dropped, report.capacity_overflows) == (
+        expected.total, expected.dropped, expected.capacity_overflows)
+    strip = lambda keys: sorted((key[:6] + key[7:] for key in keys), key=repr)  # noqa: E731
+    assert strip(_event_keys(report)) == strip(_event_keys(expected))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forward_checks_its_batch_once_and_off_mode_does_nothing(device):
+    eng = _warm(device)
+    before = _state(eng.canary)
+    int32 = to_device(np.array([3], np.int32), device)
+    with pytest.raises(TypeError, match=r"^kv-canary: prefix_lens must have dtype int64"):
+        eng.canary.static_forward(_batch(device, prefix_lens=int32))
+    with pytest.raises(TypeError, match=r"^kv-canary: input_ids must have dtype int64"):
+        eng.canary.static_forward(_batch(device, input_ids=to_device(np.array([7.0]), device)))
+    with pytest.raises(ValueError, match=r"^kv-canary: req_ids must have one id per batch row"):
+        eng.canary.static_forward(_batch(device, req_ids=["a", "b"]))
+    _assert_same(before, _state(eng.canary))
+    assert all(not group.static_log for group in eng.canary.groups)
+    off = Tiny(device, mode="off")
+    forward = off.canary.static_forward(_batch(device, input_ids=int32))  # not even checked
+    forward.before()
+    forward.after()
+    assert off.canary.poll().total == 0 and not np.any(to_numpy(off.canary.context.canary_buf))
+
+
+def _graph_run(framework: str):
+    """``_forward_frames`` with K bytes for each new token and a bit of request 1's cached K flipped
+    before the fourth forward, through a canary with an SWA group (slots translated): on the CPU
+    eagerly (framework "cpu"); else each batch shape through a StaticForward over static buffers, run
+    once eagerly and then captured with the forward's K write in a CUDA graph (CuPy's or torch's)
+    and replayed. Returns each forward's events (without steps) and the canary buffers."""
+    frames = _forward_frames()
+    rng = np.random.default_rng(3)
+    for frame in frames:
+        frame["new_k"] = rng.standard_normal((len(frame["out_cache_loc"]), 2, 8)).astype(np.float32)
+    caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
+                                   max_prefill_tokens=64)
+    lut = (np.arange(SLOTS + 1, dtype=np.int64)[::-1] % SLOTS).copy()
+    if framework == "cpu":
+        put = np.asarray
+    elif framework == "cupy":
+        import cupy
+
+        put = cupy.asarray
+        # the model's K write: one kernel, no temporaries (CuPy's pool must not hand a captured
+        # graph's memory to anything else)
+        write_rows = cupy.ElementwiseKernel("int64 loc, raw float32 rows", "raw float32 pool",
+                                            "for (int j = 0; j < 16; ++j) pool[loc * 16 + j] = rows[i * 16 + j];",
+                                            "kvc_test_write_rows")
+    else:
+        import torch
+
+        put = lambda values: torch.as_tensor(values, device="cuda")  # noqa: E731
+
+    def fill(target, values) -> None:
+        if framework == "torch":
+            target.copy_(torch.as_tensor(np.asarray(values)))
+        else:
+            target[...] = put(np.asarray(values))
+    table, k_pool = put(np.zeros((ROWS, WIDTH), np.int32)), put(np.zeros((SLOTS, 2, 8), np.float32))
+    canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=table,
+                       device="cpu" if framework == "cpu" else "cuda", hash_mode=kc.HashMode.ALL,
+                       real_kv_sources=kc.layouts.per_layer([k_pool]),
+                       swa=kc.SwaGroup(window=4, lut=put(lut), num_slots=SLOTS))
+    buffers, forwards, graphs, events = {}, {}, {}, []
+    for number, frame in enumerate(frames):
+        if number == 3:
+            flipped = int(frames[0]["req_to_token"][1, 2])
+            k_pool[flipped, 1, 5] += 1.0
+        arrays = {}
+        for name, values in frame.items():
+            if name == "req_to_token":
+                fill(table, values)
+                continue
+            key = (name, len(values))
+            if key not in buffers:
+                buffers[key] = put(np.zeros(np.shape(values), np.float32 if name == "new_k" else np.int64))
+            fill(buffers[key], values)
+            arrays[name] = buffers[key]
+        new_k = arrays.pop("new_k")
+        batch = kc.ForwardBatch(**arrays)
+        if framework == "cpu":
+            canary.before_forward(batch)
+            k_pool[arrays["out_cache_loc"]] = new_k
+            canary.after_forward(batch)
+        else:
+            shape = len(arrays["input_ids"])
+            if shape not in forwards:
+                forwards[shape] = canary.static_forward(batch)
+            forward = forwards[shape]
+            if framework == "cupy":
+                stream = cupy.cuda.Stream(non_blocking=True)
+                cupy.cuda.Device().synchronize()
+
+                def work(stream=stream, forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
+                    forward.before(stream=stream)
+                    with stream:
+                        write_rows(loc, new_k, k_pool)
+                    forward.after(stream=stream)
+                if shape in graphs:
+                    graphs[shape].launch(stream)
+                else:  # once eagerly (every kernel loaded), then captured for the forwards to come
+                    work()
+                    with stream:
+                        stream.begin_capture()
+                        work()
+                        graphs[shape] = stream.end_capture()
+                stream.synchronize()
+            else:
+                torch.cuda.synchronize()
+
+                def work(forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
+                    forward.before(stream=torch.cuda.current_stream())
+                    k_pool.index_copy_(0, loc, new_k)
+                    forward.after(stream=torch.cuda.current_stream())
+                if shape in graphs:
+                    graphs[shape].replay()
+                else:
+                    work()
+                    torch.cuda.synchronize()
+                    graphs[shape] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graphs[shape]):
+                        work()
+                torch.cuda.synchronize()
+        report = canary.poll()
+        events.append((report.total, report.capacity_overflows,
+                       sorted((key[:6] + key[7:] for key in _event_keys(report)), key=repr)))
+    return events, [to_numpy(group.ctx.canary_buf) for group in canary.groups], graphs
+
+
+@requires_gpu
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework):
+    """StaticForwards captured with the forward's K write in CUDA graphs (CuPy's, and torch's with
+    torch tensors on its capture stream) and replayed over refilled buffers report what eager
+    forwards report on the CPU, the flipped K bit included, and leave the same canary buffers."""
+    if framework == "torch":
+        pytest.importorskip("torch")
+    expected, expected_buffers, _ = _graph_run("cpu")
+    assert [total for total, _, _ in expected] == [0, 0, 0, 2, 2, 2]
+    events, buffers, graphs = _graph_run(framework)
+    assert len(graphs) == 2
+    assert events == expected
+    for ours, theirs in zip(buffers, expected_buffers):
+        assert np.array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

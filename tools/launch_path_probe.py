@@ -166,6 +166,14 @@ def main() -> None:
         "rule: check.vector(cupy)": lambda: check.vector("x", vector, np.int64, bs, "why"),
         "rule: check.table(cupy)": lambda: check.table("x", batch["req_to_token"], np.int32),
     }
+    if hasattr(canary, "static_forward"):  # a tree that has it
+        static = canary.static_forward(forward)
+
+        def static_forward():
+            static.before()
+            static.after()
+
+        parts["kc.Canary.static_forward, before + after"] = static_forward
     try:
         import torch  # noqa: PLC0415
 
