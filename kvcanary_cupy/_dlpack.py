@@ -237,11 +237,16 @@ def _torch_current_stream(index: int) -> int:
 
 def order_after_torch(index: int) -> None:
     """Make CuPy's current stream of device ``index`` wait for what torch has queued on its current
-    stream, as a DLPack exchange between the two does; nothing when they are the same stream."""
+    stream, as a DLPack exchange between the two does; nothing when they are the same stream, or
+    when either is capturing a CUDA graph (an event recorded outside a capture cannot be waited for
+    inside it, and a wait captured once would not be made again at each replay: inside a capture
+    the caller orders its streams)."""
     cupy = cupy_module()
     producer = _torch_current_stream(index)
     consumer = int(cupy.cuda.get_current_stream(index).ptr)
     if producer == consumer or {producer, consumer} <= {0, 1}:  # 0 and 1: both the legacy default
+        return
+    if _capturing(cupy, producer) or _capturing(cupy, consumer):
         return
     runtime = cupy.cuda.runtime
     with cupy.cuda.Device(index):
@@ -251,6 +256,17 @@ def order_after_torch(index: int) -> None:
             runtime.streamWaitEvent(consumer, event)
         finally:
             runtime.eventDestroy(event)
+
+
+def _capturing(cupy, stream: int) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph (or cannot be asked because another is)."""
+    is_capturing = getattr(cupy.cuda.runtime, "streamIsCapturing", None)
+    if is_capturing is None:  # a CuPy without graph capture
+        return False
+    try:
+        return is_capturing(stream) != 0
+    except cupy.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking stream captures
+        return True
 
 
 def require_cupy(name: str):

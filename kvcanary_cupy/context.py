@@ -83,6 +83,10 @@ class CanaryContext:
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
     source_table: Any = dataclasses.field(init=False, repr=False, compare=False)
     source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    # What verify stores into (the ring and its counters); write stores into the canary buffer too.
+    VERIFY_WRITES: ClassVar[tuple[str, ...]] = ("violation_ring", "violation_write_index", "slot_run_counter",
+                                                "kernel_run_counter")
+    WRITE_WRITES: ClassVar[tuple[str, ...]] = ("canary_buf",) + VERIFY_WRITES
 
     def __post_init__(self) -> None:
         names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
@@ -109,6 +113,7 @@ class CanaryContext:
         check.dtype("violation_ring", ring, np.int64)
         check.ndim("violation_ring", ring, 2)
         check.c_contiguous("violation_ring", ring)
+        check.elements_aligned("violation_ring", ring)
         if ring.shape[1] != L.RING_COLUMNS:
             raise ValueError(f"{check.PREFIX}violation_ring must have {L.RING_COLUMNS} columns, got shape "
                              f"{tuple(ring.shape)}")
@@ -144,7 +149,8 @@ class CanaryContext:
         if num_slots > L.INT32_MAX + 1:
             raise ValueError(f"{check.PREFIX}num_slots must be <= 2**31 (slot indices fit in int32), got {num_slots}")
         ring_capacity = check.fits_int32("ring_capacity", check.non_negative("ring_capacity", ring_capacity))
-        slot_stride_bytes = check.at_least("slot_stride_bytes", slot_stride_bytes, L.MIN_SLOT_STRIDE_BYTES)
+        slot_stride_bytes = check.fits_int32(
+            "slot_stride_bytes", check.at_least("slot_stride_bytes", slot_stride_bytes, L.MIN_SLOT_STRIDE_BYTES))
         if slot_stride_bytes % L.SLOT_WORD_BYTES:
             raise ValueError(f"{check.PREFIX}slot_stride_bytes must be a multiple of 8, got {slot_stride_bytes}")
         assert_flag = 1 if check.boolean("chain_position_assert", chain_position_assert) else 0
@@ -223,13 +229,14 @@ class CanaryContext:
                 "prev_hash": int(words[L.FIELD_PREV_HASH]), "real_kv_hash": int(words[L.FIELD_REAL_KV_HASH])}
 
 
-def require_writable(plan) -> None:
-    """The plan op's rule: every array of ``plan`` writable (it stores into each; verify and write
-    only read them). The name is formatted only for a read-only one: this runs every call."""
-    for name in plan.ARRAYS:
-        array = getattr(plan, name)
+def require_writable(bundle, names: Sequence[str] = ()) -> None:
+    """An op's rule, checked every call (an array can be made read-only after its bundle was built):
+    the arrays ``names`` of ``bundle`` (default: a plan's every array, which the plan op stores into)
+    writable. The name is formatted only for a read-only one."""
+    for name in names or bundle.ARRAYS:
+        array = getattr(bundle, name)
         if isinstance(array, np.ndarray) and not array.flags.writeable:
-            check.writable(f"{type(plan).__name__}.{name}", array)
+            check.writable(f"{type(bundle).__name__}.{name}", array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +317,9 @@ class WritePlan:
     def from_host(cls, *, offsets, seed_slot_indices, num_valid_reqs: int, device: Any = CPU) -> "WritePlan":
         """A plan built on the host (tests, tools) and copied to ``device``."""
         where = parse_device(device)
-        plan = cls(offsets=from_host(np.ascontiguousarray(offsets, dtype=np.int64), where),
-                   seed_slot_indices=from_host(np.ascontiguousarray(seed_slot_indices, dtype=np.int64), where),
+        num_valid_reqs = check.int32_scalar("num_valid_reqs", num_valid_reqs)
+        plan = cls(offsets=from_host(check.host_int64("offsets", offsets), where),
+                   seed_slot_indices=from_host(check.host_int64("seed_slot_indices", seed_slot_indices), where),
                    num_valid_reqs=from_host(np.array([num_valid_reqs], dtype=np.int32), where))
         settle(where)
         return plan

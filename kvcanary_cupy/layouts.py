@@ -71,7 +71,7 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
 def _k_then_v(k_buffers: Sequence[Any], v_buffers: Sequence[Any], layers: Optional[Iterable[int]]) -> list:
     """The picked layers' buffers in source order: each layer's K, then its V (when V is given)."""
     ks = _pick(k_buffers, layers, "k_buffers")
-    vs = _pick(v_buffers, layers, "v_buffers") if len(v_buffers) else []
+    vs = [] if isinstance(v_buffers, (list, tuple)) and not v_buffers else _pick(v_buffers, layers, "v_buffers")
     if vs and len(vs) != len(ks):
         raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
     return [buffer for index, k in enumerate(ks) for buffer in ((k, vs[index]) if vs else (k,))]
@@ -101,7 +101,7 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
 
 def _byte_rows(view):
     """``view`` as ``[rows, row_bytes]`` uint8 sharing its memory (rows may be strided)."""
-    flat = view.reshape(view.shape[0], -1)
+    flat = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
     if data_pointer(flat) != data_pointer(view) or (view.shape[0] > 1 and flat.strides[0] != view.strides[0]):
         raise ValueError(f"{check.PREFIX}buffer rows must be contiguous inside, got strides {tuple(view.strides)}")
     if flat.dtype != np.uint8:
@@ -114,11 +114,13 @@ def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = Non
     """One buffer per layer whose row holds a token's K bytes then its V bytes (e.g.
     ``[slots, 2, heads, head_dim]``). With ``split`` (the default) K and V become two sources, so
     PARTIAL mode reads the head of both; otherwise one source spans the whole row."""
+    split = check.boolean("split", split)
     out = []
     for buffer in _pick(buffers, layers, "buffers"):
         view = native_view(buffer, "interleaved buffer")
+        whole = from_buffer(view, page_size=1, read_bytes=read_bytes)  # the buffer's own checks
         if not split:
-            out.append(from_buffer(view, page_size=1, read_bytes=read_bytes))
+            out.append(whole)
             continue
         rows = _byte_rows(view)
         half = int(rows.shape[1]) // 2

@@ -29,7 +29,7 @@ from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, na
                       parse_device, settle, to_host)
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
-from .ops._dispatch import backend_module, resolve_stream
+from .ops._dispatch import backend_module, check_stream_form, resolve_stream
 from .ops.batches import PlanBatch, WriteBatch, launch_tag
 from .sources import RealKvSource, source_list
 
@@ -211,9 +211,10 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
-        # What the StaticForwards over this group launch: kept for good, each matched against its
-        # arrays' contents at poll (a replayed graph leaves no log behind)
-        self.static_log: list[_Launch] = []
+        # (StaticForward, its launches over this group) until it is closed: poll matches the rows it
+        # cannot place in the log against the forwards that ran since the previous poll, reading
+        # their arrays as they are then (a replayed graph leaves no log behind)
+        self.static_log: list[tuple] = []
         self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches
 
 
@@ -352,18 +353,19 @@ def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
 
 def _req_ids(req_ids: Any, req_pool_indices: Any) -> None:
     """Only ``poll`` reads them (``len`` and indexing), long after the call that took them; a str
-    or a dict would index as a sequence of something else, and a list of another length would name
-    the wrong requests (or none). The batch's rows are counted from ``req_pool_indices``' shape,
-    which its own rules check later."""
+    or a dict would index as a sequence of something else, and a longer list than the batch names
+    requests it does not hold. The batch's rows are counted from ``req_pool_indices``' shape, which
+    its own rules check later."""
     if req_ids is None:
         return
-    if not isinstance(req_ids, (list, tuple, np.ndarray)):
-        raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or NumPy array (one per batch "
+    if not isinstance(req_ids, (list, tuple, np.ndarray)) or (isinstance(req_ids, np.ndarray) and req_ids.ndim != 1):
+        raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or 1-D NumPy array (one per batch "
                         f"row), got {type(req_ids).__name__} {req_ids!r}")
     shape = getattr(req_pool_indices, "shape", None)
-    if isinstance(shape, tuple) and len(shape) == 1 and len(req_ids) != shape[0]:
-        raise ValueError(f"{check.PREFIX}req_ids must have one id per batch row (req_pool_indices has "
-                         f"{shape[0]}), got {len(req_ids)}")
+    if isinstance(shape, tuple) and len(shape) == 1 and len(req_ids) > shape[0]:
+        raise ValueError(f"{check.PREFIX}req_ids must have at most one id per batch row (req_pool_indices has "
+                         f"{shape[0]}; rows past the ids, e.g. padding, are named by their index), "
+                         f"got {len(req_ids)}")
 
 
 class Canary:
@@ -398,6 +400,9 @@ class Canary:
         check_expected_token = (expected_tokens is not None if check_expected_token is None
                                 else check.boolean("check_expected_token", check_expected_token))
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
+        if logger is not None and not callable(getattr(logger, "warning", None)):
+            raise TypeError(f"{check.PREFIX}logger must be None or a logging.Logger (anything with a warning "
+                            f"method), got {type(logger).__name__}")
         if swa is not None:
             check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
@@ -417,6 +422,7 @@ class Canary:
         self._token_offset = token_offset
         self.logger = logger or _LOG
         self.forwards = 0
+        self._static_runs = 0  # forwards of StaticForwards, counted at each poll
         self._planned: Any = None
         self._host_cache: dict = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
@@ -488,7 +494,10 @@ class Canary:
     def _stream(self, stream: Any):
         """The call's stream on the canary's device, resolved (and so checked) once, before anything
         is launched."""
-        return resolve_stream(stream, self.device) if self.device.is_cuda else None
+        if not self.device.is_cuda:
+            check_stream_form(stream)
+            return None
+        return resolve_stream(stream, self.device)
 
     def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
         """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes
@@ -762,9 +771,8 @@ class Canary:
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
         self._host_cache = {}
+        ran = self._static_forwards_ran()
         for group in self.groups:
-            for launch in group.static_log:  # their arrays have been refilled since the last poll
-                launch._verify_index = None
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
             if group_overflows:
@@ -772,12 +780,12 @@ class Canary:
                 group.overflows[...] = 0
                 settle(group.device)
             if raw.total:
-                events.extend(self._resolve(group, raw.rows))
+                events.extend(self._resolve(group, raw.rows, ran))
                 total += raw.total
                 dropped += raw.dropped
                 group.ctx.clear_violations()
             group.log.clear()
-        report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards)
+        report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards + self._static_runs)
         self._host_cache = {}
         if report.total or report.capacity_overflows:
             if self.mode == "raise" and report.total:
@@ -812,7 +820,9 @@ class Canary:
             length = min(length, table.shape[1])
             start = max(0, length - group.window) if group.window else 0
             seg = table[row, start:length].astype(np.int64)
-            if lut is not None:
+            if lut is not None and lut.shape[0] == 0:  # an empty LUT resolves no slot
+                seg = np.full_like(seg, -1)
+            elif lut is not None:
                 seg = np.where((seg >= 0) & (seg < lut.shape[0]), lut[np.clip(seg, 0, lut.shape[0] - 1)], -1)
             slots.append(seg)
             owners.append(np.full(seg.shape[0], r, np.int64))
@@ -883,7 +893,25 @@ class Canary:
         start = int(ends[r] - max(int(extend[r]), 0))
         return r, int(prefix[r]) + index - start
 
-    def _resolve(self, group: _Group, rows: Sequence[Violation]) -> list[CanaryEvent]:
+    def _static_forwards_ran(self) -> set:
+        """The static forwards (by id) that ran since the previous poll, their run counts cleared and
+        added to the forwards counted; their launches' entry indexes dropped (the arrays have been
+        refilled since)."""
+        ran = set()
+        for forward, launches in {id(entry[0]): entry for group in self.groups for entry in group.static_log}.values():
+            runs = int(to_host(forward.runs)[0])
+            if runs:
+                ran.add(id(forward))
+                self._static_runs += runs
+                forward.runs[...] = 0
+        settle(self.device)
+        for group in self.groups:
+            for forward, launches in group.static_log:
+                for launch in launches:
+                    launch._verify_index = None
+        return ran
+
+    def _resolve(self, group: _Group, rows: Sequence[Violation], static_ran: set = frozenset()) -> list[CanaryEvent]:
         events = []
         pointer = 0
         log = group.log
@@ -899,7 +927,8 @@ class Canary:
                     found = (index, match)
                     break
             if found is None:
-                static = next(((launch, match) for launch in group.static_log
+                static = next(((launch, match) for forward, launches in group.static_log
+                               if id(forward) in static_ran for launch in launches
                                for match in [self._match(group, launch, v, may_write, may_verify)]
                                if match is not None), None)
                 if static is not None:
@@ -936,29 +965,28 @@ class StaticForward:
     """The canary's part of every forward over one :class:`ForwardBatch`'s arrays, validated and
     prepared once (:meth:`Canary.static_forward`).
 
-    The arrays are bound here: the engine refills them in place before each forward. ``before``
-    plans the batch and verifies every prefix slot it reads (HEAD), ``after`` fingerprints its new
-    tokens and verifies the prefix again (TAIL), exactly as :meth:`Canary.before_forward` and
-    :meth:`Canary.after_forward` would for the arrays' contents at that moment. On a GPU both are
-    packed kernel launches and nothing else, so they can be captured in a CUDA graph with the
-    forward and replayed; on the CPU they run the ops. Forwards over it are not counted in
-    ``CanaryReport.forwards`` (a replay is invisible to the host), and its events carry no step.
+    The arrays are bound here: the engine refills them in place before each forward (``req_ids``
+    too, when given: the list is read at poll). ``before`` plans the batch and verifies every prefix
+    slot it reads (HEAD), ``after`` fingerprints its new tokens and verifies the prefix again
+    (TAIL), exactly as :meth:`Canary.before_forward` and :meth:`Canary.after_forward` would for the
+    arrays' contents at that moment. On a GPU both are packed kernel launches and nothing else (a
+    run count included), so they can be captured in a CUDA graph with the forward and replayed; on
+    the CPU they run the ops. The canary's ``mode`` is read when they are called: a captured graph
+    replays what was captured. :meth:`close` stops ``poll`` from mapping rows to this forward.
     """
 
     def __init__(self, canary: Canary, batch: ForwardBatch):
         self.batch = batch
         self._canary = canary
-        self._plans: tuple = ()
-        self._writes: tuple = ()
-        self._translate = None
-        self._geometries: tuple = ()
-        if not canary.enabled:
-            return
         plans = canary._batch_plans(batch)
         stream = canary._stream(None)
         writes = canary._writes(batch, stream)  # the SWA group's slots, when translated, in a buffer kept here
         groups = canary.groups
         translates = len(groups) > 1 and batch.swa_out_cache_loc is None
+        self.runs = empty((1,), np.int64, canary.device)  # forwards since the last poll, counted where they run
+        settle(canary.device)
+        self._translate = None
+        self._geometries: tuple = ()
         if canary.device.is_cuda:
             with _on(canary.device, stream):
                 canary._prepare_checks()
@@ -968,6 +996,7 @@ class StaticForward:
                                     for group, bundle in zip(groups, plans))
                 self._writes = tuple(write.prepare(group.ctx, group.wplan, bundle, packed=True)
                                      for group, bundle in zip(groups, writes))
+                self._count = canary._bookkeeping.prepare_count_run(self.runs, packed=True)
                 if translates:
                     self._translate = canary._bookkeeping.prepare_translate_slots(
                         writes[0].out_cache_loc, groups[1].lut, writes[1].out_cache_loc, packed=True)
@@ -977,22 +1006,25 @@ class StaticForward:
             self._plans = tuple(functools.partial(_run_plan, canary, group, bundle) for group, bundle in zip(groups, plans))
             self._writes = tuple(functools.partial(_run_write, canary, group, bundle)
                                  for group, bundle in zip(groups, writes))
+            self._count = functools.partial(_run_count, canary, self.runs)
             if translates:
                 self._translate = functools.partial(_run_translate, canary, writes)
-        for group, bundle in zip(groups, writes):
-            group.static_log.extend([
-                _Launch("verify", "head", group.head_tag, 0, batch),
-                _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
-                _Launch("verify", "tail", group.tail_tag, 0, batch)])
+        self._logged = [(group, [_Launch("verify", "head", group.head_tag, 0, batch),
+                                 _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
+                                 _Launch("verify", "tail", group.tail_tag, 0, batch)])
+                        for group, bundle in zip(groups, writes)]
+        for group, launches in self._logged:
+            group.static_log.append((self, launches))
 
     def before(self, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         canary = self._canary
-        if not canary.enabled or not self._plans:
+        if not canary.enabled:
             return
         stream = canary._stream(stream)
         with _on(canary.device, stream):
             canary._order_after_torch(*self._geometries)
+            self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
                 canary._forward_check(group, group.head_tag, stream)
@@ -1002,7 +1034,7 @@ class StaticForward:
         """Fingerprint the batch's new tokens (their KV written by now), then verify the prefix
         again (TAIL)."""
         canary = self._canary
-        if not canary.enabled or not self._writes:
+        if not canary.enabled:
             return
         stream = canary._stream(stream)
         with _on(canary.device, stream):
@@ -1013,6 +1045,13 @@ class StaticForward:
                 write(stream)
                 canary._forward_check(group, group.tail_tag, stream)
 
+    def close(self) -> None:
+        """Stop mapping the canary's rows to this forward (and let go of its arrays): for a forward,
+        or a captured graph of it, that will not run again."""
+        for group, _ in self._logged:
+            group.static_log[:] = [entry for entry in group.static_log if entry[0] is not self]
+        self._logged = []
+
 
 # A StaticForward's launches on the CPU, where the ops run (and validate nothing again: the bundles
 # were built from the batch once).
@@ -1022,6 +1061,10 @@ def _run_plan(canary: Canary, group: _Group, plan: PlanBatch, stream) -> None:
 
 def _run_write(canary: Canary, group: _Group, write: WriteBatch, stream) -> None:
     canary._write_op(group.ctx, group.wplan, write, stream=stream)
+
+
+def _run_count(canary: Canary, runs, stream) -> None:
+    canary._bookkeeping.count_run(runs, stream=stream)
 
 
 def _run_translate(canary: Canary, writes: list, stream) -> None:

@@ -490,7 +490,9 @@ def test_static_forwards_count_overflows_and_mix_with_eager_ones(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_static_forward_checks_its_batch_once_and_off_mode_does_nothing(device):
+def test_static_forward_checks_its_batch_once_and_follows_the_mode(device):
+    """A static forward is checked when it is built, whatever the mode (a rejected one changes
+    nothing); ``before``/``after`` read the mode when called."""
     eng = _warm(device)
     before = _state(eng.canary)
     int32 = to_device(np.array([3], np.int32), device)
@@ -498,23 +500,107 @@ def test_static_forward_checks_its_batch_once_and_off_mode_does_nothing(device):
         eng.canary.static_forward(_batch(device, prefix_lens=int32))
     with pytest.raises(TypeError, match=r"^kv-canary: input_ids must have dtype int64"):
         eng.canary.static_forward(_batch(device, input_ids=to_device(np.array([7.0]), device)))
-    with pytest.raises(ValueError, match=r"^kv-canary: req_ids must have one id per batch row"):
+    with pytest.raises(ValueError, match=r"^kv-canary: req_ids must have at most one id per batch row"):
         eng.canary.static_forward(_batch(device, req_ids=["a", "b"]))
     _assert_same(before, _state(eng.canary))
     assert all(not group.static_log for group in eng.canary.groups)
     off = Tiny(device, mode="off")
-    forward = off.canary.static_forward(_batch(device, input_ids=int32))  # not even checked
+    with pytest.raises(TypeError, match=r"^kv-canary: input_ids must have dtype int64"):
+        off.canary.static_forward(_batch(device, input_ids=int32))
+    forward = off.canary.static_forward(_batch(device))
     forward.before()
     forward.after()
-    assert off.canary.poll().total == 0 and not np.any(to_numpy(off.canary.context.canary_buf))
+    assert not np.any(to_numpy(off.canary.context.canary_buf))
+    off.canary.mode = "log"
+    forward.before()
+    forward.after()
+    assert np.any(to_numpy(off.canary.context.canary_buf)) and off.canary.poll().forwards == 1
 
 
-def _graph_run(framework: str):
+class _Requests:
+    """Static forwards over a 6-row table with per-layer K on ``device``, the engine's batches
+    refilled in place (their ``req_ids`` lists too)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.table = to_device(np.zeros((6, WIDTH), np.int32), device)
+        self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
+        caps = kc.Capacities.from_args(req_to_token_pool_size=6, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
+                                       max_prefill_tokens=64)
+        self.canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=self.table, device=device,
+                                real_kv_sources=kc.layouts.per_layer([self.k]), hash_mode=kc.HashMode.ALL)
+        self.rng = np.random.default_rng(1)
+
+    def arrays(self, bs: int, n: int) -> dict:
+        zeros = lambda count: to_device(np.zeros(count, np.int64), self.device)  # noqa: E731
+        return dict(req_pool_indices=zeros(bs), prefix_lens=zeros(bs), extend_seq_lens=zeros(bs), input_ids=zeros(n),
+                    positions=zeros(n), out_cache_loc=zeros(n))
+
+    def fill(self, arrays: dict, requests: list) -> None:
+        """``requests``: (pool row, prefix length, new slots) each."""
+        table = to_numpy(self.table).copy()
+        ids, positions, loc = [], [], []
+        for row, prefix, slots in requests:
+            for j, slot in enumerate(slots):
+                table[row, prefix + j] = slot
+                ids.append(1000 * row + prefix + j)
+                positions.append(prefix + j)
+                loc.append(slot)
+        self.table[...] = to_device(table, self.device)
+        for name, values in (("req_pool_indices", [r[0] for r in requests]), ("prefix_lens", [r[1] for r in requests]),
+                             ("extend_seq_lens", [len(r[2]) for r in requests]), ("input_ids", ids),
+                             ("positions", positions), ("out_cache_loc", loc)):
+            arrays[name][...] = to_device(np.asarray(values, np.int64), self.device)
+
+    def run(self, forward: kc.StaticForward) -> None:
+        forward.before()
+        loc = forward.batch.out_cache_loc
+        self.k[loc] = to_device(self.rng.standard_normal((int(loc.shape[0]), 2, 8)).astype(np.float32), self.device)
+        forward.after()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
+    """poll maps a row only to static forwards that ran since the previous poll, reading their arrays
+    and their req_ids lists as the engine left them; a closed forward maps nothing."""
+    eng = _Requests(device)
+    prefill, prefill_ids = eng.arrays(2, 8), ["x", "w"]
+    eng.fill(prefill, [(1, 0, [1, 2, 3, 4]), (2, 0, [5, 6, 7, 8])])
+    first = eng.canary.static_forward(kc.ForwardBatch(**prefill, req_ids=prefill_ids))
+    eng.run(first)
+    assert eng.canary.poll().total == 0
+    # x and w finish; y takes pool row 1 and z row 2, the same batch shape with other contents
+    eng.fill(prefill, [(1, 0, [10, 11, 12, 13]), (2, 0, [14, 15, 16, 17])])
+    prefill_ids[:] = ["y", "z"]
+    eng.run(first)
+    decode, decode_ids = eng.arrays(2, 2), ["z", "y"]
+    second = eng.canary.static_forward(kc.ForwardBatch(**decode, req_ids=decode_ids))
+    assert eng.canary.poll().total == 0
+    # stale contents in the prefill forward's arrays, which would name y's slots after x: only the
+    # decode forward runs
+    prefill["prefix_lens"][...] = to_device(np.array([4, 4], np.int64), device)
+    prefill_ids[:] = ["x", "w"]
+    eng.fill(decode, [(2, 4, [30]), (1, 4, [31])])
+    eng.k[11, 0, 0] += 1.0  # y's position 1
+    eng.run(second)
+    report = eng.canary.poll()
+    assert report.forwards == 3
+    assert sorted((e.phase, e.request, e.position, e.step) for e in report) == [
+        ("head", "y", 1, None), ("tail", "y", 1, None)]
+    second.close()
+    assert all(len(group.static_log) == 1 for group in eng.canary.groups)
+    eng.fill(decode, [(2, 5, [32]), (1, 5, [33])])
+    eng.run(second)
+    assert [(e.request, e.position) for e in eng.canary.poll()] == [(None, None), (None, None)]
+
+
+def _graph_run(framework: str, capture: str = ""):
     """``_forward_frames`` with K bytes for each new token and a bit of request 1's cached K flipped
     before the fourth forward, through a canary with an SWA group (slots translated): on the CPU
-    eagerly (framework "cpu"); else each batch shape through a StaticForward over static buffers, run
-    once eagerly and then captured with the forward's K write in a CUDA graph (CuPy's or torch's)
-    and replayed. Returns each forward's events (without steps) and the canary buffers."""
+    eagerly (framework "cpu"); else in CuPy arrays or torch tensors, each batch shape through a
+    StaticForward over static buffers, run once eagerly and then captured with the forward's K write
+    in a CUDA graph (``capture``: CuPy's stream capture or ``torch.cuda.graph``) and replayed.
+    Returns each forward's events (without steps), the canary buffers and the graphs."""
     frames = _forward_frames()
     rng = np.random.default_rng(3)
     for frame in frames:
@@ -522,27 +608,38 @@ def _graph_run(framework: str):
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
                                    max_prefill_tokens=64)
     lut = (np.arange(SLOTS + 1, dtype=np.int64)[::-1] % SLOTS).copy()
-    if framework == "cpu":
-        put = np.asarray
-    elif framework == "cupy":
+    if framework != "cpu":
         import cupy
-
-        put = cupy.asarray
-        # the model's K write: one kernel, no temporaries (CuPy's pool must not hand a captured
-        # graph's memory to anything else)
-        write_rows = cupy.ElementwiseKernel("int64 loc, raw float32 rows", "raw float32 pool",
-                                            "for (int j = 0; j < 16; ++j) pool[loc * 16 + j] = rows[i * 16 + j];",
-                                            "kvc_test_write_rows")
-    else:
+    if framework == "torch" or capture == "torch":
         import torch
-
-        put = lambda values: torch.as_tensor(values, device="cuda")  # noqa: E731
+    put = {"cpu": np.asarray, "cupy": lambda values: cupy.asarray(values),
+           "torch": lambda values: torch.as_tensor(values, device="cuda")}[framework]
 
     def fill(target, values) -> None:
         if framework == "torch":
             target.copy_(torch.as_tensor(np.asarray(values)))
         else:
             target[...] = put(np.asarray(values))
+
+    if framework == "cupy":
+        # the model's K write: one kernel, no temporaries (CuPy's pool must not hand a captured
+        # graph's memory to anything else)
+        write_rows = cupy.ElementwiseKernel("int64 loc, raw float32 rows", "raw float32 pool",
+                                            "for (int j = 0; j < 16; ++j) pool[loc * 16 + j] = rows[i * 16 + j];",
+                                            "kvc_test_write_rows")
+
+    def write_k(loc, new_k, stream) -> None:
+        if framework == "cpu":
+            k_pool[loc] = new_k
+        elif framework == "cupy":
+            with stream:
+                write_rows(loc, new_k, k_pool)
+        elif capture == "torch":  # on torch's current stream, the capturing one
+            k_pool.index_copy_(0, loc, new_k)
+        else:  # on the launch stream, which is not torch's current one
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+                k_pool.index_copy_(0, loc, new_k)
+
     table, k_pool = put(np.zeros((ROWS, WIDTH), np.int32)), put(np.zeros((SLOTS, 2, 8), np.float32))
     canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=table,
                        device="cpu" if framework == "cpu" else "cuda", hash_mode=kc.HashMode.ALL,
@@ -567,68 +664,90 @@ def _graph_run(framework: str):
         batch = kc.ForwardBatch(**arrays)
         if framework == "cpu":
             canary.before_forward(batch)
-            k_pool[arrays["out_cache_loc"]] = new_k
+            write_k(arrays["out_cache_loc"], new_k, None)
             canary.after_forward(batch)
         else:
+            cupy.cuda.Device().synchronize()
             shape = len(arrays["input_ids"])
             if shape not in forwards:
                 forwards[shape] = canary.static_forward(batch)
             forward = forwards[shape]
-            if framework == "cupy":
-                stream = cupy.cuda.Stream(non_blocking=True)
-                cupy.cuda.Device().synchronize()
-
-                def work(stream=stream, forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
+            if capture == "torch":
+                def work(forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
+                    stream = torch.cuda.current_stream()
                     forward.before(stream=stream)
-                    with stream:
-                        write_rows(loc, new_k, k_pool)
+                    write_k(loc, new_k, stream)
                     forward.after(stream=stream)
                 if shape in graphs:
-                    graphs[shape].launch(stream)
-                else:  # once eagerly (every kernel loaded), then captured for the forwards to come
-                    work()
-                    with stream:
-                        stream.begin_capture()
-                        work()
-                        graphs[shape] = stream.end_capture()
-                stream.synchronize()
-            else:
-                torch.cuda.synchronize()
-
-                def work(forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
-                    forward.before(stream=torch.cuda.current_stream())
-                    k_pool.index_copy_(0, loc, new_k)
-                    forward.after(stream=torch.cuda.current_stream())
-                if shape in graphs:
                     graphs[shape].replay()
-                else:
+                else:  # once eagerly (every kernel loaded), then captured for the forwards to come
                     work()
                     torch.cuda.synchronize()
                     graphs[shape] = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graphs[shape]):
                         work()
                 torch.cuda.synchronize()
+            else:
+                stream = cupy.cuda.Stream(non_blocking=True)
+
+                def work(stream=stream, forward=forward, loc=arrays["out_cache_loc"], new_k=new_k):
+                    forward.before(stream=stream)
+                    write_k(loc, new_k, stream)
+                    forward.after(stream=stream)
+                if shape in graphs:
+                    graphs[shape].launch(stream)
+                else:
+                    work()
+                    with stream:
+                        stream.begin_capture()
+                        work()
+                        graphs[shape] = stream.end_capture()
+                stream.synchronize()
         report = canary.poll()
         events.append((report.total, report.capacity_overflows,
                        sorted((key[:6] + key[7:] for key in _event_keys(report)), key=repr)))
-    return events, [to_numpy(group.ctx.canary_buf) for group in canary.groups], graphs
+    return events, [to_numpy(group.ctx.canary_buf) for group in canary.groups], graphs, canary
 
 
 @requires_gpu
-@pytest.mark.parametrize("framework", ["cupy", "torch"])
-def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework):
-    """StaticForwards captured with the forward's K write in CUDA graphs (CuPy's, and torch's with
-    torch tensors on its capture stream) and replayed over refilled buffers report what eager
-    forwards report on the CPU, the flipped K bit included, and leave the same canary buffers."""
+@pytest.mark.parametrize("framework, capture", [("cupy", "cupy"), ("torch", "torch"), ("torch", "cupy")])
+def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework, capture):
+    """StaticForwards captured with the forward's K write in CUDA graphs (CuPy's, torch's, and
+    CuPy's over torch tensors, whose stream is then not the launch stream) and replayed over
+    refilled buffers report what eager forwards report on the CPU, the flipped K bit included, and
+    leave the same canary buffers; replays are counted as forwards."""
     if framework == "torch":
         pytest.importorskip("torch")
-    expected, expected_buffers, _ = _graph_run("cpu")
+    expected, expected_buffers, _, _ = _graph_run("cpu")
     assert [total for total, _, _ in expected] == [0, 0, 0, 2, 2, 2]
-    events, buffers, graphs = _graph_run(framework)
+    events, buffers, graphs, canary = _graph_run(framework, capture)
     assert len(graphs) == 2
     assert events == expected
     for ours, theirs in zip(buffers, expected_buffers):
         assert np.array_equal(ours, theirs)
+    assert canary.forwards == 0 and canary.poll().forwards == len(events)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_empty_swa_lut_resolves_nothing(device):
+    """An SWA group whose LUT is empty maps no slot: its writes and verifies find every slot
+    unresolved, and poll reports them without mapping them (nor failing)."""
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
+                                   max_prefill_tokens=64)
+    table = np.zeros((ROWS, WIDTH), np.int32)
+    table[1, :4] = [1, 2, 3, 4]
+    canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=to_device(table, device), device=device,
+                       swa=kc.SwaGroup(window=4, lut=i64([]), num_slots=SLOTS))
+    for prefix, extend, slots in ((0, 3, [1, 2, 3]), (3, 1, [4])):
+        batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]), extend_seq_lens=i64([extend]),
+                                input_ids=i64(slots), positions=i64(range(prefix, prefix + extend)),
+                                out_cache_loc=i64(slots))
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+    report = canary.poll()
+    assert report.total > 0 and {event.group for event in report} == {"swa"}
+    assert all(event.request is None and "OUT_OF_RANGE" in event.reasons for event in report)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -840,7 +959,9 @@ def test_rejected_before_forward_changes_nothing(device):
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=5)), TypeError, "req_ids")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids="ab")), TypeError, "req_ids")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=["a", "b"])), ValueError,
-              "req_ids must have one id per batch row", "req_pool_indices has 1", "got 2")
+              "req_ids must have at most one id per batch row", "req_pool_indices has 1", "got 2")
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=np.array(5))), TypeError,
+              "req_ids must be None or a list, tuple or 1-D NumPy array")
     over = to_device(np.ones(eng.canary.capacities.write_req_capacity + 1, np.int64), device)
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_pool_indices=over, prefix_lens=over,
                                                                    extend_seq_lens=over)),
@@ -899,7 +1020,7 @@ def test_rejected_sweep_changes_nothing(device):
              (kc.LiveRequests(req_pool_indices=to_device(np.array(1, np.int64), device), seq_lens=rows),
               ValueError, "LiveRequests.req_pool_indices"),
              (kc.LiveRequests(req_pool_indices=[1], seq_lens=rows), TypeError, "LiveRequests.req_pool_indices"),
-             (kc.LiveRequests(req_pool_indices=rows, seq_lens=rows, req_ids=[]), ValueError, "req_ids")]
+             (kc.LiveRequests(req_pool_indices=rows, seq_lens=rows, req_ids=["a", "b"]), ValueError, "req_ids")]
     for live, error, name in cases:  # the first sweep would allocate the sweep plans: it must not
         _rejected(eng.canary, lambda: eng.canary.sweep(live), error, name)
     assert all(group.sweep_vplan is None for group in eng.canary.groups)

@@ -187,6 +187,37 @@ CONSTRUCTION = [
      r"WritePlan\.seed_slot_indices must have dtype int64"),
     ("wplan allocate negative", lambda: kc.WritePlan.allocate(-1), ValueError,
      r"write_req_capacity must be non-negative, got -1"),
+    ("ctx ring misaligned", _ctx_arrays(violation_ring=np.frombuffer(bytes(8 * 33), np.uint8)[4:260].view(np.int64)
+                                        .reshape(4, 8)), ValueError, r"violation_ring must be 8-byte aligned"),
+    ("ctx stride past int32", lambda: kc.CanaryContext.allocate(4, slot_stride_bytes=2**63), ValueError,
+     r"slot_stride_bytes must fit in int32"),
+    ("wplan host float offsets", lambda: kc.WritePlan.from_host(offsets=[0.5, 1.7], seed_slot_indices=[-1],
+                                                                num_valid_reqs=1), TypeError,
+     r"offsets\[0\] must be an int, got float 0.5"),
+    ("wplan host offsets past int64", lambda: kc.WritePlan.from_host(offsets=[0, 2**64], seed_slot_indices=[-1],
+                                                                     num_valid_reqs=1), ValueError,
+     r"offsets\[1\] must fit in int64"),
+    ("wplan host count bool", lambda: kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1],
+                                                             num_valid_reqs=True), TypeError,
+     r"num_valid_reqs must be an int, got bool"),
+    ("wplan host count past int32", lambda: kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1],
+                                                                   num_valid_reqs=2**31), ValueError,
+     r"num_valid_reqs must fit in int32"),
+    ("wplan host seeds float array", lambda: kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=np.zeros(1),
+                                                                    num_valid_reqs=1), TypeError,
+     r"seed_slot_indices must hold integers, got dtype float64"),
+    ("layouts v_buffers None", lambda: kc.layouts.per_layer([np.zeros((4, 2, 8))], None), TypeError,
+     r"v_buffers must be a list or tuple"),
+    ("layouts interleaved 0-d", lambda: kc.layouts.interleaved([np.zeros(())]), ValueError,
+     r"buffer must be at least 2-D"),
+    ("layouts interleaved strided", lambda: kc.layouts.interleaved([np.zeros((4, 2, 32), np.float32)[..., ::2]]),
+     ValueError, r"contiguous bytes within each row"),
+    ("layouts interleaved split", lambda: kc.layouts.interleaved([np.zeros((4, 2, 16), np.uint8)], split=None),
+     TypeError, r"split must be a bool"),
+    ("session logger", lambda: kc.Canary(pool_slot_count=16, req_to_token=np.zeros((4, 8), np.int32), logger="x",
+                                         capacities=kc.Capacities.from_args(
+                                             req_to_token_pool_size=4, max_seq_len_per_req=8, pool_slot_count=16,
+                                             max_prefill_tokens=8)), TypeError, r"logger must be None or a"),
 ]
 
 
@@ -364,6 +395,10 @@ def test_op_rules_change_nothing(device, name, call, exc, pattern):
 
 
 READ_ONLY_OUTPUTS = [
+    ("verify", "ctx", "violation_ring", r"CanaryContext\.violation_ring must be writable"),
+    ("verify", "ctx", "slot_run_counter", r"CanaryContext\.slot_run_counter must be writable"),
+    ("write", "ctx", "canary_buf", r"CanaryContext\.canary_buf must be writable"),
+    ("write", "ctx", "kernel_run_counter", r"CanaryContext\.kernel_run_counter must be writable"),
     ("plan", "vplan", "slot_indices", r"VerifyPlan\.slot_indices must be writable"),
     ("plan", "vplan", "enable", r"VerifyPlan\.enable must be writable"),
     ("plan", "wplan", "offsets", r"WritePlan\.offsets must be writable"),
@@ -374,7 +409,8 @@ READ_ONLY_OUTPUTS = [
 
 @pytest.mark.parametrize("op,owner,field,pattern", READ_ONLY_OUTPUTS, ids=[f"{c[0]} {c[2]}" for c in READ_ONLY_OUTPUTS])
 def test_read_only_outputs_change_nothing(op, owner, field, pattern):
-    """An output that NumPy marks read-only is refused before any other output is written."""
+    """An output that NumPy marks read-only, even after its bundle was built, is refused before any
+    other output is written."""
     w = World("cpu")
     if owner is None:
         _read_only(getattr(w, field))
@@ -432,6 +468,31 @@ def test_valid_world_calls_run(device):
     w.plan()
     w.scatter()
     assert w.ctx.counters()["kernel_run_counter"] == 6 + 2
+
+
+@pytest.mark.parametrize("stream", ["bogus", 1.5, True, object()])
+def test_stream_forms_refused_on_the_cpu_too(stream):
+    """A stream= a GPU would refuse is refused on the CPU as well, where it is otherwise ignored."""
+    w = World("cpu")
+    pattern = r"^kv-canary: stream must be None, a CuPy stream, a raw CUDA stream handle"
+    with pytest.raises(TypeError, match=pattern):
+        w.verify(stream=stream)
+    i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    step = kc.CanaryStep(w.ctx, verify_capacity=4, verify_tag=0, write_tag=2, req_pool_indices=i64([1]),
+                         prefix_lens=i64([0]), extend_seq_lens=i64([1]), req_to_token=np.zeros((2, 4), np.int32),
+                         input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([1]))
+    with pytest.raises(TypeError, match=pattern):
+        step.launch(stream=stream)
+
+
+@pytest.mark.parametrize("tag_name", ["verify_tag", "write_tag"])
+def test_step_names_the_tag_it_refuses(tag_name):
+    i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    tags = {"verify_tag": 0, "write_tag": 2, tag_name: 99}
+    with pytest.raises(ValueError, match=rf"^kv-canary: {tag_name} must be"):
+        kc.CanaryStep(kc.CanaryContext.allocate(8), verify_capacity=4, req_pool_indices=i64([1]), prefix_lens=i64([0]),
+                      extend_seq_lens=i64([1]), req_to_token=np.zeros((2, 4), np.int32), input_ids=i64([5]),
+                      positions=i64([0]), out_cache_loc=i64([1]), **tags)
 
 
 def test_int32_capacities():

@@ -7,7 +7,7 @@ import importlib
 from typing import Any, Iterator, Mapping
 
 from .. import validate as check
-from .._dlpack import Device, require_cupy
+from .._dlpack import Device, cupy_module, require_cupy
 
 
 def backend_module(device: Device, op: str):
@@ -25,21 +25,31 @@ def resolve_stream(stream: Any, device: Device):
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         _same_device(getattr(stream, "device_id", -1), device)
         return stream
+    check_stream_form(stream)
     if hasattr(stream, "__cuda_stream__"):
         handle = stream.__cuda_stream__()[1]
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
         _same_device(getattr(getattr(stream, "device", None), "index", None), device)
         handle = stream.cuda_stream
-    elif isinstance(stream, int) and not isinstance(stream, bool):
-        handle = stream
     else:
-        raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
-                        f"object with __cuda_stream__, got {type(stream).__name__}")
+        handle = stream
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:  # CuPy >= 14 deprecates ExternalStream in favour of the protocol
         with cupy.cuda.Device(device.index):  # the stream is taken to be the current device's
             return from_external(_StreamHandle(int(handle)))
     return cupy.cuda.ExternalStream(int(handle), device.index)
+
+
+def check_stream_form(stream: Any) -> None:
+    """The forms ``stream=`` takes, checked on the CPU too (where it is ignored), so that a call a CPU
+    run accepts is not refused on a GPU for its stream's type."""
+    cupy = cupy_module()
+    if stream is None or hasattr(stream, "__cuda_stream__") or hasattr(stream, "cuda_stream") \
+            or (isinstance(stream, int) and not isinstance(stream, bool)) \
+            or (cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))):
+        return
+    raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
+                    f"object with __cuda_stream__, got {type(stream).__name__}")
 
 
 def _same_device(owner, device: Device) -> None:
@@ -64,6 +74,7 @@ def launch_scope(devices: Mapping[str, Device], stream: Any) -> Iterator[tuple[D
     """Check the call's arrays share one device; on a GPU make it current and resolve the stream."""
     device = check.one_device(devices)
     if not device.is_cuda:
+        check_stream_form(stream)
         yield device, None
         return
     cupy = require_cupy("arrays")

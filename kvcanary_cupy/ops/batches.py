@@ -21,8 +21,8 @@ def _adopt_arrays(owner: Any, required: tuple[str, ...], optional: tuple[str, ..
     return device
 
 
-def launch_tag(tag: Any) -> int:
-    return int(check.member("tag", tag, L.LaunchTag))
+def launch_tag(tag: Any, name: str = "tag") -> int:
+    return int(check.member(name, tag, L.LaunchTag))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from .. import validate as check
 from ..context import CanaryContext, WritePlan
-from ._dispatch import backend_module, launch_scope, resolve_stream
+from ._dispatch import backend_module, check_stream_form, launch_scope, resolve_stream
 from .batches import PlanBatch, WriteBatch, launch_tag
 
 
@@ -22,7 +22,7 @@ class StepVerify:
     def __post_init__(self) -> None:
         capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", self.capacity))
         object.__setattr__(self, "capacity", capacity)
-        object.__setattr__(self, "tag", launch_tag(self.tag))
+        object.__setattr__(self, "tag", launch_tag(self.tag, "verify_tag"))
         object.__setattr__(self, "check_expected_token",
                            check.boolean("check_expected_token", self.check_expected_token))
 
@@ -56,7 +56,7 @@ class CanaryStep:
         check.instance("ctx", ctx, CanaryContext)
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
         batch = PlanBatch.from_arguments(locals())
-        writes = WriteBatch(tag=write_tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+        writes = WriteBatch(tag=launch_tag(write_tag, "write_tag"), input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                             expected_input_tokens=expected_input_tokens,
                             expected_input_positions=expected_input_positions)
         devices = {"ctx": ctx.device, "req_pool_indices": batch.device, "input_ids": writes.device}
@@ -85,6 +85,7 @@ class CanaryStep:
                 for launch in self._launches:
                     launch(resolved)
             return
+        check_stream_form(stream)
         for launch in self._launches:
             launch(None)
 

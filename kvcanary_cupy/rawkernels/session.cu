@@ -9,6 +9,10 @@ extern "C" __global__ void kvc_count_disabled(const int* __restrict__ enable, kv
     if (*enable == 0) *disabled += 1;
 }
 
+// How many times a static forward's launches ran (a replayed CUDA graph leaves no host trace), read
+// and cleared at the next poll. One thread.
+extern "C" __global__ void kvc_count_run(kvc_i64* runs) { *runs += 1; }
+
 // A sliding-window group's write slots: out[i] = lut[loc[i]] where 0 <= loc[i] < lut_len, else -1
 // (a slot the write skips). Grid-stride.
 extern "C" __global__ void kvc_translate_slots(const kvc_i64* __restrict__ loc, kvc_i64 n,

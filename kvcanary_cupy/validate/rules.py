@@ -58,6 +58,29 @@ def fits_int32(name: str, value: int) -> int:
     return value
 
 
+def int32_scalar(name: str, value: Any) -> int:
+    """An int that goes into an int32 cell."""
+    value = integer(name, value)
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{PREFIX}{name} must fit in int32 [{-INT32_MAX - 1}, {INT32_MAX}], got {value}")
+    return value
+
+
+def host_int64(name: str, values: Any) -> np.ndarray:
+    """A host sequence of integers (a list, tuple or NumPy array of an integer dtype) as a contiguous
+    int64 array: floats and bools are refused rather than truncated, values past int64 rather than
+    wrapped."""
+    if isinstance(values, np.ndarray):
+        if values.dtype == np.bool_ or values.dtype.kind not in "iu":
+            raise TypeError(f"{PREFIX}{name} must hold integers, got dtype {values.dtype}")
+        if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
+            raise ValueError(f"{PREFIX}{name} must fit in int64, got {int(values.max())}")
+        return np.ascontiguousarray(values, dtype=np.int64)
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{PREFIX}{name} must be a list, tuple or NumPy array of integers, got {type(values).__name__}")
+    return np.array([int64_scalar(f"{name}[{index}]", value) for index, value in enumerate(values)], dtype=np.int64)
+
+
 def int64_scalar(name: str, value: Any) -> int:
     """An int that the kernels receive as an int64 argument."""
     value = integer(name, value)

@@ -11,6 +11,11 @@ def count_disabled(vplan, disabled, *, stream=None) -> None:
         disabled[0] += 1
 
 
+def count_run(runs, *, stream=None) -> None:
+    """``runs[0] += 1``."""
+    runs[0] += 1
+
+
 def translate_slots(out_cache_loc, lut, out, *, stream=None) -> None:
     """``out[i] = lut[out_cache_loc[i]]`` where the slot lies in the LUT, else -1."""
     if lut.shape[0] == 0:

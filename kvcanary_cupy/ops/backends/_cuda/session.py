@@ -20,6 +20,11 @@ def prepare_count_disabled(vplan, disabled, *, packed: bool = False) -> Launch:
     return Launch(fn, 1, 1, (ptr(vplan.enable), ptr(disabled)), packed=packed)
 
 
+def prepare_count_run(runs, *, packed: bool = False) -> Launch:
+    """The launch of ``runs[0] += 1`` (a static forward's run count)."""
+    return Launch(kernel("session", "kvc_count_run", runs.device.id), 1, 1, (ptr(runs),), packed=packed)
+
+
 def translate_slots(out_cache_loc, lut, out, *, stream) -> None:
     """``out[i] = lut[out_cache_loc[i]]`` where the slot lies in the LUT, else -1."""
     launch = prepare_translate_slots(out_cache_loc, lut, out)
