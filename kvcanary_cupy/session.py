@@ -392,6 +392,9 @@ class Canary:
         check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
         pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
+        if pool_slot_count > L.INT32_MAX + 1:
+            raise ValueError(f"{check.PREFIX}pool_slot_count must be <= 2**31 (slot indices fit in int32), "
+                             f"got {pool_slot_count}")
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
         real_kv_sources = _sources("real_kv_sources", real_kv_sources, device)
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
@@ -408,6 +411,9 @@ class Canary:
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
             lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
             swa_slots = check.positive("SwaGroup.num_slots", swa.num_slots)
+            if swa_slots > L.INT32_MAX + 1:
+                raise ValueError(f"{check.PREFIX}SwaGroup.num_slots must be <= 2**31 (slot indices fit in int32), "
+                                 f"got {swa_slots}")
             swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device)
 
         self.mode = mode
@@ -655,7 +661,10 @@ class Canary:
         self._planned = batch
 
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
-        return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.expected_valid_lens)
+        valid_lens = batch.expected_valid_lens
+        if valid_lens is not None and self._plans_expect_tokens:  # checked under the name the engine gave it
+            valid_lens = _adopt("expected_valid_lens", valid_lens, self.device, check.vector, np.int64)
+        return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, valid_lens)
 
     def _lookup(self, cache: _PreparedLaunches, batch: ForwardBatch, fields: tuple[str, ...]):
         """``(geometry, prepared)``: the geometry of ``batch``'s ``fields`` and ``cache``'s launches for

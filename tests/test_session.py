@@ -969,6 +969,15 @@ def test_rejected_before_forward_changes_nothing(device):
     assert eng.canary._planned is planned
 
 
+def test_expected_valid_lens_are_named_as_the_batch_names_them():
+    canary = _construct(expected_tokens=np.zeros((ROWS, WIDTH), np.int32))
+    before = _state(canary)
+    batch = _batch("cpu", expected_valid_lens=np.array([1], np.int32))
+    with pytest.raises(TypeError, match=r"^kv-canary: expected_valid_lens must have dtype int64, got int32"):
+        canary.before_forward(batch)
+    _assert_same(before, _state(canary))
+
+
 @pytest.mark.parametrize("batch", [{"req_pool_indices": np.ones(1, np.int64)}, None])
 def test_calls_refuse_what_is_not_a_batch(batch):
     eng = _warm("cpu")
@@ -1063,6 +1072,9 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"swa": _swa(num_slots=0)}, ValueError, ("SwaGroup.num_slots", "0")),
     ({"swa": {"window": 4}}, TypeError, ("swa", "SwaGroup", "dict")),
     ({"swa": _swa(window=1 << 64)}, ValueError, ("SwaGroup.window", "int64")),
+    ({"pool_slot_count": 1 << 63}, ValueError, ("pool_slot_count", "2**31")),
+    ({"swa": _swa(num_slots=1 << 40)}, ValueError, ("SwaGroup.num_slots", "2**31")),
+    ({"logger": "x"}, TypeError, ("logger", "str")),
 ])
 def test_construction_checks_before_allocating(monkeypatch, overrides, error, names):
     def no_allocation(*args, **kwargs):
