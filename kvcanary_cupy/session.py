@@ -1025,14 +1025,22 @@ class StaticForward:
         for group, launches in self._logged:
             group.static_log.append((self, launches))
 
+    @contextlib.contextmanager
+    def _launching(self, stream: Any) -> Iterator[Any]:
+        """``stream`` resolved and current on the canary's device, after torch's stream where the
+        batch's arrays are torch tensors (outside a graph capture)."""
+        canary = self._canary
+        stream = canary._stream(stream)
+        with _on(canary.device, stream):
+            canary._order_after_torch(*self._geometries)
+            yield stream
+
     def before(self, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         canary = self._canary
         if not canary.enabled:
             return
-        stream = canary._stream(stream)
-        with _on(canary.device, stream):
-            canary._order_after_torch(*self._geometries)
+        with self._launching(stream) as stream:
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
@@ -1045,9 +1053,7 @@ class StaticForward:
         canary = self._canary
         if not canary.enabled:
             return
-        stream = canary._stream(stream)
-        with _on(canary.device, stream):
-            canary._order_after_torch(*self._geometries)
+        with self._launching(stream) as stream:
             if self._translate is not None:
                 self._translate(stream)
             for group, write in zip(canary.groups, self._writes):
