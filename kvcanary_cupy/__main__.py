@@ -13,8 +13,10 @@ real K/V bytes); before and after each forward pass the slots a batch reads are 
 any disagreement - a freed slot still in use, a table entry pointing at another request, a bit
 flip in the KV, a token written with the wrong id or position - lands in a violation ring that
 kc.Canary.poll() decodes into request, position and reason. Runs on CUDA GPUs (CuPy RawKernels)
-and on the CPU (numba). Engines that drive the kernels themselves call kc.plan, kc.verify and
-kc.write, or kc.CanaryStep: one forward's verify and write, validated once, one or two launches."""
+and on the CPU (numba). Engines that refill their batch arrays in place bind a forward once
+(kc.Canary.static_forward), whose launches a CUDA graph can capture with the model's forward.
+Engines that drive the kernels themselves call kc.plan, kc.verify and kc.write, or kc.CanaryStep:
+one forward's verify and write, validated once, one or two launches."""
 
 
 def _info(_: argparse.Namespace) -> int:
