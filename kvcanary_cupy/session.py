@@ -39,6 +39,7 @@ __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardB
 MODES = ("off", "log", "raise")
 _LOG = logging.getLogger("kvcanary_cupy")
 _WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
+_RUN_COUNTS_PER_ARRAY = 64
 _OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 
@@ -429,6 +430,8 @@ class Canary:
         self.logger = logger or _LOG
         self.forwards = 0
         self._static_runs = 0  # forwards of StaticForwards, counted at each poll
+        self._run_counts: list = []  # the StaticForwards' run counts, _RUN_COUNTS_PER_ARRAY an array
+        self._static_forward_count = 0
         self._planned: Any = None
         self._host_cache: dict = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
@@ -902,20 +905,36 @@ class Canary:
         start = int(ends[r] - max(int(extend[r]), 0))
         return r, int(prefix[r]) + index - start
 
+    def _run_counter(self) -> tuple[Any, tuple[int, int]]:
+        """A new static forward's run count: a cell of one of the canary's count arrays (its address
+        never moves: a captured graph holds it), and where it lies, so that a poll reads every count
+        in one copy an array."""
+        index = self._static_forward_count % _RUN_COUNTS_PER_ARRAY
+        if index == 0:
+            self._run_counts.append(empty((_RUN_COUNTS_PER_ARRAY,), np.int64, self.device))
+            settle(self.device)
+        self._static_forward_count += 1
+        array = len(self._run_counts) - 1
+        return self._run_counts[array][index:index + 1], (array, index)
+
     def _static_forwards_ran(self) -> set:
         """The static forwards (by id) that ran since the previous poll, their run counts cleared and
         added to the forwards counted; their launches' entry indexes dropped (the arrays have been
         refilled since)."""
-        ran = set()
-        for forward, launches in {id(entry[0]): entry for group in self.groups for entry in group.static_log}.values():
-            runs = int(to_host(forward.runs)[0])
-            if runs:
-                ran.add(id(forward))
-                self._static_runs += runs
-                forward.runs[...] = 0
+        if not self._run_counts:
+            return set()
+        self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
+        counts = [np.array(to_host(array)) for array in self._run_counts]  # a copy: the host arrays are zeroed next
+        for array in self._run_counts:
+            array[...] = 0
         settle(self.device)
+        ran = set()
         for group in self.groups:
             for forward, launches in group.static_log:
+                array, index = forward.run_count_at
+                if counts[array][index] and id(forward) not in ran:
+                    ran.add(id(forward))
+                    self._static_runs += int(counts[array][index])
                 for launch in launches:
                     launch._verify_index = None
         return ran
@@ -992,8 +1011,8 @@ class StaticForward:
         writes = canary._writes(batch, stream)  # the SWA group's slots, when translated, in a buffer kept here
         groups = canary.groups
         translates = len(groups) > 1 and batch.swa_out_cache_loc is None
-        self.runs = empty((1,), np.int64, canary.device)  # forwards since the last poll, counted where they run
-        settle(canary.device)
+        # its runs since the last poll, counted where they run
+        self.runs, self.run_count_at = canary._run_counter()
         self._translate = None
         self._geometries: tuple = ()
         if canary.device.is_cuda:

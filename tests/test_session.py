@@ -594,6 +594,29 @@ def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
     assert [(e.request, e.position) for e in eng.canary.poll()] == [(None, None), (None, None)]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forward_run_counts_past_one_count_array(device):
+    """Static forwards past the first array of run counts (64) count their runs apart, and poll
+    maps a row through the one that ran."""
+    eng = _Requests(device)
+    prefill = eng.arrays(1, 4)
+    eng.fill(prefill, [(1, 0, [1, 2, 3, 4])])
+    eng.run(eng.canary.static_forward(kc.ForwardBatch(**prefill)))
+    forwards = []
+    for number in range(70):  # the same decode step in arrays of its own each
+        arrays = eng.arrays(1, 1)
+        eng.fill(arrays, [(1, 4, [5])])
+        forwards.append(eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=[f"r{number}"])))
+    for forward in forwards[:65]:
+        eng.run(forward)
+    assert eng.canary.poll().forwards == 66
+    eng.k[3, 1, 1] += 1.0  # position 2 of the row's request
+    eng.run(forwards[66])
+    report = eng.canary.poll()
+    assert report.forwards == 67
+    assert sorted((e.phase, e.request, e.position) for e in report) == [("head", "r66", 2), ("tail", "r66", 2)]
+
+
 def _graph_run(framework: str, capture: str = ""):
     """``_forward_frames`` with K bytes for each new token and a bit of request 1's cached K flipped
     before the fourth forward, through a canary with an SWA group (slots translated): on the CPU
