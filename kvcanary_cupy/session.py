@@ -432,6 +432,7 @@ class Canary:
         self._static_runs = 0  # forwards of StaticForwards, counted at each poll
         self._run_counts: list = []  # the StaticForwards' run counts, _RUN_COUNTS_PER_ARRAY an array
         self._static_forward_count = 0
+        self._free_run_counts: list = []  # cells of closed static forwards, zeroed by the poll that let them go
         self._planned: Any = None
         self._host_cache: dict = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
@@ -797,6 +798,7 @@ class Canary:
                 dropped += raw.dropped
                 group.ctx.clear_violations()
             group.log.clear()
+        self._drop_closed_static_forwards()
         report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards + self._static_runs)
         self._host_cache = {}
         if report.total or report.capacity_overflows:
@@ -909,6 +911,9 @@ class Canary:
         """A new static forward's run count: a cell of one of the canary's count arrays (its address
         never moves: a captured graph holds it), and where it lies, so that a poll reads every count
         in one copy an array."""
+        if self._free_run_counts:
+            array, index = self._free_run_counts.pop()
+            return self._run_counts[array][index:index + 1], (array, index)
         index = self._static_forward_count % _RUN_COUNTS_PER_ARRAY
         if index == 0:
             self._run_counts.append(empty((_RUN_COUNTS_PER_ARRAY,), np.int64, self.device))
@@ -916,6 +921,14 @@ class Canary:
         self._static_forward_count += 1
         array = len(self._run_counts) - 1
         return self._run_counts[array][index:index + 1], (array, index)
+
+    def _drop_closed_static_forwards(self) -> None:
+        """Forget the closed static forwards, their runs counted and mapped by this poll; their run
+        count cells, zeroed by it, serve later ones."""
+        closed = {id(forward): forward for group in self.groups for forward, _ in group.static_log if forward.closed}
+        for group in self.groups:
+            group.static_log[:] = [entry for entry in group.static_log if not entry[0].closed]
+        self._free_run_counts.extend(forward.run_count_at for forward in closed.values())
 
     def _static_forwards_ran(self) -> set:
         """The static forwards (by id) that ran since the previous poll, their run counts cleared and
@@ -965,8 +978,9 @@ class Canary:
                                               _request_name(launch.batch, r), position, v))
                     continue
                 launch = next((l for l in log[pointer:] if l.tag == int(v.kernel_kind)), None)
-                events.append(CanaryEvent(group.name, launch.phase if launch else "unknown",
-                                          launch.step if launch else None, v.slot_idx, None, None, v))
+                phase = launch.phase if launch else _phase_of(group, v)
+                events.append(CanaryEvent(group.name, phase, launch.step if launch else None, v.slot_idx, None,
+                                          None, v))
                 continue
             pointer, (r, position) = found
             launch = log[pointer]
@@ -981,6 +995,18 @@ class Canary:
         if launch.kind == "write":
             return self._match_write(launch, v) if may_write else None
         return self._match_verify(group, launch, v) if may_verify else None
+
+
+def _phase_of(group: _Group, v: Violation) -> str:
+    """The phase a row's tag and reasons name, for a row no logged launch of that tag explains."""
+    tag = int(v.kernel_kind)
+    if tag == group.head_tag:
+        return "head"
+    if tag == group.sweep_tag:
+        return "sweep"
+    if tag == group.tail_tag:
+        return "write" if int(v.fail_reason) & _WRITE_BITS else "tail"
+    return "unknown"
 
 
 def _request_name(batch, row: int):
@@ -1009,6 +1035,7 @@ class StaticForward:
         plans = canary._batch_plans(batch)
         stream = canary._stream(None)
         writes = canary._writes(batch, stream)  # the SWA group's slots, when translated, in a buffer kept here
+        settle(canary.device)  # that buffer's fill and translation, queued on the current stream, done before any run
         groups = canary.groups
         translates = len(groups) > 1 and batch.swa_out_cache_loc is None
         # its runs since the last poll, counted where they run
@@ -1037,6 +1064,7 @@ class StaticForward:
             self._count = functools.partial(_run_count, canary, self.runs)
             if translates:
                 self._translate = functools.partial(_run_translate, canary, writes)
+        self.closed = False
         self._logged = [(group, [_Launch("verify", "head", group.head_tag, 0, batch),
                                  _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
                                  _Launch("verify", "tail", group.tail_tag, 0, batch)])
@@ -1080,11 +1108,10 @@ class StaticForward:
                 canary._forward_check(group, group.tail_tag, stream)
 
     def close(self) -> None:
-        """Stop mapping the canary's rows to this forward (and let go of its arrays): for a forward,
-        or a captured graph of it, that will not run again."""
-        for group, _ in self._logged:
-            group.static_log[:] = [entry for entry in group.static_log if entry[0] is not self]
-        self._logged = []
+        """For a forward, or a captured graph of it, that will not run again: the next poll still
+        counts and maps its runs since the previous one, then lets go of it (its arrays, and its run
+        count cell for a later static forward)."""
+        self.closed = True
 
 
 # A StaticForward's launches on the CPU, where the ops run (and validate nothing again: the bundles

@@ -485,6 +485,14 @@ def test_stream_forms_refused_on_the_cpu_too(stream):
         step.launch(stream=stream)
 
 
+def test_stream_forms_engines_pass_are_accepted_on_the_cpu():
+    w = World("cpu")
+    for stream in (None, 0, np.int64(7), type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()):
+        w.verify(stream=stream)
+    torch = pytest.importorskip("torch")
+    w.verify(stream=torch.Stream(device="cpu"))  # a device-agnostic engine's current stream
+
+
 @pytest.mark.parametrize("tag_name", ["verify_tag", "write_tag"])
 def test_step_names_the_tag_it_refuses(tag_name):
     i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from typing import Any, Iterator, Mapping
+
+import numpy as np
 
 from .. import validate as check
 from .._dlpack import Device, cupy_module, require_cupy
@@ -31,8 +34,11 @@ def resolve_stream(stream: Any, device: Device):
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
         _same_device(getattr(getattr(stream, "device", None), "index", None), device)
         handle = stream.cuda_stream
-    else:
-        handle = stream
+    elif isinstance(stream, (int, np.integer)):
+        handle = int(stream)
+    else:  # a stream of another kind of device (a torch CPU stream)
+        raise TypeError(f"{check.PREFIX}stream must be a CUDA stream for arrays on {device}, "
+                        f"got {type(stream).__name__} {stream!r}")
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:  # CuPy >= 14 deprecates ExternalStream in favour of the protocol
         with cupy.cuda.Device(device.index):  # the stream is taken to be the current device's
@@ -45,11 +51,17 @@ def check_stream_form(stream: Any) -> None:
     run accepts is not refused on a GPU for its stream's type."""
     cupy = cupy_module()
     if stream is None or hasattr(stream, "__cuda_stream__") or hasattr(stream, "cuda_stream") \
-            or (isinstance(stream, int) and not isinstance(stream, bool)) \
-            or (cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))):
+            or (isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_))) \
+            or (cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))) \
+            or _is_torch_stream(stream):  # a device-agnostic engine's current stream of the CPU too
         return
     raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
                     f"object with __cuda_stream__, got {type(stream).__name__}")
+
+
+def _is_torch_stream(stream: Any) -> bool:
+    torch = sys.modules.get("torch")  # a torch stream means torch is imported
+    return torch is not None and isinstance(stream, getattr(torch, "Stream", ()))
 
 
 def _same_device(owner, device: Device) -> None:
