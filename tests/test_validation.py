@@ -485,6 +485,13 @@ def test_stream_forms_refused_on_the_cpu_too(stream):
         step.launch(stream=stream)
 
 
+def test_write_plan_from_host_takes_integer_sequences():
+    plan = kc.WritePlan.from_host(offsets=range(3), seed_slot_indices=np.array([-1, 2], np.int32),
+                                  num_valid_reqs=np.int64(2))
+    assert plan.offsets.tolist() == [0, 1, 2] and plan.seed_slot_indices.tolist() == [-1, 2]
+    assert plan.offsets.dtype == np.int64 and plan.seed_slot_indices.dtype == np.int64
+
+
 def test_stream_forms_engines_pass_are_accepted_on_the_cpu():
     w = World("cpu")
     for stream in (None, 0, np.int64(7), type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()):

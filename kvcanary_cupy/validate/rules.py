@@ -70,6 +70,8 @@ def host_int64(name: str, values: Any) -> np.ndarray:
     """A host sequence of integers (a list, tuple or NumPy array of an integer dtype) as a contiguous
     int64 array: floats and bools are refused rather than truncated, values past int64 rather than
     wrapped."""
+    if isinstance(values, range) or (hasattr(values, "__array__") and not isinstance(values, np.ndarray)):
+        values = np.asarray(values)  # a range, or a host array of another library
     if isinstance(values, np.ndarray):
         if values.dtype == np.bool_ or values.dtype.kind not in "iu":
             raise TypeError(f"{PREFIX}{name} must hold integers, got dtype {values.dtype}")
