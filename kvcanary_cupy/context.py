@@ -145,9 +145,7 @@ class CanaryContext:
                  chain_position_assert: bool = False) -> "CanaryContext":
         """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot)."""
         # Every size is checked before anything is allocated.
-        num_slots = check.positive("num_slots", num_slots)
-        if num_slots > L.INT32_MAX + 1:
-            raise ValueError(f"{check.PREFIX}num_slots must be <= 2**31 (slot indices fit in int32), got {num_slots}")
+        num_slots = check.slot_count("num_slots", num_slots)
         ring_capacity = check.fits_int32("ring_capacity", check.non_negative("ring_capacity", ring_capacity))
         slot_stride_bytes = check.fits_int32(
             "slot_stride_bytes", check.at_least("slot_stride_bytes", slot_stride_bytes, L.MIN_SLOT_STRIDE_BYTES))

@@ -392,10 +392,7 @@ class Canary:
             raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
         check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
-        pool_slot_count = check.positive("pool_slot_count", pool_slot_count)
-        if pool_slot_count > L.INT32_MAX + 1:
-            raise ValueError(f"{check.PREFIX}pool_slot_count must be <= 2**31 (slot indices fit in int32), "
-                             f"got {pool_slot_count}")
+        pool_slot_count = check.slot_count("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
         real_kv_sources = _sources("real_kv_sources", real_kv_sources, device)
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
@@ -411,10 +408,7 @@ class Canary:
             check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
             lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
-            swa_slots = check.positive("SwaGroup.num_slots", swa.num_slots)
-            if swa_slots > L.INT32_MAX + 1:
-                raise ValueError(f"{check.PREFIX}SwaGroup.num_slots must be <= 2**31 (slot indices fit in int32), "
-                                 f"got {swa_slots}")
+            swa_slots = check.slot_count("SwaGroup.num_slots", swa.num_slots)
             swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device)
 
         self.mode = mode

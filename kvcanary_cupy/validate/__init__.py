@@ -29,6 +29,7 @@ from .rules import (  # noqa: F401
     positive_multiple,
     rows_contiguous,
     scalar_cell,
+    slot_count,
     table,
     vector,
     writable,

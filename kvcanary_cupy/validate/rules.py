@@ -58,6 +58,14 @@ def fits_int32(name: str, value: int) -> int:
     return value
 
 
+def slot_count(name: str, value: Any) -> int:
+    """A pool's number of slots: positive, and at most 2**31 (slot indices fit in int32)."""
+    value = positive(name, value)
+    if value > INT32_MAX + 1:
+        raise ValueError(f"{PREFIX}{name} must be <= 2**31 (slot indices fit in int32), got {value}")
+    return value
+
+
 def int32_scalar(name: str, value: Any) -> int:
     """An int that goes into an int32 cell."""
     value = integer(name, value)
