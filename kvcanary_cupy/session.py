@@ -587,21 +587,38 @@ class Canary:
         key.append(tuple(addresses.index(address) for address in addresses))
         return _Geometry(tuple(key), addresses, torch)
 
-    def _prepare_plans(self, batch: ForwardBatch, plans: list[PlanBatch]) -> tuple:
+    # --- packed launches (a GPU's, on its current device): bound to the batch's addresses for the
+    # --- prepared geometries, or kept over a static forward's own arrays
+    def _pack_plans(self, plans: list[PlanBatch]) -> tuple:
+        """Each group's plan launch over ``plans``' arrays."""
         backend = backend_module(self.device, "plan")
+        return tuple(backend.prepare(group.vplan, group.wplan, plan, packed=True)
+                     for group, plan in zip(self.groups, plans))
+
+    def _pack_writes(self, writes: list[WriteBatch]) -> tuple:
+        """Each group's write launch over ``writes``' arrays."""
+        backend = backend_module(self.device, "write")
+        return tuple(backend.prepare(group.ctx, group.wplan, write, packed=True)
+                     for group, write in zip(self.groups, writes))
+
+    def _pack_translate(self, writes: list[WriteBatch]):
+        """The SWA group's slots translated from the full group's into ``writes[1]``'s (None for a
+        batch without entries)."""
+        return self._bookkeeping.prepare_translate_slots(writes[0].out_cache_loc, self.groups[1].lut,
+                                                         writes[1].out_cache_loc, packed=True)
+
+    def _prepare_plans(self, batch: ForwardBatch, plans: list[PlanBatch]) -> tuple:
         fields = self._plan_fields
         slots = {name: fields.index(name) for name in _PLAN_FIELDS[:3]}
         if self._plans_expect_tokens:  # the valid lengths are the batch's own, or its prefix lengths
             valid_lens = "expected_valid_lens" if batch.expected_valid_lens is not None else "prefix_lens"
             slots["req_to_verify_expected_tokens_valid_lens"] = fields.index(valid_lens)
-        return tuple(_Bound.of(backend.prepare(group.vplan, group.wplan, plan, packed=True), _views(plan, slots))
-                     for group, plan in zip(self.groups, plans))
+        return tuple(_Bound.of(launch, _views(plan, slots)) for launch, plan in zip(self._pack_plans(plans), plans))
 
     def _prepare_writes(self, batch: ForwardBatch, writes: list[WriteBatch]) -> _PreparedWrites:
         """``writes`` (from :meth:`_writes`, this call's) as packed launches. An SWA group's slots,
         when the batch does not give them, are translated by a launch of the entry into a buffer
         each forward allocates (its address is the last one bound), as the validating path does."""
-        backend = backend_module(self.device, "write")
         fields = self._write_fields
         slots = {name: fields.index(name) for name in _WRITE_FIELDS[:5]}
         group_slots = [slots]
@@ -613,13 +630,12 @@ class Canary:
                 per_forward = len(fields)
                 group_slots.append(dict(slots, out_cache_loc=per_forward))
                 swa_entries = writes[0].num_entries
-                launch = self._bookkeeping.prepare_translate_slots(
-                    writes[0].out_cache_loc, self.groups[1].lut, writes[1].out_cache_loc, packed=True)
+                launch = self._pack_translate(writes)
                 if launch is not None:
                     translate = _Bound.of(launch, [(writes[0].out_cache_loc, slots["out_cache_loc"]),
                                                    (writes[1].out_cache_loc, per_forward)])
-        launches = tuple(_Bound.of(backend.prepare(group.ctx, group.wplan, write, packed=True), _views(write, bound))
-                         for group, write, bound in zip(self.groups, writes, group_slots))
+        launches = tuple(_Bound.of(launch, _views(write, bound))
+                         for launch, write, bound in zip(self._pack_writes(writes), writes, group_slots))
         return _PreparedWrites(translate, launches, swa_entries)
 
     def _translate(self, batch: ForwardBatch, prepared: _PreparedWrites, geometry: _Geometry, stream):
@@ -1039,16 +1055,11 @@ class StaticForward:
         if canary.device.is_cuda:
             with _on(canary.device, stream):
                 canary._prepare_checks()
-                plan = backend_module(canary.device, "plan")
-                write = backend_module(canary.device, "write")
-                self._plans = tuple(plan.prepare(group.vplan, group.wplan, bundle, packed=True)
-                                    for group, bundle in zip(groups, plans))
-                self._writes = tuple(write.prepare(group.ctx, group.wplan, bundle, packed=True)
-                                     for group, bundle in zip(groups, writes))
+                self._plans = canary._pack_plans(plans)
+                self._writes = canary._pack_writes(writes)
                 self._count = canary._bookkeeping.prepare_count_run(self.runs, packed=True)
                 if translates:
-                    self._translate = canary._bookkeeping.prepare_translate_slots(
-                        writes[0].out_cache_loc, groups[1].lut, writes[1].out_cache_loc, packed=True)
+                    self._translate = canary._pack_translate(writes)
             self._geometries = (canary._geometry(batch, canary._plan_fields),
                                 canary._geometry(batch, canary._write_fields))
         else:
