@@ -12,6 +12,9 @@ import pytest
 import kvcanary_cupy as kc
 from kvcanary_cupy.sim import FAULT_CLASSES, SimConfig, run
 from kvcanary_cupy.sim.cli import main as demo_main
+from kvcanary_cupy.sim.static_decode import batch_sizes
+
+from _devices import requires_gpu
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "detection.md"
 MODES = {"NONE": kc.HashMode.NONE, "PARTIAL": kc.HashMode.PARTIAL, "ALL": kc.HashMode.ALL}
@@ -149,3 +152,86 @@ def test_sim_config_refuses_what_cannot_run():
         SimConfig(max_running=0)
     with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):
         SimConfig(pool_slots=100, max_len=256, page_size=32)
+
+
+# What a run shows of the canary's findings: when each fault was caught and by which event, and how
+# many rows each step's poll found.
+_FINDINGS = ("fault_log", "violations_per_step", "verified_entries", "tokens", "false_positives", "faults")
+
+STATIC_DECODE_CASES = [dict(hash_mode=kc.HashMode.ALL),
+                       dict(hash_mode=kc.HashMode.PARTIAL, layout="mla", swa_window=24, seed=4)]
+
+
+def _findings(result) -> dict:
+    data = result.to_json()
+    return {key: data[key] for key in _FINDINGS}
+
+
+def test_batch_sizes_are_powers_of_two_up_to_max_running():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert batch_sizes(12) == [1, 2, 4, 8, 12]
+
+
+@pytest.mark.parametrize("kwargs", STATIC_DECODE_CASES, ids=["all-paged", "partial-mla-swa"])
+def test_static_decode_finds_what_eager_decode_finds(kwargs):
+    """Decode forwards padded to a batch size and run through static forwards over arrays refilled in
+    place catch every fault at the same step, by the same event, as the same forwards run eagerly,
+    with no false positive; prefill and decode take turns in both runs."""
+    eager = run(SimConfig(steps=200, split_batches=True, **kwargs), FAULT_CLASSES)
+    static = run(SimConfig(steps=200, static_decode=True, **kwargs), FAULT_CLASSES)
+    assert _findings(static) == _findings(eager)
+    assert static.false_positives == [] and len(static.faults) >= 15
+    assert all(fault.detected for fault in static.faults if fault.cls != "kv_bitflip"
+               or kwargs["hash_mode"] == kc.HashMode.ALL)
+    assert static.decode_forwards == eager.decode_forwards == static.static_decode["forwards"] > 50
+    assert len(static.static_decode["batch_sizes_used"]) > 1, "padding to several sizes must happen"
+    assert static.static_decode["graph_replays"] == 0  # no graphs on the CPU
+
+
+def test_split_batches_alternate_prefill_and_decode():
+    """With split batches no forward mixes a prefill chunk with a decode, and while both have work
+    they take turns."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    engine = Engine(SimConfig(split_batches=True, seed=3))
+    previous, turns = None, 0
+    for step in range(80):
+        engine.step_index = step
+        engine.admit_arrivals()
+        waiting = [r for r in engine.running if r.remaining > 0]
+        both = any(r.decoding for r in waiting) and any(not r.decoding for r in waiting)
+        batch = engine.schedule()
+        decoding = {r.decoding for r in batch.requests}
+        assert len(decoding) == 1
+        decoded = decoding.pop()
+        if both:
+            assert decoded != previous, f"step {step}: two {'decode' if decoded else 'prefill'} forwards in a row"
+            turns += 1
+        previous = decoded
+        engine.advance(batch)
+    assert turns > 10
+
+
+def test_demo_cli_static_decode(capsys):
+    assert demo_main(["--device", "cpu", "--steps", "60", "--static-decode", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "static forwards of batch sizes" in out and "false positives           0" in out
+
+
+@requires_gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager-launches"])
+@pytest.mark.parametrize("kwargs", STATIC_DECODE_CASES, ids=["all-paged", "partial-mla-swa"])
+def test_static_decode_on_the_gpu_finds_what_the_cpu_finds(kwargs, graphs):
+    """On a GPU, decode forwards whose canary work is captured in CUDA graphs once per batch size and
+    replayed (or launched as packed launches) find exactly what the CPU backend finds in the same
+    run, fault by fault and step by step."""
+    cpu = run(SimConfig(steps=200, static_decode=True, **kwargs), FAULT_CLASSES)
+    gpu = run(SimConfig(steps=200, static_decode=True, device="cuda", **kwargs), FAULT_CLASSES, graphs=graphs)
+    assert _findings(gpu) == _findings(cpu)
+    replays = gpu.static_decode["graph_replays"]
+    if graphs:
+        # every forward but the first of each size is a replay
+        assert replays == gpu.static_decode["forwards"] - len(gpu.static_decode["batch_sizes_used"]) > 50
+    else:
+        assert replays == 0

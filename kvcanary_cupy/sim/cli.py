@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
                         help="turn off the expected-token checks (token_swap then goes unseen)")
+    parser.add_argument("--split-batches", action="store_true",
+                        help="prefill and decode forwards take turns instead of sharing forwards")
+    parser.add_argument("--static-decode", action="store_true",
+                        help="run decode forwards as a CUDA-graph engine does (implies --split-batches): padded to "
+                             "a power-of-two batch size, over input arrays refilled in place, the canary's part "
+                             "bound once per size (kc.StaticForward) and, on a GPU, replayed as CUDA graphs")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -74,7 +80,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(steps=args.steps, seed=args.seed, device=device, hash_mode=HashMode[args.hash_mode.upper()],
                      layout=args.layout, pool_slots=args.pool_slots, page_size=args.page_size,
                      max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
-                     expected_checks=not args.no_expected_checks)
+                     expected_checks=not args.no_expected_checks, split_batches=args.split_batches,
+                     static_decode=args.static_decode)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -89,22 +96,22 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise
         print(error, file=sys.stderr)  # e.g. --device cuda without CuPy: one line, not a traceback
         return 2
-    try:
-        print(result.summary())
-    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
-        sys.stderr.close()
-        return 0
+    lines = [result.summary()]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result.to_json(), handle, indent=2)
-        print(f"wrote {args.json}")
+        lines.append(f"wrote {args.json}")
     if args.chart:
         from .chart import write_chart  # noqa: PLC0415
 
         if write_chart(result, args.chart):
-            print(f"wrote {args.chart}")
+            lines.append(f"wrote {args.chart}")
         else:
             print("chart skipped: matplotlib is not installed (this package's plot extra)", file=sys.stderr)
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
+        sys.stderr.close()
     return 0
 
 

@@ -58,6 +58,8 @@ class SimConfig:
     sweep_every: int = 16
     poll_every: int = 1
     expected_checks: bool = True
+    split_batches: bool = False  # prefill and decode forwards take turns instead of sharing a forward
+    static_decode: bool = False  # decode forwards through static forwards (implies split_batches)
     chain_position_assert: bool = True
     ring_capacity: int = 1024
     vocab: int = 32000
@@ -118,6 +120,11 @@ class StepBatch:
     expected_ids: np.ndarray
     expected_positions: np.ndarray
 
+    @property
+    def decodes_only(self) -> bool:
+        """One new token for each of its requests, all past their prompts."""
+        return bool(self.requests) and all(r.decoding for r in self.requests) and bool((self.extend_lens == 1).all())
+
     def entry_range(self, index: int) -> tuple[int, int]:
         start = int(self.extend_lens[:index].sum())
         return start, start + int(self.extend_lens[index])
@@ -150,6 +157,7 @@ class Engine:
         self.aborted = 0
         self.next_rid = 0
         self.step_index = 0
+        self.last_forward_decoded = False
         self.tokens_written = 0
         self.shared_tokens = 0
         self.reused_pages = 0
@@ -325,14 +333,32 @@ class Engine:
                 self.release_page(page)
 
     # --- one forward ------------------------------------------------------------------------------
+    @property
+    def splits_batches(self) -> bool:
+        return self.config.split_batches or self.config.static_decode
+
+    def _decodes_now(self) -> Optional[bool]:
+        """With split batches: whether this forward decodes (True) or prefills (False). Prefill and
+        decode take turns while both have work, as in engines that do not mix them in one forward.
+        ``None``: one forward holds both."""
+        if not self.splits_batches:
+            return None
+        waiting = [r for r in self.running if r.remaining > 0]
+        decodes = any(r.decoding for r in waiting)
+        prefills = any(not r.decoding for r in waiting)
+        return decodes and not (prefills and self.last_forward_decoded)
+
     def schedule(self) -> StepBatch:
         """Pick this step's tokens (every decode, prefill chunks within the budget) and give them slots."""
         c, ps = self.config, self.page_size
         budget = c.chunk_tokens
         chosen, rows, prefix, extend = [], [], [], []
         ids, positions, locs = [], [], []
+        decodes_now = self._decodes_now()
         for request in self.running:
             if request.remaining <= 0:
+                continue
+            if decodes_now is not None and request.decoding != decodes_now:
                 continue
             if request.decoding:
                 n = 1
@@ -357,6 +383,8 @@ class Engine:
             ids.append(request.tokens[start:start + n])
             positions.append(pos)
             locs.append(slots)
+        if decodes_now is not None:
+            self.last_forward_decoded = decodes_now
         cat = (lambda parts: np.concatenate(parts).astype(np.int64)) if chosen else (
             lambda parts: np.zeros(0, np.int64))
         input_ids = cat(ids)
@@ -381,9 +409,10 @@ class Engine:
         if n == 0:
             return
         dev = self.device
+        locations = batch.out_cache_loc[:n]  # past n: a padded batch's padding tokens
         for target in self.targets:
             data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
-            target[batch.out_cache_loc] = from_host(data, dev)
+            target[locations] = from_host(data, dev)
         if self.config.swa_window > 0:
             swa_loc = from_host(self.lut_host[step.out_cache_loc], dev)
             for target in self.swa_targets:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import statistics
 import sys
@@ -13,6 +14,7 @@ from ..precompile import compile_kernels
 from ..session import CanaryEvent
 from .engine import Engine, SimConfig
 from .faults import FAULT_CLASSES, Fault, FaultInjector
+from .static_decode import StaticDecode
 
 _QUIET = logging.getLogger("kvcanary_cupy.sim")
 _QUIET.addHandler(logging.NullHandler())
@@ -63,10 +65,17 @@ class SimResult:
     false_positives: list
     violations_per_step: list
     kernels_s: float = 0.0  # compiling or loading the kernels before the first step
+    decode_forwards: int = 0  # forwards of one new token a request, every request past its prompt
+    decode_canary_s: float = 0.0  # the canary's host time in those forwards
+    static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
 
     @property
     def canary_ms_per_step(self) -> float:
         return 1e3 * self.canary_s / max(1, self.steps)
+
+    @property
+    def canary_us_per_decode_forward(self) -> float:
+        return 1e6 * self.decode_canary_s / max(1, self.decode_forwards)
 
     def per_class(self) -> dict:
         out = {}
@@ -103,6 +112,9 @@ class SimResult:
             "kernels_s": round(self.kernels_s, 3),
             "canary_ms_per_step": round(self.canary_ms_per_step, 4),
             "false_positives": len(self.false_positives),
+            "decode_forwards": self.decode_forwards,
+            "canary_us_per_decode_forward": round(self.canary_us_per_decode_forward, 2),
+            "static_decode": self.static_decode,
             "faults": self.per_class(),
             "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
                            "detected_step": f.detected_step,
@@ -123,6 +135,15 @@ class SimResult:
             f"({100 * self.canary_s / max(self.wall_s, 1e-9):.0f}% of the step loop)"
             + (f"; kernels ready in {self.kernels_s:.2f} s before it (compiled once a machine, then loaded "
                f"from {'CuPy' if 'cuda' in str(c.device) else 'numba'}'s cache)"),
+        ]
+        if c.split_batches or c.static_decode:
+            sd = self.static_decode
+            how = "eager" if sd is None else (
+                f"static forwards of batch sizes {sd['batch_sizes_used']}"
+                + (f", {sd['graph_replays']} as CUDA-graph replays" if sd["graph_replays"] else ""))
+            lines.append(f"  decode forwards {self.decode_forwards}: canary {self.canary_us_per_decode_forward:.1f} "
+                         f"us each ({how}); prefill forwards apart, eager")
+        lines += [
             "",
             f"  {'fault class':<18}{'injected':>9}{'detected':>9}{'rate':>8}{'median steps':>14}",
         ]
@@ -157,9 +178,11 @@ def _attribute(events: Sequence[CanaryEvent], faults: Sequence[Fault], step: int
 
 
 def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10, fault_start: int = 10,
-        bitflip_offset: Optional[int] = None, progress: bool = False,
+        bitflip_offset: Optional[int] = None, progress: bool = False, graphs: bool = True,
         on_step: Optional[Callable[[int], None]] = None) -> SimResult:
-    """Simulate ``config.steps`` forward passes with the canary on, injecting ``faults`` in turn."""
+    """Simulate ``config.steps`` forward passes with the canary on, injecting ``faults`` in turn.
+    With ``config.static_decode``, decode forwards run through static forwards, replayed as CUDA
+    graphs on a GPU unless ``graphs`` is false."""
     # As an engine warms up before traffic: a first compile would otherwise land in the first steps.
     engine = Engine(config, logger=_QUIET)
     contexts = [engine.canary.context, engine.canary.swa_context]
@@ -170,10 +193,12 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     injector = FaultInjector(engine, faults, every=fault_every, start=fault_start, seed=config.seed,
                              bitflip_offset=bitflip_offset)
     canary = engine.canary
+    static = StaticDecode(engine, graphs=graphs) if config.static_decode else None
     bar = Progress(config.steps, enabled=progress)
     false_positives: list = []
     violations_per_step: list = []
-    canary_s = 0.0
+    canary_s = decode_canary_s = 0.0
+    decode_forwards = 0
     start = time.perf_counter()
     for step in range(config.steps):
         engine.step_index = step
@@ -182,14 +207,23 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
         host_batch = engine.schedule()
         injector.tamper(step, host_batch)
         engine._push_tables()
-        batch = engine.forward_batch(host_batch)
+        if static is not None and host_batch.decodes_only:
+            static.prepare(host_batch)
+            batch, before, after = static.batch, static.before, static.after
+        else:
+            batch = engine.forward_batch(host_batch)
+            before, after = functools.partial(canary.before_forward, batch), functools.partial(canary.after_forward, batch)
         t0 = time.perf_counter()
-        canary.before_forward(batch)
+        before()
         t1 = time.perf_counter()
         engine.model_forward(batch, host_batch)
         t2 = time.perf_counter()
-        canary.after_forward(batch)
-        canary_s += (t1 - t0) + (time.perf_counter() - t2)
+        after()
+        spent = (t1 - t0) + (time.perf_counter() - t2)
+        canary_s += spent
+        if host_batch.decodes_only:
+            decode_forwards += 1
+            decode_canary_s += spent
         engine.advance(host_batch)
         t3 = time.perf_counter()
         if config.sweep_every and step % config.sweep_every == config.sweep_every - 1:
@@ -217,7 +251,8 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     writes = engine.tokens_written * len(stats)
     return SimResult(config, config.steps, engine.tokens_written, max(0, slot_runs - writes), engine.finished,
                      engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
-                     false_positives, violations_per_step, kernels_s)
+                     false_positives, violations_per_step, kernels_s,
+                     decode_forwards, decode_canary_s, None if static is None else static.to_json())
 
 
 __all__ = ["Progress", "SimResult", "run"]
