@@ -13,7 +13,8 @@ import ctypes
 import dataclasses
 import functools
 import sys
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import numpy as np
 
@@ -319,6 +320,35 @@ class _CapsuleKeeper:
         self.capsule = capsule
 
 
+# The dtype each live byte view stands for, by id (an entry goes with its view), so that a rule
+# refusing one names the caller's dtype, not uint8.
+_BYTE_VIEW_DTYPES: dict[int, str] = {}
+# DLPack type codes (dlpack.h) of the dtypes NumPy and CuPy cannot express, for objects that do
+# not name their dtype themselves.
+_DL_CODE_NAMES = {3: "opaque{bits}", 4: "bfloat{bits}", 5: "complex{bits}", 7: "float8_e3m4", 8: "float8_e4m3",
+                  9: "float8_e4m3b11fnuz", 10: "float8_e4m3fn", 11: "float8_e4m3fnuz", 12: "float8_e5m2",
+                  13: "float8_e5m2fnuz", 14: "float8_e8m0fnu", 15: "float6_e2m3fn", 16: "float6_e3m2fn",
+                  17: "float4_e2m1fn"}
+
+
+def _remember_dtype(view: Any, obj: Any, code: int, bits: int) -> Any:
+    declared = getattr(obj, "dtype", None)
+    if declared is not None:
+        name = str(declared).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
+    else:
+        name = _DL_CODE_NAMES.get(code, "DLPack type code {code} of {bits} bits").format(code=code, bits=bits)
+    key = id(view)
+    _BYTE_VIEW_DTYPES[key] = name
+    weakref.finalize(view, _BYTE_VIEW_DTYPES.pop, key, None)
+    return view
+
+
+def byte_view_dtype(array: Any) -> Optional[str]:
+    """The dtype of the array a :func:`raw_byte_view` views (e.g. ``"bfloat16"``); ``None`` for any
+    other array."""
+    return _BYTE_VIEW_DTYPES.get(id(array))
+
+
 def raw_byte_view(obj: Any, name: str):
     """A uint8 view with the same byte geometry as ``obj``: shape ``(*shape[:-1], shape[-1] * itemsize)``."""
     try:
@@ -347,15 +377,18 @@ def raw_byte_view(obj: Any, name: str):
     keeper = _CapsuleKeeper(obj, capsule)
     if int(tensor.device.device_type) in _HOST_DEVICE_TYPES:
         if span == 0:
-            return np.zeros(byte_shape, dtype=np.uint8)
-        buffer = (ctypes.c_uint8 * span).from_address(pointer)
-        buffer._kvcanary_keeper = keeper  # type: ignore[attr-defined]
-        flat = np.frombuffer(buffer, dtype=np.uint8)
-        return np.lib.stride_tricks.as_strided(flat, shape=byte_shape, strides=byte_strides)
-    cupy = require_cupy(name)
-    memory = cupy.cuda.UnownedMemory(pointer, span, keeper, int(tensor.device.device_id))
-    return cupy.ndarray(byte_shape, dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0),
-                        strides=byte_strides)
+            view = np.zeros(byte_shape, dtype=np.uint8)
+        else:
+            buffer = (ctypes.c_uint8 * span).from_address(pointer)
+            buffer._kvcanary_keeper = keeper  # type: ignore[attr-defined]
+            flat = np.frombuffer(buffer, dtype=np.uint8)
+            view = np.lib.stride_tricks.as_strided(flat, shape=byte_shape, strides=byte_strides)
+    else:
+        cupy = require_cupy(name)
+        memory = cupy.cuda.UnownedMemory(pointer, span, keeper, int(tensor.device.device_id))
+        view = cupy.ndarray(byte_shape, dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0),
+                            strides=byte_strides)
+    return _remember_dtype(view, obj, int(tensor.dtype.code), int(tensor.dtype.bits))
 
 
 def data_pointer(array) -> int:

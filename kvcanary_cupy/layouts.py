@@ -24,7 +24,7 @@ import numpy as np
 from . import _layout as L
 from . import validate as check
 from ._dlpack import data_pointer, native_view
-from .sources import RealKvSource
+from .sources import RealKvSource, checked_read_bytes, source_rows
 
 __all__ = ["from_buffer", "per_layer", "paged", "interleaved", "mla"]
 
@@ -33,13 +33,14 @@ def _row_bytes(view) -> int:
     return int(np.prod(view.shape[1:])) * int(view.itemsize)
 
 
-def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) -> list:
+def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) -> list[tuple[str, Any]]:
+    """The picked layers' buffers, each with its name in messages (``k_buffers[3]``)."""
     if not isinstance(buffers, (list, tuple)):
         raise TypeError(f"{check.PREFIX}{name} must be a list or tuple of arrays (one per layer), "
                         f"got {type(buffers).__name__}")
     buffers = list(buffers)
     if layers is None:
-        return buffers
+        return [(f"{name}[{layer}]", buffer) for layer, buffer in enumerate(buffers)]
     if not isinstance(layers, (list, tuple, range)):
         raise TypeError(f"{check.PREFIX}layers must be a list, tuple or range of layer indices, "
                         f"got {type(layers).__name__} {layers!r}")
@@ -48,41 +49,49 @@ def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) ->
         layer = check.integer(f"{name} layer index", layer)
         if not -len(buffers) <= layer < len(buffers):
             raise ValueError(f"{check.PREFIX}{name} layer index must be in [0, {len(buffers)}), got {layer}")
-        picked.append(buffers[layer])
+        picked.append((f"{name}[{layer % len(buffers)}]", buffers[layer]))
     return picked
 
 
-def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = None) -> RealKvSource:
+def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = None,
+                name: str = "buffer") -> RealKvSource:
     """One source over ``buffer`` whose dim 0 indexes pages of ``page_size`` tokens; every byte of a
-    row belongs to its ``page_size`` tokens, evenly."""
-    view = native_view(buffer, "buffer")
+    row belongs to its ``page_size`` tokens, evenly. ``name`` names the buffer in messages."""
+    view = native_view(buffer, name)
     if view.ndim < 2:
-        raise ValueError(f"{check.PREFIX}buffer must be at least 2-D, got shape {tuple(view.shape)}")
+        raise ValueError(f"{check.PREFIX}{name} must be at least 2-D, got shape {tuple(view.shape)}")
     page_size = check.positive("page_size", page_size)
     row = _row_bytes(view)
     if row % page_size:
-        raise ValueError(f"{check.PREFIX}buffer rows ({row} bytes) must split evenly into page_size={page_size} "
+        raise ValueError(f"{check.PREFIX}{name} rows ({row} bytes) must split evenly into page_size={page_size} "
                          f"tokens, got shape {tuple(view.shape)}")
     per_token = row // page_size
-    return RealKvSource(tensor=view, page_size=page_size, num_bytes_per_token=per_token,
-                        read_bytes=per_token if read_bytes is None else read_bytes)
+    return _source(name, view, page_size, per_token, read_bytes)
+
+
+def _source(name: str, view: Any, page_size: int, per_token: int, read_bytes: Optional[int]) -> RealKvSource:
+    """A source over ``view``, its rules checked under the names the builder's caller knows."""
+    check.positive_multiple(f"{name} bytes per token", per_token, L.SOURCE_ALIGN_BYTES)
+    read_bytes = per_token if read_bytes is None else checked_read_bytes("read_bytes", read_bytes, per_token)
+    source_rows(name, view, page_size * per_token)
+    return RealKvSource(tensor=view, page_size=page_size, num_bytes_per_token=per_token, read_bytes=read_bytes)
 
 
 def _k_then_v(k_buffers: Sequence[Any], v_buffers: Sequence[Any], layers: Optional[Iterable[int]]) -> list:
-    """The picked layers' buffers in source order: each layer's K, then its V (when V is given)."""
+    """The picked layers' named buffers in source order: each layer's K, then its V (when V is given)."""
     ks = _pick(k_buffers, layers, "k_buffers")
     vs = [] if isinstance(v_buffers, (list, tuple)) and not v_buffers else _pick(v_buffers, layers, "v_buffers")
     if vs and len(vs) != len(ks):
         raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
-    return [buffer for index, k in enumerate(ks) for buffer in ((k, vs[index]) if vs else (k,))]
+    return [named for index, k in enumerate(ks) for named in ((k, vs[index]) if vs else (k,))]
 
 
 def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
               read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """K and V buffers ``[slots, heads, head_dim]`` per layer (one token per row): K of each picked
     layer, then its V."""
-    return tuple(from_buffer(buffer, page_size=1, read_bytes=read_bytes)
-                 for buffer in _k_then_v(k_buffers, v_buffers, layers))
+    return tuple(from_buffer(buffer, page_size=1, read_bytes=read_bytes, name=name)
+                 for name, buffer in _k_then_v(k_buffers, v_buffers, layers))
 
 
 def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
@@ -90,20 +99,19 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
     """Paged K and V buffers ``[pages, page_size, heads, head_dim]`` per layer; ``page_size`` is
     ``shape[1]``."""
     out = []
-    for buffer in _k_then_v(k_buffers, v_buffers, layers):
-        view = native_view(buffer, "paged buffer")
+    for name, buffer in _k_then_v(k_buffers, v_buffers, layers):
+        view = native_view(buffer, name)
         if view.ndim < 3:
-            raise ValueError(f"{check.PREFIX}paged buffer must be [pages, page_size, ...], got shape "
-                             f"{tuple(view.shape)}")
-        out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes))
+            raise ValueError(f"{check.PREFIX}{name} must be [pages, page_size, ...], got shape {tuple(view.shape)}")
+        out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes, name=name))
     return tuple(out)
 
 
-def _byte_rows(view):
+def _byte_rows(name: str, view):
     """``view`` as ``[rows, row_bytes]`` uint8 sharing its memory (rows may be strided)."""
     flat = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
     if data_pointer(flat) != data_pointer(view) or (view.shape[0] > 1 and flat.strides[0] != view.strides[0]):
-        raise ValueError(f"{check.PREFIX}buffer rows must be contiguous inside, got strides {tuple(view.strides)}")
+        raise ValueError(f"{check.PREFIX}{name} rows must be contiguous inside, got strides {tuple(view.strides)}")
     if flat.dtype != np.uint8:
         flat = flat.view(np.uint8)
     return flat
@@ -116,20 +124,19 @@ def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = Non
     PARTIAL mode reads the head of both; otherwise one source spans the whole row."""
     split = check.boolean("split", split)
     out = []
-    for buffer in _pick(buffers, layers, "buffers"):
-        view = native_view(buffer, "interleaved buffer")
-        whole = from_buffer(view, page_size=1, read_bytes=read_bytes)  # the buffer's own checks
+    for name, buffer in _pick(buffers, layers, "buffers"):
+        view = native_view(buffer, name)
+        whole = from_buffer(view, page_size=1, read_bytes=read_bytes, name=name)  # the buffer's own checks
         if not split:
             out.append(whole)
             continue
-        rows = _byte_rows(view)
+        rows = _byte_rows(name, view)
         half = int(rows.shape[1]) // 2
         if half % L.SOURCE_ALIGN_BYTES or 2 * half != rows.shape[1]:
-            raise ValueError(f"{check.PREFIX}interleaved rows must split into two halves of a multiple of 16 "
+            raise ValueError(f"{check.PREFIX}{name} rows must split into two halves (K, V) of a multiple of 16 "
                              f"bytes, got {rows.shape[1]} bytes per row")
         for part in (rows[:, :half], rows[:, half:]):
-            out.append(RealKvSource(tensor=part, page_size=1, num_bytes_per_token=half,
-                                    read_bytes=half if read_bytes is None else read_bytes))
+            out.append(_source(name, part, 1, half, read_bytes))
     return tuple(out)
 
 
@@ -137,5 +144,5 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
         read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """MLA latent buffers per layer: ``[slots, 1, kv_lora_rank + rope_dim]`` (``page_size`` 1) or
     ``[pages, page_size, 1, kv_lora_rank + rope_dim]``."""
-    return tuple(from_buffer(b, page_size=page_size, read_bytes=read_bytes)
-                 for b in _pick(buffers, layers, "buffers"))
+    return tuple(from_buffer(buffer, page_size=page_size, read_bytes=read_bytes, name=name)
+                 for name, buffer in _pick(buffers, layers, "buffers"))

@@ -209,11 +209,23 @@ CONSTRUCTION = [
     ("layouts v_buffers None", lambda: kc.layouts.per_layer([np.zeros((4, 2, 8))], None), TypeError,
      r"v_buffers must be a list or tuple"),
     ("layouts interleaved 0-d", lambda: kc.layouts.interleaved([np.zeros(())]), ValueError,
-     r"buffer must be at least 2-D"),
+     r"buffers\[0\] must be at least 2-D"),
     ("layouts interleaved strided", lambda: kc.layouts.interleaved([np.zeros((4, 2, 32), np.float32)[..., ::2]]),
      ValueError, r"contiguous bytes within each row"),
     ("layouts interleaved split", lambda: kc.layouts.interleaved([np.zeros((4, 2, 16), np.uint8)], split=None),
      TypeError, r"split must be a bool"),
+    ("layouts name the K buffer", lambda: kc.layouts.per_layer([np.zeros((4, 16), np.uint8), np.zeros((4, 8), np.uint8)]),
+     ValueError, r"k_buffers\[1\] bytes per token must be a positive multiple of 16, got 8"),
+    ("layouts name the V buffer", lambda: kc.layouts.per_layer([np.zeros((4, 32), np.uint8)],
+                                                               [np.zeros((4, 40), np.uint8)[:, :32]]),
+     ValueError, r"v_buffers\[0\] row stride must be a multiple of 16 bytes, got 40"),
+    ("layouts name the picked layer", lambda: kc.layouts.mla([np.zeros((4, 1, 32), np.uint8)] * 2
+                                                             + [np.zeros((4, 1, 32), np.uint8)[:, :, :24]], layers=[-1]),
+     ValueError, r"buffers\[2\] bytes per token must be a positive multiple of 16, got 24"),
+    ("layouts paged rank", lambda: kc.layouts.paged([np.zeros((4, 16), np.uint8)]), ValueError,
+     r"k_buffers\[0\] must be \[pages, page_size, \.\.\.\], got shape \(4, 16\)"),
+    ("layouts read_bytes", lambda: kc.layouts.per_layer([np.zeros((4, 16), np.uint8)], read_bytes=8), ValueError,
+     r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 8"),
     ("session logger", lambda: kc.Canary(pool_slot_count=16, req_to_token=np.zeros((4, 8), np.int32), logger="x",
                                          capacities=kc.Capacities.from_args(
                                              req_to_token_pool_size=4, max_seq_len_per_req=8, pool_slot_count=16,
@@ -228,6 +240,24 @@ def test_construction_rules(name, make, exc, pattern):
     assert type(info.value) is exc
     assert str(info.value).startswith("kv-canary: ")
     assert len(re.findall(pattern, str(info.value))) == 1, str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "uint16"])
+def test_a_dtype_numpy_lacks_is_named_as_the_callers(dtype):
+    """A torch tensor of a dtype NumPy cannot hold, passed where integers are wanted, is refused
+    naming its own dtype (it is viewed as raw bytes underneath)."""
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    tensor = torch.zeros(4, 8, dtype=getattr(torch, dtype))
+    caps = kc.Capacities.from_args(req_to_token_pool_size=4, max_seq_len_per_req=8, pool_slot_count=64,
+                                   max_prefill_tokens=8)
+    with pytest.raises(TypeError, match=rf"^kv-canary: req_to_token must have dtype int32, got {dtype}$"):
+        kc.Canary(pool_slot_count=64, capacities=caps, req_to_token=tensor)
+    with pytest.raises(TypeError, match=rf"^kv-canary: VerifyPlan.slot_indices must have dtype int64, got {dtype}$"):
+        kc.VerifyPlan(slot_indices=tensor[0], expected_tokens=np.zeros(8, np.int64),
+                      expected_positions=np.zeros(8, np.int64), prev_slot_indices=np.zeros(8, np.int64),
+                      num_valid=np.zeros(1, np.int32), enable=np.ones(1, np.int32))
 
 
 # --- op rules, each leaving every buffer as it was ----------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._dlpack import Device, data_pointer, device_of, native_view
+from .._dlpack import Device, byte_view_dtype, data_pointer, device_of, native_view
 from .._layout import INT32_MAX, INT64_MAX
 
 PREFIX = "kv-canary: "
@@ -117,6 +117,7 @@ def dtype(name: str, array, expected: np.dtype) -> None:
     if got != np.dtype(expected):
         # A byte-swapped int64 is named int64 too: show its byte order.
         shown = got.name if got.isnative else f"{got.name} in non-native byte order ({got.str!r})"
+        shown = byte_view_dtype(array) or shown  # a bfloat16 tensor is viewed as bytes: name bfloat16
         raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {shown}")
 
 
