@@ -24,7 +24,7 @@ import numpy as np
 from . import _layout as L
 from . import validate as check
 from ._dlpack import data_pointer, native_view
-from .sources import RealKvSource, checked_read_bytes, source_rows
+from .sources import RealKvSource
 
 __all__ = ["from_buffer", "per_layer", "paged", "interleaved", "mla"]
 
@@ -72,8 +72,8 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
 def _source(name: str, view: Any, page_size: int, per_token: int, read_bytes: Optional[int]) -> RealKvSource:
     """A source over ``view``, its rules checked under the names the builder's caller knows."""
     check.positive_multiple(f"{name} bytes per token", per_token, L.SOURCE_ALIGN_BYTES)
-    read_bytes = per_token if read_bytes is None else checked_read_bytes("read_bytes", read_bytes, per_token)
-    source_rows(name, view, page_size * per_token)
+    read_bytes = per_token if read_bytes is None else check.source_read_bytes("read_bytes", read_bytes, per_token)
+    check.source_rows(name, view, page_size * per_token)
     return RealKvSource(tensor=view, page_size=page_size, num_bytes_per_token=per_token, read_bytes=read_bytes)
 
 

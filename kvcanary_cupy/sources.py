@@ -39,10 +39,10 @@ class RealKvSource:
         bytes_per_token = check.positive_multiple(
             "RealKvSource.num_bytes_per_token", self.num_bytes_per_token, L.SOURCE_ALIGN_BYTES
         )
-        read_bytes = checked_read_bytes("RealKvSource.read_bytes", self.read_bytes, bytes_per_token)
+        read_bytes = check.source_read_bytes("RealKvSource.read_bytes", self.read_bytes, bytes_per_token)
         device = device_of(self.tensor, "RealKvSource.tensor")
         view = native_view(self.tensor, "RealKvSource.tensor", device)
-        row_stride = source_rows("RealKvSource.tensor", view, page_size * bytes_per_token)
+        row_stride = check.source_rows("RealKvSource.tensor", view, page_size * bytes_per_token)
         for name, value in (("page_size", page_size), ("num_bytes_per_token", bytes_per_token),
                             ("read_bytes", read_bytes), ("device", device), ("num_rows", int(view.shape[0])),
                             ("row_stride_bytes", row_stride), ("base_address", data_pointer(view)),
@@ -81,56 +81,6 @@ class RealKvSource:
         rows = rows if rows.dtype == np.uint8 else rows.view(np.uint8)
         first_word = rows[:1, :8].view(np.uint64)
         return np.lib.stride_tricks.as_strided(first_word, shape=(span_bytes // 8,), strides=(8,))
-
-
-def checked_read_bytes(name: str, read_bytes: Any, bytes_per_token: int) -> int:
-    """``read_bytes`` of a source of ``bytes_per_token``: a positive multiple of 16 up to it."""
-    read_bytes = check.integer(name, read_bytes)
-    if read_bytes <= 0 or read_bytes > bytes_per_token or read_bytes % L.SOURCE_ALIGN_BYTES:
-        raise ValueError(
-            f"{check.PREFIX}{name} must be a positive multiple of 16 in "
-            f"(0, num_bytes_per_token={bytes_per_token}], got {read_bytes}"
-        )
-    return read_bytes
-
-
-def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
-    """Checks ``view`` (named ``name``) as the rows of a real-KV source whose rows must hold
-    ``needed_row_bytes``; returns its row stride in bytes."""
-    if view.ndim < 2:
-        raise ValueError(f"{check.PREFIX}{name} must be at least 2-D, got shape {tuple(view.shape)}")
-    if np.dtype(view.dtype).hasobject:
-        raise TypeError(f"{check.PREFIX}{name} must hold plain bytes (a numeric dtype), got dtype {view.dtype}")
-    _require_contiguous_rows(name, view)
-    check.non_negative_row_stride(name, view)
-    row_bytes = int(np.prod(view.shape[1:])) * view.itemsize
-    if row_bytes < needed_row_bytes:
-        raise ValueError(
-            f"{check.PREFIX}{name} rows must hold page_size * num_bytes_per_token = "
-            f"{needed_row_bytes} bytes, got {row_bytes} bytes per row (shape={tuple(view.shape)})"
-        )
-    row_stride = int(view.strides[0]) if view.shape[0] > 1 else row_bytes
-    if row_stride % L.SOURCE_ALIGN_BYTES:
-        raise ValueError(
-            f"{check.PREFIX}{name} row stride must be a multiple of 16 bytes, "
-            f"got {row_stride} bytes (shape={tuple(view.shape)}, dtype={view.dtype})"
-        )
-    check.aligned(name, view, L.SOURCE_ALIGN_BYTES)
-    return row_stride
-
-
-def _require_contiguous_rows(name: str, view) -> None:
-    """Bytes inside a row must be contiguous: dims 1.. laid out C-order."""
-    if view.size == 0:
-        return
-    expected = view.itemsize
-    for size, stride in zip(reversed(view.shape[1:]), reversed(view.strides[1:])):
-        if size > 1 and stride != expected:
-            raise ValueError(
-                f"{check.PREFIX}{name} must have contiguous bytes within each row, "
-                f"got strides {tuple(view.strides)} for shape {tuple(view.shape)}"
-            )
-        expected *= size
 
 
 def source_list(name: str, sources: Any) -> tuple:

@@ -28,6 +28,8 @@ from .rules import (  # noqa: F401
     positive,
     positive_multiple,
     rows_contiguous,
+    source_read_bytes,
+    source_rows,
     scalar_cell,
     slot_count,
     table,

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .._dlpack import Device, byte_view_dtype, data_pointer, device_of, native_view
-from .._layout import INT32_MAX, INT64_MAX
+from .._layout import INT32_MAX, INT64_MAX, SOURCE_ALIGN_BYTES
 
 PREFIX = "kv-canary: "
 INT64_MIN = -INT64_MAX - 1
@@ -260,3 +260,53 @@ def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False
         label = labels[attribute]
         object.__setattr__(owner, attribute, native_view(value, label, devices[label]))
     return devices
+
+
+def source_read_bytes(name: str, read_bytes: Any, bytes_per_token: int) -> int:
+    """``read_bytes`` of a source of ``bytes_per_token``: a positive multiple of 16 up to it."""
+    read_bytes = integer(name, read_bytes)
+    if read_bytes <= 0 or read_bytes > bytes_per_token or read_bytes % SOURCE_ALIGN_BYTES:
+        raise ValueError(
+            f"{PREFIX}{name} must be a positive multiple of 16 in "
+            f"(0, num_bytes_per_token={bytes_per_token}], got {read_bytes}"
+        )
+    return read_bytes
+
+
+def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
+    """Checks ``view`` (named ``name``) as the rows of a real-KV source whose rows must hold
+    ``needed_row_bytes``; returns its row stride in bytes."""
+    if view.ndim < 2:
+        raise ValueError(f"{PREFIX}{name} must be at least 2-D, got shape {tuple(view.shape)}")
+    if np.dtype(view.dtype).hasobject:
+        raise TypeError(f"{PREFIX}{name} must hold plain bytes (a numeric dtype), got dtype {view.dtype}")
+    _require_contiguous_rows(name, view)
+    non_negative_row_stride(name, view)
+    row_bytes = int(np.prod(view.shape[1:])) * view.itemsize
+    if row_bytes < needed_row_bytes:
+        raise ValueError(
+            f"{PREFIX}{name} rows must hold page_size * num_bytes_per_token = "
+            f"{needed_row_bytes} bytes, got {row_bytes} bytes per row (shape={tuple(view.shape)})"
+        )
+    row_stride = int(view.strides[0]) if view.shape[0] > 1 else row_bytes
+    if row_stride % SOURCE_ALIGN_BYTES:
+        raise ValueError(
+            f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
+            f"got {row_stride} bytes (shape={tuple(view.shape)}, dtype={view.dtype})"
+        )
+    aligned(name, view, SOURCE_ALIGN_BYTES)
+    return row_stride
+
+
+def _require_contiguous_rows(name: str, view) -> None:
+    """Bytes inside a row must be contiguous: dims 1.. laid out C-order."""
+    if view.size == 0:
+        return
+    expected = view.itemsize
+    for size, stride in zip(reversed(view.shape[1:]), reversed(view.strides[1:])):
+        if size > 1 and stride != expected:
+            raise ValueError(
+                f"{PREFIX}{name} must have contiguous bytes within each row, "
+                f"got strides {tuple(view.strides)} for shape {tuple(view.shape)}"
+            )
+        expected *= size
