@@ -426,7 +426,7 @@ class Canary:
         self._static_runs = 0  # forwards of StaticForwards, counted at each poll
         self._run_counts: list = []  # the StaticForwards' run counts, _RUN_COUNTS_PER_ARRAY an array
         self._static_forward_count = 0
-        self._free_run_counts: list = []  # cells of closed static forwards, zeroed by the poll that let them go
+        self._live_run_counts: list = []  # by count array: how many of its forwards a poll still reads
         self._planned: Any = None
         self._host_cache: dict = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
@@ -920,36 +920,38 @@ class Canary:
     def _run_counter(self) -> tuple[Any, tuple[int, int]]:
         """A new static forward's run count: a cell of one of the canary's count arrays (its address
         never moves: a captured graph holds it), and where it lies, so that a poll reads every count
-        in one copy an array."""
-        if self._free_run_counts:
-            array, index = self._free_run_counts.pop()
-            return self._run_counts[array][index:index + 1], (array, index)
+        in one copy an array. A cell serves one forward only: a closed forward's graph may still be
+        replayed by mistake, and must not count as a later forward's runs."""
         index = self._static_forward_count % _RUN_COUNTS_PER_ARRAY
         if index == 0:
             self._run_counts.append(empty((_RUN_COUNTS_PER_ARRAY,), np.int64, self.device))
+            self._live_run_counts.append(0)
             settle(self.device)
         self._static_forward_count += 1
         array = len(self._run_counts) - 1
+        self._live_run_counts[array] += 1
         return self._run_counts[array][index:index + 1], (array, index)
 
     def _drop_closed_static_forwards(self) -> None:
-        """Forget the closed static forwards, their runs counted and mapped by this poll; their run
-        count cells, zeroed by it, serve later ones."""
+        """Forget the closed static forwards, their runs counted and mapped by this poll; a count
+        array none of whose forwards is left is read by no later poll."""
         closed = {id(forward): forward for group in self.groups for forward, _ in group.static_log if forward.closed}
         for group in self.groups:
             group.static_log[:] = [entry for entry in group.static_log if not entry[0].closed]
-        self._free_run_counts.extend(forward.run_count_at for forward in closed.values())
+        for forward in closed.values():
+            self._live_run_counts[forward.run_count_at[0]] -= 1
 
     def _static_forwards_ran(self) -> set:
         """The static forwards (by id) that ran since the previous poll, their run counts cleared and
         added to the forwards counted; their launches' entry indexes dropped (the arrays have been
         refilled since)."""
-        if not self._run_counts:
+        live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
+        if not live:
             return set()
         self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
-        counts = [np.array(to_host(array)) for array in self._run_counts]  # a copy: the host arrays are zeroed next
-        for array in self._run_counts:
-            array[...] = 0
+        counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed next
+        for index in live:
+            self._run_counts[index][...] = 0
         settle(self.device)
         ran = set()
         for group in self.groups:
@@ -1114,8 +1116,8 @@ class StaticForward:
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still
-        counts and maps its runs since the previous one, then lets go of it (its arrays, and its run
-        count cell for a later static forward)."""
+        counts and maps its runs since the previous one, then lets go of its arrays. Its run count
+        cell is never handed to another forward, so runs after that poll are simply not counted."""
         self.closed = True
 
 

@@ -597,14 +597,17 @@ def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
     assert all([entry[0] for entry in group.static_log] == [first] for group in eng.canary.groups)
     later = eng.arrays(1, 1)
     third = eng.canary.static_forward(kc.ForwardBatch(**later))
-    assert third.run_count_at == second.run_count_at  # the closed forward's count, zeroed, serves the next
-    # rows its arrays no longer explain (refilled before the poll) keep the phase their tags name
+    assert third.run_count_at != second.run_count_at  # a count cell serves one forward
+    # rows its arrays no longer explain (refilled before the poll) keep the phase their tags name;
+    # the closed forward, run again by mistake, counts as nobody's forward
     eng.fill(later, [(1, 6, [34])])
     eng.run(third)
     later["req_pool_indices"][...] = 0
+    eng.run(second)  # its arrays still read y's flipped position 1
     report = eng.canary.poll()
     assert report.forwards == 5
-    assert sorted((e.phase, e.request, e.position) for e in report) == [("head", None, None), ("tail", None, None)]
+    assert sorted((e.phase, e.request, e.position) for e in report) == [("head", None, None)] * 2 + [
+        ("tail", None, None)] * 2
 
 
 @pytest.mark.parametrize("device", BACKENDS)
