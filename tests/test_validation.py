@@ -242,22 +242,26 @@ def test_construction_rules(name, make, exc, pattern):
     assert len(re.findall(pattern, str(info.value))) == 1, str(info.value)
 
 
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "uint16"])
-def test_a_dtype_numpy_lacks_is_named_as_the_callers(dtype):
-    """A torch tensor of a dtype NumPy cannot hold, passed where integers are wanted, is refused
-    naming its own dtype (it is viewed as raw bytes underneath)."""
+def test_a_dtype_numpy_lacks_is_named_as_the_callers(dtype, device):
+    """A torch tensor of a dtype NumPy or CuPy cannot hold, passed where integers are wanted, is
+    refused naming its own dtype (it is viewed as raw bytes underneath)."""
     torch = pytest.importorskip("torch")
     if not hasattr(torch, dtype):
         pytest.skip(f"this torch has no {dtype}")
-    tensor = torch.zeros(4, 8, dtype=getattr(torch, dtype))
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    tensor = torch.zeros(4, 8, dtype=getattr(torch, dtype), device=device)
     caps = kc.Capacities.from_args(req_to_token_pool_size=4, max_seq_len_per_req=8, pool_slot_count=64,
                                    max_prefill_tokens=8)
     with pytest.raises(TypeError, match=rf"^kv-canary: req_to_token must have dtype int32, got {dtype}$"):
-        kc.Canary(pool_slot_count=64, capacities=caps, req_to_token=tensor)
+        kc.Canary(pool_slot_count=64, capacities=caps, req_to_token=tensor, device=device)
+    cells = [to_device(np.zeros(8, np.int64), device) for _ in range(3)]
     with pytest.raises(TypeError, match=rf"^kv-canary: VerifyPlan.slot_indices must have dtype int64, got {dtype}$"):
-        kc.VerifyPlan(slot_indices=tensor[0], expected_tokens=np.zeros(8, np.int64),
-                      expected_positions=np.zeros(8, np.int64), prev_slot_indices=np.zeros(8, np.int64),
-                      num_valid=np.zeros(1, np.int32), enable=np.ones(1, np.int32))
+        kc.VerifyPlan(slot_indices=tensor[0], expected_tokens=cells[0], expected_positions=cells[1],
+                      prev_slot_indices=cells[2], num_valid=to_device(np.zeros(1, np.int32), device),
+                      enable=to_device(np.ones(1, np.int32), device))
 
 
 # --- op rules, each leaving every buffer as it was ----------------------------------------------
