@@ -910,12 +910,13 @@ class Canary:
         batch = launch.batch
         extend = self._host(id(batch.extend_seq_lens), batch.extend_seq_lens)
         prefix = self._host(id(batch.prefix_lens), batch.prefix_lens)
-        ends = np.cumsum(np.maximum(extend, 0))
+        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
+        counted = np.where(rows != 0, np.maximum(extend, 0), 0)  # padding rows write nothing (SPEC 3.3)
+        ends = np.cumsum(counted)
         r = int(np.searchsorted(ends, index, "right"))
         if r >= len(ends):
             return None
-        start = int(ends[r] - max(int(extend[r]), 0))
-        return r, int(prefix[r]) + index - start
+        return r, int(prefix[r]) + index - int(ends[r] - counted[r])
 
     def _run_counter(self) -> tuple[Any, tuple[int, int]]:
         """A new static forward's run count: a cell of one of the canary's count arrays (its address

@@ -175,6 +175,27 @@ def test_write_assert_names_entry(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_write_rows_skip_padding_rows(device):
+    """A padding row (pool row 0) before a request writes nothing (SPEC 3.3: its offset counts 0), so
+    the request's tokens come first in the flat arrays; a write row is named by the request whose
+    entries hold it, not by the padding row."""
+    eng = Tiny(device)
+    eng.step({"a": 4, "b": 4})
+    i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
+    table = to_numpy(eng.table).copy()
+    table[2, 4] = 41
+    eng.table[...] = to_device(table, device)
+    batch = kc.ForwardBatch(req_pool_indices=i64([0, 2]), prefix_lens=i64([0, 4]), extend_seq_lens=i64([1, 1]),
+                            input_ids=i64([8, 0]), positions=i64([2, 0]), out_cache_loc=i64([41, 0]),
+                            req_ids=["padding", "b"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    writes = [e for e in eng.canary.poll() if e.phase == "write"]
+    assert [(e.request, e.position, e.slot) for e in writes] == [("b", 4, 41)]
+    assert "WRITE_POSITION" in writes[0].reasons
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_raise_mode_raises(device):
     eng = Tiny(device, mode="raise")
     eng.step({"a": 3})
