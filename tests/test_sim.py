@@ -148,6 +148,8 @@ def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
 
 
 def test_sim_config_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match=r"^kv-canary: static_decode needs poll_every == 1, got 2$"):
+        SimConfig(static_decode=True, poll_every=2)
     with pytest.raises(ValueError, match=r"^kv-canary: max_running must be an integer >= 1, got 0$"):
         SimConfig(max_running=0)
     with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):

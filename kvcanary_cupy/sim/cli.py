@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill and decode forwards take turns instead of sharing forwards")
     parser.add_argument("--static-decode", action="store_true",
                         help="run decode forwards as a CUDA-graph engine does (implies --split-batches): padded to "
-                             "a power-of-two batch size, over input arrays refilled in place, the canary's part "
-                             "bound once per size (kc.StaticForward) and, on a GPU, replayed as CUDA graphs")
+                             "the next batch size (powers of two below --max-running, and --max-running), over "
+                             "input arrays refilled in place, the canary's part bound once per size "
+                             "(kc.StaticForward) and, on a GPU, replayed as CUDA graphs")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

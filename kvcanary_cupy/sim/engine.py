@@ -72,6 +72,10 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"kv-canary: {name} must be an integer >= {minimum}, got {value!r}")
+        if self.static_decode and self.poll_every != 1:
+            # a static forward's rows are named from its arrays as they are at the poll: a later
+            # forward of the same batch size has refilled them by then
+            raise ValueError(f"kv-canary: static_decode needs poll_every == 1, got {self.poll_every!r}")
         # one request of max_len tokens must fit in the pages beside the padding slot's
         smallest_pool = (-(-self.max_len // self.page_size) + 1) * self.page_size
         if self.pool_slots < smallest_pool:
