@@ -59,12 +59,12 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
     row belongs to its ``page_size`` tokens, evenly. ``name`` names the buffer in messages."""
     view = native_view(buffer, name)
     if view.ndim < 2:
-        raise ValueError(f"{check.PREFIX}{name} must be at least 2-D, got shape {tuple(view.shape)}")
+        raise ValueError(f"{check.PREFIX}{name} must be at least 2-D, got shape {check.shape_text(view)}")
     page_size = check.positive("page_size", page_size)
     row = _row_bytes(view)
     if row % page_size:
         raise ValueError(f"{check.PREFIX}{name} rows ({row} bytes) must split evenly into page_size={page_size} "
-                         f"tokens, got shape {tuple(view.shape)}")
+                         f"tokens, got shape {check.shape_text(view)}")
     per_token = row // page_size
     return _source(name, view, page_size, per_token, read_bytes)
 
@@ -102,7 +102,8 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
     for name, buffer in _k_then_v(k_buffers, v_buffers, layers):
         view = native_view(buffer, name)
         if view.ndim < 3:
-            raise ValueError(f"{check.PREFIX}{name} must be [pages, page_size, ...], got shape {tuple(view.shape)}")
+            raise ValueError(f"{check.PREFIX}{name} must be [pages, page_size, ...], got shape "
+                             f"{check.shape_text(view)}")
         out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes, name=name))
     return tuple(out)
 

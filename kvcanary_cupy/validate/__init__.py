@@ -31,6 +31,7 @@ from .rules import (  # noqa: F401
     source_read_bytes,
     source_rows,
     scalar_cell,
+    shape_text,
     slot_count,
     table,
     vector,

@@ -114,11 +114,18 @@ def boolean(name: str, value: Any) -> bool:
 
 def dtype(name: str, array, expected: np.dtype) -> None:
     got = np.dtype(array.dtype)
-    if got != np.dtype(expected):
+    foreign = byte_view_dtype(array)  # a bfloat16 tensor is viewed as bytes: it is no uint8 array
+    if got != np.dtype(expected) or foreign is not None:
         # A byte-swapped int64 is named int64 too: show its byte order.
         shown = got.name if got.isnative else f"{got.name} in non-native byte order ({got.str!r})"
-        shown = byte_view_dtype(array) or shown  # a bfloat16 tensor is viewed as bytes: name bfloat16
-        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {shown}")
+        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {foreign or shown}")
+
+
+def shape_text(array) -> str:
+    """``array``'s shape for a message, said to be in bytes where it views a dtype NumPy lacks."""
+    foreign = byte_view_dtype(array)
+    shape = tuple(array.shape)
+    return f"{shape}" if foreign is None else f"{shape} in bytes of a {foreign} array"
 
 
 def member(name: str, value: Any, kind: type) -> Any:
@@ -277,7 +284,7 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
     """Checks ``view`` (named ``name``) as the rows of a real-KV source whose rows must hold
     ``needed_row_bytes``; returns its row stride in bytes."""
     if view.ndim < 2:
-        raise ValueError(f"{PREFIX}{name} must be at least 2-D, got shape {tuple(view.shape)}")
+        raise ValueError(f"{PREFIX}{name} must be at least 2-D, got shape {shape_text(view)}")
     if np.dtype(view.dtype).hasobject:
         raise TypeError(f"{PREFIX}{name} must hold plain bytes (a numeric dtype), got dtype {view.dtype}")
     _require_contiguous_rows(name, view)
@@ -286,13 +293,14 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
     if row_bytes < needed_row_bytes:
         raise ValueError(
             f"{PREFIX}{name} rows must hold page_size * num_bytes_per_token = "
-            f"{needed_row_bytes} bytes, got {row_bytes} bytes per row (shape={tuple(view.shape)})"
+            f"{needed_row_bytes} bytes, got {row_bytes} bytes per row (shape {shape_text(view)})"
         )
     row_stride = int(view.strides[0]) if view.shape[0] > 1 else row_bytes
     if row_stride % SOURCE_ALIGN_BYTES:
         raise ValueError(
             f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
-            f"got {row_stride} bytes (shape={tuple(view.shape)}, dtype={view.dtype})"
+            f"got {row_stride} bytes (shape {shape_text(view)}"
+            + ("" if byte_view_dtype(view) else f", dtype {view.dtype}") + ")"
         )
     aligned(name, view, SOURCE_ALIGN_BYTES)
     return row_stride
@@ -307,6 +315,6 @@ def _require_contiguous_rows(name: str, view) -> None:
         if size > 1 and stride != expected:
             raise ValueError(
                 f"{PREFIX}{name} must have contiguous bytes within each row, "
-                f"got strides {tuple(view.strides)} for shape {tuple(view.shape)}"
+                f"got strides {tuple(view.strides)} for shape {shape_text(view)}"
             )
         expected *= size
