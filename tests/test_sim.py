@@ -237,3 +237,15 @@ def test_static_decode_on_the_gpu_finds_what_the_cpu_finds(kwargs, graphs):
         assert replays == gpu.static_decode["forwards"] - len(gpu.static_decode["batch_sizes_used"]) > 50
     else:
         assert replays == 0
+
+
+def test_a_class_the_engine_cannot_host_does_not_hold_up_the_others():
+    """With one running request no slot can alias another request's: slot_alias is reported as not
+    injectable, and the classes after it in turn are still injected."""
+    result = run(SimConfig(steps=120, max_running=1, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
+    assert set(result.not_injectable) == {"slot_alias"}
+    assert "max_running" in result.not_injectable["slot_alias"]
+    assert {f.cls for f in result.faults} == set(FAULT_CLASSES) - {"slot_alias"}
+    assert result.false_positives == []
+    assert "slot_alias         not injected" in result.summary()
+    assert result.to_json()["not_injectable"] == result.not_injectable

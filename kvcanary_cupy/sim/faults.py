@@ -43,6 +43,13 @@ class Fault:
         return None if self.detected_step is None else self.detected_step - self.step
 
 
+def _cannot_host(engine: Engine, cls: str) -> Optional[str]:
+    """Why ``engine`` can never host a fault of ``cls`` (``None`` when it can)."""
+    if cls == "slot_alias" and engine.config.max_running < 2:
+        return "needs two running requests (max_running >= 2)"
+    return None
+
+
 class FaultInjector:
     """Injects ``classes`` in turn, one every ``every`` steps from ``start``.
 
@@ -56,7 +63,9 @@ class FaultInjector:
         if unknown:
             raise ValueError(f"kv-canary: unknown fault class(es) {unknown}; known: {', '.join(FAULT_CLASSES)}")
         self.engine = engine
-        self.classes = list(classes)
+        # a class the engine's shape can never host would hold up every class after it in turn
+        self.not_injectable = {cls: why for cls in classes if (why := _cannot_host(engine, cls))}
+        self.classes = [cls for cls in classes if cls not in self.not_injectable]
         self.every = max(1, int(every))
         self.start = int(start)
         self.rng = np.random.default_rng(seed + 7)

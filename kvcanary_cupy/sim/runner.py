@@ -68,6 +68,7 @@ class SimResult:
     decode_forwards: int = 0  # forwards of one new token a request, every request past its prompt
     decode_canary_s: float = 0.0  # the canary's host time in those forwards
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
+    not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
 
     @property
     def canary_ms_per_step(self) -> float:
@@ -120,6 +121,7 @@ class SimResult:
             "decode_forwards": self.decode_forwards,
             "canary_us_per_decode_forward": round(self.canary_us_per_decode_forward, 2),
             "static_decode": self.static_decode,
+            "not_injectable": self.not_injectable,
             "faults": self.per_class(),
             "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
                            "detected_step": f.detected_step,
@@ -158,6 +160,8 @@ class SimResult:
                          f"{median:>14}")
         if not self.faults:
             lines.append(f"  {'(none injected)':<18}")
+        for cls, why in self.not_injectable.items():
+            lines.append(f"  {cls:<18} not injected: {why}")
         lines.append(f"  {'false positives':<18}{len(self.false_positives):>9}")
         return "\n".join(lines)
 
@@ -257,7 +261,8 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     return SimResult(config, config.steps, engine.tokens_written, max(0, slot_runs - writes), engine.finished,
                      engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
                      false_positives, violations_per_step, kernels_s,
-                     decode_forwards, decode_canary_s, None if static is None else static.to_json())
+                     decode_forwards, decode_canary_s, None if static is None else static.to_json(),
+                     injector.not_injectable)
 
 
 __all__ = ["Progress", "SimResult", "run"]
