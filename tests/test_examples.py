@@ -56,3 +56,28 @@ def test_torch_cuda_graph():
     flipped = re.search(r"after the bit flip in slot (\d+): 1 violation\(s\)", out)
     assert flipped, out
     assert re.search(rf"HEAD_K_FULL: slot {flipped.group(1)} position 5 \[REAL_KV_HASH\]", out), out
+
+
+def _static_forward_output(device: str) -> str:
+    out = _run("torch_static_forward.py", device)
+    assert "after the bit flip: 2 violation(s)" in out
+    for tag in ("HEAD_K_FULL", "TAIL_K_FULL"):
+        assert (f"[{tag} step ?] request 'req3' position 5 slot 853: REAL_KV_HASH "
+                "(stored token 28566 position 5)") in out
+    return out
+
+
+def test_torch_static_forward():
+    """An engine's decode loop over static torch tensors padded to eight rows, the canary bound once
+    with kc.Canary.static_forward: clean steps report nothing, the step after a bit flip in a cached
+    V row names the request and position (on the CPU the forward runs eagerly)."""
+    pytest.importorskip("torch")
+    assert "after 6 decode steps: 0 violation(s)" in _static_forward_output("cpu")
+
+
+@requires_gpu
+def test_torch_static_forward_in_a_cuda_graph():
+    """The same loop on a GPU, the static forward captured with the model's KV writes in a torch CUDA
+    graph and replayed: the same report, byte for byte, as on the CPU."""
+    pytest.importorskip("torch")
+    assert "after 6 decode steps (5 graph replays): 0 violation(s)" in _static_forward_output("cuda")
