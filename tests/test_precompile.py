@@ -83,3 +83,34 @@ def test_every_source_is_loaded_and_ops_compile_nothing_more():
     kc.write(ctx, wplan, tag=0, input_ids=ids, positions=cupy.arange(3, dtype=cupy.int64), out_cache_loc=ids)
     cupy.cuda.Device(0).synchronize()
     assert len(_loader._modules) == modules
+
+
+def test_cpu_cache_follows_what_a_cached_op_calls_and_freezes(tmp_path):
+    """numba checks a cached function against its own file alone. The CPU backend keys its cache by
+    all of its sources and the layout constants too, so that a change to the hash's constants in
+    ``_layout.py`` (neither the file of ``sm`` nor of any op) is compiled in, not loaded stale."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    package = pathlib.Path(kc.__file__).parent
+    copy = tmp_path / "kvcanary_cupy"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("from kvcanary_cupy.ops.backends._cpu import hashing; import numpy as np; "
+             "print(int(hashing.sm(np.uint64(12345))), sum(hashing.sm.stats.cache_hits.values()))")
+
+    def run() -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                              env={"PYTHONPATH": str(tmp_path), "PATH": ""}, timeout=300)
+        assert done.returncode == 0, done.stderr
+        value, hits = done.stdout.split()
+        return int(value), int(hits)
+
+    first, hits = run()
+    assert hits == 0
+    assert run() == (first, 1)  # a later process loads it from the cache
+    layout = copy / "_layout.py"
+    layout.write_text(layout.read_text().replace("SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9", "SPLITMIX_MUL_1 = 0x1"))
+    changed, hits = run()
+    assert hits == 0 and changed != first

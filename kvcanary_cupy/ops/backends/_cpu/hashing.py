@@ -6,6 +6,8 @@ reinterpreted, never converted, so every bit matches the CUDA kernels.
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 import types
 
 import numba
@@ -16,6 +18,43 @@ from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
 from .... import _layout as L
+
+try:
+    from numba.core.caching import FunctionCache
+except ImportError:  # a numba that moved it: its own cache keys, unsalted
+    FunctionCache = None
+
+
+def _sources_digest() -> str:
+    """The CPU backend's sources and the layout constants they use, hashed. numba checks a cached
+    function against its own file alone, not against the functions it calls or inlines nor the
+    globals it froze into its code: after a change to the hash in this file, a checkout would
+    otherwise keep loading ops compiled with the old one."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")) + [pathlib.Path(L.__file__)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+SOURCES_DIGEST = _sources_digest()
+
+if FunctionCache is not None:
+    class _SourcesKeyedCache(FunctionCache):
+        """numba's on-disk cache, each entry keyed by the backend's sources too."""
+
+        def _index_key(self, sig, codegen):
+            return (*super()._index_key(sig, codegen), SOURCES_DIGEST)
+
+
+def njit(**flags):
+    """``numba.njit(**flags)``, with its cache (when ``cache=True``) keyed by :data:`SOURCES_DIGEST`."""
+    def build(fn):
+        dispatcher = numba.njit(**flags)(fn)
+        if flags.get("cache") and FunctionCache is not None and hasattr(dispatcher, "_cache"):
+            dispatcher._cache = _SourcesKeyedCache(dispatcher.py_func)
+        return dispatcher
+    return build
+
 
 JIT = dict(cache=True, nogil=True)
 # Small helpers are inlined at numba's IR level: as separate calls, passing arrays into them costs
@@ -55,7 +94,7 @@ def serial_and_parallel(fn):
         copy.__module__ = fn.__module__
         return copy
 
-    return numba.njit(**JIT)(renamed("_serial")), numba.njit(parallel=True, **JIT)(renamed("_parallel"))
+    return njit(**JIT)(renamed("_serial")), njit(parallel=True, **JIT)(renamed("_parallel"))
 
 
 @intrinsic
@@ -81,29 +120,29 @@ def prefetch(typingctx, array, index):
     return nbtypes.void(array, index), codegen
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def sm(x):
     x = (x ^ (x >> _SHIFT_1)) * _MUL_1
     x = (x ^ (x >> _SHIFT_2)) * _MUL_2
     return x ^ (x >> _SHIFT_3)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def mix3(a, b, c):
     return sm(sm(sm(a) ^ b) ^ c)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def as_u64(value):
     return np.uint64(value)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def as_i64(value):
     return np.int64(value)
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def link(words, slot):
     """Chain link of ``slot``; any negative slot is "no predecessor"."""
     if slot < 0:
@@ -112,7 +151,7 @@ def link(words, slot):
                 np.uint64(words[slot, F_POSITION]))
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def _first_word(table, j, slot):
     """Index of ``slot``'s first uint64 word in source ``j`` (0 <= slot), or -1 past the source's rows."""
     page = table[j, _S_PAGE]
@@ -124,7 +163,7 @@ def _first_word(table, j, slot):
     return (row * table[j, _S_STRIDE] + (slot - row * page) * table[j, _S_BPT]) // 8
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def _fold(words, first, count):
     folded = _ZERO
     for w in range(count):
@@ -132,7 +171,7 @@ def _fold(words, first, count):
     return folded
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def real_kv_hash(sources, table, slot):
     """``(hash, out_of_range)`` of ``slot`` (0 <= slot) over every source row of ``table``; a row past
     a source folds as 0."""
@@ -149,13 +188,13 @@ def real_kv_hash(sources, table, slot):
     return acc, out_of_range
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def hashable(slot, num_slots):
     """``slot`` when it indexes the canary, else slot 0 (its hash is then computed and ignored)."""
     return slot if 0 <= slot < num_slots else 0
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def real_kv_hash4(sources, table, s0, s1, s2, s3):
     """:func:`real_kv_hash` of four slots (each >= 0) at once: each fold is a serial chain of
     splitmix rounds, so four independent chains interleaved keep the multipliers busy."""
@@ -196,7 +235,7 @@ def real_kv_hash4(sources, table, s0, s1, s2, s3):
 PREFETCH_AHEAD = 32
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def prefetch_source_rows(sources, table, slot):
     """Prefetches the bytes each source reads for ``slot`` (0 <= slot)."""
     for j in range(table.shape[0]):
@@ -231,7 +270,7 @@ def _hash_slots(num_slots, sources, table, slots, hashes, out_of_range):
 hash_slots_serial, hash_slots_parallel = serial_and_parallel(_hash_slots)
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def record(ring, write_index, kind, slot, position, stored_token, expected_token, chain_hash, aux, bits):
     """Claim the next ring row; store it only while the ring has room (fill-once)."""
     index = write_index[0]

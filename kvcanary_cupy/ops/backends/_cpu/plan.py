@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import JIT, serial_and_parallel
+from .hashing import JIT, njit, serial_and_parallel
 
 _UNRESOLVED = L.UNRESOLVED_SLOT
 _NO_PREDECESSOR = L.NO_PREDECESSOR
@@ -15,7 +15,7 @@ _INT64_MAX = np.int64(L.INT64_MAX)
 PARALLEL_MIN_ENTRIES = 65536
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def translate(lut, has_lut, slot):
     """Full-pool slot to SWA slot; negative slots pass through, unknown ones are unresolved."""
     if not has_lut or slot < 0:
@@ -25,14 +25,14 @@ def translate(lut, has_lut, slot):
     return lut[slot]
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def resolve(req_to_token, lut, has_lut, pool_row, position):
     if pool_row < 0 or pool_row >= req_to_token.shape[0] or position < 0 or position >= req_to_token.shape[1]:
         return _UNRESOLVED
     return translate(lut, has_lut, np.int64(req_to_token[pool_row, position]))
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def window_start(prefix, swa_window):
     return max(0, prefix - swa_window) if swa_window > 0 else 0
 
@@ -63,7 +63,7 @@ def _fill_entries(starts, req_pool_indices, prefix_lens, req_to_token, swa_windo
 _fill_entries_serial, _fill_entries_parallel = serial_and_parallel(_fill_entries)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def _count_entries(req_pool_indices, prefix_lens, swa_window, starts):
     """Each request's first entry and the batch's total, saturating at int64's maximum as the GPU's
     does: a wrapped total could pass for one that fits the plan."""
@@ -77,7 +77,7 @@ def _count_entries(req_pool_indices, prefix_lens, swa_window, starts):
     return total
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def _write_plan(req_pool_indices, prefix_lens, extend_lens, req_to_token, lut, has_lut, offsets, seeds,
                 num_valid_reqs):
     bs = req_pool_indices.shape[0]

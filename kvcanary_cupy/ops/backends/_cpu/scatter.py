@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import JIT
+from .hashing import JIT, njit
 
 _INT64_MAX = np.int64(L.INT64_MAX)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def _scatter(flat_in, offsets, req_pool_indices, pool_out):
     rows, width = pool_out.shape
     available = flat_in.shape[0]

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD,
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
                       as_i64, hash_slots_parallel, hashable, link, prefetch, real_kv_hash, record, slot_words,
                       source_arguments)
 
@@ -20,7 +20,7 @@ _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
 PARALLEL_MIN_ENTRIES = 16384
 
 
-@numba.njit(**INLINE)
+@njit(**INLINE)
 def check_entry(k, words, slots, expected_tokens, expected_positions, prev_slots, check_token, kv_hash,
                 kv_out_of_range):
     """The violation row of entry ``k`` as ``(bits, slot, position, token, expected_token, chain, aux)``;
@@ -72,10 +72,10 @@ def _entry_bits(active, words, slots, expected_tokens, expected_positions, prev_
                                   hashes[k], out_of_range[k])[0]
 
 
-_entry_bits_parallel = numba.njit(parallel=True, **JIT)(_entry_bits)
+_entry_bits_parallel = njit(parallel=True, **JIT)(_entry_bits)
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def _verify(words, sources, table, slots, expected_tokens, expected_positions, prev_slots, num_valid, enable,
             check_token, tag, ring, write_index, slot_run_counter, kernel_run_counter):
     kernel_run_counter[0] += 1

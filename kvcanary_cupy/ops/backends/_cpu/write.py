@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64,
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, njit,
                       hash_slots_parallel, hash_slots_serial, link, mix3, record, slot_words, source_arguments)
 
 _BIT_TOKEN = int(L.FailReason.WRITE_TOKEN)
@@ -14,7 +13,7 @@ _BIT_POSITION = int(L.FailReason.WRITE_POSITION)
 PARALLEL_MIN_ENTRIES = 4096
 
 
-@numba.njit(**JIT)
+@njit(**JIT)
 def _write(words, hashes, out_of_range, offsets, seed_slots, num_valid_reqs, input_ids, positions, out_cache_loc,
            has_input_assert, expected_tokens, expected_positions, chain_position_assert, tag, ring, write_index,
            slot_run_counter, kernel_run_counter):
