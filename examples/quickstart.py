@@ -1,6 +1,6 @@
 """Write one request's chain, corrupt a slot, verify, print the decoded violation.
 
-Runs on the GPU when CuPy sees one (``--device cuda``), else on the CPU.
+On the CPU by default; ``--device cuda`` runs it on a GPU (the kernels need CuPy).
 """
 
 import argparse

@@ -23,6 +23,9 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
 parser.add_argument("--steps", type=int, default=16, help="decode steps replayed before the bit flip (default 16)")
 args = parser.parse_args()
+if not torch.cuda.is_available():
+    parser.exit(2, "torch_cuda_graph.py needs a CUDA GPU and PyTorch built with CUDA; "
+                   "examples/torch_static_forward.py runs the same kind of loop on the CPU\n")
 device = torch.device(args.device)
 device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 torch.cuda.set_device(device)

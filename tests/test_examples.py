@@ -81,3 +81,13 @@ def test_torch_static_forward_in_a_cuda_graph():
     graph and replayed: the same report, byte for byte, as on the CPU."""
     pytest.importorskip("torch")
     assert "after 6 decode steps (5 graph replays): 0 violation(s)" in _static_forward_output("cuda")
+
+
+def test_torch_cuda_graph_without_a_gpu_says_why():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_cuda_graph.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr

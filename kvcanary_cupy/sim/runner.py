@@ -107,7 +107,7 @@ class SimResult:
             "page_size": c.page_size,
             "max_running": c.max_running,
             "swa_window": c.swa_window,
-            "split_batches": c.split_batches,
+            "split_batches": c.split_batches or c.static_decode,
             "tokens": self.tokens,
             "verified_entries": self.verified_entries,
             "requests_finished": self.requests_finished,

@@ -2,7 +2,7 @@
 input arrays refilled in place, with the canary's part bound once per size (``kc.StaticForward``).
 
 An engine that replays its decode forward as a CUDA graph captures one graph per batch size (here
-the powers of two up to ``max_running``, and ``max_running`` itself), pads a batch to the next
+the powers of two below ``max_running``, and ``max_running`` itself), pads a batch to the next
 size with padding rows (pool row 0, the padding slot) and copies the batch into the graph's static
 inputs before each replay. The canary's ``before``/``after`` are then kernel launches over those
 same arrays: on a GPU each is captured in a CUDA graph of its own the first time its size runs
