@@ -90,6 +90,7 @@ class StaticDecode:
         self.forwards += 1
 
     def before(self) -> None:
+        """The canary's work before the prepared forward's model pass (a graph replay once captured)."""
         entry = self._current
         if entry.graphs is not None:
             _replay(entry.graphs[0], self.engine.device)
@@ -98,6 +99,7 @@ class StaticDecode:
             entry.forward.before()
 
     def after(self) -> None:
+        """The canary's work after the model pass; the first forward of a size is captured here."""
         entry = self._current
         if entry.graphs is not None:
             _replay(entry.graphs[1], self.engine.device)
@@ -108,6 +110,7 @@ class StaticDecode:
 
     @property
     def batch(self) -> ForwardBatch:
+        """The prepared forward's batch: the static inputs of its size."""
         return self._current.forward.batch
 
     def to_json(self) -> dict:
