@@ -9,13 +9,25 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# a results path in backticks or a Markdown link; paths with wildcards or ranges name several runs
-CITED = re.compile(r"[`(]((?:tests|benchmarks)/results/[^`)\s]+)[`)]")
+# a results path in backticks or a Markdown link, or a short form (`-swa-9e25cfb.json`) that names a
+# sibling of the full path cited last: that path up to its last "-", then the short form
+CITED = re.compile(r"[`(]((?:tests|benchmarks)/results/[^`)\s]+|-[A-Za-z0-9_.-]+\.(?:json|txt|md|png))[`)]")
 
 
 def _cited(document: pathlib.Path) -> list[str]:
-    text = document.read_text(encoding="utf-8")
-    return sorted({path for path in CITED.findall(text) if not re.search(r"[*\[\]–]", path)})
+    """The results paths ``document`` cites, short forms resolved; paths with wildcards or ranges
+    (which name several runs) left out."""
+    paths, last = set(), None
+    for path in CITED.findall(document.read_text(encoding="utf-8")):
+        if path.startswith("-"):
+            if last is None:
+                continue
+            path = last.rsplit("-", 1)[0] + path
+        else:
+            last = path
+        if not re.search(r"[*\[\]–]", path):
+            paths.add(path)
+    return sorted(paths)
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
@@ -25,4 +37,6 @@ def test_cited_results_files_exist(document):
 
 
 def test_the_readme_cites_results():
-    assert len(_cited(ROOT / "README.md")) > 10
+    cited = _cited(ROOT / "README.md")
+    assert len(cited) > 10
+    assert "tests/results/2026-12-01-h200-demo-swa-550d273.json" in cited  # a short form, resolved
