@@ -1198,3 +1198,89 @@ def test_bookkeeping_kernels(device):
         vplan.enable[...] = enable
         ops.count_disabled(vplan, disabled, stream=stream)
         assert int(to_numpy(disabled)[0]) == total
+
+
+# --- padding rows anywhere in a batch: every event names the request and position it belongs to ---
+
+def _padded_forward_run(seed: int, static: bool, device: str = "cpu") -> tuple[list, dict, np.ndarray, list]:
+    """A canary over a few prefilled requests, then one decode-shaped forward whose batch mixes the
+    requests (in random order, 0-2 new tokens each) with padding rows (pool row 0, random extends) at
+    random places, the flat arrays padded at the end with junk; one cached K row is corrupted and one
+    new token written at a stale position. Returns the forward's events, the pool rows by request,
+    the table, and each real row's new slots and positions (eagerly, or through a static forward)."""
+    rng = np.random.default_rng(seed)
+    slots_n, rows, width = 256, 6, 32
+    requests = int(rng.integers(2, rows))
+    lens = rng.integers(1, 12, requests)
+    table = np.zeros((rows, width), np.int32)
+    free = list(rng.permutation(np.arange(1, slots_n)))
+    for r in range(requests):
+        table[r + 1, :width] = [free.pop() for _ in range(width)]
+    k = to_device(rng.standard_normal((slots_n, 2, 8)).astype(np.float32), device)
+    caps = kc.Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=width, pool_slot_count=slots_n,
+                                   max_prefill_tokens=rows * width, cuda_graph_max_bs=16)
+    canary = kc.Canary(pool_slot_count=slots_n, capacities=caps, req_to_token=to_device(table, device), device=device,
+                       hash_mode=kc.HashMode.ALL, real_kv_sources=kc.layouts.per_layer([k]), chain_position_assert=True)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    names = [f"r{r}" for r in range(requests)]
+    prefill = kc.ForwardBatch(
+        req_pool_indices=i64(np.arange(1, requests + 1)), prefix_lens=i64(np.zeros(requests)), extend_seq_lens=i64(lens),
+        input_ids=i64(np.concatenate([1000 * (r + 1) + np.arange(n) for r, n in enumerate(lens)])),
+        positions=i64(np.concatenate([np.arange(n) for n in lens])),
+        out_cache_loc=i64(np.concatenate([table[r + 1, :n] for r, n in enumerate(lens)])), req_ids=names)
+    canary.before_forward(prefill)
+    canary.after_forward(prefill)
+    assert canary.poll().total == 0
+    # the forward: requests in random order, padding rows between them
+    order = list(rng.permutation(requests)) + [-1] * int(rng.integers(1, 4))
+    rng.shuffle(order)
+    rows_, prefix, extend, ids, positions, locs, req_ids, written = [], [], [], [], [], [], [], {}
+    for r in order:
+        if r < 0:
+            rows_.append(0), prefix.append(0), extend.append(int(rng.integers(0, 3))), req_ids.append("pad")
+            continue
+        n = int(rng.integers(0, 3))
+        rows_.append(r + 1), prefix.append(int(lens[r])), extend.append(n), req_ids.append(names[r])
+        new = [int(lens[r]) + j for j in range(n)]
+        written[names[r]] = [(int(table[r + 1, p]), p) for p in new]
+        ids += [1000 * (r + 1) + p for p in new]
+        positions += new
+        locs += [int(table[r + 1, p]) for p in new]
+    junk = int(rng.integers(0, 4))
+    ids, locs = ids + list(rng.integers(0, 999, junk)), locs + list(rng.integers(0, slots_n, junk))
+    positions = positions + list(rng.integers(0, 99, junk))
+    victim = int(rng.integers(requests))
+    k[table[victim + 1, int(rng.integers(lens[victim]))], 1, 3] += 1.0
+    if locs[:len(locs) - junk]:
+        stale = int(rng.integers(len(locs) - junk))
+        positions[stale] += 5
+    batch = kc.ForwardBatch(req_pool_indices=i64(rows_), prefix_lens=i64(prefix), extend_seq_lens=i64(extend),
+                            input_ids=i64(ids), positions=i64(positions), out_cache_loc=i64(locs), req_ids=req_ids)
+    if static:
+        forward = canary.static_forward(batch)
+        forward.before()
+        forward.after()
+    else:
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+    report = canary.poll()
+    return [(e.phase, e.request, e.position, e.slot, tuple(e.reasons)) for e in report], \
+        {names[r]: r + 1 for r in range(requests)}, table, written
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", range(40))
+def test_events_name_their_request_whatever_the_padding_rows(seed, device):
+    """Wherever padding rows stand in a batch and whatever they and the junk past the real tokens
+    hold, each verify event names a request whose table holds that slot at that position, each
+    write event the request that wrote that slot at that position; static forwards report the same."""
+    events, row_of, table, written = _padded_forward_run(seed, static=False, device=device)
+    assert events, "the corrupted K row is read by every HEAD verify of its request"
+    for phase, request, position, slot, reasons in events:
+        assert request in row_of, (phase, request, position, slot, reasons)
+        if phase in ("head", "tail"):
+            assert int(table[row_of[request], position]) == slot, (phase, request, position, slot)
+        else:
+            assert (slot, position) in written[request], (phase, request, position, slot, reasons)
+    static, _, _, _ = _padded_forward_run(seed, static=True, device=device)
+    assert sorted(static, key=repr) == sorted(events, key=repr)
