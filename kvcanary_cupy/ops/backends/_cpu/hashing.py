@@ -52,8 +52,11 @@ if FunctionCache is not None:
 def njit(**flags):
     """``numba.njit(**flags)``, with its cache (when ``cache=True``) keyed by :data:`SOURCES_DIGEST`."""
     def build(fn):
-        dispatcher = numba.njit(**flags)(fn)
-        if flags.get("cache") and FunctionCache is not None and hasattr(dispatcher, "_cache"):
+        if not flags.get("cache") or FunctionCache is None:
+            return numba.njit(**flags)(fn)
+        # numba's own cache is not set up (it would probe its cache directory only to be replaced)
+        dispatcher = numba.njit(**dict(flags, cache=False))(fn)
+        if hasattr(dispatcher, "enable_caching"):  # a Dispatcher (not the plain function NUMBA_DISABLE_JIT gives)
             dispatcher._cache = _SourcesKeyedCache(dispatcher.py_func)
         return dispatcher
     return build
