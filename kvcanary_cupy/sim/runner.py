@@ -216,7 +216,8 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
         host_batch = engine.schedule()
         injector.tamper(step, host_batch)
         engine._push_tables()
-        if static is not None and host_batch.decodes_only:
+        decodes_only = host_batch.decodes_only
+        if static is not None and decodes_only:
             static.prepare(host_batch)
             batch, before, after = static.batch, static.before, static.after
         else:
@@ -230,7 +231,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
         after()
         spent = (t1 - t0) + (time.perf_counter() - t2)
         canary_s += spent
-        if host_batch.decodes_only:
+        if decodes_only:
             decode_forwards += 1
             decode_canary_s += spent
         engine.advance(host_batch)

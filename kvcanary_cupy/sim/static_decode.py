@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dlpack import empty, require_cupy
+from .._dlpack import empty, from_host, require_cupy
 from ..session import ForwardBatch, StaticForward
 from .engine import Engine, StepBatch
 
@@ -119,13 +119,11 @@ class StaticDecode:
 
 
 def _fill(inputs: dict, host: dict, device) -> None:
+    """The static inputs refilled in place, as the engine refills its tables (on CuPy's current
+    stream, which the replays follow)."""
     for name, values in host.items():
-        if values is None:
-            continue
-        if device.is_cuda:
-            inputs[name].set(values)  # onto CuPy's current stream, which the replays follow
-        else:
-            inputs[name][...] = values
+        if values is not None:
+            inputs[name][...] = from_host(values, device)
 
 
 def _capture(forward: StaticForward, device) -> tuple[Any, Any]:
