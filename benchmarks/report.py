@@ -1,13 +1,15 @@
 """Turn a ``--benchmark-json`` file of this suite into a markdown table and a PNG chart.
 
-    python benchmarks/report.py bench.json [--png chart.png] [--markdown table.md]
+    python benchmarks/report.py bench.json [--png chart.png] [--summary-png summary.png] [--markdown table.md]
 
 The table has one row per (case, op, mode): device time, host wall time per call in a back-to-back
 loop (eager: Python, validation and launch; graph: replay launch), entries/s, effective GB/s, % of
 the copy ceiling, speedup over the vectorised baseline and over the peer engine, and whether the row's
 targets are met. The ceilings of the run come first and a list of every target (achieved vs wanted,
 cross-case ones included) last. The chart (needs matplotlib) plots each row's effective bandwidth
-against the run's copy ceiling.
+against the run's copy ceiling; the summary chart, made for the README, plots the three kinds of
+target: each case's step against the peer's, the large rows against the physical ceiling that
+bounds them, and the decode-shaped ops against an empty kernel.
 """
 
 from __future__ import annotations
@@ -161,12 +163,19 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
+def _pyplot():
     try:
         import matplotlib  # noqa: PLC0415
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
+        return None
+    return plt
+
+
+def chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
         print(f"(matplotlib is not installed: no chart written to {path})", file=sys.stderr)
         return False
     rows = [r for r in _order(rows) if r.get("gbps") is not None]
@@ -203,10 +212,95 @@ def chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
     return True
 
 
+# Rows with at least this many entries are bound by memory, not latency: the summary reads them
+# against a bandwidth ceiling.
+LARGE_ENTRIES = 500_000
+
+
+def _target_met(row: dict, word: str) -> Optional[bool]:
+    found = [t["met"] for t in row.get("targets") or [] if word in t["name"]]
+    return all(found) if found else None
+
+
+def summary_panels(ceilings: Optional[dict], rows: list[dict]) -> list[dict]:
+    """The summary chart's three panels, as data: each a title, a bar per row (label, value, the
+    target met or not) and the target line."""
+    eager = [r for r in _order(rows) if r.get("mode") != "graph"]
+    graph = {r["case"]: r for r in rows if r["op"] == "step" and r.get("mode") == "graph"}
+    steps = []
+    for r in eager:
+        if r["op"] != "step" or r.get("x_peer") is None:
+            continue
+        best = max(r["x_peer"], (graph.get(r["case"]) or {}).get("x_peer") or 0.0)
+        steps.append(dict(label=r["case"], value=best, met=_target_met(r, "peer")))
+    large = []
+    for r in eager:
+        if (r.get("entries") or 0) < LARGE_ENTRIES:
+            continue
+        if r["op"] == "plan" and r.get("pct_copy_ceiling") is not None:
+            large.append(dict(label=f"{r['case']} · plan (of copy)", value=r["pct_copy_ceiling"], met=None))
+        elif r["op"] in ("step", "verify") and r.get("pct_random_read") is not None:
+            large.append(dict(label=f"{r['case']} · {r['op']} (of random reads)", value=r["pct_random_read"],
+                              met=None))
+    decode = [dict(label=f"{r['case']} · {r['op']}", value=r["x_empty_kernel"], met=_target_met(r, "empty"))
+              for r in eager if _target_met(r, "empty") is not None and r.get("x_empty_kernel") is not None]
+    empty_us = (ceilings or {}).get("empty_kernel_us")
+    return [
+        dict(title="one forward's step: × faster than the peer's\n(best of eager and graph replay)",
+             bars=steps, line=2.0, line_label="target 2×", xlabel="× faster (log scale)", log=True),
+        dict(title="large rows: % of the ceiling that bounds them\n(plans: copy; verify: random 32-B reads)",
+             bars=large, line=100.0, line_label="ceiling", xlabel="% of the same-run ceiling", log=False),
+        dict(title="decode-shaped ops: device time / empty kernel"
+                   + (f"\n(empty kernel {empty_us:.2f} µs)" if empty_us else ""),
+             bars=decode, line=2.0, line_label="target ≤ 2×", xlabel="× an empty kernel", log=False),
+    ]
+
+
+def summary_chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        print(f"(matplotlib is not installed: no chart written to {path})", file=sys.stderr)
+        return False
+    panels = summary_panels(ceilings, rows)
+    heights = [max(3, len(p["bars"])) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.24 * sum(heights) + 3.2),
+                             gridspec_kw=dict(height_ratios=heights))
+    colour = {True: "#55a868", False: "#c44e52", None: "#4c72b0"}
+    for ax, panel in zip(axes, panels):
+        bars = panel["bars"]
+        y = list(range(len(bars)))
+        ax.barh(y, [b["value"] for b in bars], color=[colour[b["met"]] for b in bars])
+        for yi, b in zip(y, bars):
+            ax.text(b["value"], yi, f" {b['value']:.0f}" if panel["line"] >= 10 else f" {b['value']:.2f}",
+                    va="center", fontsize=7)
+        ax.axvline(panel["line"], color="black", linestyle="--", linewidth=1, label=panel["line_label"])
+        if panel["log"]:
+            from matplotlib.ticker import NullFormatter  # noqa: PLC0415
+            ax.set_xscale("log")
+            top = max([b["value"] for b in bars] + [panel["line"]])
+            ax.set_xticks([t for t in (1, 2, 3, 5, 10, 20, 50, 100, 200) if t <= 1.5 * top])
+            ax.set_xticklabels([f"{t}×" for t in ax.get_xticks()])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yticks(y)
+        ax.set_yticklabels([b["label"] for b in bars], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(panel["title"], fontsize=9)
+        ax.set_xlabel(panel["xlabel"], fontsize=8)
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(axis="x", alpha=0.3)
+    device = (ceilings or {}).get("device_name") or (rows[0].get("device") if rows else "")
+    fig.suptitle(f"kvcanary_cupy on {device}: green target met, red missed, blue no target", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="a pytest-benchmark --benchmark-json file of this suite")
     parser.add_argument("--png", help="write the throughput chart here (needs matplotlib)")
+    parser.add_argument("--summary-png", help="write the README's summary chart here (needs matplotlib)")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
     ceilings, rows, data = load(args.json)
@@ -219,6 +313,8 @@ def main(argv=None) -> int:
         pathlib.Path(args.markdown).write_text(text)
     if args.png:
         chart(ceilings, rows, args.png)
+    if args.summary_png:
+        summary_chart(ceilings, rows, args.summary_png)
     return 0
 
 

@@ -1,0 +1,47 @@
+"""benchmarks/report.py over the committed H200 results: the table and the README's summary chart."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "2026-12-01-h200.json"
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("kvcanary_bench_report", ROOT / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_counts_the_targets_of_the_committed_run():
+    report = _report()
+    ceilings, rows, data = report.load(str(RESULTS))
+    text = report.markdown(ceilings, rows, data)
+    assert "**Targets:** 160 of 168 met" in text
+    assert "| verify_16m plan | x faster than peer plan | 1.74 | >= 2 | **no** |" in text
+
+
+def test_summary_panels_hold_every_step_and_each_missed_target():
+    report = _report()
+    ceilings, rows, _ = report.load(str(RESULTS))
+    steps, large, decode = report.summary_panels(ceilings, rows)
+    assert len(steps["bars"]) == 16  # every named case of the suite has a step
+    missed_steps = [b["label"] for b in steps["bars"] if b["met"] is False]
+    assert missed_steps == ["e2e_decode_steady_hash"]
+    missed_decode = sorted(b["label"] for b in decode["bars"] if b["met"] is False)
+    assert missed_decode == ["e2e_decode_steady_hash · write", "swa_decode_long_prefix · plan",
+                             "swa_decode_long_prefix · verify", "swa_decode_short_prefix · plan",
+                             "swa_decode_short_prefix · verify"]
+    assert all(0 < b["value"] <= 100 for b in large["bars"])
+    assert any(b["label"] == "plan_bs1024_prefix4096 · plan (of copy)" for b in large["bars"])
+
+
+def test_summary_chart_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = _report()
+    out = tmp_path / "summary.png"
+    assert report.main([str(RESULTS), "--summary-png", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
