@@ -29,10 +29,6 @@ from .sources import RealKvSource
 __all__ = ["from_buffer", "per_layer", "paged", "interleaved", "mla"]
 
 
-def _row_bytes(view) -> int:
-    return int(np.prod(view.shape[1:])) * int(view.itemsize)
-
-
 def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) -> list[tuple[str, Any]]:
     """The picked layers' buffers, each with its name in messages (``k_buffers[3]``)."""
     if not isinstance(buffers, (list, tuple)):
@@ -61,7 +57,7 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
     if view.ndim < 2:
         raise ValueError(f"{check.PREFIX}{name} must be at least 2-D, got shape {check.shape_text(view)}")
     page_size = check.positive("page_size", page_size)
-    row = _row_bytes(view)
+    row = check.row_bytes(view)
     if row % page_size:
         raise ValueError(f"{check.PREFIX}{name} rows ({row} bytes) must split evenly into page_size={page_size} "
                          f"tokens, got shape {check.shape_text(view)}")

@@ -27,6 +27,7 @@ from .rules import (  # noqa: F401
     member,
     positive,
     positive_multiple,
+    row_bytes,
     rows_contiguous,
     source_read_bytes,
     source_rows,

@@ -280,6 +280,11 @@ def source_read_bytes(name: str, read_bytes: Any, bytes_per_token: int) -> int:
     return read_bytes
 
 
+def row_bytes(view: Any) -> int:
+    """Bytes in one row (dim 0 indexes rows) of ``view``, however it is strided."""
+    return int(np.prod(view.shape[1:])) * int(view.itemsize)
+
+
 def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
     """Checks ``view`` (named ``name``) as the rows of a real-KV source whose rows must hold
     ``needed_row_bytes``; returns its row stride in bytes."""
@@ -289,13 +294,13 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
         raise TypeError(f"{PREFIX}{name} must hold plain bytes (a numeric dtype), got dtype {view.dtype}")
     _require_contiguous_rows(name, view)
     non_negative_row_stride(name, view)
-    row_bytes = int(np.prod(view.shape[1:])) * view.itemsize
-    if row_bytes < needed_row_bytes:
+    held = row_bytes(view)
+    if held < needed_row_bytes:
         raise ValueError(
             f"{PREFIX}{name} rows must hold page_size * num_bytes_per_token = "
-            f"{needed_row_bytes} bytes, got {row_bytes} bytes per row (shape {shape_text(view)})"
+            f"{needed_row_bytes} bytes, got {held} bytes per row (shape {shape_text(view)})"
         )
-    row_stride = int(view.strides[0]) if view.shape[0] > 1 else row_bytes
+    row_stride = int(view.strides[0]) if view.shape[0] > 1 else held
     if row_stride % SOURCE_ALIGN_BYTES:
         raise ValueError(
             f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
