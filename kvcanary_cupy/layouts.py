@@ -93,13 +93,15 @@ def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers
 def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
           read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """Paged K and V buffers ``[pages, page_size, heads, head_dim]`` per layer; ``page_size`` is
-    ``shape[1]``."""
+    ``shape[1]``. Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
+    taking its heads for the page size would hash the wrong bytes of every slot."""
     out = []
     for name, buffer in _k_then_v(k_buffers, v_buffers, layers):
         view = native_view(buffer, name)
-        if view.ndim < 3:
-            raise ValueError(f"{check.PREFIX}{name} must be [pages, page_size, ...], got shape "
-                             f"{check.shape_text(view)}")
+        if view.ndim != 4:
+            raise ValueError(f"{check.PREFIX}{name} must be 4-D [pages, page_size, heads, head_dim], got shape "
+                             f"{check.shape_text(view)} (one token a row, [slots, heads, head_dim], is "
+                             f"kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=)")
         out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes, name=name))
     return tuple(out)
 

@@ -26,7 +26,7 @@ from . import _layout as L
 from . import reference as _ref
 from . import validate as check
 from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, order_after_torch,
-                      parse_device, settle, to_host)
+                      parse_device, require_cupy, settle, to_host)
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, check_stream_form, resolve_stream
@@ -116,7 +116,13 @@ class CanaryEvent:
         where = "unknown request" if self.request is None else f"request {self.request!r}"
         pos = "?" if self.position is None else str(self.position)
         step = "?" if self.step is None else str(self.step)
-        return (f"[{tag} step {step}] {where} position {pos} slot {self.slot}: {'|'.join(self.reasons)} "
+        if self.slot == L.UNRESOLVED_SLOT:
+            slot = "unresolved (no cell of req_to_token or the LUT)"
+        elif self.slot == -1 and self.phase == "write":
+            slot = "none (the request's entries reach past input_ids)"
+        else:
+            slot = str(self.slot)
+        return (f"[{tag} step {step}] {where} position {pos} slot {slot}: {'|'.join(self.reasons)} "
                 f"(stored token {self.violation.stored_token} position {self.violation.position})")
 
 
@@ -392,6 +398,8 @@ class Canary:
             raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
         check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
+        if device.is_cuda:  # said first: every table would otherwise be refused as on another device
+            require_cupy("device")
         pool_slot_count = check.slot_count("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
         real_kv_sources = _sources("real_kv_sources", real_kv_sources, device)
@@ -872,17 +880,39 @@ class Canary:
         f = self._host_cache[key]
         return _signed(_ref.mix3(f["prev_hash"], f["token"], f["position"]))
 
-    def _predecessor(self, group: _Group, row: int, position: int) -> int:
-        if position <= 0:
-            return L.NO_PREDECESSOR
+    def _cell_slot(self, group: _Group, row: int, position: int) -> int:
+        """The group's slot of ``req_to_token[row, position]``, as the plan resolves it (SPEC 3.3, 4):
+        UNRESOLVED outside the table or the LUT."""
         table = self._host("req_to_token", self.req_to_token)
-        slot = int(table[row, position - 1])
-        if group.lut is not None:
+        if not (0 <= row < table.shape[0] and 0 <= position < table.shape[1]):
+            return L.UNRESOLVED_SLOT
+        slot = int(table[row, position])
+        if group.lut is not None and slot >= 0:
             lut = self._host(("lut", group.name), group.lut)
-            slot = int(lut[slot]) if 0 <= slot < lut.shape[0] else L.UNRESOLVED_SLOT
+            slot = int(lut[slot]) if slot < lut.shape[0] else L.UNRESOLVED_SLOT
         return slot
 
+    def _predecessor(self, group: _Group, row: int, position: int) -> int:
+        return L.NO_PREDECESSOR if position <= 0 else self._cell_slot(group, row, position - 1)
+
+    def _match_unresolved(self, group: _Group, launch: _Launch, position: int):
+        """``(batch row, position)`` of a verify entry whose slot the plan could not resolve: its row
+        records the entry's position (SPEC 4), and the first batch row that checks that position
+        through a cell outside the table or the LUT is taken."""
+        batch = launch.batch
+        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
+        lens = batch.seq_lens if isinstance(batch, LiveRequests) else batch.prefix_lens
+        lens = self._host(id(lens), lens)
+        for r, (row, length) in enumerate(zip(rows.tolist(), lens.tolist())):
+            start = max(0, length - group.window) if group.window else 0
+            if row != 0 and start <= position < length and \
+                    self._cell_slot(group, row, position) == L.UNRESOLVED_SLOT:
+                return r, position
+        return None
+
     def _match_verify(self, group: _Group, launch: _Launch, v: Violation):
+        if v.slot_idx == L.UNRESOLVED_SLOT:
+            return self._match_unresolved(group, launch, v.position)
         slots, owners, positions = self._verify_index(group, launch)
         lo, hi = np.searchsorted(slots, v.slot_idx, "left"), np.searchsorted(slots, v.slot_idx, "right")
         if lo == hi:
@@ -901,22 +931,34 @@ class Canary:
                 best, best_score = (owner, pos), score
         return best
 
-    def _match_write(self, launch: _Launch, v: Violation):
-        loc = self._host(id(launch.write_loc), launch.write_loc)
-        hits = np.flatnonzero(loc == v.slot_idx)
-        if hits.size == 0:
-            return None
-        index = int(hits[0])
+    def _match_write(self, group: _Group, launch: _Launch, v: Violation):
         batch = launch.batch
         extend = self._host(id(batch.extend_seq_lens), batch.extend_seq_lens)
         prefix = self._host(id(batch.prefix_lens), batch.prefix_lens)
         rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
         counted = np.where(rows != 0, np.maximum(extend, 0), 0)  # padding rows write nothing (SPEC 3.3)
         ends = np.cumsum(counted)
-        r = int(np.searchsorted(ends, index, "right"))
-        if r >= len(ends):
-            return None
-        return r, int(prefix[r]) + index - int(ends[r] - counted[r])
+        loc = self._host(id(launch.write_loc), launch.write_loc)
+        hits = np.flatnonzero(loc == v.slot_idx)
+        if hits.size:
+            index = int(hits[0])
+            r = int(np.searchsorted(ends, index, "right"))
+            return None if r >= len(ends) else (r, int(prefix[r]) + index - int(ends[r] - counted[r]))
+        # the rows SPEC 4 records without an entry's slot: a seed outside the table or the LUT, or
+        # a request whose entries reach past the batch's arrays (the position is the first outside)
+        writes = np.flatnonzero(counted > 0)
+        if (v.position, v.stored_token, v.expected_token, v.expected_aux) != (0, 0, 0, 0):
+            return None  # a verify's row (it records the entry's expected token, -1 or a token id)
+        if v.slot_idx == L.UNRESOLVED_SLOT and v.stored_chain_hash == 0:
+            seeded = [int(r) for r in writes if prefix[r] > 0
+                      and self._cell_slot(group, int(rows[r]), int(prefix[r]) - 1) == L.UNRESOLVED_SLOT]
+            return (seeded[0], int(prefix[seeded[0]]) - 1) if seeded else None
+        if v.slot_idx == -1:
+            past = [int(r) for r in writes if ends[r] > loc.shape[0]]
+            if len(past) == 1:
+                r = past[0]
+                return r, int(prefix[r]) + max(0, loc.shape[0] - int(ends[r] - counted[r]))
+        return None
 
     def _run_counter(self) -> tuple[Any, tuple[int, int]]:
         """A new static forward's run count: a cell of one of the canary's count arrays (its address
@@ -965,16 +1007,49 @@ class Canary:
                     launch._verify_index = None
         return ran
 
+    def _verify_launches(self, group: _Group, rows: Sequence[Violation]) -> dict:
+        """The logged verify launch of each row only a verify records (by row index: ``(launch index,
+        (batch row, position))``). A slot found bad stays bad until it is written again, so each
+        launch that read it since then recorded it too: the rows of one slot and tag, in ring
+        order, are given to the last launches of that tag that read the slot, as many rows to a
+        launch as it has entries of the slot. (The first launch that could have read it may have
+        run before the slot went bad.)"""
+        log = group.log
+        by_slot: dict = {}
+        for i, v in enumerate(rows):
+            bits = int(v.fail_reason)
+            if bits & _WRITE_BITS or not bits & ~_OUT_OF_RANGE or v.slot_idx == L.UNRESOLVED_SLOT:
+                continue  # a write's row, or one either could record: matched in ring order
+            by_slot.setdefault((int(v.kernel_kind), v.slot_idx), []).append(i)
+        found = {}
+        for (tag, slot), indices in by_slot.items():
+            pending = list(indices)
+            for index in range(len(log) - 1, -1, -1):
+                if not pending:
+                    break
+                launch = log[index]
+                if launch.kind != "verify" or launch.tag != tag:
+                    continue
+                slots = self._verify_index(group, launch)[0]
+                entries = int(np.searchsorted(slots, slot, "right") - np.searchsorted(slots, slot, "left"))
+                for i in pending[max(0, len(pending) - entries):]:
+                    match = self._match_verify(group, launch, rows[i])
+                    if match is not None:
+                        found[i] = (index, match)
+                del pending[max(0, len(pending) - entries):]
+        return found
+
     def _resolve(self, group: _Group, rows: Sequence[Violation], static_ran: set = frozenset()) -> list[CanaryEvent]:
         events = []
         pointer = 0
         log = group.log
-        for v in rows:
-            found = None
+        verified = self._verify_launches(group, rows)
+        for i, v in enumerate(rows):
+            found = verified.get(i)
             bits = int(v.fail_reason)
             may_write = not bits & ~(_WRITE_BITS | _OUT_OF_RANGE)
             may_verify = not bits & _WRITE_BITS
-            order = list(range(pointer, len(log))) + list(range(0, pointer))
+            order = list(range(pointer, len(log))) + list(range(0, pointer)) if found is None else []
             for index in order:
                 match = self._match(group, log[index], v, may_write, may_verify)
                 if match is not None:
@@ -1006,7 +1081,7 @@ class Canary:
         if launch.tag != int(v.kernel_kind):
             return None
         if launch.kind == "write":
-            return self._match_write(launch, v) if may_write else None
+            return self._match_write(group, launch, v) if may_write else None
         return self._match_verify(group, launch, v) if may_verify else None
 
 

@@ -126,6 +126,62 @@ def test_clean_forwards_and_sweep(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("sweep", [False, True])
+def test_events_carry_the_step_of_the_forward_that_found_them(device, sweep):
+    """Polled every few forwards, a slot that went bad after forwards that read it clean is
+    reported at the forwards that read it bad, not at the first forward that read it."""
+    eng = Tiny(device)
+    eng.step({"a": 6, "b": 4})
+    eng.step({"a": 1, "b": 1})
+    eng.step({"a": 1, "b": 1})  # forwards 2 and 3 read b's position 2 clean
+    eng.k[eng.slot("b", 2), 0, 0] += 1.0
+    eng.step({"a": 1, "b": 1})
+    if sweep:
+        eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), device),
+                                         seq_lens=to_device(np.array([9, 7], np.int64), device), req_ids=["a", "b"]))
+    eng.step({"a": 1, "b": 1})
+    report = eng.canary.poll()
+    found = [(e.phase, e.step, e.request, e.position) for e in report]
+    expected = [("head", 4, "b", 2), ("tail", 4, "b", 2), ("head", 5, "b", 2), ("tail", 5, "b", 2)]
+    if sweep:
+        expected.insert(2, ("sweep", 4, "b", 2))
+    assert found == expected
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_cells_outside_the_table_name_their_request(device):
+    """A pool row past ``req_to_token`` resolves no slot: each verify entry and the write's seed are
+    reported with the request and the position of the cell, and the slot said to be unresolved."""
+    eng = Tiny(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, ROWS + 3]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
+                            input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]), out_cache_loc=i64([1, 2, 3]),
+                            req_ids=["a", "lost"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert {(e.phase, e.request, e.position) for e in report} == {
+        ("head", "lost", 0), ("head", "lost", 1), ("write", "lost", 1), ("tail", "lost", 0), ("tail", "lost", 1)}
+    assert all(e.reasons == ("OUT_OF_RANGE",) for e in report)
+    assert "request 'lost' position 1 slot unresolved (no cell of req_to_token or the LUT)" in report.describe()
+
+
+def test_entries_past_the_batch_arrays_name_their_request():
+    """``extend_seq_lens`` that add up past the flat arrays: the write reports the request whose
+    entries run out, at the first position without one."""
+    eng = Tiny("cpu")
+    i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([2, 3]),
+                            input_ids=i64([5, 6, 7]), positions=i64([0, 1, 0]), out_cache_loc=i64([1, 2, 3]),
+                            req_ids=["a", "b"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    (event,) = eng.canary.poll()
+    assert (event.phase, event.request, event.position, event.reasons) == ("write", "b", 1, ("OUT_OF_RANGE",))
+    assert "slot none (the request's entries reach past input_ids)" in event.describe()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_kv_corruption_names_request_and_position(device):
     eng = Tiny(device)
     eng.step({"a": 6, "b": 4})
@@ -791,7 +847,7 @@ def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework,
 @pytest.mark.parametrize("device", BACKENDS)
 def test_an_empty_swa_lut_resolves_nothing(device):
     """An SWA group whose LUT is empty maps no slot: its writes and verifies find every slot
-    unresolved, and poll reports them without mapping them (nor failing)."""
+    unresolved, and poll names the request and position of each (the cell that did not resolve)."""
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
                                    max_prefill_tokens=64)
@@ -807,7 +863,10 @@ def test_an_empty_swa_lut_resolves_nothing(device):
         canary.after_forward(batch)
     report = canary.poll()
     assert report.total > 0 and {event.group for event in report} == {"swa"}
-    assert all(event.request is None and "OUT_OF_RANGE" in event.reasons for event in report)
+    assert all(event.request == 0 and event.reasons == ("OUT_OF_RANGE",) for event in report)
+    assert [(e.phase, e.position) for e in report if e.phase == "head"] == [("head", 0), ("head", 1), ("head", 2)]
+    assert ("write", 2) in [(e.phase, e.position) for e in report]  # the seed, position prefix - 1
+    assert "slot unresolved (no cell of req_to_token or the LUT)" in report.describe()
 
 
 @pytest.mark.parametrize("device", BACKENDS)

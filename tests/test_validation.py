@@ -223,7 +223,10 @@ CONSTRUCTION = [
                                                              + [np.zeros((4, 1, 32), np.uint8)[:, :, :24]], layers=[-1]),
      ValueError, r"buffers\[2\] bytes per token must be a positive multiple of 16, got 24"),
     ("layouts paged rank", lambda: kc.layouts.paged([np.zeros((4, 16), np.uint8)]), ValueError,
-     r"k_buffers\[0\] must be \[pages, page_size, \.\.\.\], got shape \(4, 16\)"),
+     r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(4, 16\) \(one token a row, "
+     r"\[slots, heads, head_dim\], is kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=\)$"),
+    ("layouts paged per-layer buffer", lambda: kc.layouts.paged([np.zeros((16, 2, 8), np.float16)]), ValueError,
+     r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(16, 2, 8\) "),
     ("layouts read_bytes", lambda: kc.layouts.per_layer([np.zeros((4, 16), np.uint8)], read_bytes=8), ValueError,
      r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 8"),
     ("session logger", lambda: kc.Canary(pool_slot_count=16, req_to_token=np.zeros((4, 8), np.int32), logger="x",
@@ -264,8 +267,8 @@ def test_a_dtype_numpy_lacks_is_named_as_the_callers(dtype, device):
                                                                       "slot_run_counter", "kernel_run_counter",
                                                                       "chain_position_assert")})
     # its own shape where NumPy or CuPy views the dtype (CuPy 14 has bfloat16), else its bytes'
-    with pytest.raises(ValueError, match=rf"^kv-canary: k_buffers\[0\] must be \[pages, page_size, \.\.\.\], "
-                                         rf"got shape (?:\(4, 8\)|\(4, \d+\) in bytes of a {dtype} array)$"):
+    with pytest.raises(ValueError, match=rf"^kv-canary: k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], "
+                                         rf"got shape (?:\(4, 8\)|\(4, \d+\) in bytes of a {dtype} array) \(one "):
         kc.layouts.paged([tensor])
     cells = [to_device(np.zeros(8, np.int64), device) for _ in range(3)]
     with pytest.raises(TypeError, match=rf"^kv-canary: VerifyPlan.slot_indices must have dtype int64, got {dtype}$"):
