@@ -120,7 +120,11 @@ def device_of(obj: Any, name: str) -> Device:
             f"kv-canary: {name} must be an array supporting DLPack (NumPy, CuPy, PyTorch, JAX...), "
             f"got {type(obj).__name__}"
         )
-    device_type, device_id = probe()
+    try:
+        device_type, device_id = probe()
+    except Exception as error:  # e.g. torch's meta tensors, which have no DLPack device
+        raise ValueError(f"kv-canary: {name} has no DLPack device (only host memory and CUDA devices are "
+                         f"supported): {error}") from error
     device_type = int(device_type)
     if device_type in _HOST_DEVICE_TYPES:
         return CPU
@@ -270,10 +274,15 @@ def _capturing(cupy, stream: int) -> bool:
         return True
 
 
+class CudaUnavailableError(ValueError, RuntimeError):
+    """A CUDA device asked of a machine where CuPy is missing: a bad ``device`` value there
+    (ValueError, as SPEC 4 has bad input raise) and an environment that lacks something."""
+
+
 def require_cupy(name: str):
     cupy = cupy_module()
     if cupy is None:
-        raise RuntimeError(
+        raise CudaUnavailableError(
             f"kv-canary: {name}: a CUDA device needs CuPy, which is not installed; install cupy-cuda12x "
             "or cupy-cuda13x (this package's cuda12 or cuda13 extra)"
         )

@@ -16,7 +16,12 @@ PREFIX_SHARING_FACTOR = 3
 
 @dataclasses.dataclass(frozen=True)
 class Capacities:
-    """How large the verify and write plans must be for an engine's limits."""
+    """How large the verify and write plans must be for an engine's limits.
+
+    ``verify_capacity`` bounds a forward's verify entries (past it the verify is skipped and
+    counted, SPEC 3.3) and ``write_req_capacity`` its requests (past it a batch is refused).
+    ``write_entry_capacity`` is the SPEC's figure for engines that stage a forward's new tokens in a
+    buffer of their own; here a write reads the batch's own arrays, so it limits nothing."""
 
     max_bs: int
     verify_capacity: int

@@ -139,9 +139,21 @@ def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = Non
     return tuple(out)
 
 
-def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_size: int = 1,
+def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_size: Optional[int] = None,
         read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
-    """MLA latent buffers per layer: ``[slots, 1, kv_lora_rank + rope_dim]`` (``page_size`` 1) or
-    ``[pages, page_size, 1, kv_lora_rank + rope_dim]``."""
-    return tuple(from_buffer(buffer, page_size=page_size, read_bytes=read_bytes, name=name)
-                 for name, buffer in _pick(buffers, layers, "buffers"))
+    """MLA latent buffers per layer: ``[slots, 1, kv_lora_rank + rope_dim]`` (a token a row) or
+    ``[pages, page_size, 1, kv_lora_rank + rope_dim]``, whose ``shape[1]`` is the page size (a
+    ``page_size`` given for one must equal it). Other shapes: ``from_buffer``."""
+    out = []
+    for name, buffer in _pick(buffers, layers, "buffers"):
+        view = native_view(buffer, name)
+        if view.ndim not in (3, 4):
+            raise ValueError(f"{check.PREFIX}{name} must be [slots, 1, latent] or [pages, page_size, 1, latent], "
+                             f"got shape {check.shape_text(view)}")
+        rows_hold = int(view.shape[1]) if view.ndim == 4 else 1
+        if page_size is not None and check.positive("page_size", page_size) != rows_hold:
+            raise ValueError(f"{check.PREFIX}page_size must be the tokens a row of {name} holds "
+                             f"({'shape[1]' if view.ndim == 4 else '1 for [slots, 1, latent]'}), "
+                             f"got {page_size} for shape {check.shape_text(view)}")
+        out.append(from_buffer(view, page_size=rows_hold, read_bytes=read_bytes, name=name))
+    return tuple(out)

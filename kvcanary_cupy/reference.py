@@ -252,7 +252,7 @@ def plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, swa_window
         w_offsets[r] = running
         live = rp != 0 and extend > 0
         if live:
-            running += extend
+            running = _signed(running + extend)  # int64 offsets wrap as the kernels' do (SPEC 3.3)
         w_seeds[r] = resolve(rp, prefix - 1) if live and prefix > 0 else L.NO_PREDECESSOR
     w_offsets[bs] = running
     w_offsets[bs + 1:] = 0

@@ -128,7 +128,10 @@ class CanaryEvent:
 
 @dataclasses.dataclass(frozen=True)
 class CanaryReport:
-    """What :meth:`Canary.poll` found since the previous poll."""
+    """What :meth:`Canary.poll` found since the previous poll: its events, the rows recorded
+    (``total``, ``dropped`` when the ring was full) and the verify launches skipped for capacity.
+    ``forwards`` is different: every forward the canary has counted since it was built, eager and
+    static."""
 
     events: tuple[CanaryEvent, ...] = ()
     total: int = 0
@@ -338,12 +341,19 @@ def _signed(value: int) -> int:
 
 # --- argument checks (SPEC §4) of what only the session takes; the ops' own rules run through their
 # --- argument bundles (PlanBatch, WriteBatch), all built before the first launch of a call ---------
-def _sources(name: str, sources: Any, device: Device) -> tuple:
+def _sources(name: str, sources: Any, device: Device, slots: int) -> tuple:
     """``sources`` by CanaryContext's rules of type and device, checked here so that an SWA
-    group's are named as such and refused before the full group's context is allocated."""
+    group's are named as such and refused before the full group's context is allocated; each must
+    hold the KV of all ``slots`` slots of its pool (a smaller buffer is a wrong buffer or a wrong
+    ``pool_slot_count``: every slot past it would be reported OUT_OF_RANGE)."""
     sources = source_list(name, sources)
     for index, source in enumerate(sources):
         check.one_device({"the canary": device, f"{name}[{index}].tensor": source.device})
+        held = source.num_rows * source.page_size
+        if held < slots:
+            raise ValueError(f"{check.PREFIX}{name}[{index}] must hold the KV of every slot of its pool: "
+                             f"{source.num_rows} rows x page_size {source.page_size} = {held} slots, "
+                             f"fewer than the pool's {slots}")
     return sources
 
 
@@ -402,7 +412,7 @@ class Canary:
             require_cupy("device")
         pool_slot_count = check.slot_count("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
-        real_kv_sources = _sources("real_kv_sources", real_kv_sources, device)
+        real_kv_sources = _sources("real_kv_sources", real_kv_sources, device, pool_slot_count)
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
         if expected_tokens is not None:
             expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32)
@@ -416,8 +426,11 @@ class Canary:
             check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
             lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
+            if lut.shape[0] < pool_slot_count:
+                raise ValueError(f"{check.PREFIX}SwaGroup.lut must map every slot of the full pool: length >= "
+                                 f"pool_slot_count={pool_slot_count}, got {lut.shape[0]}")
             swa_slots = check.slot_count("SwaGroup.num_slots", swa.num_slots)
-            swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device)
+            swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device, swa_slots)
 
         self.mode = mode
         self.device = device
@@ -667,6 +680,12 @@ class Canary:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
+        if self._planned is not None:
+            # a forward may be dropped after before_forward; one that ran left its tokens unfingerprinted
+            self.logger.warning(
+                "kv-canary: before_forward of forward %d, but forward %d had no after_forward: if it "
+                "ran, its new tokens were not fingerprinted, and each verify that reads them reports "
+                "them (CHAIN_HASH, POSITION, REAL_KV_HASH)", self.forwards + 1, self.forwards)
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)

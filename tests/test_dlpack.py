@@ -207,3 +207,15 @@ def test_not_an_array():
     with pytest.raises(TypeError, match=r"^kv-canary: pool_out must be an array supporting DLPack"):
         kc.scatter_req_token_ids(flat_in=np.zeros(4, np.int64), offsets=np.zeros(2, np.int64),
                                  req_pool_indices=np.zeros(1, np.int64), pool_out=[[0]])
+
+
+def test_a_tensor_without_a_dlpack_device_is_named():
+    """A torch meta tensor has no memory and no DLPack device: refused under its argument's name."""
+    torch = pytest.importorskip("torch")
+    ctx = kc.CanaryContext.allocate(16)
+    wplan = kc.WritePlan.from_host(offsets=np.array([0, 1]), seed_slot_indices=np.array([-1]), num_valid_reqs=1)
+    before = ctx.canary_buf.copy()
+    with pytest.raises(ValueError, match=r"^kv-canary: input_ids has no DLPack device \(only host memory and CUDA "):
+        kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=torch.empty(1, dtype=torch.int64, device="meta"),
+                 positions=np.array([0]), out_cache_loc=np.array([3]))
+    assert np.array_equal(ctx.canary_buf, before)

@@ -292,3 +292,27 @@ def test_every_batch_shape_names_a_compiled_plan_kernel():
             assert tile == (SMALL_TILE if bs <= SMALL_TILE and most <= SMALL_TILE_MAX_ENTRIES else TILE)
             for lut in (True, False):
                 assert _loader.plan_instance(tile, lut) in _loader.SPECS["plan"].kernels
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_write_offsets_past_int64_wrap_as_in_the_reference(device):
+    """Extends that add up past 2^63 - 1: the write plan's offsets are int64 sums and wrap, on every
+    backend as in the plain-Python reference model."""
+    from kvcanary_cupy import reference
+
+    big = 1 << 62
+    table = np.zeros((3, 16), np.int32)
+    table[1, :4], table[2, :4] = [1, 2, 3, 4], [5, 6, 7, 8]
+    batch = dict(req_pool_indices=np.array([1, 2, 1]), prefix_lens=np.array([0, 0, 0]),
+                 extend_seq_lens=np.array([big, big, 5]), req_to_token=table)
+    vplan, wplan = kc.VerifyPlan.allocate(64, device=device), kc.WritePlan.allocate(4, device=device)
+    kc.plan(vplan, wplan, **{name: to_device(value, device) for name, value in batch.items()})
+    offsets, seeds, valid = np.zeros(5, np.int64), np.zeros(4, np.int64), np.zeros(1, np.int32)
+    verify = [np.zeros(64, np.int64) for _ in range(4)]
+    reference.plan(req_pool_indices=batch["req_pool_indices"], prefix_lens=batch["prefix_lens"],
+                   extend_lens=batch["extend_seq_lens"], req_to_token=table, swa_window=0, lut=None,
+                   expected_pool=None, valid_lens=None, token_offset=0, v_slots=verify[0], v_tokens=verify[1],
+                   v_positions=verify[2], v_prev=verify[3], v_num_valid=np.zeros(1, np.int32),
+                   v_enable=np.zeros(1, np.int32), w_offsets=offsets, w_seeds=seeds, w_num_valid_reqs=valid)
+    assert offsets.tolist() == [0, big, -(1 << 63), -(1 << 63) + 5, 0]
+    assert to_numpy(wplan.offsets).tolist() == offsets.tolist()

@@ -845,16 +845,17 @@ def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework,
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_an_empty_swa_lut_resolves_nothing(device):
-    """An SWA group whose LUT is empty maps no slot: its writes and verifies find every slot
-    unresolved, and poll names the request and position of each (the cell that did not resolve)."""
+def test_cells_past_the_swa_lut_resolve_nothing(device):
+    """A table cell past the pool (a corrupted table) is out of range in the full group and past the
+    LUT in the SWA group: the SWA group's writes and verifies find those slots unresolved, and poll
+    names the request and position of each cell that did not resolve."""
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
                                    max_prefill_tokens=64)
     table = np.zeros((ROWS, WIDTH), np.int32)
-    table[1, :4] = [1, 2, 3, 4]
+    table[1, :4] = [SLOTS + 9, SLOTS + 10, SLOTS + 11, 4]
     canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=to_device(table, device), device=device,
-                       swa=kc.SwaGroup(window=4, lut=i64([]), num_slots=SLOTS))
+                       swa=kc.SwaGroup(window=4, lut=i64(np.arange(SLOTS + 1)), num_slots=SLOTS))
     for prefix, extend, slots in ((0, 3, [1, 2, 3]), (3, 1, [4])):
         batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]), extend_seq_lens=i64([extend]),
                                 input_ids=i64(slots), positions=i64(range(prefix, prefix + extend)),
@@ -862,11 +863,12 @@ def test_an_empty_swa_lut_resolves_nothing(device):
         canary.before_forward(batch)
         canary.after_forward(batch)
     report = canary.poll()
-    assert report.total > 0 and {event.group for event in report} == {"swa"}
-    assert all(event.request == 0 and event.reasons == ("OUT_OF_RANGE",) for event in report)
-    assert [(e.phase, e.position) for e in report if e.phase == "head"] == [("head", 0), ("head", 1), ("head", 2)]
-    assert ("write", 2) in [(e.phase, e.position) for e in report]  # the seed, position prefix - 1
+    swa = [event for event in report if event.group == "swa"]
+    assert swa and all(event.request == 0 and event.reasons == ("OUT_OF_RANGE",) for event in swa)
+    assert [(e.phase, e.position) for e in swa if e.phase == "head"] == [("head", 0), ("head", 1), ("head", 2)]
+    assert ("write", 2) in [(e.phase, e.position) for e in swa]  # the seed, position prefix - 1
     assert "slot unresolved (no cell of req_to_token or the LUT)" in report.describe()
+    assert {e.slot for e in report if e.group == "full" and e.phase == "head"} == {SLOTS + 9, SLOTS + 10, SLOTS + 11}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -1194,6 +1196,12 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"pool_slot_count": 1 << 63}, ValueError, ("pool_slot_count", "2**31")),
     ({"swa": _swa(num_slots=1 << 40)}, ValueError, ("SwaGroup.num_slots", "2**31")),
     ({"logger": "x"}, TypeError, ("logger", "str")),
+    ({"swa": _swa(lut=np.arange(SLOTS - 1, dtype=np.int64))}, ValueError,
+     ("SwaGroup.lut must map every slot of the full pool", f"pool_slot_count={SLOTS}", f"got {SLOTS - 1}")),
+    ({"real_kv_sources": kc.layouts.per_layer([np.zeros((SLOTS // 2, 2, 8), np.float32)])}, ValueError,
+     ("real_kv_sources[0] must hold the KV of every slot of its pool", f"= {SLOTS // 2} slots", f"pool's {SLOTS}")),
+    ({"swa": _swa(real_kv_sources=kc.layouts.paged([np.zeros((3, 4, 2, 8), np.float32)]))}, ValueError,
+     ("SwaGroup.real_kv_sources[0]", "3 rows x page_size 4 = 12 slots")),
 ])
 def test_construction_checks_before_allocating(monkeypatch, overrides, error, names):
     def no_allocation(*args, **kwargs):
@@ -1206,6 +1214,47 @@ def test_construction_checks_before_allocating(monkeypatch, overrides, error, na
     assert message.startswith("kv-canary: "), message
     for name in names:
         assert name in message, message
+
+
+def test_a_cuda_canary_without_cupy_says_so_first():
+    from kvcanary_cupy._dlpack import cupy_module
+
+    if cupy_module() is not None:
+        pytest.skip("CuPy is installed")
+    with pytest.raises(ValueError, match=r"^kv-canary: device: a CUDA device needs CuPy"):
+        _construct(device="cuda")
+
+
+def test_a_forward_left_without_after_forward_is_logged(caplog):
+    eng = Tiny("cpu")
+    eng.step({"a": 3, "b": 2})
+    i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([3]), extend_seq_lens=i64([1]),
+                            input_ids=i64([9]), positions=i64([3]), out_cache_loc=i64([9]))
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.canary.before_forward(batch)
+        assert not caplog.records
+        eng.canary.before_forward(batch)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("kv-canary: before_forward of forward 3, but forward 2 had no "
+                                          "after_forward: if it ran, its new tokens were not fingerprinted")
+    eng.canary.after_forward(batch)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.canary.before_forward(batch)
+    assert not caplog.records
+
+
+def test_mla_buffers_take_their_page_size_from_their_shape():
+    (paged,) = kc.layouts.mla([np.zeros((8, 16, 1, 64), np.uint8)])
+    (flat,) = kc.layouts.mla([np.zeros((8, 1, 64), np.uint8)], page_size=1)
+    assert (paged.page_size, paged.num_bytes_per_token) == (16, 64)
+    assert (flat.page_size, flat.num_bytes_per_token) == (1, 64)
+    with pytest.raises(ValueError, match=r"^kv-canary: page_size must be the tokens a row of buffers\[0\] holds "
+                                         r"\(shape\[1\]\), got 1 for shape \(8, 16, 1, 64\)$"):
+        kc.layouts.mla([np.zeros((8, 16, 1, 64), np.uint8)], page_size=1)
+    with pytest.raises(ValueError, match=r"^kv-canary: buffers\[0\] must be \[slots, 1, latent\] or "):
+        kc.layouts.mla([np.zeros((8, 64), np.uint8)])
 
 
 def test_construction_keeps_the_tables_in_place():

@@ -135,6 +135,11 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--fault-every", "0"], "argument --fault-every: must be >= 1, got 0"),
     (["--max-running", "x"], "argument --max-running: must be an integer, got 'x'"),
     (["--pool-slots", "10"], "kv-canary: pool_slots must be >= 528"),
+    (["--faults", ""], "argument --faults: a fault class name is empty in ''"),
+    (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
+    (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),
+    (["--json", "/nonexistent-folder/run.json"], "argument --json: no folder '/nonexistent-folder'"),
+    (["--chart", "."], "argument --chart: cannot write '.'"),
 ])
 def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
     """A demo option that would crash the simulator, or let it report a clean pass of nothing, is

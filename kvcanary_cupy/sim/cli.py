@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional
 
@@ -14,9 +15,11 @@ from .faults import FAULT_CLASSES
 
 
 def _faults(text: str) -> list[str]:
-    names = [n for part in text.split(",") for n in part.split() if n]
-    if names in (["all"], []):
-        return list(FAULT_CLASSES) if names else []
+    if any(not part.strip() for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"a fault class name is empty in {text!r}; name classes, 'all' or 'none'")
+    names = [n for part in text.split(",") for n in part.split()]
+    if names == ["all"]:
+        return list(FAULT_CLASSES)
     if names == ["none"]:
         return []
     unknown = [n for n in names if n not in FAULT_CLASSES]
@@ -36,6 +39,16 @@ def _at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
     return parse
+
+
+def _output_path(text: str) -> str:
+    """An argparse type: a file the run can write, checked before it runs rather than after."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {text!r} in")
+    if os.path.isdir(text) or not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+    return text
 
 
 DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which ones the canary catches, "
@@ -71,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the next batch size (powers of two below --max-running, and --max-running), over "
                              "input arrays refilled in place, the canary's part bound once per size "
                              "(kc.StaticForward) and, on a GPU, replayed as CUDA graphs")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--chart", metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
+    parser.add_argument("--json", type=_output_path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--chart", type=_output_path, metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
