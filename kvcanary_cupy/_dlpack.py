@@ -329,9 +329,9 @@ class _CapsuleKeeper:
         self.capsule = capsule
 
 
-# The dtype each live byte view stands for, by id (an entry goes with its view), so that a rule
-# refusing one names the caller's dtype, not uint8.
-_BYTE_VIEW_DTYPES: dict[int, str] = {}
+# The dtype and shape of the array each live byte view stands for, by id (an entry goes with its
+# view), so that a rule refusing one names the caller's dtype and shape, not uint8's.
+_BYTE_VIEWS: dict[int, tuple[str, Optional[tuple]]] = {}
 # DLPack type codes (dlpack.h) of the dtypes NumPy and CuPy cannot express, for objects that do
 # not name their dtype themselves.
 _DL_CODE_NAMES = {3: "opaque{bits}", 4: "bfloat{bits}", 5: "complex{bits}", 7: "float8_e3m4", 8: "float8_e4m3",
@@ -346,16 +346,24 @@ def _remember_dtype(view: Any, obj: Any, code: int, bits: int) -> Any:
         name = str(declared).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
     else:
         name = _DL_CODE_NAMES.get(code, "DLPack type code {code} of {bits} bits").format(code=code, bits=bits)
+    shape = getattr(obj, "shape", None)
     key = id(view)
-    _BYTE_VIEW_DTYPES[key] = name
-    weakref.finalize(view, _BYTE_VIEW_DTYPES.pop, key, None)
+    _BYTE_VIEWS[key] = (name, None if shape is None else tuple(int(n) for n in shape))
+    weakref.finalize(view, _BYTE_VIEWS.pop, key, None)
     return view
 
 
 def byte_view_dtype(array: Any) -> Optional[str]:
     """The dtype of the array a :func:`raw_byte_view` views (e.g. ``"bfloat16"``); ``None`` for any
     other array."""
-    return _BYTE_VIEW_DTYPES.get(id(array))
+    seen = _BYTE_VIEWS.get(id(array))
+    return None if seen is None else seen[0]
+
+
+def byte_view_shape(array: Any) -> Optional[tuple]:
+    """The shape, in its own elements, of the array a :func:`raw_byte_view` views, when it said."""
+    seen = _BYTE_VIEWS.get(id(array))
+    return None if seen is None else seen[1]
 
 
 def raw_byte_view(obj: Any, name: str):

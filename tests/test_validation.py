@@ -268,7 +268,7 @@ def test_a_dtype_numpy_lacks_is_named_as_the_callers(dtype, device):
                                                                       "chain_position_assert")})
     # its own shape where NumPy or CuPy views the dtype (CuPy 14 has bfloat16), else its bytes'
     with pytest.raises(ValueError, match=rf"^kv-canary: k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], "
-                                         rf"got shape (?:\(4, 8\)|\(4, \d+\) in bytes of a {dtype} array) \(one "):
+                                         rf"got shape (?:\(4, 8\)|\(4, \d+\) in bytes of a {dtype} array of shape \(4, 8\)) \(one "):
         kc.layouts.paged([tensor])
     cells = [to_device(np.zeros(8, np.int64), device) for _ in range(3)]
     with pytest.raises(TypeError, match=rf"^kv-canary: VerifyPlan.slot_indices must have dtype int64, got {dtype}$"):

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._dlpack import Device, byte_view_dtype, data_pointer, device_of, native_view
+from .._dlpack import Device, byte_view_dtype, byte_view_shape, data_pointer, device_of, native_view
 from .._layout import INT32_MAX, INT64_MAX, SOURCE_ALIGN_BYTES
 
 PREFIX = "kv-canary: "
@@ -125,7 +125,10 @@ def shape_text(array) -> str:
     """``array``'s shape for a message, said to be in bytes where it views a dtype NumPy lacks."""
     foreign = byte_view_dtype(array)
     shape = tuple(array.shape)
-    return f"{shape}" if foreign is None else f"{shape} in bytes of a {foreign} array"
+    if foreign is None:
+        return f"{shape}"
+    own = byte_view_shape(array)
+    return f"{shape} in bytes of a {foreign} array" + ("" if own is None else f" of shape {own}")
 
 
 def member(name: str, value: Any, kind: type) -> Any:
