@@ -416,6 +416,9 @@ class Canary:
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
         if expected_tokens is not None:
             expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32)
+            if expected_tokens.shape[0] < req_to_token.shape[0]:  # a row past it is never checked
+                raise ValueError(f"{check.PREFIX}expected_tokens must have a row for every req_to_token row: "
+                                 f"rows >= {req_to_token.shape[0]}, got shape {check.shape_text(expected_tokens)}")
         check_expected_token = (expected_tokens is not None if check_expected_token is None
                                 else check.boolean("check_expected_token", check_expected_token))
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
