@@ -1031,11 +1031,12 @@ class Canary:
 
     def _verify_launches(self, group: _Group, rows: Sequence[Violation]) -> dict:
         """The logged verify launch of each row only a verify records (by row index: ``(launch index,
-        (batch row, position))``). A slot found bad stays bad until it is written again, so each
+        (batch row, position))``). A slot found bad stays bad until it is written again, so every
         launch that read it since then recorded it too: the rows of one slot and tag, in ring
-        order, are given to the last launches of that tag that read the slot, as many rows to a
-        launch as it has entries of the slot. (The first launch that could have read it may have
-        run before the slot went bad.)"""
+        order, are given to the last launches of that tag that read it, each launch taking from the
+        end as many rows as it has entries that would record them (entries of the slot with the
+        same position and predecessor record the same row). The first launch that could have read
+        the slot may have run before it went bad."""
         log = group.log
         by_slot: dict = {}
         for i, v in enumerate(rows):
@@ -1044,22 +1045,39 @@ class Canary:
                 continue  # a write's row, or one either could record: matched in ring order
             by_slot.setdefault((int(v.kernel_kind), v.slot_idx), []).append(i)
         found = {}
-        for (tag, slot), indices in by_slot.items():
-            pending = list(indices)
+        for (tag, slot), pending in by_slot.items():
             for index in range(len(log) - 1, -1, -1):
+                launch = log[index]
                 if not pending:
                     break
-                launch = log[index]
                 if launch.kind != "verify" or launch.tag != tag:
                     continue
-                slots = self._verify_index(group, launch)[0]
-                entries = int(np.searchsorted(slots, slot, "right") - np.searchsorted(slots, slot, "left"))
-                for i in pending[max(0, len(pending) - entries):]:
-                    match = self._match_verify(group, launch, rows[i])
-                    if match is not None:
-                        found[i] = (index, match)
-                del pending[max(0, len(pending) - entries):]
+                entries = self._entries_of(group, launch, slot)
+                while pending:
+                    match = self._match_verify(group, launch, rows[pending[-1]])
+                    kind = None if match is None else self._entry_kind(group, launch, match)
+                    if not entries.get(kind):
+                        break  # this row, and those before it, came from earlier launches
+                    entries[kind] -= 1
+                    found[pending.pop()] = (index, match)
         return found
+
+    def _entry_kind(self, group: _Group, launch: _Launch, entry: tuple) -> tuple:
+        """What a verify entry ``(batch row, position)`` checks its slot against: its position and
+        its predecessor's slot (entries alike record alike rows)."""
+        row, position = entry
+        rows = self._host(id(launch.batch.req_pool_indices), launch.batch.req_pool_indices)
+        return position, self._predecessor(group, int(rows[row]), position)
+
+    def _entries_of(self, group: _Group, launch: _Launch, slot: int) -> dict:
+        """How many of ``launch``'s verify entries check ``slot``, by :meth:`_entry_kind`."""
+        slots, owners, positions = self._verify_index(group, launch)
+        lo, hi = np.searchsorted(slots, slot, "left"), np.searchsorted(slots, slot, "right")
+        kinds: dict = {}
+        for k in range(lo, hi):
+            kind = self._entry_kind(group, launch, (int(owners[k]), int(positions[k])))
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
 
     def _resolve(self, group: _Group, rows: Sequence[Violation], static_ran: set = frozenset()) -> list[CanaryEvent]:
         events = []
