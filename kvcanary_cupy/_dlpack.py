@@ -263,6 +263,15 @@ def order_after_torch(index: int) -> None:
             runtime.eventDestroy(event)
 
 
+def stream_capturing(stream: Any) -> bool:
+    """Whether a CuPy stream (as ops resolve ``stream=``) is capturing a CUDA graph; never for the
+    CPU's ``None``."""
+    cupy = cupy_module()
+    if cupy is None or getattr(stream, "ptr", None) is None:
+        return False
+    return _capturing(cupy, int(stream.ptr))
+
+
 def _capturing(cupy, stream: int) -> bool:
     """Whether ``stream`` is capturing a CUDA graph (or cannot be asked because another is)."""
     is_capturing = getattr(cupy.cuda.runtime, "streamIsCapturing", None)

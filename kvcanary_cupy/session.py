@@ -23,10 +23,10 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from . import _layout as L
-from . import reference as _ref
 from . import validate as check
 from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, order_after_torch,
-                      parse_device, require_cupy, settle, to_host)
+                      parse_device, require_cupy, settle, stream_capturing, to_host)
+from ._mapping import RowMapper
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, check_stream_form, resolve_stream
@@ -38,9 +38,7 @@ __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardB
 
 MODES = ("off", "log", "raise")
 _LOG = logging.getLogger("kvcanary_cupy")
-_WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
 _RUN_COUNTS_PER_ARRAY = 64
-_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -334,11 +332,6 @@ def _on(device, stream: Any):
         yield
 
 
-def _signed(value: int) -> int:
-    value &= L.U64_MASK
-    return value - (1 << 64) if value >> 63 else value
-
-
 # --- argument checks (SPEC §4) of what only the session takes; the ops' own rules run through their
 # --- argument bundles (PlanBatch, WriteBatch), all built before the first launch of a call ---------
 def _sources(name: str, sources: Any, device: Device, slots: int) -> tuple:
@@ -452,7 +445,6 @@ class Canary:
         self._static_forward_count = 0
         self._live_run_counts: list = []  # by count array: how many of its forwards a poll still reads
         self._planned: Any = None
-        self._host_cache: dict = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
         self._plan_op = backend_module(device, "plan").plan
         self._verify_op = backend_module(device, "verify").verify
@@ -823,8 +815,8 @@ class Canary:
             return CanaryReport()
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
-        self._host_cache = {}
         ran = self._static_forwards_ran()
+        mapper = RowMapper(self)
         for group in self.groups:
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
@@ -833,14 +825,15 @@ class Canary:
                 group.overflows[...] = 0
                 settle(group.device)
             if raw.total:
-                events.extend(self._resolve(group, raw.rows, ran))
+                named = mapper.resolve(group, raw.rows, raw.dropped > 0, ran)
+                events.extend(CanaryEvent(group.name, phase, step, v.slot_idx, request, position, v)
+                              for v, (phase, step, request, position) in zip(raw.rows, named))
                 total += raw.total
                 dropped += raw.dropped
                 group.ctx.clear_violations()
             group.log.clear()
         self._drop_closed_static_forwards()
         report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards + self._static_runs)
-        self._host_cache = {}
         if report.total or report.capacity_overflows:
             if self.mode == "raise" and report.total:
                 raise CanaryViolation(report)
@@ -851,137 +844,7 @@ class Canary:
         """Each group's health counters (synchronises)."""
         return {group.name: group.ctx.counters() for group in self.groups}
 
-    # --- mapping violations back to requests ------------------------------------------------------
-    def _host(self, key, array):
-        if key not in self._host_cache:
-            self._host_cache[key] = None if array is None else np.asarray(to_host(native_view(array, str(key))))
-        return self._host_cache[key]
-
-    def _verify_index(self, group: _Group, launch: _Launch):
-        """Sorted ``(slot, batch row, position)`` of every entry a verify launch checked."""
-        if launch._verify_index is not None:
-            return launch._verify_index
-        batch = launch.batch
-        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
-        lens = batch.seq_lens if isinstance(batch, LiveRequests) else batch.prefix_lens
-        lens = self._host(id(lens), lens)
-        table = self._host("req_to_token", self.req_to_token)
-        lut = None if group.lut is None else self._host(("lut", group.name), group.lut)
-        slots, owners, positions = [], [], []
-        for r, (row, length) in enumerate(zip(rows.tolist(), lens.tolist())):
-            if row <= 0 or row >= table.shape[0] or length <= 0:
-                continue
-            length = min(length, table.shape[1])
-            start = max(0, length - group.window) if group.window else 0
-            seg = table[row, start:length].astype(np.int64)
-            if lut is not None and lut.shape[0] == 0:  # an empty LUT resolves no slot
-                seg = np.full_like(seg, -1)
-            elif lut is not None:
-                seg = np.where((seg >= 0) & (seg < lut.shape[0]), lut[np.clip(seg, 0, lut.shape[0] - 1)], -1)
-            slots.append(seg)
-            owners.append(np.full(seg.shape[0], r, np.int64))
-            positions.append(np.arange(start, length, dtype=np.int64))
-        if slots:
-            s, o, p = np.concatenate(slots), np.concatenate(owners), np.concatenate(positions)
-            order = np.argsort(s, kind="stable")
-            launch._verify_index = (s[order], o[order], p[order])
-        else:
-            empty_ = np.zeros(0, np.int64)
-            launch._verify_index = (empty_, empty_, empty_)
-        return launch._verify_index
-
-    def _link(self, group: _Group, slot: int) -> Optional[int]:
-        """``link(slot)`` from the canary's current contents, as the kernels compute it."""
-        if slot < 0:
-            return _signed(_ref.ANCHOR_LINK)
-        if slot >= group.ctx.num_slots:
-            return None
-        key = ("fields", group.name, slot)
-        if key not in self._host_cache:
-            self._host_cache[key] = group.ctx.slot_fields(slot)
-        f = self._host_cache[key]
-        return _signed(_ref.mix3(f["prev_hash"], f["token"], f["position"]))
-
-    def _cell_slot(self, group: _Group, row: int, position: int) -> int:
-        """The group's slot of ``req_to_token[row, position]``, as the plan resolves it (SPEC 3.3, 4):
-        UNRESOLVED outside the table or the LUT."""
-        table = self._host("req_to_token", self.req_to_token)
-        if not (0 <= row < table.shape[0] and 0 <= position < table.shape[1]):
-            return L.UNRESOLVED_SLOT
-        slot = int(table[row, position])
-        if group.lut is not None and slot >= 0:
-            lut = self._host(("lut", group.name), group.lut)
-            slot = int(lut[slot]) if slot < lut.shape[0] else L.UNRESOLVED_SLOT
-        return slot
-
-    def _predecessor(self, group: _Group, row: int, position: int) -> int:
-        return L.NO_PREDECESSOR if position <= 0 else self._cell_slot(group, row, position - 1)
-
-    def _match_unresolved(self, group: _Group, launch: _Launch, position: int):
-        """``(batch row, position)`` of a verify entry whose slot the plan could not resolve: its row
-        records the entry's position (SPEC 4), and the first batch row that checks that position
-        through a cell outside the table or the LUT is taken."""
-        batch = launch.batch
-        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
-        lens = batch.seq_lens if isinstance(batch, LiveRequests) else batch.prefix_lens
-        lens = self._host(id(lens), lens)
-        for r, (row, length) in enumerate(zip(rows.tolist(), lens.tolist())):
-            start = max(0, length - group.window) if group.window else 0
-            if row != 0 and start <= position < length and \
-                    self._cell_slot(group, row, position) == L.UNRESOLVED_SLOT:
-                return r, position
-        return None
-
-    def _match_verify(self, group: _Group, launch: _Launch, v: Violation):
-        if v.slot_idx == L.UNRESOLVED_SLOT:
-            return self._match_unresolved(group, launch, v.position)
-        slots, owners, positions = self._verify_index(group, launch)
-        lo, hi = np.searchsorted(slots, v.slot_idx, "left"), np.searchsorted(slots, v.slot_idx, "right")
-        if lo == hi:
-            return None
-        if hi - lo == 1:
-            return int(owners[lo]), int(positions[lo])
-        rows = self._host(id(launch.batch.req_pool_indices), launch.batch.req_pool_indices)
-        bits = v.fail_reason
-        best, best_score = None, -1
-        for k in range(lo, hi):
-            owner, pos = int(owners[k]), int(positions[k])
-            score = int((L.FailReason.POSITION in bits) == (v.position != pos))
-            if L.FailReason.CHAIN_HASH in bits or v.expected_aux != v.stored_chain_hash:
-                score += int(self._link(group, self._predecessor(group, int(rows[owner]), pos)) == v.expected_aux)
-            if score > best_score:
-                best, best_score = (owner, pos), score
-        return best
-
-    def _match_write(self, group: _Group, launch: _Launch, v: Violation):
-        batch = launch.batch
-        extend = self._host(id(batch.extend_seq_lens), batch.extend_seq_lens)
-        prefix = self._host(id(batch.prefix_lens), batch.prefix_lens)
-        rows = self._host(id(batch.req_pool_indices), batch.req_pool_indices)
-        counted = np.where(rows != 0, np.maximum(extend, 0), 0)  # padding rows write nothing (SPEC 3.3)
-        ends = np.cumsum(counted)
-        loc = self._host(id(launch.write_loc), launch.write_loc)
-        hits = np.flatnonzero(loc == v.slot_idx)
-        if hits.size:
-            index = int(hits[0])
-            r = int(np.searchsorted(ends, index, "right"))
-            return None if r >= len(ends) else (r, int(prefix[r]) + index - int(ends[r] - counted[r]))
-        # the rows SPEC 4 records without an entry's slot: a seed outside the table or the LUT, or
-        # a request whose entries reach past the batch's arrays (the position is the first outside)
-        writes = np.flatnonzero(counted > 0)
-        if (v.position, v.stored_token, v.expected_token, v.expected_aux) != (0, 0, 0, 0):
-            return None  # a verify's row (it records the entry's expected token, -1 or a token id)
-        if v.slot_idx == L.UNRESOLVED_SLOT and v.stored_chain_hash == 0:
-            seeded = [int(r) for r in writes if prefix[r] > 0
-                      and self._cell_slot(group, int(rows[r]), int(prefix[r]) - 1) == L.UNRESOLVED_SLOT]
-            return (seeded[0], int(prefix[seeded[0]]) - 1) if seeded else None
-        if v.slot_idx == -1:
-            past = [int(r) for r in writes if ends[r] > loc.shape[0]]
-            if len(past) == 1:
-                r = past[0]
-                return r, int(prefix[r]) + max(0, loc.shape[0] - int(ends[r] - counted[r]))
-        return None
-
+    # --- static forwards' runs, counted on the device ---------------------------------------------
     def _run_counter(self) -> tuple[Any, tuple[int, int]]:
         """A new static forward's run count: a cell of one of the canary's count arrays (its address
         never moves: a captured graph holds it), and where it lies, so that a poll reads every count
@@ -1028,120 +891,6 @@ class Canary:
                 for launch in launches:
                     launch._verify_index = None
         return ran
-
-    def _verify_launches(self, group: _Group, rows: Sequence[Violation]) -> dict:
-        """The logged verify launch of each row only a verify records (by row index: ``(launch index,
-        (batch row, position))``). A slot found bad stays bad until it is written again, so every
-        launch that read it since then recorded it too: the rows of one slot and tag, in ring
-        order, are given to the last launches of that tag that read it, each launch taking from the
-        end as many rows as it has entries that would record them (entries of the slot with the
-        same position and predecessor record the same row). The first launch that could have read
-        the slot may have run before it went bad."""
-        log = group.log
-        by_slot: dict = {}
-        for i, v in enumerate(rows):
-            bits = int(v.fail_reason)
-            if bits & _WRITE_BITS or not bits & ~_OUT_OF_RANGE or v.slot_idx == L.UNRESOLVED_SLOT:
-                continue  # a write's row, or one either could record: matched in ring order
-            by_slot.setdefault((int(v.kernel_kind), v.slot_idx), []).append(i)
-        found = {}
-        for (tag, slot), pending in by_slot.items():
-            for index in range(len(log) - 1, -1, -1):
-                launch = log[index]
-                if not pending:
-                    break
-                if launch.kind != "verify" or launch.tag != tag:
-                    continue
-                entries = self._entries_of(group, launch, slot)
-                while pending:
-                    match = self._match_verify(group, launch, rows[pending[-1]])
-                    kind = None if match is None else self._entry_kind(group, launch, match)
-                    if not entries.get(kind):
-                        break  # this row, and those before it, came from earlier launches
-                    entries[kind] -= 1
-                    found[pending.pop()] = (index, match)
-        return found
-
-    def _entry_kind(self, group: _Group, launch: _Launch, entry: tuple) -> tuple:
-        """What a verify entry ``(batch row, position)`` checks its slot against: its position and
-        its predecessor's slot (entries alike record alike rows)."""
-        row, position = entry
-        rows = self._host(id(launch.batch.req_pool_indices), launch.batch.req_pool_indices)
-        return position, self._predecessor(group, int(rows[row]), position)
-
-    def _entries_of(self, group: _Group, launch: _Launch, slot: int) -> dict:
-        """How many of ``launch``'s verify entries check ``slot``, by :meth:`_entry_kind`."""
-        slots, owners, positions = self._verify_index(group, launch)
-        lo, hi = np.searchsorted(slots, slot, "left"), np.searchsorted(slots, slot, "right")
-        kinds: dict = {}
-        for k in range(lo, hi):
-            kind = self._entry_kind(group, launch, (int(owners[k]), int(positions[k])))
-            kinds[kind] = kinds.get(kind, 0) + 1
-        return kinds
-
-    def _resolve(self, group: _Group, rows: Sequence[Violation], static_ran: set = frozenset()) -> list[CanaryEvent]:
-        events = []
-        pointer = 0
-        log = group.log
-        verified = self._verify_launches(group, rows)
-        for i, v in enumerate(rows):
-            found = verified.get(i)
-            bits = int(v.fail_reason)
-            may_write = not bits & ~(_WRITE_BITS | _OUT_OF_RANGE)
-            may_verify = not bits & _WRITE_BITS
-            order = list(range(pointer, len(log))) + list(range(0, pointer)) if found is None else []
-            for index in order:
-                match = self._match(group, log[index], v, may_write, may_verify)
-                if match is not None:
-                    found = (index, match)
-                    break
-            if found is None:
-                static = next(((launch, match) for forward, launches in group.static_log
-                               if id(forward) in static_ran for launch in launches
-                               for match in [self._match(group, launch, v, may_write, may_verify)]
-                               if match is not None), None)
-                if static is not None:
-                    launch, (r, position) = static
-                    events.append(CanaryEvent(group.name, launch.phase, None, v.slot_idx,
-                                              _request_name(launch.batch, r), position, v))
-                    continue
-                launch = next((l for l in log[pointer:] if l.tag == int(v.kernel_kind)), None)
-                phase = launch.phase if launch else _phase_of(group, v)
-                events.append(CanaryEvent(group.name, phase, launch.step if launch else None, v.slot_idx, None,
-                                          None, v))
-                continue
-            pointer, (r, position) = found
-            launch = log[pointer]
-            events.append(CanaryEvent(group.name, launch.phase, launch.step, v.slot_idx,
-                                      _request_name(launch.batch, r), position, v))
-        return events
-
-    def _match(self, group: _Group, launch: _Launch, v: Violation, may_write: bool, may_verify: bool):
-        """``(batch row, position)`` of ``v`` in ``launch``, or None."""
-        if launch.tag != int(v.kernel_kind):
-            return None
-        if launch.kind == "write":
-            return self._match_write(group, launch, v) if may_write else None
-        return self._match_verify(group, launch, v) if may_verify else None
-
-
-def _phase_of(group: _Group, v: Violation) -> str:
-    """The phase a row's tag and reasons name, for a row no logged launch of that tag explains."""
-    tag = int(v.kernel_kind)
-    if tag == group.head_tag:
-        return "head"
-    if tag == group.sweep_tag:
-        return "sweep"
-    if tag == group.tail_tag:
-        return "write" if int(v.fail_reason) & _WRITE_BITS else "tail"
-    return "unknown"
-
-
-def _request_name(batch, row: int):
-    """The name of ``batch``'s row ``row``: its id, or the row itself without one."""
-    ids = batch.req_ids
-    return ids[row] if ids is not None and row < len(ids) else row
-
 
 class StaticForward:
     """The canary's part of every forward over one :class:`ForwardBatch`'s arrays, validated and
@@ -1215,6 +964,7 @@ class StaticForward:
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
                 canary._forward_check(group, group.head_tag, stream)
+            self._log(stream, 0, 1)
         canary._planned = None  # the plans are this batch's now: an eager after_forward plans its own
 
     def after(self, *, stream: Any = None) -> None:
@@ -1229,6 +979,17 @@ class StaticForward:
             for group, write in zip(canary.groups, self._writes):
                 write(stream)
                 canary._forward_check(group, group.tail_tag, stream)
+            self._log(stream, 1, 3)
+
+    def _log(self, stream, first: int, end: int) -> None:
+        """Log a run's launches ``[first, end)`` (head; write and tail) as an eager forward's are, so
+        that poll places its rows in order among theirs; not while a graph is captured, whose
+        replays leave no trace (poll matches their rows against the static forward itself); nor
+        for a closed forward, run by mistake, whose rows belong to no forward."""
+        if self.closed or stream_capturing(stream):
+            return
+        for group, launches in self._logged:
+            group.log.extend(dataclasses.replace(launch, step=None, _verify_index=None) for launch in launches[first:end])
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still

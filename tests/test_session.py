@@ -148,42 +148,6 @@ def test_events_carry_the_step_of_the_forward_that_found_them(device, sweep):
     assert found == expected
 
 
-def _corrupted_run(device, seed: int, poll_every: int, swa: bool) -> list[tuple]:
-    """Decode forwards of two requests with one lasting fault at a random forward (a flipped K value
-    or a table cell pointed at another request's slot), polled every ``poll_every`` forwards."""
-    rng = np.random.default_rng(seed)
-    eng = Tiny(device, swa=swa)
-    events = []
-    eng.step({"a": 6, "b": 5})
-    at, kind = int(rng.integers(2, 8)), ("kv", "alias")[int(rng.integers(2))]
-    rid, other = ("a", "b") if rng.integers(2) else ("b", "a")
-    for forward in range(2, 11):
-        if forward == at:
-            position = int(rng.integers(max(0, eng.lens[rid] - 3), eng.lens[rid]))  # inside an SWA window too
-            if kind == "kv":
-                eng.k[eng.slot(rid, position), 1, 3] += 1.0
-            else:
-                table = to_numpy(eng.table).copy()
-                table[eng.rows[rid], position] = eng.slot(other, 1)
-                eng.table[...] = to_device(table, device)
-        eng.step({"a": 1, "b": 1})
-        if forward % poll_every == 0 or forward == 10:
-            events += [(e.group, e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in eng.canary.poll()]
-    return events
-
-
-@pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("swa", [False, True])
-def test_polling_every_few_forwards_finds_what_polling_every_forward_finds(device, swa):
-    """A lasting fault, polled after every forward (each row then has one forward to come from) and
-    every three: the same events, steps, requests and positions (a poll lists the full group's
-    events before the SWA group's, hence the sort)."""
-    for seed in range(12):
-        every = sorted(_corrupted_run(device, seed, 1, swa), key=repr)
-        assert every, seed
-        assert sorted(_corrupted_run(device, seed, 3, swa), key=repr) == every, seed
-
-
 @pytest.mark.parametrize("device", BACKENDS)
 def test_cells_outside_the_table_name_their_request(device):
     """A pool row past ``req_to_token`` resolves no slot: each verify entry and the write's seed are

@@ -1,0 +1,298 @@
+"""kc.Canary.poll: each violation row named by the forward, request and position that recorded it.
+
+A row carries no launch id, so poll infers it. The oracle here: the same workload polled after
+every forward (each row then has a single forward it can come from) and every few forwards must
+report the same events, for faults that last (KV bytes, a canary record, a table cell pointed at
+another request's slot) in engines that share prefixes, prefill in chunks, leave requests out of
+a batch, pad batches, sweep, check expected tokens and keep a sliding-window group.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _devices import BACKENDS, to_device
+
+SLOTS, ROWS, WIDTH = 128, 8, 64
+
+
+class _Engine:
+    """Requests in pool rows over a 128-slot pool with one layer of K, on ``device``; host mirrors
+    of the tables, copied to the device after each change."""
+
+    def __init__(self, device, *, swa_window=0, expected=False, ring=1024, verify_capacity=None):
+        self.device = device
+        self.rng = np.random.default_rng(0)
+        self.table = np.zeros((ROWS, WIDTH), np.int32)
+        self.table_dev = to_device(self.table, device)
+        self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
+        caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
+                                       max_prefill_tokens=4096)
+        if verify_capacity is not None:
+            caps = kc.Capacities(caps.max_bs, verify_capacity, caps.write_req_capacity, caps.write_entry_capacity)
+        swa = None
+        if swa_window:
+            self.lut = np.zeros(SLOTS + 1, np.int64)
+            self.lut_dev = to_device(self.lut, device)
+            self.swa_k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
+            self.swa_free = list(range(1, SLOTS))
+            swa = kc.SwaGroup(window=swa_window, lut=self.lut_dev, num_slots=SLOTS,
+                              real_kv_sources=kc.layouts.per_layer([self.swa_k]))
+        self.expected = np.zeros((ROWS, WIDTH), np.int32) if expected else None
+        self.expected_dev = None if self.expected is None else to_device(self.expected, device)
+        self.canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=self.table_dev, device=device,
+                                real_kv_sources=kc.layouts.per_layer([self.k]), hash_mode=kc.HashMode.ALL,
+                                ring_capacity=ring, swa=swa, expected_tokens=self.expected_dev)
+        self.free = list(range(1, SLOTS))
+        self.requests: dict = {}
+
+    def sync(self):
+        self.table_dev[...] = to_device(self.table, self.device)
+        if self.expected is not None:
+            self.expected_dev[...] = to_device(self.expected, self.device)
+        if hasattr(self, "lut"):
+            self.lut_dev[...] = to_device(self.lut, self.device)
+
+    def add(self, rid, row, share=None, shared=0):
+        request = dict(row=row, slots=[], tokens=[], len=0)
+        if share is not None:  # the first `shared` tokens are another request's slots, as a radix cache shares them
+            other = self.requests[share]
+            request.update(slots=list(other["slots"][:shared]), tokens=list(other["tokens"][:shared]), len=shared)
+            self.table[row, :shared] = request["slots"]
+            if self.expected is not None:
+                self.expected[row, :shared] = request["tokens"]
+        self.requests[rid] = request
+
+    def forward(self, extend: dict, padding_rows=0):
+        rows, prefix, lens, ids, positions, slots = [], [], [], [], [], []
+        for rid, count in extend.items():
+            request = self.requests[rid]
+            rows.append(request["row"]), prefix.append(request["len"]), lens.append(count)
+            for position in range(request["len"], request["len"] + count):
+                slot = self.free.pop(0)
+                if hasattr(self, "lut"):
+                    self.lut[slot] = self.swa_free.pop(0)
+                token = 1000 * request["row"] + position
+                request["slots"].append(slot), request["tokens"].append(token)
+                self.table[request["row"], position] = slot
+                if self.expected is not None:
+                    self.expected[request["row"], position] = token
+                ids.append(token), positions.append(position), slots.append(slot)
+        rows += [0] * padding_rows
+        prefix += [0] * padding_rows
+        lens += [0] * padding_rows
+        self.sync()
+        i64 = lambda values: to_device(np.asarray(values, np.int64), self.device)  # noqa: E731
+        batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64(prefix), extend_seq_lens=i64(lens),
+                                input_ids=i64(ids), positions=i64(positions), out_cache_loc=i64(slots),
+                                req_ids=list(extend) + [f"pad{i}" for i in range(padding_rows)])
+        self.canary.before_forward(batch)
+        n = len(slots)
+        self.k[i64(slots)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
+        if hasattr(self, "lut"):
+            self.swa_k[i64(self.lut[slots])] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32),
+                                                          self.device)
+        self.canary.after_forward(batch)
+        for rid, count in extend.items():
+            self.requests[rid]["len"] += count
+
+    def sweep(self):
+        rids = list(self.requests)
+        i64 = lambda values: to_device(np.asarray(values, np.int64), self.device)  # noqa: E731
+        self.canary.sweep(kc.LiveRequests(req_pool_indices=i64([self.requests[r]["row"] for r in rids]),
+                                          seq_lens=i64([self.requests[r]["len"] for r in rids]), req_ids=rids))
+
+
+def _workload(seed: int):
+    """A random engine shape and one lasting fault, as a function of the engine and a poll tick."""
+    rng = np.random.default_rng(seed)
+    shape = dict(swa_window=int(rng.integers(2)) * 4, expected=bool(rng.integers(2)))
+    share, chunked, sweeps, padding = (bool(rng.integers(2)) for _ in range(4))
+    fault_at, kind = int(rng.integers(2, 7)), ("kv", "alias", "canary")[int(rng.integers(3))]
+    batches = [[str(rid) for rid in rng.permutation(["a", "b", "c"])[: int(rng.integers(1, 4))]] for _ in range(10)]
+    target = str(rng.choice(["a", "b", "c"]))
+    other = str(rng.choice([rid for rid in "abc" if rid != target]))
+    draws = rng.random(40)
+
+    def run(eng: _Engine, tick) -> None:
+        eng.add("a", 1)
+        eng.add("c", 3)
+        for extend in ([{"a": 4, "c": 3}] * 2 if chunked else [{"a": 8, "c": 6}]):
+            eng.forward(extend)
+            tick()
+        eng.add("b", 2, share="a" if share else None, shared=5 if share else 0)
+        eng.forward({"b": 3})
+        tick()
+        for number, rids in enumerate(batches):
+            if number == fault_at:
+                request = eng.requests[target]
+                low = max(0, request["len"] - 3)  # inside an SWA window too
+                position = low + int(draws[number] * (request["len"] - low))
+                slot = request["slots"][position]
+                if kind == "kv" and shape["swa_window"] and draws[number + 20] < 0.5:
+                    eng.swa_k[int(eng.lut[slot]), 0, 1] += 1.0
+                elif kind == "kv":
+                    eng.k[slot, 0, 1] += 1.0
+                elif kind == "canary":  # the stored token's low byte
+                    eng.canary.context.canary_buf[slot, 0] ^= 1
+                else:
+                    donor = eng.requests[other]
+                    eng.table[request["row"], position] = donor["slots"][min(position, donor["len"] - 1)]
+            eng.forward({rid: 1 for rid in rids}, padding_rows=int(padding and draws[number] < 0.5))
+            tick()
+            if sweeps and draws[number + 10] < 0.3:
+                eng.sweep()
+
+    return shape, run
+
+
+def _events(device, seed: int, every: int) -> list:
+    shape, run = _workload(seed)
+    eng = _Engine(device, **shape)
+    found, ticks = [], [0]
+
+    def tick():
+        ticks[0] += 1
+        if ticks[0] % every == 0:
+            found.extend(eng.canary.poll())
+
+    run(eng, tick)
+    found.extend(eng.canary.poll())
+    return sorted(((e.group, e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in found), key=repr)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every", [3, 5])
+def test_polling_every_few_forwards_names_what_polling_every_forward_names(device, every):
+    found = 0
+    for seed in range(30):
+        each = _events(device, seed, 1)
+        found += bool(each)  # a fault no later forward reads finds nothing
+        assert _events(device, seed, every) == each, seed
+    assert found >= 25
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_full_ring_keeps_the_first_rows_and_names_their_forwards(device):
+    """The ring keeps the rows it stored first: polled late, they are named by the first
+    forwards that found the fault, not the last."""
+    eng = _Engine(device, ring=4)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    for _ in range(4):
+        eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert report.dropped == 4 and [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", 2, "a", 2), ("tail", 2, "a", 2), ("head", 3, "a", 2), ("tail", 3, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_forward_whose_verify_overflowed_found_nothing(device):
+    """A forward whose prefixes exceed the verify capacity checked nothing: the rows go to the
+    forwards that did check."""
+    eng = _Engine(device, verify_capacity=12)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})  # 6 entries
+    eng.forward({"b": 8})  # no prefix: writes only
+    eng.forward({"a": 1, "b": 1})  # 7 + 8 entries: past the capacity
+    report = eng.canary.poll()
+    assert report.capacity_overflows == 2  # its HEAD and TAIL verify
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_shared_slot_is_named_for_each_request_that_reads_it(device):
+    """Two requests share a prefix slot whose KV changed: each forward names both readers, and a
+    request whose alias reads another's slot is named for its own chain, not for the owner's."""
+    eng = _Engine(device, expected=True)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.add("b", 2, share="a", shared=4)
+    eng.forward({"b": 2})
+    eng.k[eng.requests["a"]["slots"][3], 0, 0] += 1.0
+    eng.forward({"a": 1, "b": 1})
+    report = eng.canary.poll()
+    assert sorted((e.phase, e.request, e.position) for e in report) == [
+        ("head", "a", 3), ("head", "b", 3), ("tail", "a", 3), ("tail", "b", 3)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_no_launch_explains_keep_their_phase_and_no_step(device):
+    """A request finished and its pool row reused before the poll: rows its old cells recorded are
+    reported with their phase, and no request, position or step is guessed for them."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][1], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    eng.table[1, :] = 0  # a finished; its pool row cleared before the poll
+    eng.sync()
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", None, None, None),
+                                                                         ("tail", None, None, None)]
+
+
+def test_a_full_ring_no_launch_explains_is_reported_unnamed():
+    """1,024 rows that no launch explains any more (the request's pool row cleared), polled after
+    many forwards of another request: every row reported, none named."""
+    eng = _Engine("cpu")
+    eng.add("a", 1)
+    eng.forward({"a": 30})
+    for slot in eng.requests["a"]["slots"]:
+        eng.k[slot, 0, 0] += 1.0
+    for _ in range(20):  # 30 rows a verify: the ring is full after 18 launches
+        eng.forward({"a": 1})
+    eng.table[1, :] = 0
+    eng.sync()
+    eng.add("b", 2)
+    for _ in range(60):
+        eng.forward({"b": 1})
+    report = eng.canary.poll()
+    assert report.total > 1024 and len(report) == 1024
+    assert all(e.request is None and e.step is None for e in report)
+
+
+def _static_decode_events(device, every: int) -> list:
+    """An eager prefill, then decode steps of one request through a static forward refilled in
+    place (run eagerly, as on the CPU or before a capture), a KV fault after the first."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    arrays = {name: to_device(np.zeros(1, np.int64), device) for name in
+              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
+    decode = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a"]))
+    found = []
+    for number in range(4):
+        request, slot = eng.requests["a"], eng.free.pop(0)
+        position = request["len"]
+        eng.table[1, position] = slot
+        eng.sync()
+        for name, value in (("req_pool_indices", 1), ("prefix_lens", position), ("extend_seq_lens", 1),
+                            ("input_ids", 1000 + position), ("positions", position), ("out_cache_loc", slot)):
+            arrays[name][...] = to_device(np.array([value], np.int64), device)
+        if number == 1:
+            eng.k[request["slots"][2], 0, 0] += 1.0
+        decode.before()
+        eng.k[slot] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
+        decode.after()
+        request["slots"].append(slot)
+        request["len"] += 1
+        if (number + 1) % every == 0:
+            found.extend(eng.canary.poll())
+    found.extend(eng.canary.poll())
+    return [(e.phase, e.step, e.request, e.position) for e in found]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_static_forward_runs_are_placed_among_the_forwards(device):
+    """A static forward run eagerly is logged as a forward is: polled late, its rows are its own
+    (no step: static runs have none) and the eager prefill before the fault is given none."""
+    each = _static_decode_events(device, 1)
+    assert each == [("head", None, "a", 2), ("tail", None, "a", 2)] * 3
+    assert _static_decode_events(device, 4) == each
