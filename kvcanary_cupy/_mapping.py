@@ -44,6 +44,8 @@ class RowMapper:
     def __init__(self, canary):
         self.canary = canary
         self._cache: dict = {}
+        self._checked: dict = {}  # by (group, batch): RowMapper.checked
+        self._wanted: dict = {}  # by group: the slots its rows name
 
     # --- what the launches read, as the plans derive it (SPEC 3.3) -----------------------------------
     def host(self, key, array):
@@ -55,32 +57,34 @@ class RowMapper:
         array = getattr(launch.batch, name)
         return self.host(id(array), array)
 
-    def verify_index(self, group, launch):
-        """Sorted ``(slot, batch row, position)`` of every entry a verify launch checked."""
-        if launch._verify_index is not None:
-            return launch._verify_index
+    def checked(self, group, launch) -> dict:
+        """The entries of a verify launch that check a slot some row of the group names: ``{slot:
+        [(batch row, position), ...]}``, in batch-row and position order. A batch's HEAD and TAIL
+        launches share it (the same entries); derived a block of requests at a time, with no sort
+        of the whole batch (a decode batch of a million entries takes tens of milliseconds)."""
+        key = (group.name, id(launch.batch))
+        if key in self._checked:
+            return self._checked[key]
         rows = self._batch(launch, "req_pool_indices")
         lens = _lengths(launch.batch)
         lens = self.host(id(lens), lens)
         table = self.host("req_to_token", self.canary.req_to_token)
-        slots, owners, positions = [], [], []
-        for r, (row, length) in enumerate(zip(rows.tolist(), lens.tolist())):
-            if row <= 0 or row >= table.shape[0] or length <= 0:
-                continue  # padding, or a row whose cells resolve nothing (matched apart)
-            length = min(length, table.shape[1])
-            start = max(0, length - group.window) if group.window else 0
-            seg = self._through_lut(group, table[row, start:length].astype(np.int64))
-            slots.append(seg)
-            owners.append(np.full(seg.shape[0], r, np.int64))
-            positions.append(np.arange(start, length, dtype=np.int64))
-        if slots:
-            s, o, p = np.concatenate(slots), np.concatenate(owners), np.concatenate(positions)
-            order = np.argsort(s, kind="stable")
-            launch._verify_index = (s[order], o[order], p[order])
-        else:
-            empty = np.zeros(0, np.int64)
-            launch._verify_index = (empty, empty, empty)
-        return launch._verify_index
+        wanted = self._wanted[group.name]
+        found: dict = {}
+        live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0))  # padding, or rows resolving nothing
+        width = table.shape[1]
+        block = max(1, (1 << 22) // max(width, 1))
+        for first in range(0, live.shape[0], block):
+            owners = live[first:first + block]
+            ends = np.minimum(lens[owners], width)
+            starts = np.maximum(0, ends - group.window) if group.window else np.zeros_like(ends)
+            slots = self._through_lut(group, table[rows[owners]].astype(np.int64))
+            columns = np.arange(width)
+            hit = (columns >= starts[:, None]) & (columns < ends[:, None]) & np.isin(slots, wanted)
+            for at, position in zip(*np.nonzero(hit)):
+                found.setdefault(int(slots[at, position]), []).append((int(owners[at]), int(position)))
+        self._checked[key] = found
+        return found
 
     def _through_lut(self, group, cells: np.ndarray) -> np.ndarray:
         """``cells`` through the group's LUT as the plan maps them: negative cells pass through,
@@ -168,9 +172,7 @@ class RowMapper:
 
     def entries(self, group, launch, slot: int) -> list[tuple]:
         """``(batch row, position)`` of each of the launch's entries that checks ``slot``."""
-        slots, owners, positions = self.verify_index(group, launch)
-        lo, hi = np.searchsorted(slots, slot, "left"), np.searchsorted(slots, slot, "right")
-        return [(int(owners[k]), int(positions[k])) for k in range(lo, hi)]
+        return self.checked(group, launch).get(slot, [])
 
     def match_unresolved(self, group, launch, position: int):
         """``(batch row, position)`` of a verify entry whose slot the plan could not resolve: its row
@@ -233,18 +235,15 @@ class RowMapper:
         by_tag: dict = {}
         for tag, slot in keys:
             by_tag.setdefault(tag, []).append(slot)
-        wanted = {tag: np.array(sorted(slots), np.int64) for tag, slots in by_tag.items()}
         found: dict = {key: [] for key in keys}
         for index, launch in enumerate(group.log):
-            slots = wanted.get(launch.tag)
+            slots = by_tag.get(launch.tag)
             if launch.kind != "verify" or slots is None or self.overflowed(group, launch):
                 continue
-            checked = self.verify_index(group, launch)[0]
-            if checked.shape[0] == 0:
-                continue
-            at = np.searchsorted(checked, slots)
-            for slot in slots[(at < checked.shape[0]) & (checked[np.minimum(at, checked.shape[0] - 1)] == slots)]:
-                found[(launch.tag, int(slot))].append(index)
+            checked = self.checked(group, launch)
+            for slot in slots:
+                if slot in checked:
+                    found[(launch.tag, slot)].append(index)
         return found
 
     def verify_launches(self, group, rows: Sequence, dropped: bool) -> tuple[dict, dict]:
@@ -283,6 +282,7 @@ class RowMapper:
     def resolve(self, group, rows: Sequence, dropped: bool, static_ran: set) -> list[tuple]:
         """``(phase, step, request, position)`` of every row (``None`` where unknown)."""
         log = group.log
+        self._wanted[group.name] = np.unique(np.array([v.slot_idx for v in rows], np.int64))
         verified, candidates = self.verify_launches(group, rows, dropped)
         out, pointer, misses = [], 0, set()
         for i, v in enumerate(rows):

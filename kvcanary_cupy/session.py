@@ -195,8 +195,6 @@ class _Launch:
     step: int
     batch: Any  # ForwardBatch or LiveRequests
     write_loc: Any = None  # the slots the write used (SWA: translated)
-    _verify_index: Any = None
-    _write_index: Any = None
 
 
 class _Group:
@@ -871,8 +869,7 @@ class Canary:
 
     def _static_forwards_ran(self) -> set:
         """The static forwards (by id) that ran since the previous poll, their run counts cleared and
-        added to the forwards counted; their launches' entry indexes dropped (the arrays have been
-        refilled since)."""
+        added to the forwards counted."""
         live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
         if not live:
             return set()
@@ -883,14 +880,13 @@ class Canary:
         settle(self.device)
         ran = set()
         for group in self.groups:
-            for forward, launches in group.static_log:
+            for forward, _ in group.static_log:
                 array, index = forward.run_count_at
                 if counts[array][index] and id(forward) not in ran:
                     ran.add(id(forward))
                     self._static_runs += int(counts[array][index])
-                for launch in launches:
-                    launch._verify_index = None
         return ran
+
 
 class StaticForward:
     """The canary's part of every forward over one :class:`ForwardBatch`'s arrays, validated and
@@ -989,7 +985,7 @@ class StaticForward:
         if self.closed or stream_capturing(stream):
             return
         for group, launches in self._logged:
-            group.log.extend(dataclasses.replace(launch, step=None, _verify_index=None) for launch in launches[first:end])
+            group.log.extend(dataclasses.replace(launch, step=None) for launch in launches[first:end])
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still
