@@ -21,6 +21,7 @@ from ._dlpack import native_view, to_host
 _BIT_CHAIN = int(L.FailReason.CHAIN_HASH)
 _BIT_POSITION = int(L.FailReason.POSITION)
 _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
+_BIT_KV = int(L.FailReason.REAL_KV_HASH)
 WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
 OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
@@ -170,181 +171,259 @@ class RowMapper:
         expected_chain = self.link(group, prev)
         return v.expected_aux == expected_chain and bool(bits & _BIT_CHAIN) == (v.stored_chain_hash != expected_chain)
 
-    def entries(self, group, launch, slot: int) -> list[tuple]:
-        """``(batch row, position)`` of each of the launch's entries that checks ``slot``."""
-        return self.checked(group, launch).get(slot, [])
-
-    def match_unresolved(self, group, launch, position: int):
-        """``(batch row, position)`` of a verify entry whose slot the plan could not resolve: its row
-        records the entry's position (SPEC 4), and the first batch row that checks that position
-        through a cell outside the table or the LUT is taken."""
+    def entries(self, group, launch, key: tuple) -> list[tuple]:
+        """``(batch row, position)`` of each of the launch's entries that check the slot of ``key``
+        (``(tag, slot, position)``; the position only for the UNRESOLVED marker, whose rows record
+        the entry's position: a pool row outside the table, a position past its width, a cell past
+        the LUT)."""
+        _, slot, position = key
+        found = self.checked(group, launch).get(slot, [])
+        if slot != L.UNRESOLVED_SLOT:
+            return found
+        found = [entry for entry in found if entry[1] == position]
         rows = self._batch(launch, "req_pool_indices")
         lens = _lengths(launch.batch)
-        for r, (row, length) in enumerate(zip(rows.tolist(), self.host(id(lens), lens).tolist())):
-            start = max(0, length - group.window) if group.window else 0
-            if row != 0 and start <= position < length and \
-                    self.cell_slot(group, row, position) == L.UNRESOLVED_SLOT:
-                return r, position
-        return None
+        lens = self.host(id(lens), lens)
+        table_rows, width = self.host("req_to_token", self.canary.req_to_token).shape
+        starts = np.maximum(0, lens - group.window) if group.window else np.zeros_like(lens)
+        outside = (rows != 0) & ((rows < 0) | (rows >= table_rows) | (position >= width))
+        return found + [(int(r), position) for r in np.flatnonzero(outside & (starts <= position) & (position < lens))]
 
     def match_verify(self, group, launch, v):
-        """The entry of ``launch`` that recorded ``v``: the first that fits it, else (a predecessor
-        written again since) the first whose position agrees with the row's position bit; None
-        when no entry of the launch could have recorded it."""
-        if v.slot_idx == L.UNRESOLVED_SLOT:
-            return self.match_unresolved(group, launch, v.position)
-        entries = self.entries(group, launch, v.slot_idx)
-        moved = bool(int(v.fail_reason) & _BIT_POSITION)
-        return next((e for e in entries if self.fits(group, launch, v, e)), None) or \
-            next((e for e in entries if (e[1] != v.position) == moved), None)
+        """The first entry of ``launch`` that would record exactly ``v``, or None."""
+        key = (int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None)
+        return next((e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e)), None)
 
-    def match_write(self, group, launch, v):
-        """``(batch row, position)`` of a write row: the entry that wrote its slot, or for the rows
-        SPEC 4 records without one, the request whose seed is that slot (the position is the
-        seed's) or whose entries reach past the batch's arrays (the first position past them)."""
+    def match_write(self, group, launch, v) -> list[tuple]:
+        """``(batch row, position)`` of each entry or request of ``launch`` that could have
+        recorded write row ``v`` (each records one such row): the entries that wrote its slot with
+        its token and position, or for the rows SPEC 4 records without an entry, the requests whose
+        seed is that slot (the seed's position) or whose entries reach past the batch's arrays
+        (the first position past them)."""
         extend = self._batch(launch, "extend_seq_lens")
         prefix = self._batch(launch, "prefix_lens")
         rows = self._batch(launch, "req_pool_indices")
         counted = np.where(rows != 0, np.maximum(extend, 0), 0)  # padding rows write nothing (SPEC 3.3)
         ends = np.cumsum(counted)
         loc = self.host(id(launch.write_loc), launch.write_loc)
-        no_entry = (v.position, v.stored_token, v.expected_token, v.expected_aux) == (0, 0, 0, 0)
         writes = np.flatnonzero(counted > 0)
-        if no_entry and v.stored_chain_hash == 0 and v.slot_idx != -1:
-            seeded = [int(r) for r in writes if prefix[r] > 0
+        if _no_entry(v) and v.stored_chain_hash == 0 and v.slot_idx != -1:
+            seeded = [(int(r), int(prefix[r]) - 1) for r in writes if prefix[r] > 0
                       and self.cell_slot(group, int(rows[r]), int(prefix[r]) - 1) == v.slot_idx]
             if seeded:
-                return seeded[0], int(prefix[seeded[0]]) - 1
-        if no_entry and v.slot_idx == -1:
-            past = [int(r) for r in writes if ends[r] > loc.shape[0]]
-            if len(past) == 1:
-                r = past[0]
-                return r, int(prefix[r]) + max(0, loc.shape[0] - int(ends[r] - counted[r]))
-            return None
-        hits = np.flatnonzero(loc == v.slot_idx)
-        if hits.size == 0:
-            return None
-        index = int(hits[0])
-        r = int(np.searchsorted(ends, index, "right"))
-        return None if r >= len(ends) else (r, int(prefix[r]) + index - int(ends[r] - counted[r]))
+                return seeded
+        if _no_entry(v) and v.slot_idx == -1:
+            return [(int(r), int(prefix[r]) + max(0, loc.shape[0] - int(ends[r] - counted[r])))
+                    for r in writes if ends[r] > loc.shape[0]]
+        tokens, positions = self._batch(launch, "input_ids"), self._batch(launch, "positions")
+        found = []
+        for i in np.flatnonzero(loc == v.slot_idx).tolist():
+            r = int(np.searchsorted(ends, i, "right"))
+            if r < len(ends) and tokens[i] == v.stored_token and positions[i] == v.position:
+                found.append((r, int(prefix[r]) + i - int(ends[r] - counted[r])))
+        return found
 
     # --- every row of a group -----------------------------------------------------------------------
     def _candidates(self, group, keys: dict) -> dict:
-        """For each ``(tag, slot)`` of ``keys``, the logged verify launches of that tag that checked
-        the slot and ran (their plan fit the capacity), oldest first."""
-        by_tag: dict = {}
-        for tag, slot in keys:
-            by_tag.setdefault(tag, []).append(slot)
+        """For each key of ``keys``, the logged verify launches of its tag that checked its slot and
+        ran (their plan fit the capacity), oldest first."""
         found: dict = {key: [] for key in keys}
         for index, launch in enumerate(group.log):
-            slots = by_tag.get(launch.tag)
-            if launch.kind != "verify" or slots is None or self.overflowed(group, launch):
+            if launch.kind != "verify" or self.overflowed(group, launch):
                 continue
-            checked = self.checked(group, launch)
-            for slot in slots:
-                if slot in checked:
-                    found[(launch.tag, slot)].append(index)
+            for key in keys:
+                if key[0] == launch.tag and self.entries(group, launch, key):
+                    found[key].append(index)
         return found
 
-    def verify_launches(self, group, rows: Sequence, dropped: bool) -> tuple[dict, dict]:
-        """The logged verify launch and entry of each row only a verify records: ``{row index:
-        (launch index, (batch row, position))}``, and the candidate launches of each ``(tag,
-        slot)``. A slot found bad stays bad until it is written again, so every launch that read
-        it since recorded it: the rows of one slot and tag, in ring order, go to the last launches
-        that checked the slot, each taking from the end one row for each of its entries that fits
-        one (the first launch that read the slot may have run before it went bad). When the ring
-        dropped rows, the rows kept are the first ones, and are taken from the oldest launches."""
+    def _rewrites(self, group, slots: set) -> dict:
+        """For each of ``slots``, the logged write launches that wrote it."""
+        wanted = np.array(sorted(slots), np.int64)
+        found: dict = {}
+        for index, launch in enumerate(group.log):
+            if launch.kind == "write" and wanted.size:
+                for slot in np.intersect1d(self.host(id(launch.write_loc), launch.write_loc), wanted).tolist():
+                    found.setdefault(int(slot), []).append(index)
+        return found
+
+    def place_verify_rows(self, group, rows: Sequence, dropped: bool) -> dict:
+        """``{row index: (launch index or None, (phase, step, request, position))}`` for the rows
+        only a verify records.
+
+        A slot found bad stays bad until it is written again, so every launch that read it since
+        recorded it: the rows of one slot and tag, in ring order, go to the last launches that
+        checked the slot, each taking from the end one row for each of its entries that fits one.
+        When the slot was written before the last of those launches, a row whose stored fields
+        are the slot's record now (and that does not report changed KV bytes the slot no longer
+        has) came after the write, any other before it (from no launch that checks the slot as the
+        tables are now, if none did before the write). When the ring dropped rows, the kept ones are the
+        first: they go to the first launches, their step told only where every such launch
+        recorded one."""
+        log = group.log
         keyed: dict = {}
         for i, v in enumerate(rows):
-            bits = int(v.fail_reason)
-            if bits & WRITE_BITS or not bits & ~OUT_OF_RANGE or v.slot_idx == L.UNRESOLVED_SLOT:
-                continue  # a write's row, or one either could record: matched in ring order
-            keyed.setdefault((int(v.kernel_kind), v.slot_idx), []).append(i)
+            if not self.is_write_row(group, v):
+                key = (int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None)
+                keyed.setdefault(key, []).append(i)
         candidates = self._candidates(group, keyed)
-        found = {}
+        rewrites = self._rewrites(group, {key[1] for key, order in candidates.items() if order})
+        placed: dict = {}
         for key, pending in keyed.items():
-            order = candidates[key] if dropped else candidates[key][::-1]
-            for index in order:
-                launch, used = group.log[index], set()
-                while pending:
-                    i = pending[0] if dropped else pending[-1]
-                    entry = next((e for e in self.entries(group, launch, key[1])
-                                  if e not in used and self.fits(group, launch, rows[i], e)), None)
-                    if entry is None:
-                        break  # this row, and those before it, came from other launches
-                    used.add(entry)
-                    found[i] = (index, entry)
-                    pending.remove(i)
-                if not pending:
-                    break
-        return found, candidates
+            order = candidates[key]
+            writes = [index for index in rewrites.get(key[1], ()) if order and index < order[-1]]
+            if not writes:
+                self._assign(group, rows, key, pending, order, dropped, placed)
+                continue
+            now = group.ctx.slot_fields(key[1])
+            stale_kv = not self.kv_changed(group, key[1])
+            after = [i for i in pending if (rows[i].stored_token, rows[i].position, rows[i].stored_chain_hash)
+                     == (now["token"], now["position"], now["prev_hash"])
+                     and not (stale_kv and int(rows[i].fail_reason) & _BIT_KV)]
+            before = [i for i in pending if i not in after]
+            earlier = [index for index in order if index < writes[-1]]
+            self._assign(group, rows, key, after, [index for index in order if index > writes[-1]], dropped, placed)
+            if not any(earlier[0] < index < writes[-1] for index in writes[:-1]) if earlier else True:
+                self._assign(group, rows, key, before, earlier, dropped, placed)
+            else:  # written more than once: which content a row shows is not told apart
+                for i in before:
+                    names = {(request_name(log[index].batch, r), position) for index in earlier
+                             for r, position in self._fitting(group, log[index], key, rows[i])}
+                    if len(names) == 1:
+                        (name, position), = names
+                        placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
+        return placed
+
+    def _fitting(self, group, launch, key: tuple, v) -> list[tuple]:
+        return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e)]
+
+    def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, dropped: bool,
+                placed: dict) -> None:
+        """The rows ``pending`` of ``key`` given to the launches ``order`` (oldest first) that
+        checked its slot while it held one content (see :meth:`place_verify_rows`)."""
+        log = group.log
+        if not order or not pending:
+            return
+        exact = not dropped or sum(len(self._fitting(group, log[index], key, rows[pending[0]]))
+                                   for index in order) == len(pending)
+        for index in (order if dropped else order[::-1]):
+            launch, taken = log[index], []
+            while pending:
+                i = pending[0] if dropped else pending[-1]
+                fit = self._fitting(group, launch, key, rows[i])
+                entry = next((e for e in fit if e not in [t[1] for t in taken]), None)
+                if entry is None:
+                    break  # this row, and those before it, came from other launches
+                taken.append((i, entry, fit))
+                pending.remove(i)
+            # fewer rows than entries fitting them: some fit only as the tables are now, and a row
+            # is named only where all its fitting entries agree
+            alike = len(taken) == len({e for _, _, fit in taken for e in fit})
+            for i, entry, fit in taken:
+                name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike \
+                    else _one_name(launch, fit)
+                placed[i] = (index, (launch.phase, launch.step if exact else None, name, position))
+            if not pending:
+                return
+
+    def kv_changed(self, group, slot: int) -> bool:
+        """Whether the slot's real-KV bytes now differ from the hash its record holds (False where
+        nothing is hashed), recomputed on the host as the kernels fold them."""
+        ctx = group.ctx
+        read = [(source, source.read_length(ctx.hash_mode)) for source in ctx.real_kv_sources]
+        if not 0 <= slot < ctx.num_slots or not any(length for _, length in read):
+            return False
+        acc = 0
+        for source, length in read:
+            row = slot // source.page_size
+            if row >= source.num_rows:
+                acc = _ref.sm(acc)
+                continue
+            data = np.ascontiguousarray(to_host(source._native[row])).reshape(-1).view(np.uint8)
+            start = (slot % source.page_size) * source.num_bytes_per_token
+            acc = _ref.sm(acc ^ _ref.fold(data[start:start + length].tobytes()))
+        return _ref._signed(acc) != group.ctx.slot_fields(slot)["real_kv_hash"]
+
+    def is_write_row(self, group, v) -> bool:
+        """Whether only a write records a row of this shape (SPEC 3.1, 4): its write bits, or the
+        out-of-range rows a write records under the TAIL tag: an entry's slot or source row
+        ``(slot, pos, token, token, chain, pos)``, a seed ``(seed, 0, 0, 0, 0, 0)``, entries past
+        the batch's arrays ``(-1, 0, 0, 0, chain, 0)``."""
+        bits = int(v.fail_reason)
+        if bits & WRITE_BITS:
+            return True
+        if int(v.kernel_kind) != group.tail_tag or bits & ~OUT_OF_RANGE:
+            return False
+        if v.expected_token == v.stored_token and v.expected_aux == v.position and v.stored_chain_hash != 0:
+            return True
+        return _no_entry(v) and (v.stored_chain_hash == 0 or v.slot_idx == -1)
 
     def resolve(self, group, rows: Sequence, dropped: bool, static_ran: set) -> list[tuple]:
         """``(phase, step, request, position)`` of every row (``None`` where unknown)."""
         log = group.log
         self._wanted[group.name] = np.unique(np.array([v.slot_idx for v in rows], np.int64))
-        verified, candidates = self.verify_launches(group, rows, dropped)
+        placed = self.place_verify_rows(group, rows, dropped)
         out, pointer, misses = [], 0, set()
+        taken: dict = {}  # by (launch, match): the rows given to it, one each an entry or request
         for i, v in enumerate(rows):
-            found = verified.get(i)
-            bits = int(v.fail_reason)
-            may_write = not bits & ~(WRITE_BITS | OUT_OF_RANGE)
-            may_verify = not bits & WRITE_BITS
-            key = (int(v.kernel_kind), v.slot_idx)
-            if found is None and not may_write and key in candidates:  # a verify's: the launches that read the slot
-                order = [index for index in candidates[key] if index >= pointer] + \
-                        [index for index in candidates[key] if index < pointer]
-            elif found is None and _row(v) not in misses:
-                order = list(range(pointer, len(log))) + list(range(0, pointer))
-            else:
-                order = []
-            for index in order:
-                match = self._match(group, log[index], v, may_write, may_verify)
-                if match is not None:
-                    found = (index, match)
-                    break
+            if i in placed:
+                index, named = placed[i]
+                pointer = pointer if index is None else index
+                out.append(named)
+                continue
+            found = None
+            if self.is_write_row(group, v) and _row(v) not in misses:  # in ring order, from the last row's launch
+                tag = int(v.kernel_kind)
+                for index in list(range(pointer, len(log))) + list(range(0, pointer)):
+                    if log[index].kind == "write" and log[index].tag == tag:
+                        match = self.match_write(group, log[index], v)
+                        # an entry records up to three rows (source out of range, input assert,
+                        # chain position assert), a seed or a request past the arrays one
+                        held = (index, v.slot_idx) if _no_entry(v) else (index, _row(v))
+                        if taken.get(held, 0) < len(match) * (1 if _no_entry(v) else 3):
+                            taken[held] = taken.get(held, 0) + 1
+                            found = (index, match)
+                            break
             if found is None:
                 misses.add(_row(v))  # an identical row would walk the log for nothing
-                out.append(self._unlogged(group, v, may_write, may_verify, static_ran))
+                out.append(self._unlogged(group, v, static_ran))
                 continue
-            pointer, (r, position) = found
+            pointer, match = found
             launch = log[pointer]
-            out.append((launch.phase, launch.step, request_name(launch.batch, r), position))
+            out.append((launch.phase, launch.step) + _one_name(launch, match))
         return out
 
-    def _unlogged(self, group, v, may_write: bool, may_verify: bool, static_ran: set) -> tuple:
-        """A row no logged launch explains: a static forward's run, else only its phase is known
-        (from its tag and bits; the tables have changed since, or the launch was replayed)."""
+    def _unlogged(self, group, v, static_ran: set) -> tuple:
+        """A row no logged launch explains: a static forward's replay, else only its phase is known
+        (from its tag and shape; the tables have changed since)."""
+        write = self.is_write_row(group, v)
         for forward, launches in group.static_log:
             if id(forward) not in static_ran:
                 continue
             for launch in launches:
-                match = self._match(group, launch, v, may_write, may_verify)
-                if match is not None:
-                    return launch.phase, None, request_name(launch.batch, match[0]), match[1]
-        return _phase_of(group, v), None, None, None
+                if launch.tag != int(v.kernel_kind) or (launch.kind == "write") != write:
+                    continue
+                match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v)
+                if match:
+                    return (launch.phase, None) + _one_name(launch, match if write else [match])
+        tag = int(v.kernel_kind)
+        phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
+                 else ("write" if write else "tail") if tag == group.tail_tag else "unknown")
+        return phase, None, None, None
 
-    def _match(self, group, launch, v, may_write: bool, may_verify: bool):
-        """``(batch row, position)`` of ``v`` in ``launch``, or None."""
-        if launch.tag != int(v.kernel_kind):
-            return None
-        if launch.kind == "write":
-            return self.match_write(group, launch, v) if may_write else None
-        return self.match_verify(group, launch, v) if may_verify else None
+
+def _one_name(launch, entries: list) -> tuple:
+    """``(request, position)`` where every entry that could have recorded a row names the same,
+    else ``(None, None)``."""
+    names = {(request_name(launch.batch, r), position) for r, position in entries}
+    return next(iter(names)) if len(names) == 1 else (None, None)
+
+
+def _no_entry(v) -> bool:
+    """The shape of the write rows SPEC 4 records without an entry: position, token, expected
+    token and expected position all 0."""
+    return (v.position, v.stored_token, v.expected_token, v.expected_aux) == (0, 0, 0, 0)
 
 
 def _row(v) -> tuple:
     return (int(v.kernel_kind), v.slot_idx, v.position, v.stored_token, v.expected_token, v.stored_chain_hash,
             v.expected_aux, int(v.fail_reason))
-
-
-def _phase_of(group, v) -> str:
-    """The phase a row's tag and reasons name, for a row no logged launch of that tag explains."""
-    tag = int(v.kernel_kind)
-    if tag == group.head_tag:
-        return "head"
-    if tag == group.sweep_tag:
-        return "sweep"
-    if tag == group.tail_tag:
-        return "write" if int(v.fail_reason) & WRITE_BITS else "tail"
-    return "unknown"

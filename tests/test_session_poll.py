@@ -55,8 +55,10 @@ class _Engine:
         if hasattr(self, "lut"):
             self.lut_dev[...] = to_device(self.lut, self.device)
 
-    def add(self, rid, row, share=None, shared=0):
+    def add(self, rid, row, share=None, shared=0, prompt=None):
         request = dict(row=row, slots=[], tokens=[], len=0)
+        if prompt is not None:  # its tokens; two requests of one prompt write alike records
+            request["prompt"] = prompt
         if share is not None:  # the first `shared` tokens are another request's slots, as a radix cache shares them
             other = self.requests[share]
             request.update(slots=list(other["slots"][:shared]), tokens=list(other["tokens"][:shared]), len=shared)
@@ -74,7 +76,7 @@ class _Engine:
                 slot = self.free.pop(0)
                 if hasattr(self, "lut"):
                     self.lut[slot] = self.swa_free.pop(0)
-                token = 1000 * request["row"] + position
+                token = request.get("prompt", 1000 * request["row"]) + position
                 request["slots"].append(slot), request["tokens"].append(token)
                 self.table[request["row"], position] = slot
                 if self.expected is not None:
@@ -97,6 +99,18 @@ class _Engine:
         self.canary.after_forward(batch)
         for rid, count in extend.items():
             self.requests[rid]["len"] += count
+
+    def finish(self, rid):
+        """The request ends: its pool row cleared, its slots free again (handed out first, in
+        order), their SWA slots too."""
+        request = self.requests.pop(rid)
+        self.table[request["row"], :] = 0
+        for slot in sorted(request["slots"], reverse=True):
+            self.free.insert(0, slot)
+            if hasattr(self, "lut") and self.lut[slot]:
+                self.swa_free.insert(0, int(self.lut[slot]))
+                self.lut[slot] = 0
+        self.sync()
 
     def sweep(self):
         rids = list(self.requests)
@@ -175,9 +189,10 @@ def test_polling_every_few_forwards_names_what_polling_every_forward_names(devic
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_a_full_ring_keeps_the_first_rows_and_names_their_forwards(device):
-    """The ring keeps the rows it stored first: polled late, they are named by the first
-    forwards that found the fault, not the last."""
+def test_a_full_ring_names_its_rows_without_a_step(device):
+    """The ring keeps the rows it stored first and drops the rest: the forwards that recorded the
+    kept rows cannot be told from those that read the slot before it went bad, so the rows name
+    their request and position and no step."""
     eng = _Engine(device, ring=4)
     eng.add("a", 1)
     eng.forward({"a": 6})
@@ -186,7 +201,7 @@ def test_a_full_ring_keeps_the_first_rows_and_names_their_forwards(device):
         eng.forward({"a": 1})
     report = eng.canary.poll()
     assert report.dropped == 4 and [(e.phase, e.step, e.request, e.position) for e in report] == [
-        ("head", 2, "a", 2), ("tail", 2, "a", 2), ("head", 3, "a", 2), ("tail", 3, "a", 2)]
+        ("head", None, "a", 2), ("tail", None, "a", 2)] * 2
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -296,3 +311,63 @@ def test_static_forward_runs_are_placed_among_the_forwards(device):
     each = _static_decode_events(device, 1)
     assert each == [("head", None, "a", 2), ("tail", None, "a", 2)] * 3
     assert _static_decode_events(device, 4) == each
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("clear_row", [False, True])
+def test_rows_of_a_slot_written_again_are_not_given_to_its_clean_reader(device, clear_row):
+    """a's KV at position 3 changes, a forward reads it bad, a finishes; c, the same prompt (so the
+    same records), takes the freed slots and reads them clean. Polled once at the end, no row goes
+    to c: the slot's bytes are clean now, so rows reporting changed bytes came before c wrote it.
+    They name a at step 2 while a's pool row still holds its cells; once the engine has cleared it,
+    no launch that read the slot bad can be told, and the rows keep their phase alone."""
+    eng = _Engine(device)
+    eng.add("a", 1, prompt=7000)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][3], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    row = eng.table[1].copy()
+    eng.finish("a")
+    if not clear_row:
+        eng.table[1] = row
+        eng.sync()
+    eng.add("c", 3, prompt=7000)
+    eng.forward({"c": 7})
+    eng.forward({"c": 1})
+    named = [("head", None, None, None), ("tail", None, None, None)] if clear_row else [
+        ("head", 2, "a", 3), ("tail", 2, "a", 3)]
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == named
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_write_rows_are_named_by_their_token_and_position(device):
+    """Two entries of one forward write slot 10 (a at position 0, b at position 0) and b's token is
+    not the one expected: the row names b, whose token it holds."""
+    eng = _Engine(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    eng.table[1, 0], eng.table[2, :2] = 10, [10, 11]
+    eng.sync()
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([1, 2]),
+                            input_ids=i64([100, 999, 201]), positions=i64([0, 0, 1]), out_cache_loc=i64([10, 10, 11]),
+                            req_ids=["a", "b"], expected_input_tokens=i64([100, 200, 201]),
+                            expected_input_positions=i64([0, 0, 1]))
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    assert [(e.phase, e.request, e.position, e.reasons) for e in eng.canary.poll()] == [
+        ("write", "b", 0, ("WRITE_TOKEN",))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_requests_past_the_batch_arrays_are_counted_per_forward(device):
+    """Forward 1 has two requests whose entries reach past its arrays, forward 2 one: polled once,
+    forward 1's two rows cannot be told apart and name no request, forward 2's names its own."""
+    eng = _Engine(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    for rows, extends, ids in (([1, 2], [2, 2], ["a", "b"]), ([3], [2], ["c"])):
+        batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64([0] * len(rows)),
+                                extend_seq_lens=i64(extends), input_ids=i64([5]), positions=i64([0]),
+                                out_cache_loc=i64([10 + rows[0]]), req_ids=ids)
+        eng.canary.before_forward(batch)
+        eng.canary.after_forward(batch)
+    assert sorted((e.phase, e.step, str(e.request), e.position) for e in eng.canary.poll()) == [
+        ("write", 1, "None", None), ("write", 1, "None", None), ("write", 2, "c", 1)]
