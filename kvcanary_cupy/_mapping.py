@@ -22,8 +22,8 @@ _BIT_CHAIN = int(L.FailReason.CHAIN_HASH)
 _BIT_POSITION = int(L.FailReason.POSITION)
 _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
 _BIT_KV = int(L.FailReason.REAL_KV_HASH)
-WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
-OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
+_WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
+_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 
 def _lengths(batch) -> Any:
@@ -196,7 +196,8 @@ class RowMapper:
 
     def match_write(self, group, launch, v) -> list[tuple]:
         """``(batch row, position)`` of each entry or request of ``launch`` that could have
-        recorded write row ``v`` (each records one such row): the entries that wrote its slot with
+        recorded write row ``v`` (an entry records up to three rows, a request one of each kind
+        without an entry): the entries that wrote its slot with
         its token and position, or for the rows SPEC 4 records without an entry, the requests whose
         seed is that slot (the seed's position) or whose entries reach past the batch's arrays
         (the first position past them)."""
@@ -349,9 +350,9 @@ class RowMapper:
         ``(slot, pos, token, token, chain, pos)``, a seed ``(seed, 0, 0, 0, 0, 0)``, entries past
         the batch's arrays ``(-1, 0, 0, 0, chain, 0)``."""
         bits = int(v.fail_reason)
-        if bits & WRITE_BITS:
+        if bits & _WRITE_BITS:
             return True
-        if int(v.kernel_kind) != group.tail_tag or bits & ~OUT_OF_RANGE:
+        if int(v.kernel_kind) != group.tail_tag or bits & ~_OUT_OF_RANGE:
             return False
         if v.expected_token == v.stored_token and v.expected_aux == v.position and v.stored_chain_hash != 0:
             return True
