@@ -371,3 +371,16 @@ def test_requests_past_the_batch_arrays_are_counted_per_forward(device):
         eng.canary.after_forward(batch)
     assert sorted((e.phase, e.step, str(e.request), e.position) for e in eng.canary.poll()) == [
         ("write", 1, "None", None), ("write", 1, "None", None), ("write", 2, "c", 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_full_ring_keeps_the_step_where_every_reader_recorded(device):
+    """A ring of one row, filled by the only launch that could have recorded it (the TAIL check's
+    row dropped): that row keeps its step."""
+    eng = _Engine(device, ring=1)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert report.dropped == 1 and [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2)]
