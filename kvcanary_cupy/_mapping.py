@@ -148,11 +148,16 @@ class RowMapper:
         return L.NO_EXPECTED_TOKEN
 
     # --- matching a row to an entry -----------------------------------------------------------------
-    def fits(self, group, launch, v, entry: tuple) -> bool:
+    def fits(self, group, launch, v, entry: tuple, loose: Optional[int] = None) -> bool:
         """Whether verify entry ``(batch row, position)`` of ``launch`` would record exactly row
         ``v`` (SPEC 3.2), judged from the row's own stored fields: its position, chain and token
         bits and the expected values it carries. The real-KV bit is not judged (the KV bytes are
-        not read again): a slot whose bytes changed is bad for every reader."""
+        not read again): a slot whose bytes changed is bad for every reader. With ``loose``, the
+        launch's index in the log, the chain is not judged where the predecessor may have changed
+        since the launch: a predecessor slot written later in the same forward (a page freed while
+        in use and taken by another request), or in an SWA group a row
+        that found its chain whole or did not check it (the predecessor's LUT entry may have
+        moved)."""
         r, position = entry
         bits = int(v.fail_reason)
         reported = self.reported_token(launch, r, position)
@@ -166,6 +171,11 @@ class RowMapper:
             return False
         row = int(self._batch(launch, "req_pool_indices")[r])
         prev = self.predecessor(group, row, position)
+        if loose is not None:
+            if group.lut is not None and not bits & _BIT_CHAIN and v.expected_aux == v.stored_chain_hash:
+                return True
+            step = group.log[loose].step
+            return any(index > loose and group.log[index].step == step for index in self._writes_of(group).get(prev, ()))
         if prev == L.PADDING_SLOT or prev >= group.ctx.num_slots:  # the chain is not checked
             return not bits & _BIT_CHAIN and v.expected_aux == v.stored_chain_hash
         expected_chain = self.link(group, prev)
@@ -294,37 +304,55 @@ class RowMapper:
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
         return placed
 
-    def _fitting(self, group, launch, key: tuple, v) -> list[tuple]:
-        return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e)]
+    def _writes_of(self, group) -> dict:
+        """Every slot the group's logged write launches wrote, with the launches' indices."""
+        key = ("writes", group.name)
+        if key not in self._cache:
+            found: dict = {}
+            for index, launch in enumerate(group.log):
+                if launch.kind == "write":
+                    for slot in np.unique(self.host(id(launch.write_loc), launch.write_loc)).tolist():
+                        found.setdefault(int(slot), []).append(index)
+            self._cache[key] = found
+        return self._cache[key]
+
+    def _fitting(self, group, launch, key: tuple, v, loose: Optional[int] = None) -> list[tuple]:
+        return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose)]
 
     def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, dropped: bool,
                 placed: dict) -> None:
         """The rows ``pending`` of ``key`` given to the launches ``order`` (oldest first) that
-        checked its slot while it held one content (see :meth:`place_verify_rows`)."""
+        checked its slot while it held one content (see :meth:`place_verify_rows`): first to the
+        entries they fit, then the rows left to entries they fit but for the chain, whose
+        predecessor may have changed since (an entry takes one row)."""
         log = group.log
         if not order or not pending:
             return
         exact = not dropped or sum(len(self._fitting(group, log[index], key, rows[pending[0]]))
                                    for index in order) == len(pending)
-        for index in (order if dropped else order[::-1]):
-            launch, taken = log[index], []
-            while pending:
-                i = pending[0] if dropped else pending[-1]
-                fit = self._fitting(group, launch, key, rows[i])
-                entry = next((e for e in fit if e not in [t[1] for t in taken]), None)
-                if entry is None:
-                    break  # this row, and those before it, came from other launches
-                taken.append((i, entry, fit))
-                pending.remove(i)
-            # fewer rows than entries fitting them: some fit only as the tables are now, and a row
-            # is named only where all its fitting entries agree
-            alike = len(taken) == len({e for _, _, fit in taken for e in fit})
-            for i, entry, fit in taken:
-                name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike \
-                    else _one_name(launch, fit)
-                placed[i] = (index, (launch.phase, launch.step if exact else None, name, position))
-            if not pending:
-                return
+        used: dict = {}
+        for loose in (False, True):
+            for index in (order if dropped else order[::-1]):
+                launch, taken = log[index], []
+                while pending:
+                    i = pending[0] if dropped else pending[-1]
+                    fit = self._fitting(group, launch, key, rows[i], index if loose else None)
+                    entry = next((e for e in fit if e not in used.get(index, ()) and e not in [t[1] for t in taken]),
+                                 None)
+                    if entry is None:
+                        break  # this row, and those before it, came from other launches
+                    taken.append((i, entry, fit))
+                    pending.remove(i)
+                used.setdefault(index, set()).update(entry for _, entry, _ in taken)
+                # fewer rows than entries fitting them: some fit only as the tables are now, and a
+                # row is named only where all its fitting entries agree
+                alike = len(taken) == len({e for _, _, fit in taken for e in fit})
+                for i, entry, fit in taken:
+                    name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike and not loose \
+                        else _one_name(launch, fit)
+                    placed[i] = (index, (launch.phase, launch.step if exact and not loose else None, name, position))
+                if not pending:
+                    return
 
     def kv_changed(self, group, slot: int) -> bool:
         """Whether the slot's real-KV bytes now differ from the hash its record holds (False where

@@ -254,3 +254,14 @@ def test_a_class_the_engine_cannot_host_does_not_hold_up_the_others():
     assert result.false_positives == []
     assert "slot_alias         not injected" in result.summary()
     assert result.to_json()["not_injectable"] == result.not_injectable
+
+
+@pytest.mark.parametrize("kwargs", [dict(swa_window=64), dict(swa_window=32, split_batches=True)],
+                         ids=["swa64", "swa32-split"])
+def test_every_fault_class_with_an_swa_group_and_no_false_positive(kwargs):
+    """Every class injected in turn into an engine with a sliding-window group: every event a
+    poll reports is explained by a fault (a use-after-free page retaken for another request moves
+    the victim's SWA slots under its reads)."""
+    result = run(SimConfig(steps=300, device="cpu", **kwargs), FAULT_CLASSES)
+    assert result.false_positives == []
+    assert sum(f.detected for f in result.faults) >= 20
