@@ -148,16 +148,15 @@ class RowMapper:
         return L.NO_EXPECTED_TOKEN
 
     # --- matching a row to an entry -----------------------------------------------------------------
-    def fits(self, group, launch, v, entry: tuple, loose: Optional[int] = None) -> bool:
+    def fits(self, group, launch, v, entry: tuple, loose: Optional[frozenset] = None) -> bool:
         """Whether verify entry ``(batch row, position)`` of ``launch`` would record exactly row
         ``v`` (SPEC 3.2), judged from the row's own stored fields: its position, chain and token
         bits and the expected values it carries. The real-KV bit is not judged (the KV bytes are
         not read again): a slot whose bytes changed is bad for every reader. With ``loose``, the
-        launch's index in the log, the chain is not judged where the predecessor may have changed
-        since the launch: a predecessor slot written later in the same forward (a page freed while
-        in use and taken by another request), or in an SWA group a row
-        that found its chain whole or did not check it (the predecessor's LUT entry may have
-        moved)."""
+        slots the launch's forward wrote after it, the chain is not judged where the predecessor
+        may have changed since the launch: a predecessor among those slots (a page freed while in
+        use and taken by another request), or in an SWA group a row that found its chain whole or
+        did not check it (the predecessor's LUT entry may have moved)."""
         r, position = entry
         bits = int(v.fail_reason)
         reported = self.reported_token(launch, r, position)
@@ -174,8 +173,7 @@ class RowMapper:
         if loose is not None:
             if group.lut is not None and not bits & _BIT_CHAIN and v.expected_aux == v.stored_chain_hash:
                 return True
-            step = group.log[loose].step
-            return any(index > loose and group.log[index].step == step for index in self._writes_of(group).get(prev, ()))
+            return prev in loose
         if prev == L.PADDING_SLOT or prev >= group.ctx.num_slots:  # the chain is not checked
             return not bits & _BIT_CHAIN and v.expected_aux == v.stored_chain_hash
         expected_chain = self.link(group, prev)
@@ -199,10 +197,13 @@ class RowMapper:
         outside = (rows != 0) & ((rows < 0) | (rows >= table_rows) | (position >= width))
         return found + [(int(r), position) for r in np.flatnonzero(outside & (starts <= position) & (position < lens))]
 
-    def match_verify(self, group, launch, v):
-        """The first entry of ``launch`` that would record exactly ``v``, or None."""
+    def match_verify(self, group, launch, v, written: frozenset = frozenset()) -> list:
+        """The entries of a replayed static forward's ``launch`` that would record exactly ``v``,
+        else those that fit it but for the chain (``written``: the slots the forward writes)."""
         key = (int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None)
-        return next((e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e)), None)
+        entries = self.entries(group, launch, key)
+        return [e for e in entries if self.fits(group, launch, v, e)] or \
+            [e for e in entries if self.fits(group, launch, v, e, written)]
 
     def match_write(self, group, launch, v) -> list[tuple]:
         """``(batch row, position)`` of each entry or request of ``launch`` that could have
@@ -304,19 +305,20 @@ class RowMapper:
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
         return placed
 
-    def _writes_of(self, group) -> dict:
-        """Every slot the group's logged write launches wrote, with the launches' indices."""
-        key = ("writes", group.name)
+    def written_after(self, group, index: int) -> frozenset:
+        """The slots the write launches of the forward of ``group.log[index]`` wrote after it."""
+        key = ("written after", group.name, index)
         if key not in self._cache:
-            found: dict = {}
-            for index, launch in enumerate(group.log):
-                if launch.kind == "write":
-                    for slot in np.unique(self.host(id(launch.write_loc), launch.write_loc)).tolist():
-                        found.setdefault(int(slot), []).append(index)
-            self._cache[key] = found
+            step, slots = group.log[index].step, set()
+            for later in group.log[index + 1:]:
+                if later.step != step:
+                    break
+                if later.kind == "write":
+                    slots.update(self.host(id(later.write_loc), later.write_loc).tolist())
+            self._cache[key] = frozenset(slots)
         return self._cache[key]
 
-    def _fitting(self, group, launch, key: tuple, v, loose: Optional[int] = None) -> list[tuple]:
+    def _fitting(self, group, launch, key: tuple, v, loose: Optional[frozenset] = None) -> list[tuple]:
         return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose)]
 
     def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, dropped: bool,
@@ -336,7 +338,7 @@ class RowMapper:
                 launch, taken = log[index], []
                 while pending:
                     i = pending[0] if dropped else pending[-1]
-                    fit = self._fitting(group, launch, key, rows[i], index if loose else None)
+                    fit = self._fitting(group, launch, key, rows[i], self.written_after(group, index) if loose else None)
                     entry = next((e for e in fit if e not in used.get(index, ()) and e not in [t[1] for t in taken]),
                                  None)
                     if entry is None:
@@ -428,12 +430,14 @@ class RowMapper:
         for forward, launches in group.static_log:
             if id(forward) not in static_ran:
                 continue
+            written = frozenset().union(*(self.host(id(launch.write_loc), launch.write_loc).tolist()
+                                          for launch in launches if launch.kind == "write"))
             for launch in launches:
                 if launch.tag != int(v.kernel_kind) or (launch.kind == "write") != write:
                     continue
-                match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v)
+                match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v, written)
                 if match:
-                    return (launch.phase, None) + _one_name(launch, match if write else [match])
+                    return (launch.phase, None) + _one_name(launch, match)
         tag = int(v.kernel_kind)
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
                  else ("write" if write else "tail") if tag == group.tail_tag else "unknown")

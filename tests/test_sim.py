@@ -265,3 +265,15 @@ def test_every_fault_class_with_an_swa_group_and_no_false_positive(kwargs):
     result = run(SimConfig(steps=300, device="cpu", **kwargs), FAULT_CLASSES)
     assert result.false_positives == []
     assert sum(f.detected for f in result.faults) >= 20
+
+
+def test_static_decode_with_an_swa_group_as_replays_and_no_false_positive(monkeypatch):
+    """The static decode forwards as CUDA-graph replays leave them, with no host log (their runs
+    not logged): poll matches their rows against the static forwards, and every event is still
+    explained by a fault."""
+    from kvcanary_cupy import session
+
+    monkeypatch.setattr(session.StaticForward, "_log", lambda self, stream, first, end: None)
+    result = run(SimConfig(steps=300, device="cpu", swa_window=64, static_decode=True), FAULT_CLASSES)
+    assert result.false_positives == []
+    assert sum(f.detected for f in result.faults) >= 20
