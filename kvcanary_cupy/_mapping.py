@@ -114,11 +114,15 @@ class RowMapper:
             return _ref._signed(_ref.ANCHOR_LINK)
         if slot >= group.ctx.num_slots:
             return None
+        f = self.fields(group, slot)
+        return _ref._signed(_ref.mix3(f["prev_hash"], f["token"], f["position"]))
+
+    def fields(self, group, slot: int) -> dict:
+        """The slot's record as the canary holds it now, read once a poll."""
         key = ("fields", group.name, slot)
         if key not in self._cache:
             self._cache[key] = group.ctx.slot_fields(slot)
-        f = self._cache[key]
-        return _ref._signed(_ref.mix3(f["prev_hash"], f["token"], f["position"]))
+        return self._cache[key]
 
     def cell_slot(self, group, row: int, position: int) -> int:
         """The group's slot of ``req_to_token[row, position]``, as the plan resolves it (SPEC 3.3, 4):
@@ -286,7 +290,7 @@ class RowMapper:
             if not writes:
                 self._assign(group, rows, key, pending, order, dropped, placed)
                 continue
-            now = group.ctx.slot_fields(key[1])
+            now = self.fields(group, key[1])
             stale_kv = not self.kv_changed(group, key[1])
             after = [i for i in pending if (rows[i].stored_token, rows[i].position, rows[i].stored_chain_hash)
                      == (now["token"], now["position"], now["prev_hash"])
@@ -360,19 +364,11 @@ class RowMapper:
         """Whether the slot's real-KV bytes now differ from the hash its record holds (False where
         nothing is hashed), recomputed on the host as the kernels fold them."""
         ctx = group.ctx
-        read = [(source, source.read_length(ctx.hash_mode)) for source in ctx.real_kv_sources]
-        if not 0 <= slot < ctx.num_slots or not any(length for _, length in read):
+        read = [(_HostRows(source), source.page_size, source.num_bytes_per_token, source.read_length(ctx.hash_mode))
+                for source in ctx.real_kv_sources]
+        if not 0 <= slot < ctx.num_slots or not any(length for *_, length in read):
             return False
-        acc = 0
-        for source, length in read:
-            row = slot // source.page_size
-            if row >= source.num_rows:
-                acc = _ref.sm(acc)
-                continue
-            data = np.ascontiguousarray(to_host(source._native[row])).reshape(-1).view(np.uint8)
-            start = (slot % source.page_size) * source.num_bytes_per_token
-            acc = _ref.sm(acc ^ _ref.fold(data[start:start + length].tobytes()))
-        return _ref._signed(acc) != group.ctx.slot_fields(slot)["real_kv_hash"]
+        return _ref._signed(_ref.real_kv_hash(read, slot)[0]) != self.fields(group, slot)["real_kv_hash"]
 
     def is_write_row(self, group, v) -> bool:
         """Whether only a write records a row of this shape (SPEC 3.1, 4): its write bits, or the
@@ -442,6 +438,19 @@ class RowMapper:
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
                  else ("write" if write else "tail") if tag == group.tail_tag else "unknown")
         return phase, None, None, None
+
+
+class _HostRows:
+    """A real-KV source as the reference model's ``rows_u8`` reads it (``shape[0]``, ``[row,
+    columns]``), each row copied to the host only when read."""
+
+    def __init__(self, source):
+        self.source = source
+        self.shape = (source.num_rows,)
+
+    def __getitem__(self, index):
+        row, columns = index
+        return np.ascontiguousarray(to_host(self.source._native[row])).reshape(-1).view(np.uint8)[columns]
 
 
 def _one_name(launch, entries: list) -> tuple:
