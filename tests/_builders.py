@@ -63,6 +63,17 @@ def ring_rows(ctx: kc.CanaryContext) -> list[tuple[int, ...]]:
              v.expected_aux, int(v.fail_reason)) for v in report]
 
 
+def session_capacities(rows: int, width: int, slots: int, max_prefill_tokens: int,
+                       verify_capacity: Optional[int] = None) -> kc.Capacities:
+    """An engine's capacities (``Capacities.from_args``), with a smaller verify capacity where the
+    test overflows it."""
+    caps = kc.Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=width, pool_slot_count=slots,
+                                   max_prefill_tokens=max_prefill_tokens)
+    if verify_capacity is None:
+        return caps
+    return kc.Capacities(caps.max_bs, verify_capacity, caps.write_req_capacity, caps.write_entry_capacity)
+
+
 def snapshot(*arrays) -> list[np.ndarray]:
     return [to_numpy(a).copy() for a in arrays]
 

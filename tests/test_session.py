@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from _builders import session_capacities
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
@@ -30,10 +31,7 @@ class Tiny:
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
         self.v = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
-        caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
-                                       max_prefill_tokens=64)
-        if verify_capacity is not None:
-            caps = kc.Capacities(caps.max_bs, verify_capacity, caps.write_req_capacity, caps.write_entry_capacity)
+        caps = session_capacities(ROWS, WIDTH, SLOTS, 64, verify_capacity)
         group = None
         if swa:
             self.lut = to_device(np.arange(SLOTS + 1, dtype=np.int64)[::-1].copy() % SLOTS, device)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from _builders import session_capacities
 from _devices import BACKENDS, to_device
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
@@ -28,10 +29,7 @@ class _Engine:
         self.table = np.zeros((ROWS, WIDTH), np.int32)
         self.table_dev = to_device(self.table, device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
-        caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
-                                       max_prefill_tokens=4096)
-        if verify_capacity is not None:
-            caps = kc.Capacities(caps.max_bs, verify_capacity, caps.write_req_capacity, caps.write_entry_capacity)
+        caps = session_capacities(ROWS, WIDTH, SLOTS, 4096, verify_capacity)
         swa = None
         if swa_window:
             self.lut = np.zeros(SLOTS + 1, np.int64)
