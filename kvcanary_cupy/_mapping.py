@@ -32,6 +32,12 @@ def _lengths(batch) -> Any:
     return batch.seq_lens if hasattr(batch, "seq_lens") else batch.prefix_lens
 
 
+def _window_starts(lens: np.ndarray, window: int) -> np.ndarray:
+    """The first position each request's verify checks: its last ``window`` tokens in an SWA group
+    (as the plan kernels count them), all of them otherwise."""
+    return np.maximum(0, lens - window) if window else np.zeros_like(lens)
+
+
 def request_name(batch, row: int):
     """The name of ``batch``'s row ``row``: its id, or the row itself without one."""
     ids = batch.req_ids
@@ -78,7 +84,7 @@ class RowMapper:
         for first in range(0, live.shape[0], block):
             owners = live[first:first + block]
             ends = np.minimum(lens[owners], width)
-            starts = np.maximum(0, ends - group.window) if group.window else np.zeros_like(ends)
+            starts = _window_starts(ends, group.window)
             slots = self._through_lut(group, table[rows[owners]].astype(np.int64))
             columns = np.arange(width)
             hit = (columns >= starts[:, None]) & (columns < ends[:, None]) & np.isin(slots, wanted)
@@ -100,12 +106,11 @@ class RowMapper:
     def overflowed(self, group, launch) -> bool:
         """Whether the launch's plan held more entries than the verify capacity, so that it checked
         nothing (SPEC 3.3)."""
-        rows = self._batch(launch, "req_pool_indices").tolist()
+        rows = self._batch(launch, "req_pool_indices")
         lens = _lengths(launch.batch)
-        total = 0
-        for row, length in zip(rows, self.host(id(lens), lens).tolist()):
-            if row != 0 and length > 0:
-                total += min(length, group.window) if group.window else length
+        lens = self.host(id(lens), lens).astype(np.int64)
+        counted = (rows != 0) & (lens > 0)
+        total = int((lens - _window_starts(lens, group.window))[counted].sum())
         return total > self.canary.capacities.verify_capacity
 
     def link(self, group, slot: int) -> Optional[int]:
@@ -197,7 +202,7 @@ class RowMapper:
         lens = _lengths(launch.batch)
         lens = self.host(id(lens), lens)
         table_rows, width = self.host("req_to_token", self.canary.req_to_token).shape
-        starts = np.maximum(0, lens - group.window) if group.window else np.zeros_like(lens)
+        starts = _window_starts(lens, group.window)
         outside = (rows != 0) & ((rows < 0) | (rows >= table_rows) | (position >= width))
         return found + [(int(r), position) for r in np.flatnonzero(outside & (starts <= position) & (position < lens))]
 

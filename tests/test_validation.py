@@ -547,6 +547,17 @@ def test_stream_forms_engines_pass_are_accepted_on_the_cpu():
     w.verify(stream=torch.Stream(device="cpu"))  # a device-agnostic engine's current stream
 
 
+def test_stream_form_names_each_form_a_gpu_launch_resolves():
+    from kvcanary_cupy.ops._dispatch import stream_form
+    protocol = type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()
+    torch_like = type("TorchCudaStream", (), {"cuda_stream": 0})()
+    assert [stream_form(s) for s in (None, protocol, torch_like, 7, np.int32(7))] == \
+        ["current", "protocol", "torch_cuda", "handle", "handle"]
+    for refused in (True, np.bool_(False), 1.5, "0"):
+        with pytest.raises(TypeError, match=r"^kv-canary: stream must be None"):
+            stream_form(refused)
+
+
 @pytest.mark.parametrize("tag_name", ["verify_tag", "write_tag"])
 def test_step_names_the_tag_it_refuses(tag_name):
     i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731

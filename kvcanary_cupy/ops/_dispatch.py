@@ -23,18 +23,18 @@ def resolve_stream(stream: Any, device: Device):
     """A CuPy stream object for ``stream`` (None, a CuPy stream, a raw handle, ``__cuda_stream__``)
     on ``device``: None is CuPy's current stream of that device, whichever device is current."""
     cupy = require_cupy("stream")
-    if stream is None:
+    form = stream_form(stream)
+    if form == "current":
         return cupy.cuda.get_current_stream(device.index)
-    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+    if form == "cupy":
         _same_device(getattr(stream, "device_id", -1), device)
         return stream
-    check_stream_form(stream)
-    if hasattr(stream, "__cuda_stream__"):
+    if form == "protocol":
         handle = stream.__cuda_stream__()[1]
-    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+    elif form == "torch_cuda":
         _same_device(getattr(getattr(stream, "device", None), "index", None), device)
         handle = stream.cuda_stream
-    elif isinstance(stream, (int, np.integer)):
+    elif form == "handle":
         handle = int(stream)
     else:  # a stream of another kind of device (a torch CPU stream)
         raise TypeError(f"{check.PREFIX}stream must be a CUDA stream for arrays on {device}, "
@@ -46,17 +46,32 @@ def resolve_stream(stream: Any, device: Device):
     return cupy.cuda.ExternalStream(int(handle), device.index)
 
 
-def check_stream_form(stream: Any) -> None:
-    """The forms ``stream=`` takes, checked on the CPU too (where it is ignored), so that a call a CPU
-    run accepts is not refused on a GPU for its stream's type."""
+def stream_form(stream: Any) -> str:
+    """Which of the forms ``stream=`` takes ``stream`` is: "current" (None), "cupy", "protocol"
+    (``__cuda_stream__``), "torch_cuda" (``cuda_stream``), "handle" (a raw integer) or
+    "torch_other" (a device-agnostic engine's torch stream, of the CPU too); anything else is
+    refused, on the CPU too (where ``stream=`` is ignored), so that a call a CPU run accepts is not
+    refused on a GPU for its stream's type."""
     cupy = cupy_module()
-    if stream is None or hasattr(stream, "__cuda_stream__") or hasattr(stream, "cuda_stream") \
-            or (isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_))) \
-            or (cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))) \
-            or _is_torch_stream(stream):  # a device-agnostic engine's current stream of the CPU too
-        return
+    if stream is None:
+        return "current"
+    if cupy is not None and isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return "cupy"
+    if hasattr(stream, "__cuda_stream__"):
+        return "protocol"
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return "torch_cuda"
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+        return "handle"
+    if _is_torch_stream(stream):
+        return "torch_other"
     raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
                     f"object with __cuda_stream__, got {type(stream).__name__}")
+
+
+def check_stream_form(stream: Any) -> None:
+    """Refuse a ``stream=`` of no form :func:`stream_form` knows."""
+    stream_form(stream)
 
 
 def _is_torch_stream(stream: Any) -> bool:

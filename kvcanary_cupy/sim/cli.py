@@ -10,7 +10,7 @@ from typing import Optional
 
 from .._dlpack import cuda_device_count
 from .._layout import HashMode
-from .engine import LAYOUTS, SimConfig
+from .engine import LAYOUTS, SMALLEST, SimConfig
 from .faults import FAULT_CLASSES
 
 
@@ -58,8 +58,10 @@ DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, for a parser of its own or a ``demo`` subcommand."""
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
-    parser.add_argument("--steps", type=_at_least(1), default=300, help="forward passes to simulate (default 300)")
-    parser.add_argument("--seed", type=_at_least(0), default=0, help="workload and fault seed (default 0)")
+    parser.add_argument("--steps", type=_at_least(SMALLEST["steps"]), default=300,
+                        help="forward passes to simulate (default 300)")
+    parser.add_argument("--seed", type=_at_least(SMALLEST["seed"]), default=0,
+                        help="workload and fault seed (default 0)")
     parser.add_argument("--faults", type=_faults, default=list(FAULT_CLASSES), metavar="CLASSES",
                         help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
     parser.add_argument("--fault-every", type=_at_least(1), default=10, help="steps between injected faults (default 10)")
@@ -69,11 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so a bit flipped past them goes unseen: see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
     parser.add_argument("--pool-slots", type=_at_least(1), default=8192, help="KV slots in the pool (default 8192)")
-    parser.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per page (default 16)")
-    parser.add_argument("--max-running", type=_at_least(1), default=16, help="concurrent requests (default 16)")
-    parser.add_argument("--swa-window", type=_at_least(0), default=0,
+    parser.add_argument("--page-size", type=_at_least(SMALLEST["page_size"]), default=16,
+                        help="tokens per page (default 16)")
+    parser.add_argument("--max-running", type=_at_least(SMALLEST["max_running"]), default=16,
+                        help="concurrent requests (default 16)")
+    parser.add_argument("--swa-window", type=_at_least(SMALLEST["swa_window"]), default=0,
                         help="add a sliding-window group of this window (default 0: none)")
-    parser.add_argument("--sweep-every", type=_at_least(0), default=16,
+    parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,
                         help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
                         help="turn off the expected-token checks (token_swap then goes unseen)")

@@ -27,6 +27,9 @@ from ..capacities import Capacities
 from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
 
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
+# the smallest value of each integer setting (the demo's options take the same bounds)
+SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 1, "swa_window": 0,
+            "sweep_every": 0, "poll_every": 1}
 _FREED = -1
 
 
@@ -67,8 +70,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         """Refuse a shape in which the simulation could not run a request (its report would be a
         clean pass of nothing), with the package's messages."""
-        for name, minimum in (("steps", 1), ("seed", 0), ("page_size", 1), ("max_running", 1), ("max_len", 1),
-                              ("swa_window", 0), ("sweep_every", 0), ("poll_every", 1)):
+        for name, minimum in SMALLEST.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"kv-canary: {name} must be an integer >= {minimum}, got {value!r}")
