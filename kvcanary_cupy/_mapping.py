@@ -48,8 +48,9 @@ class RowMapper:
     """One poll's mapping of one canary's rows; host copies of the arrays it reads are kept for
     the poll."""
 
-    def __init__(self, canary):
+    def __init__(self, canary, replay_step: Optional[int] = None):
         self.canary = canary
+        self.replay_step = replay_step  # the step of a row only a static forward's replay explains
         self._cache: dict = {}
         self._checked: dict = {}  # by (group, batch): RowMapper.checked
         self._wanted: dict = {}  # by group: the slots its rows name
@@ -438,7 +439,7 @@ class RowMapper:
                     continue
                 match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v, written)
                 if match:
-                    return (launch.phase, None) + _one_name(launch, match)
+                    return (launch.phase, self.replay_step) + _one_name(launch, match)
         tag = int(v.kernel_kind)
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
                  else ("write" if write else "tail") if tag == group.tail_tag else "unknown")

@@ -91,7 +91,13 @@ class SwaGroup:
 # --- outputs -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CanaryEvent:
-    """One violation, decoded and mapped back to the engine's request and position."""
+    """One violation, decoded and mapped back to the engine's request and position.
+
+    ``step`` is the number of the forward whose launch recorded it, counted as
+    :attr:`CanaryReport.forwards` counts (eager forwards and static forwards' runs, replays
+    included; a sweep takes the number of the forward before it), or None where that cannot be
+    told: a replay's place among the forwards since the previous poll is not known on the host
+    unless it ran alone, so polled after each forward every event has its step."""
 
     group: str
     phase: str
@@ -437,8 +443,11 @@ class Canary:
         self._check_expected_token = check_expected_token
         self._token_offset = token_offset
         self.logger = logger or _LOG
-        self.forwards = 0
-        self._static_runs = 0  # forwards of StaticForwards, counted at each poll
+        self.forwards = 0  # eager forwards
+        # Every forward's number, as events' steps and CanaryReport.forwards count them: the eager
+        # forwards and logged static runs as they come, the unlogged runs (replays) at each poll.
+        self._numbered = 0
+        self._logged_runs = 0  # static runs logged since the previous poll
         self._run_counts: list = []  # the StaticForwards' run counts, _RUN_COUNTS_PER_ARRAY an array
         self._static_forward_count = 0
         self._live_run_counts: list = []  # by count array: how many of its forwards a poll still reads
@@ -678,7 +687,7 @@ class Canary:
             self.logger.warning(
                 "kv-canary: before_forward of forward %d, but forward %d had no after_forward: if it "
                 "ran, its new tokens were not fingerprinted, and each verify that reads them reports "
-                "them (CHAIN_HASH, POSITION, REAL_KV_HASH)", self.forwards + 1, self.forwards)
+                "them (CHAIN_HASH, POSITION, REAL_KV_HASH)", self._numbered + 1, self._numbered)
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
@@ -687,11 +696,11 @@ class Canary:
             self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
-            self.forwards += 1
+            step = self._next_forward()
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
                 self._forward_check(group, group.head_tag, stream)
-                group.log.append(_Launch("verify", "head", group.head_tag, self.forwards, batch))
+                group.log.append(_Launch("verify", "head", group.head_tag, step, batch))
         self._planned = batch
 
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
@@ -713,6 +722,12 @@ class Canary:
         CuPy's stream outside ``_on``, which a ``stream=`` argument can make another one."""
         if any(geometry is not None and geometry.torch for geometry in geometries):
             order_after_torch(self.device.index)
+
+    def _next_forward(self) -> int:
+        """Count an eager forward; its number."""
+        self.forwards += 1
+        self._numbered += 1
+        return self._numbered
 
     def _launch_plan(self, group: _Group, index: int, plans, prepared, geometry, stream) -> None:
         if prepared is not None:
@@ -749,7 +764,7 @@ class Canary:
             else:
                 addresses, slots = self._translate(batch, prepared_writes, write_geometry, stream)
             if replan:
-                self.forwards += 1
+                self._next_forward()
                 for index, group in enumerate(self.groups):
                     self._launch_plan(group, index, plans, prepared_plans, plan_geometry, stream)
             for index, group in enumerate(self.groups):
@@ -757,10 +772,10 @@ class Canary:
                     self._write_op(group.ctx, group.wplan, writes[index], stream=stream)
                 else:
                     prepared_writes.writes[index](addresses, stream)
-                group.log.append(_Launch("write", "write", group.tail_tag, self.forwards, batch,
+                group.log.append(_Launch("write", "write", group.tail_tag, self._numbered, batch,
                                          write_loc=slots[index]))
                 self._forward_check(group, group.tail_tag, stream)
-                group.log.append(_Launch("verify", "tail", group.tail_tag, self.forwards, batch))
+                group.log.append(_Launch("verify", "tail", group.tail_tag, self._numbered, batch))
         self._planned = None
 
     def static_forward(self, batch: ForwardBatch) -> "StaticForward":
@@ -802,7 +817,7 @@ class Canary:
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
                 self._check(group, group.sweep_vplan, group.sweep_tag, stream)
-                group.log.append(_Launch("verify", "sweep", group.sweep_tag, self.forwards, live_requests))
+                group.log.append(_Launch("verify", "sweep", group.sweep_tag, self._numbered, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
     def poll(self) -> CanaryReport:
@@ -813,8 +828,13 @@ class Canary:
             return CanaryReport()
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
-        ran = self._static_forwards_ran()
-        mapper = RowMapper(self)
+        ran, runs = self._static_forwards_ran()
+        replays, self._logged_runs = max(0, runs - self._logged_runs), 0
+        logged = any(group.log for group in self.groups)
+        # Replays leave no trace on the host: their places among the logged forwards are not known,
+        # nor which of several is which; one replay alone since the previous poll is the next forward.
+        steps_known = not (replays and logged)
+        mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and not logged else None)
         for group in self.groups:
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
@@ -824,6 +844,8 @@ class Canary:
                 settle(group.device)
             if raw.total:
                 named = mapper.resolve(group, raw.rows, raw.dropped > 0, ran)
+                if not steps_known:
+                    named = [(phase, None, request, position) for phase, _, request, position in named]
                 events.extend(CanaryEvent(group.name, phase, step, v.slot_idx, request, position, v)
                               for v, (phase, step, request, position) in zip(raw.rows, named))
                 total += raw.total
@@ -831,7 +853,8 @@ class Canary:
                 group.ctx.clear_violations()
             group.log.clear()
         self._drop_closed_static_forwards()
-        report = CanaryReport(tuple(events), total, dropped, overflows, self.forwards + self._static_runs)
+        self._numbered += replays
+        report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
         if report.total or report.capacity_overflows:
             if self.mode == "raise" and report.total:
                 raise CanaryViolation(report)
@@ -867,25 +890,25 @@ class Canary:
         for forward in closed.values():
             self._live_run_counts[forward.run_count_at[0]] -= 1
 
-    def _static_forwards_ran(self) -> set:
-        """The static forwards (by id) that ran since the previous poll, their run counts cleared and
-        added to the forwards counted."""
+    def _static_forwards_ran(self) -> tuple[set, int]:
+        """The static forwards (by id) that ran since the previous poll, and their runs, the run
+        counts cleared."""
         live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
         if not live:
-            return set()
+            return set(), 0
         self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
         counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed next
         for index in live:
             self._run_counts[index][...] = 0
         settle(self.device)
-        ran = set()
+        ran, runs = set(), 0
         for group in self.groups:
             for forward, _ in group.static_log:
                 array, index = forward.run_count_at
                 if counts[array][index] and id(forward) not in ran:
                     ran.add(id(forward))
-                    self._static_runs += int(counts[array][index])
-        return ran
+                    runs += int(counts[array][index])
+        return ran, runs
 
 
 class StaticForward:
@@ -960,7 +983,7 @@ class StaticForward:
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
                 canary._forward_check(group, group.head_tag, stream)
-            self._log(stream, 0, 1)
+            self._log(stream, 0, 1, new_forward=True)
         canary._planned = None  # the plans are this batch's now: an eager after_forward plans its own
 
     def after(self, *, stream: Any = None) -> None:
@@ -977,15 +1000,20 @@ class StaticForward:
                 canary._forward_check(group, group.tail_tag, stream)
             self._log(stream, 1, 3)
 
-    def _log(self, stream, first: int, end: int) -> None:
-        """Log a run's launches ``[first, end)`` (head; write and tail) as an eager forward's are, so
-        that poll places its rows in order among theirs; not while a graph is captured, whose
-        replays leave no trace (poll matches their rows against the static forward itself); nor
-        for a closed forward, run by mistake, whose rows belong to no forward."""
+    def _log(self, stream, first: int, end: int, new_forward: bool = False) -> None:
+        """Log a run's launches ``[first, end)`` (head, counted as a forward; write and tail) as an
+        eager forward's are, so that poll places its rows in order among theirs; not while a graph
+        is captured, whose replays leave no trace (poll matches their rows against the static
+        forward itself); nor for a closed forward, run by mistake, whose rows belong to no forward."""
         if self.closed or stream_capturing(stream):
             return
+        canary = self._canary
+        if new_forward:
+            canary._numbered += 1
+            canary._logged_runs += 1
         for group, launches in self._logged:
-            group.log.extend(dataclasses.replace(launch, step=None) for launch in launches[first:end])
+            group.log.extend(dataclasses.replace(launch, step=canary._numbered)
+                             for launch in launches[first:end])
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still

@@ -62,7 +62,7 @@ def _static_forward_output(device: str) -> str:
     out = _run("torch_static_forward.py", device)
     assert "after the bit flip: 2 violation(s)" in out
     for tag in ("HEAD_K_FULL", "TAIL_K_FULL"):
-        assert (f"[{tag} step ?] request 'req3' position 5 slot 853: REAL_KV_HASH "
+        assert (f"[{tag} step 8] request 'req3' position 5 slot 853: REAL_KV_HASH "
                 "(stored token 28566 position 5)") in out
     return out
 

@@ -271,9 +271,12 @@ def test_a_full_ring_no_launch_explains_is_reported_unnamed():
     assert all(e.request is None and e.step is None for e in report)
 
 
-def _static_decode_events(device, every: int) -> list:
+def _static_decode_events(device, every: int, replays: bool = False, monkeypatch=None) -> list:
     """An eager prefill, then decode steps of one request through a static forward refilled in
-    place (run eagerly, as on the CPU or before a capture), a KV fault after the first."""
+    place (run eagerly, as on the CPU or before a capture; with ``replays``, unlogged as a graph's
+    replays are), a KV fault after the first."""
+    if replays:
+        monkeypatch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
     eng = _Engine(device)
     eng.add("a", 1)
     eng.forward({"a": 6})
@@ -298,17 +301,30 @@ def _static_decode_events(device, every: int) -> list:
         request["len"] += 1
         if (number + 1) % every == 0:
             found.extend(eng.canary.poll())
-    found.extend(eng.canary.poll())
+    found.extend(report := eng.canary.poll())
+    assert report.forwards == 5
     return [(e.phase, e.step, e.request, e.position) for e in found]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_static_forward_runs_are_placed_among_the_forwards(device):
-    """A static forward run eagerly is logged as a forward is: polled late, its rows are its own
-    (no step: static runs have none) and the eager prefill before the fault is given none."""
+    """A static forward run eagerly is logged as a forward is, and numbered among them: polled
+    late, its rows are its own, at its steps, and the eager prefill before the fault is given none."""
     each = _static_decode_events(device, 1)
-    assert each == [("head", None, "a", 2), ("tail", None, "a", 2)] * 3
+    assert each == [("head", step, "a", 2) if phase == "head" else ("tail", step, "a", 2)
+                    for step in (3, 4, 5) for phase in ("head", "tail")]
     assert _static_decode_events(device, 4) == each
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_replay_polled_alone_has_its_step(device, monkeypatch):
+    """Replays leave no trace on the host: a poll after each forward numbers a replay's rows (the
+    forward after the previous poll's); polled after several, their order among the others is
+    not known, and no row of that span has a step."""
+    each = _static_decode_events(device, 1, replays=True, monkeypatch=monkeypatch)
+    assert each == [(phase, step, "a", 2) for step in (3, 4, 5) for phase in ("head", "tail")]
+    late = _static_decode_events(device, 4, replays=True, monkeypatch=monkeypatch)
+    assert {step for _, step, _, _ in late} == {None} and len(late) == len(each)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

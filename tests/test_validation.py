@@ -547,6 +547,31 @@ def test_stream_forms_engines_pass_are_accepted_on_the_cpu():
     w.verify(stream=torch.Stream(device="cpu"))  # a device-agnostic engine's current stream
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_one_row_source_takes_any_stride_and_hashes_as_row_0(device):
+    """Only row 0 of a one-row source is read, and frameworks give a size-1 dimension any stride:
+    a row of 40 bytes inside 48-byte rows, on its own, or with a stride of 0 is taken, and slot 1
+    (page size 2) hashes as it does in a two-row view of the same bytes."""
+    parent = np.random.default_rng(5).integers(0, 256, (4, 48), dtype=np.uint8)
+    flipped = parent.copy()
+    flipped[0, 16] ^= 1  # slot 1's first byte: a record of its own
+    views = [parent[:2, :40], parent[:1, :40], np.ascontiguousarray(parent[0, :40]).reshape(1, 40),
+             parent[0, :40][None], flipped[:1, :40]]
+    records = []
+    for view in views:
+        source = kc.RealKvSource(tensor=to_device(view, device, keep_strides=True), page_size=2,
+                                 num_bytes_per_token=16, read_bytes=16)
+        ctx = kc.CanaryContext.allocate(4, device=device, real_kv_sources=(source,), hash_mode=kc.HashMode.ALL)
+        wplan = kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+        i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        kc.write(ctx, wplan, tag=kc.LaunchTag.HEAD_K_FULL, input_ids=i64([7]), positions=i64([0]),
+                 out_cache_loc=i64([1]))
+        assert ctx.violations().total == 0
+        records.append(to_numpy(ctx.canary_buf).copy())
+    assert all(np.array_equal(record, records[0]) for record in records[1:4])
+    assert not np.array_equal(records[4], records[0])
+
+
 def test_stream_form_names_each_form_a_gpu_launch_resolves():
     from kvcanary_cupy.ops._dispatch import stream_form
     protocol = type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()

@@ -296,14 +296,19 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
     if np.dtype(view.dtype).hasobject:
         raise TypeError(f"{PREFIX}{name} must hold plain bytes (a numeric dtype), got dtype {view.dtype}")
     _require_contiguous_rows(name, view)
-    non_negative_row_stride(name, view)
     held = row_bytes(view)
     if held < needed_row_bytes:
         raise ValueError(
             f"{PREFIX}{name} rows must hold page_size * num_bytes_per_token = "
             f"{needed_row_bytes} bytes, got {held} bytes per row (shape {shape_text(view)})"
         )
-    row_stride = int(view.strides[0]) if view.shape[0] > 1 else held
+    if view.shape[0] <= 1:
+        # only row 0 is ever read, and frameworks give a size-1 dimension any stride (a DLPack
+        # export may say 0 or 1): any multiple of 16 serves
+        row_stride = -(-held // SOURCE_ALIGN_BYTES) * SOURCE_ALIGN_BYTES
+    else:
+        non_negative_row_stride(name, view)
+        row_stride = int(view.strides[0])
     if row_stride % SOURCE_ALIGN_BYTES:
         raise ValueError(
             f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
