@@ -38,6 +38,29 @@ def test_session():
             "(stored token 19412 position 3)") in out
 
 
+_BLOCK_TABLE_FINDINGS = [
+    "after 5 forwards: 0 violation(s)",
+    "after the bug: 10 violation(s), requests ['a']",
+    "[HEAD_K_FULL step 7] request 'a' position 8 slot 12: CHAIN_HASH|POSITION (stored token 20052 position 0)",
+    "[HEAD_K_FULL step 7] request 'a' position 11 slot 15: POSITION (stored token 2820 position 3)",
+    "[HEAD_K_FULL step 7] request 'a' position 12 slot 20: CHAIN_HASH (stored token 24576 position 12)",
+]
+
+
+def test_block_tables():
+    """An engine with block tables and K/V stacked in one tensor a layer, its table mirrored a block
+    at a time: a block freed while request a still holds it and rewritten by a new request is
+    reported at a's positions in it (stored positions of the new request) and the one after it."""
+    out = _run("block_tables.py")
+    assert all(line in out for line in _BLOCK_TABLE_FINDINGS), out
+
+
+@requires_gpu
+def test_block_tables_on_a_gpu():
+    out = _run("block_tables.py", "cuda")
+    assert all(line in out for line in _BLOCK_TABLE_FINDINGS), out
+
+
 def test_torch_quickstart():
     pytest.importorskip("torch")
     out = _run("torch_quickstart.py")
