@@ -96,8 +96,10 @@ class CanaryEvent:
     ``step`` is the number of the forward whose launch recorded it, counted as
     :attr:`CanaryReport.forwards` counts (eager forwards and static forwards' runs, replays
     included; a sweep takes the number of the forward before it), or None where that cannot be
-    told: a replay's place among the forwards since the previous poll is not known on the host
-    unless it ran alone, so polled after each forward every event has its step."""
+    told: a replay's place among the forwards and sweeps since the previous poll is not known on
+    the host, so a replay has its step when it is the only forward since the previous poll, and a
+    sweep beside a replay has none. Polled after each forward and each sweep, every event has its
+    step."""
 
     group: str
     phase: str
@@ -830,7 +832,7 @@ class Canary:
         total = dropped = overflows = 0
         ran, runs = self._static_forwards_ran()
         replays, self._logged_runs = max(0, runs - self._logged_runs), 0
-        logged = any(group.log for group in self.groups)
+        logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
         # Replays leave no trace on the host: their places among the logged forwards are not known,
         # nor which of several is which; one replay alone since the previous poll is the next forward.
         steps_known = not (replays and logged)
@@ -844,8 +846,9 @@ class Canary:
                 settle(group.device)
             if raw.total:
                 named = mapper.resolve(group, raw.rows, raw.dropped > 0, ran)
-                if not steps_known:
-                    named = [(phase, None, request, position) for phase, _, request, position in named]
+                if replays:  # a sweep's place beside a replay is not known either
+                    named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
+                             for phase, step, request, position in named]
                 events.extend(CanaryEvent(group.name, phase, step, v.slot_idx, request, position, v)
                               for v, (phase, step, request, position) in zip(raw.rows, named))
                 total += raw.total
