@@ -111,8 +111,10 @@ class RowMapper:
         lens = _lengths(launch.batch)
         lens = self.host(id(lens), lens).astype(np.int64)
         counted = (rows != 0) & (lens > 0)
-        total = int((lens - _window_starts(lens, group.window))[counted].sum())
-        return total > self.canary.capacities.verify_capacity
+        capacity = self.canary.capacities.verify_capacity
+        # each request's count clamped, so that the sum cannot wrap where the kernels' saturates
+        total = int(np.minimum(lens - _window_starts(lens, group.window), capacity + 1)[counted].sum())
+        return total > capacity
 
     def link(self, group, slot: int) -> Optional[int]:
         """``link(slot)`` from the canary's current contents, as the kernels compute it."""

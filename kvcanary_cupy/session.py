@@ -687,9 +687,9 @@ class Canary:
         if self._planned is not None:
             # a forward may be dropped after before_forward; one that ran left its tokens unfingerprinted
             self.logger.warning(
-                "kv-canary: before_forward of forward %d, but forward %d had no after_forward: if it "
-                "ran, its new tokens were not fingerprinted, and each verify that reads them reports "
-                "them (CHAIN_HASH, POSITION, REAL_KV_HASH)", self._numbered + 1, self._numbered)
+                "kv-canary: before_forward, but the previous before_forward had no after_forward: if "
+                "its forward ran, its new tokens were not fingerprinted, and each verify that reads them "
+                "reports them (CHAIN_HASH, POSITION, REAL_KV_HASH)")
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
@@ -830,13 +830,15 @@ class Canary:
             return CanaryReport()
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
-        ran, runs = self._static_forwards_ran()
+        ran, runs, stray = self._static_forwards_ran()
         replays, self._logged_runs = max(0, runs - self._logged_runs), 0
         logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
         # Replays leave no trace on the host: their places among the logged forwards are not known,
         # nor which of several is which; one replay alone since the previous poll is the next forward.
-        steps_known = not (replays and logged)
-        mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and not logged else None)
+        # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
+        # fit the others' entries, whose steps are then not known either.
+        steps_known = not stray and not (replays and logged)
+        mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None)
         for group in self.groups:
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
@@ -846,7 +848,7 @@ class Canary:
                 settle(group.device)
             if raw.total:
                 named = mapper.resolve(group, raw.rows, raw.dropped > 0, ran)
-                if replays:  # a sweep's place beside a replay is not known either
+                if replays or stray:  # a sweep's place beside a replay is not known either
                     named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
                              for phase, step, request, position in named]
                 events.extend(CanaryEvent(group.name, phase, step, v.slot_idx, request, position, v)
@@ -893,12 +895,12 @@ class Canary:
         for forward in closed.values():
             self._live_run_counts[forward.run_count_at[0]] -= 1
 
-    def _static_forwards_ran(self) -> tuple[set, int]:
-        """The static forwards (by id) that ran since the previous poll, and their runs, the run
-        counts cleared."""
+    def _static_forwards_ran(self) -> tuple[set, int, int]:
+        """The static forwards (by id) that ran since the previous poll, their runs, and the runs
+        counted in the cells of forwards let go (run by mistake), the run counts cleared."""
         live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
         if not live:
-            return set(), 0
+            return set(), 0, 0
         self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
         counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed next
         for index in live:
@@ -911,7 +913,7 @@ class Canary:
                 if counts[array][index] and id(forward) not in ran:
                     ran.add(id(forward))
                     runs += int(counts[array][index])
-        return ran, runs
+        return ran, runs, int(sum(int(count.sum()) for count in counts.values())) - runs
 
 
 class StaticForward:
@@ -959,6 +961,7 @@ class StaticForward:
             if translates:
                 self._translate = functools.partial(_run_translate, canary, writes)
         self.closed = False
+        self._logged_step: Optional[int] = None  # the step of the logged before() of the current run
         self._logged = [(group, [_Launch("verify", "head", group.head_tag, 0, batch),
                                  _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
                                  _Launch("verify", "tail", group.tail_tag, 0, batch)])
@@ -1014,9 +1017,14 @@ class StaticForward:
         if new_forward:
             canary._numbered += 1
             canary._logged_runs += 1
+            self._logged_step = canary._numbered
+        # after() takes the step of this forward's logged before(), when no forward came between;
+        # without it, its launches belong to no counted forward
+        step = canary._numbered if new_forward or self._logged_step == canary._numbered else None
+        if not new_forward:
+            self._logged_step = None
         for group, launches in self._logged:
-            group.log.extend(dataclasses.replace(launch, step=canary._numbered)
-                             for launch in launches[first:end])
+            group.log.extend(dataclasses.replace(launch, step=step) for launch in launches[first:end])
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still

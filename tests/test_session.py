@@ -1231,8 +1231,8 @@ def test_a_forward_left_without_after_forward_is_logged(caplog):
         assert not caplog.records
         eng.canary.before_forward(batch)
     (record,) = caplog.records
-    assert record.getMessage().startswith("kv-canary: before_forward of forward 3, but forward 2 had no "
-                                          "after_forward: if it ran, its new tokens were not fingerprinted")
+    assert record.getMessage().startswith("kv-canary: before_forward, but the previous before_forward had no "
+                                          "after_forward: if its forward ran, its new tokens were not fingerprinted")
     eng.canary.after_forward(batch)
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):

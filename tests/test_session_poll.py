@@ -220,6 +220,25 @@ def test_a_forward_whose_verify_overflowed_found_nothing(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_verify_whose_prefixes_add_up_past_int64_found_nothing(device):
+    """Prefixes whose sum passes 2^63 overflow the plan (its total saturates): that forward checked
+    nothing, and the rows stay with the forward that recorded them."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    huge = kc.ForwardBatch(req_pool_indices=i64([1, 1]), prefix_lens=i64([2 ** 62, 2 ** 62]),
+                           extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]))
+    eng.canary.before_forward(huge)
+    eng.canary.after_forward(huge)
+    report = eng.canary.poll()
+    assert report.capacity_overflows == 2
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_shared_slot_is_named_for_each_request_that_reads_it(device):
     """Two requests share a prefix slot whose KV changed: each forward names both readers, and a
     request whose alias reads another's slot is named for its own chain, not for the owner's."""

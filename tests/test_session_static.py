@@ -42,9 +42,9 @@ class _StaticForwards:
     "all" (every run a replay). Everything else goes to the canary."""
 
     def __init__(self, canary: kc.Canary, device, *, static: bool = True, pad: bool = False, replays=None,
-                 poll_sweeps: bool = False):
+                 poll_sweeps: bool = False, befores: bool = True):
         self.canary, self.device, self.static, self.pad, self.replays = canary, device, static, pad, replays
-        self.poll_sweeps = poll_sweeps
+        self.poll_sweeps, self.befores = poll_sweeps, befores  # befores False: after() alone
         self.found: list = []  # every poll's events
         self.bound: dict = {}  # geometry -> (StaticForward, its arrays, its req_ids list)
         self.launches: list = []  # ("forward", replayed) or ("sweep", None), in call order
@@ -80,7 +80,8 @@ class _StaticForwards:
             arrays[name][...] = to_device(padded, self.device)
         ids[:] = list(batch.req_ids) + [f"pad{i}" for i in range(len(ids) - len(batch.req_ids))]
         self.launches.append(("forward", forward._log is _unlogged))
-        forward.before()
+        if self.befores:
+            forward.before()
 
     def after_forward(self, batch: kc.ForwardBatch) -> None:
         if not self.static:
@@ -216,3 +217,49 @@ def test_a_sweep_beside_a_lone_replay_leaves_the_replay_its_step(device):
     assert [(phase, request, position) for phase, _, request, position in static] == [
         ("sweep", "a", 2), ("head", "a", 2), ("tail", "a", 2)]
     assert [(phase, step) for phase, step, _, _ in static if phase != "sweep"] == [("head", 3), ("tail", 3)]
+
+
+def _decode_after_a_fault(device, **driven) -> tuple[_Engine, _StaticForwards]:
+    """a's prompt (forward 1, eager) and a decode forward (2, static, logged), polled clean; then
+    a's KV at position 2 goes bad and the canary is driven by a :class:`_StaticForwards`."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.canary = _StaticForwards(eng.canary, device)
+    eng.forward({"a": 1})
+    assert eng.canary.poll().total == 0
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.canary = _StaticForwards(eng.canary.canary, device, **driven)
+    return eng, eng.canary
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_after_without_its_before_belongs_to_no_forward(device):
+    """A static forward's after() whose before() did not run (or ran with the canary off) is no
+    counted forward: its rows have no step, not the last forward's."""
+    eng, driven = _decode_after_a_fault(device, befores=False)
+    eng.forward({"a": 1})
+    report = driven.poll()
+    assert report.forwards == 2
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", None, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_forward_let_go_and_run_by_mistake_leaves_its_span_without_steps(device, monkeypatch):
+    """A static forward closed and let go by a poll, its graph replayed by mistake beside a new
+    forward's lone replay: the mistaken run's rows fit the new forward's entries too, so no row of
+    the span has a step; the next lone replay has its step again."""
+    eng, driven = _decode_after_a_fault(device)
+    (old, _), = driven.canary.groups[0].static_log  # the decode forward, run once and polled
+    old.close()
+    assert driven.poll().total == 0  # lets it go
+    monkeypatch.setattr(kc.session.StaticForward, "_log", _unlogged)  # replays from here on
+    old.before()  # its graph replayed by mistake
+    old.after()
+    eng.forward({"a": 1})  # a new static forward's replay
+    report = driven.poll()
+    assert report.forwards == 3 and len(report) == 4 and {e.step for e in report} == {None}
+    eng.forward({"a": 1})
+    report = driven.poll()
+    assert report.forwards == 4
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 4, "a", 2), ("tail", 4, "a", 2)]
