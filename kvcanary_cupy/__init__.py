@@ -9,7 +9,7 @@ RawKernels; host arrays run the numba backend, which is also the GPU's bit-exact
 from ._layout import FailReason, HashMode, LaunchTag, UNRESOLVED_SLOT
 from .capacities import Capacities
 from .context import CanaryContext, Violation, ViolationReport, VerifyPlan, WritePlan
-from .ops import CanaryStep, plan, scatter_req_token_ids, verify, write
+from .ops import CanaryStep, copy_records, plan, scatter_req_token_ids, verify, write
 from .sources import RealKvSource
 from .precompile import compile_kernels
 from . import layouts
@@ -41,6 +41,7 @@ __all__ = [
     "ViolationReport",
     "WritePlan",
     "compile_kernels",
+    "copy_records",
     "plan",
     "scatter_req_token_ids",
     "verify",

@@ -16,7 +16,9 @@ kc.Canary.poll() decodes into request, position and reason. Runs on CUDA GPUs (C
 and on the CPU (numba). Engines that refill their batch arrays in place bind a forward once
 (kc.Canary.static_forward), whose launches a CUDA graph can capture with the model's forward.
 Engines that drive the kernels themselves call kc.plan, kc.verify and kc.write, or kc.CanaryStep:
-one forward's verify and write, validated once, one or two launches."""
+one forward's verify and write, validated once, one or two launches. KV moved to a host-memory
+tier and back keeps its fingerprints through kc.copy_records, so what changed while it was away
+is caught when it is read again."""
 
 
 def _info(_: argparse.Namespace) -> int:

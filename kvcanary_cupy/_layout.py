@@ -26,6 +26,10 @@ FIELD_REAL_KV_HASH = 3
 SLOT_FIELD_COUNT = 4
 SLOT_WORD_BYTES = 8
 MIN_SLOT_STRIDE_BYTES = SLOT_FIELD_COUNT * SLOT_WORD_BYTES
+# copy_records' staging row (either backend gathers it, either scatters it): a slot's four fields,
+# then 1 where the source slot was in range
+STAGED_RECORD_WORDS = SLOT_FIELD_COUNT + 1
+STAGED_IN_RANGE = SLOT_FIELD_COUNT
 PADDING_SLOT = 0
 
 # --- violation ring ----------------------------------------------------------------------------
@@ -113,6 +117,9 @@ def nvrtc_defines() -> tuple[str, ...]:
         "KVC_FIELD_POSITION": str(FIELD_POSITION),
         "KVC_FIELD_PREV_HASH": str(FIELD_PREV_HASH),
         "KVC_FIELD_REAL_KV_HASH": str(FIELD_REAL_KV_HASH),
+        "KVC_SLOT_FIELD_COUNT": str(SLOT_FIELD_COUNT),
+        "KVC_STAGED_RECORD_WORDS": str(STAGED_RECORD_WORDS),
+        "KVC_STAGED_IN_RANGE": str(STAGED_IN_RANGE),
         "KVC_PADDING_SLOT": str(PADDING_SLOT),
         "KVC_RING_COLUMNS": str(RING_COLUMNS),
         "KVC_PARTIAL_READ_BYTES": str(PARTIAL_READ_BYTES),

@@ -168,6 +168,13 @@ class CanaryContext:
 
     # --- facts ----------------------------------------------------------------------------------
     @property
+    def kv_read_lengths(self) -> tuple[int, ...]:
+        """The bytes of each slot that each hashed source folds into its real-KV hash (empty when
+        nothing is hashed): two canaries whose lengths agree hash the same KV bytes alike."""
+        return tuple(source.read_length(self.hash_mode) for source in self.real_kv_sources
+                     if source.read_length(self.hash_mode))
+
+    @property
     def num_slots(self) -> int:
         return int(self.canary_buf.shape[0])
 

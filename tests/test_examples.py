@@ -61,6 +61,28 @@ def test_block_tables_on_a_gpu():
     assert all(line in out for line in _BLOCK_TABLE_FINDINGS), out
 
 
+_KV_TIER_FINDINGS = [
+    "after offloading and reloading request a: 0 violation(s) over 4 forwards",
+    "after a bit flip in host memory while a was offloaded: 2 violation(s)",
+    "[HEAD_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
+    "[TAIL_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
+]
+
+
+def test_kv_tiers():
+    """A request offloaded to a host tier and loaded back into other slots, its records carried
+    with kc.copy_records: clean, and a bit flipped in host memory meanwhile is reported at the next
+    forward's reads."""
+    out = _run("kv_tiers.py")
+    assert all(line in out for line in _KV_TIER_FINDINGS), out
+
+
+@requires_gpu
+def test_kv_tiers_between_the_gpu_and_the_host():
+    out = _run("kv_tiers.py", "cuda")
+    assert all(line in out for line in _KV_TIER_FINDINGS), out
+
+
 def test_torch_quickstart():
     pytest.importorskip("torch")
     out = _run("torch_quickstart.py")

@@ -10,6 +10,7 @@ import numpy as np
 from .. import _layout as L
 from .. import validate as check
 from .._dlpack import Device
+from ..context import CanaryContext
 
 
 def _adopt_arrays(owner: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Device:
@@ -160,3 +161,35 @@ class ScatterBatch:
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordCopy:
+    """Slot records carried pair by pair from one canary (``src``) to another or the same
+    (``dst``): ``src_slots`` on the source's device, ``dst_slots`` on the destination's."""
+
+    src: Any
+    dst: Any
+    src_slots: Any
+    dst_slots: Any
+
+    def __post_init__(self) -> None:
+        check.instance("src", self.src, CanaryContext)
+        check.instance("dst", self.dst, CanaryContext)
+        for name, owner in (("src_slots", self.src), ("dst_slots", self.dst)):
+            device = check.adopt_views(self, {name: name})[name]
+            if device != owner.device:
+                raise ValueError(f"{check.PREFIX}{name} must be on the device of {name[:3]}, {owner.device}, "
+                                 f"got {device}")
+        check.vector("src_slots", self.src_slots, np.int64)
+        check.vector("dst_slots", self.dst_slots, np.int64, self.count, "one per pair, as src_slots")
+        check.writable("dst canary_buf", self.dst.canary_buf)
+        if self.src.kv_read_lengths != self.dst.kv_read_lengths:
+            raise ValueError(
+                f"{check.PREFIX}dst must hash the KV bytes of a slot as src does (the bytes each hashed source "
+                f"reads, in order), got src {list(self.src.kv_read_lengths)} ({self.src.hash_mode.name}) and "
+                f"dst {list(self.dst.kv_read_lengths)} ({self.dst.hash_mode.name})")
+
+    @property
+    def count(self) -> int:
+        return int(self.src_slots.shape[0])

@@ -74,6 +74,7 @@ def plan_instance(tile: int, lut: bool) -> str:
 
 _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
 _SESSION_KERNELS = ("kvc_count_disabled", "kvc_count_run", "kvc_translate_slots")  # extern "C"
+_RECORDS_KERNELS = ("kvc_gather_records", "kvc_scatter_records")  # extern "C"
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
@@ -89,6 +90,7 @@ _SPECS = (
     KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS,
                (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),
     KernelSpec("session", "session.cu", (), _SESSION_KERNELS, (("KVC_SESSION_THREADS", 256),)),
+    KernelSpec("records", "records.cu", (), _RECORDS_KERNELS, (("KVC_RECORDS_THREADS", 256),)),
 )
 SPECS = {spec.name: spec for spec in _SPECS}
 

@@ -1,0 +1,68 @@
+"""copy_records: slots' records carried to other slots, of the same canary or of another one on
+any device, as their KV moves (to a host-memory tier and back, to another device, within a pool)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _layout as L
+from .. import validate as check
+from .._dlpack import Device, require_cupy, to_host
+from ._dispatch import backend_module, check_stream_form, resolve_stream
+from .batches import RecordCopy
+
+
+def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: Any = None) -> None:
+    """For each pair ``i``, the record (token, position, chain hash, real-KV hash) of
+    ``src_slots[i]`` in ``src`` stored at ``dst_slots[i]`` in ``dst``: a pair with either slot out
+    of range stores nothing. Move the KV bytes too, and the next verify at the destination checks
+    them against the hash they had when they were written, their chain and positions as before.
+
+    ``src`` and ``dst`` must hash KV alike (:attr:`CanaryContext.kv_read_lengths`). On one device
+    both launches are queued on ``stream`` and nothing waits. Across devices the records travel
+    through host memory: the call waits for the source's stream (``stream`` when the source is
+    the one GPU side, else its device's current stream), and the store is queued on the
+    destination's (done on return for a CPU destination); ``stream`` must be None between two GPUs.
+    """
+    move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+    src_stream, dst_stream = _streams(move.src.device, move.dst.device, stream)
+    if move.count == 0:
+        return
+    staged = _staging(move.count, move.src.device, src_stream)
+    backend_module(move.src.device, "records").gather(move.src, move.src_slots, staged, stream=src_stream)
+    if move.dst.device != move.src.device:
+        staged = _carried(staged, src_stream, move.dst.device, dst_stream)
+    backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
+
+
+def _streams(src: Device, dst: Device, stream: Any) -> tuple[Any, Any]:
+    """The stream of each side (None on the CPU), after ``stream``'s form is checked."""
+    check_stream_form(stream)
+    if src.is_cuda and dst.is_cuda and src != dst and stream is not None:
+        raise ValueError(f"{check.PREFIX}stream must be None when src and dst are on different GPUs "
+                         f"({src} and {dst}: each side runs on its device's current stream), got {stream!r}")
+    return tuple(resolve_stream(stream, device) if device.is_cuda else None for device in (src, dst))
+
+
+def _staging(count: int, device: Device, stream: Any):
+    """Rows for ``count`` staged records on ``device``, allocated for ``stream`` (every cell is
+    written by the gather)."""
+    if not device.is_cuda:
+        return np.empty((count, L.STAGED_RECORD_WORDS), np.int64)
+    cupy = require_cupy("device")
+    with cupy.cuda.Device(device.index), stream:
+        return cupy.empty((count, L.STAGED_RECORD_WORDS), np.int64)
+
+
+def _carried(staged, src_stream: Any, device: Device, stream: Any):
+    """The staged rows on ``device``, once the gather that fills them is done."""
+    if src_stream is not None:
+        src_stream.synchronize()
+    host = to_host(staged)
+    if not device.is_cuda:
+        return host
+    cupy = require_cupy("device")
+    with cupy.cuda.Device(device.index), stream:
+        return cupy.asarray(host)

@@ -1,0 +1,36 @@
+// records: a slot's record (its four fields, 32 bytes) carried to another slot, of this canary or
+// of another one, as the slot's KV moves (to a host tier and back, to another device). Gathered
+// into a staging array on the source's device, scattered from it on the destination's, so that
+// the two canaries may live on different devices; the staging rows' layout is the CPU backend's.
+#include "canary_common.cuh"
+
+// staged[i] = the record of slots[i] and 1 where 0 <= slots[i] < num_slots, else zeros and 0.
+// Grid-stride.
+extern "C" __global__ void kvc_gather_records(const kvc_i64* __restrict__ buf, kvc_i64 stride_words,
+                                              kvc_i64 num_slots, const kvc_i64* __restrict__ slots, kvc_i64 n,
+                                              kvc_i64* __restrict__ staged) {
+    const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
+    for (kvc_i64 i = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const kvc_i64 slot = slots[i];
+        const bool inside = slot >= 0 && slot < num_slots;
+        kvc_i64* out = staged + i * KVC_STAGED_RECORD_WORDS;
+#pragma unroll
+        for (int w = 0; w < KVC_SLOT_FIELD_COUNT; ++w) out[w] = inside ? buf[slot * stride_words + w] : 0;
+        out[KVC_STAGED_IN_RANGE] = inside ? 1 : 0;
+    }
+}
+
+// The record staged for pair i stored at slots[i], where it was gathered in range and
+// 0 <= slots[i] < num_slots; other pairs store nothing. Grid-stride.
+extern "C" __global__ void kvc_scatter_records(kvc_i64* __restrict__ buf, kvc_i64 stride_words, kvc_i64 num_slots,
+                                               const kvc_i64* __restrict__ slots, kvc_i64 n,
+                                               const kvc_i64* __restrict__ staged) {
+    const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
+    for (kvc_i64 i = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const kvc_i64 slot = slots[i];
+        const kvc_i64* record = staged + i * KVC_STAGED_RECORD_WORDS;
+        if (record[KVC_STAGED_IN_RANGE] == 0 || slot < 0 || slot >= num_slots) continue;
+#pragma unroll
+        for (int w = 0; w < KVC_SLOT_FIELD_COUNT; ++w) buf[slot * stride_words + w] = record[w];
+    }
+}

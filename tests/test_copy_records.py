@@ -1,0 +1,197 @@
+"""kc.copy_records: slots' records carried to other slots, of another canary on any device, as
+their KV moves (a host-memory tier and back): the destination then verifies the moved KV against
+the hashes it had when it was written, and its chain and positions as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _builders import snapshot
+from _devices import HAS_CUDA, requires_gpu, to_device, to_numpy
+
+ALL = kc.HashMode.ALL
+TAIL = kc.LaunchTag.TAIL_K_FULL
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")]
+# (source tier, destination tier): every pair of backends
+TIERS = [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=_GPU), pytest.param("cpu", "cuda", marks=_GPU),
+         pytest.param("cuda", "cuda", marks=_GPU)]
+I64 = np.int64
+
+
+def _i64(values, device):
+    return to_device(np.asarray(values, I64), device)
+
+
+class _Tier:
+    """A KV pool of ``slots`` slots (one layer of K, 64 bytes a token, in pages of ``page_size``)
+    and its canary, on ``device``."""
+
+    def __init__(self, device: str, slots: int, page_size: int, seed: int):
+        self.device, self.page_size = device, page_size
+        self.k = to_device(np.random.default_rng(seed).standard_normal((slots // page_size, page_size, 2, 8))
+                           .astype(np.float32), device)
+        self.ctx = kc.CanaryContext.allocate(slots, device=device, hash_mode=ALL,
+                                             real_kv_sources=kc.layouts.paged([self.k]))
+
+    def rows(self, slots):
+        """The K bytes of ``slots`` (host copies), in order."""
+        k = to_numpy(self.k)
+        return np.stack([k[s // self.page_size, s % self.page_size] for s in slots])
+
+    def put(self, slots, rows) -> None:
+        for slot, row in zip(slots, rows):
+            self.k[slot // self.page_size, slot % self.page_size] = to_device(row, self.device)
+
+    def write_chain(self, slots, tokens) -> None:
+        """One request's tokens at positions 0.. in ``slots``, fingerprinted."""
+        plan = kc.WritePlan.from_host(offsets=[0, len(slots)], seed_slot_indices=[-1], num_valid_reqs=1,
+                                      device=self.device)
+        kc.write(self.ctx, plan, tag=kc.LaunchTag.HEAD_K_FULL, input_ids=_i64(tokens, self.device),
+                 positions=_i64(np.arange(len(slots)), self.device), out_cache_loc=_i64(slots, self.device))
+
+    def verify_chain(self, slots) -> list:
+        """Every position of one request held in ``slots`` verified: the rows, as described."""
+        table = np.zeros((2, len(slots)), np.int32)
+        table[1] = slots
+        vplan = kc.VerifyPlan.allocate(len(slots), device=self.device)
+        kc.plan(vplan, kc.WritePlan.allocate(2, device=self.device), req_pool_indices=_i64([1], self.device),
+                prefix_lens=_i64([len(slots)], self.device), extend_seq_lens=_i64([0], self.device),
+                req_to_token=to_device(table, self.device))
+        kc.verify(self.ctx, vplan, tag=TAIL)
+        rows = [(v.slot_idx, v.position, v.fail_reason) for v in self.ctx.violations()]
+        self.ctx.clear_violations()
+        return rows
+
+
+@pytest.mark.parametrize("device, tier", TIERS)
+def test_a_request_offloaded_and_loaded_back_verifies_clean_and_catches_what_changed(device, tier):
+    """A request's KV and records go to slots of a host tier (another layout: pages of 4) and back
+    to new slots: clean at each end; a bit flipped while offloaded is reported at its position,
+    and pages loaded back out of order at theirs."""
+    gpu, host = _Tier(device, 64, 1, seed=1), _Tier(tier, 48, 4, seed=2)
+    rng = np.random.default_rng(3)
+    slots = rng.permutation(np.arange(1, 64))[:12]
+    gpu.write_chain(slots, rng.integers(0, 32_000, 12))
+    assert gpu.verify_chain(slots) == []
+    offloaded = rng.permutation(np.arange(1, 48))[:12]  # the host tier's slots
+    host.put(offloaded, gpu.rows(slots))
+    kc.copy_records(src=gpu.ctx, dst=host.ctx, src_slots=_i64(slots, device), dst_slots=_i64(offloaded, tier))
+    assert host.verify_chain(offloaded) == []
+    loaded = rng.permutation(np.setdiff1d(np.arange(1, 64), slots))[:12]  # new GPU slots
+    gpu.put(loaded, host.rows(offloaded))
+    kc.copy_records(src=host.ctx, dst=gpu.ctx, src_slots=_i64(offloaded, tier), dst_slots=_i64(loaded, device))
+    assert gpu.verify_chain(loaded) == []
+    assert np.array_equal(to_numpy(gpu.ctx.canary_buf)[loaded], to_numpy(gpu.ctx.canary_buf)[slots])
+
+    flipped = host.rows(offloaded[5:6])
+    flipped[0, 1, 3] += 1.0  # host memory changed while the request was offloaded
+    host.put(offloaded[5:6], flipped)
+    gpu.put(loaded, host.rows(offloaded))
+    assert gpu.verify_chain(loaded) == [(int(loaded[5]), 5, kc.FailReason.REAL_KV_HASH)]
+    swapped = loaded.copy()  # the K bytes and records of positions 8 and 9 loaded into each other's slots
+    swapped[[8, 9]] = loaded[[9, 8]]
+    gpu.put(swapped, host.rows(offloaded))
+    kc.copy_records(src=host.ctx, dst=gpu.ctx, src_slots=_i64(offloaded, tier), dst_slots=_i64(swapped, device))
+    found = {slot: reasons for slot, _, reasons in gpu.verify_chain(loaded)}
+    assert found[int(loaded[8])] & kc.FailReason.POSITION and found[int(loaded[9])] & kc.FailReason.POSITION
+
+
+def _random_records(device: str, slots: int, seed: int) -> kc.CanaryContext:
+    ctx = kc.CanaryContext.allocate(slots, device=device)
+    words = np.random.default_rng(seed).integers(-2**63, 2**63 - 1, (slots, 4), dtype=I64, endpoint=True)
+    ctx.canary_buf[...] = to_device(words.view(np.uint8).reshape(slots, 32), device)
+    return ctx
+
+
+def _expected(src: np.ndarray, dst: np.ndarray, src_slots, dst_slots) -> np.ndarray:
+    """The destination's buffer after the copy, pair by pair (a later pair wins)."""
+    out = dst.copy()
+    for s, d in zip(src_slots, dst_slots):
+        if 0 <= s < src.shape[0] and 0 <= d < out.shape[0]:
+            out[d] = src[s]
+    return out
+
+
+@pytest.mark.parametrize("device, tier", TIERS)
+def test_pairs_out_of_range_store_nothing(device, tier):
+    src, dst = _random_records(device, 40, 4), _random_records(tier, 24, 5)
+    src_slots = [3, -1, 40, 2**40, 7, 0, 39, 12]
+    dst_slots = [5, 6, 7, 8, -1, 24, 23, 2**62]
+    before = (to_numpy(src.canary_buf).copy(), to_numpy(dst.canary_buf).copy())
+    kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, tier))
+    assert np.array_equal(to_numpy(src.canary_buf), before[0])
+    assert np.array_equal(to_numpy(dst.canary_buf), _expected(*before, src_slots, dst_slots))
+
+
+def test_pairs_naming_one_destination_twice_leave_the_last_on_the_cpu():
+    src, dst = _random_records("cpu", 16, 6), _random_records("cpu", 16, 7)
+    kc.copy_records(src=src, dst=dst, src_slots=np.array([1, 2, 3], I64), dst_slots=np.array([9, 9, 4], I64))
+    assert np.array_equal(dst.canary_buf[9], src.canary_buf[2]) and np.array_equal(dst.canary_buf[4], src.canary_buf[3])
+
+
+@requires_gpu
+@pytest.mark.parametrize("tier", ["cpu", "cuda"])
+def test_the_gpu_copies_what_the_cpu_copies(tier):
+    """Random pairs (in and out of range, no destination named twice) over wide slot strides: the
+    GPU source's copy leaves the destination's bytes as the CPU's does."""
+    rng = np.random.default_rng(8)
+    for case in range(20):
+        n = int(rng.integers(0, 3000))
+        src_slots = rng.integers(-5, 1100, n)
+        dst_slots = rng.permutation(np.arange(-50, 1600))[:n]
+        results = []
+        for device, dst_device in (("cpu", "cpu"), ("cuda", tier)):
+            src, dst = _random_records(device, 1000, case), _random_records(dst_device, 1500, case + 100)
+            kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, dst_device))
+            results.append(to_numpy(dst.canary_buf))
+        assert np.array_equal(*results), case
+
+
+@requires_gpu
+def test_on_a_busy_non_blocking_stream():
+    """On one GPU both launches queue on the stream given, behind its work."""
+    import cupy
+    from _devices import spin_kernel
+
+    src, dst = _random_records("cuda", 64, 9), _random_records("cuda", 64, 10)
+    expected = _expected(to_numpy(src.canary_buf), to_numpy(dst.canary_buf), range(1, 40), range(20, 59))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        spin_kernel()((1,), (1,), (cupy.uint64(2_000_000),))
+    kc.copy_records(src=src, dst=dst, src_slots=_i64(range(1, 40), "cuda"), dst_slots=_i64(range(20, 59), "cuda"),
+                    stream=stream)
+    stream.synchronize()
+    assert np.array_equal(to_numpy(dst.canary_buf), expected)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda s, d: kc.copy_records(src=s.canary_buf, dst=d, src_slots=np.array([1], I64), dst_slots=np.array([1], I64)),
+     TypeError, r"^kv-canary: src must be a CanaryContext, got ndarray"),
+    (lambda s, d: kc.copy_records(src=s, dst=d, src_slots=np.array([1], np.int32), dst_slots=np.array([1], I64)),
+     TypeError, r"^kv-canary: src_slots must have dtype int64"),
+    (lambda s, d: kc.copy_records(src=s, dst=d, src_slots=np.array([1, 2], I64), dst_slots=np.array([1], I64)),
+     ValueError, r"^kv-canary: dst_slots must have length 2 \(one per pair, as src_slots\), got 1"),
+    (lambda s, d: kc.copy_records(src=s, dst=kc.CanaryContext.allocate(8), src_slots=np.array([1], I64),
+                                  dst_slots=np.array([1], I64)),
+     ValueError, r"^kv-canary: dst must hash the KV bytes of a slot as src does .* got src \[64\] \(ALL\) and dst "
+                 r"\[\] \(NONE\)"),
+    (lambda s, d: kc.copy_records(src=s, dst=d, src_slots=np.array([1], I64), dst_slots=np.array([1], I64),
+                                  stream="bogus"),
+     TypeError, r"^kv-canary: stream must be None"),
+])
+def test_a_refused_copy_names_the_argument_and_changes_nothing(call, error, message):
+    src, dst = _Tier("cpu", 16, 1, seed=11), _Tier("cpu", 16, 4, seed=12)
+    src.write_chain(np.arange(1, 5), [7, 8, 9, 10])
+    before = snapshot(src.ctx.canary_buf, dst.ctx.canary_buf)
+    with pytest.raises(error, match=message):
+        call(src.ctx, dst.ctx)
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(src.ctx.canary_buf, dst.ctx.canary_buf)))
+
+
+@requires_gpu
+def test_slots_on_another_device_than_their_canary_are_refused():
+    src, dst = _random_records("cuda", 16, 13), _random_records("cpu", 16, 14)
+    with pytest.raises(ValueError, match=r"^kv-canary: src_slots must be on the device of src, cuda:0, got cpu"):
+        kc.copy_records(src=src, dst=dst, src_slots=np.array([1], I64), dst_slots=np.array([1], I64))
