@@ -219,3 +219,10 @@ def scatter(xp, *, flat_in, offsets, req_pool_indices, pool_out):
     req, k, total = _ranges(xp, counts)
     if total:
         pool_out[req_pool_indices[req], k] = flat_in[begin[req] + k].astype(pool_out.dtype)
+
+
+def copy_records(xp, *, src_buf, dst_buf, src_slots, dst_slots):
+    """BASELINE copy_records: the four words of each source slot assigned to its destination slot
+    (in-range slots only, as everywhere here)."""
+    words = L.SLOT_FIELD_COUNT
+    dst_buf.view(xp.int64)[dst_slots, :words] = src_buf.view(xp.int64)[src_slots, :words]

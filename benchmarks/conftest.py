@@ -92,7 +92,8 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
     bytes hashed. write: per token 24 B of input (id, position, slot), the 32-B slot stored and the
     source bytes; 16 B of plan per request. plan: per verify entry 4 B of ``req_to_token`` read and
     32 B of plan written; 56 B per request. scatter: per token 8 B read and 4 B written. step (and
-    step_ops, the same work as three ops): plan + verify + write.
+    step_ops, the same work as three ops): plan + verify + write. copy_records: per cached slot (a
+    verify entry) its two slot indices, its 32-B record read and 32 B stored.
     """
     src = case.source_read_bytes
     if op == "verify":
@@ -103,6 +104,8 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
         return case.n_verify, case.n_verify * 36 + case.bs * 56
     if op == "scatter":
         return case.n_write, case.n_write * 12
+    if op == "copy_records":  # a record a cached slot: two slots read, 32 B read and 32 B stored
+        return case.n_verify, case.n_verify * (16 + 32 + 32)
     if op in ("step", "step_ops"):
         parts = [work_of(case, o) for o in ("plan", "verify", "write")]
         return case.n_verify + case.n_write, sum(p[1] for p in parts)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-OPS_ORDER = ["step", "step_ops", "plan", "verify", "write", "scatter"]
+OPS_ORDER = ["step", "step_ops", "plan", "verify", "write", "scatter", "copy_records"]
 # ALL-hash write against the same shape without hashing (target <= 1.2x)
 ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_hash_256b": "e2e_prefill_chunk_first",
                   "e2e_decode_steady_hash": "e2e_decode_steady"}

@@ -195,3 +195,15 @@ def test_slots_on_another_device_than_their_canary_are_refused():
     src, dst = _random_records("cuda", 16, 13), _random_records("cpu", 16, 14)
     with pytest.raises(ValueError, match=r"^kv-canary: src_slots must be on the device of src, cuda:0, got cpu"):
         kc.copy_records(src=src, dst=dst, src_slots=np.array([1], I64), dst_slots=np.array([1], I64))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+def test_within_one_canary_every_record_is_read_before_any_is_stored(device):
+    """Slots rotated within one pool (a compaction): each lands where the pair says, read before
+    the copy overwrote it."""
+    ctx = _random_records(device, 64, 15)
+    before = to_numpy(ctx.canary_buf).copy()
+    src_slots = np.arange(1, 41)
+    dst_slots = np.roll(src_slots, 1)
+    kc.copy_records(src=ctx, dst=ctx, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, device))
+    assert np.array_equal(to_numpy(ctx.canary_buf), _expected(before, before, src_slots, dst_slots))

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _layout as L
 from .. import validate as check
-from .._dlpack import Device, require_cupy, to_host
+from .._dlpack import Device, data_pointer, require_cupy, to_host
 from ._dispatch import backend_module, check_stream_form, resolve_stream
 from .batches import RecordCopy
 
@@ -20,8 +20,9 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     of range stores nothing. Move the KV bytes too, and the next verify at the destination checks
     them against the hash they had when they were written, their chain and positions as before.
 
-    ``src`` and ``dst`` must hash KV alike (:attr:`CanaryContext.kv_read_lengths`). On one device
-    both launches are queued on ``stream`` and nothing waits. Across devices the records travel
+    ``src`` and ``dst`` must hash KV alike (:attr:`CanaryContext.kv_read_lengths`); they may be one
+    canary (every record is read before any is stored). On one device it is one launch on
+    ``stream`` (two within one canary) and nothing waits. Across devices the records travel
     through host memory: the call waits for the source's stream (``stream`` when the source is
     the one GPU side, else its device's current stream), and the store is queued on the
     destination's (done on return for a CPU destination); ``stream`` must be None between two GPUs.
@@ -30,9 +31,15 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     src_stream, dst_stream = _streams(move.src.device, move.dst.device, stream)
     if move.count == 0:
         return
+    one_device = move.dst.device == move.src.device
+    if one_device and data_pointer(move.src.canary_buf) != data_pointer(move.dst.canary_buf):
+        backend_module(move.src.device, "records").copy(move.src, move.dst, move.src_slots, move.dst_slots,
+                                                        stream=src_stream)
+        return
+    # across devices, or within one canary (every record read before any is stored)
     staged = _staging(move.count, move.src.device, src_stream)
     backend_module(move.src.device, "records").gather(move.src, move.src_slots, staged, stream=src_stream)
-    if move.dst.device != move.src.device:
+    if not one_device:
         staged = _carried(staged, src_stream, move.dst.device, dst_stream)
     backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
 

@@ -74,7 +74,7 @@ def plan_instance(tile: int, lut: bool) -> str:
 
 _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
 _SESSION_KERNELS = ("kvc_count_disabled", "kvc_count_run", "kvc_translate_slots")  # extern "C"
-_RECORDS_KERNELS = ("kvc_gather_records", "kvc_scatter_records")  # extern "C"
+_RECORDS_KERNELS = ("kvc_gather_records", "kvc_scatter_records", "kvc_copy_records")  # extern "C"
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),

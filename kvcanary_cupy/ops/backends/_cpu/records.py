@@ -26,3 +26,11 @@ def scatter(ctx, slots, staged, *, stream=None) -> None:
     _, last = np.unique(slots[store][::-1], return_index=True)
     pairs = store[::-1][last]
     words[slots[pairs], :L.SLOT_FIELD_COUNT] = staged[pairs, :L.SLOT_FIELD_COUNT]
+
+
+def copy(src, dst, src_slots, dst_slots, *, stream=None) -> None:
+    """The record of ``src_slots[i]`` stored at ``dst_slots[i]`` where both are in range (pairs
+    naming one destination twice: the last one's)."""
+    staged = np.empty((src_slots.shape[0], L.STAGED_RECORD_WORDS), np.int64)
+    gather(src, src_slots, staged)
+    scatter(dst, dst_slots, staged)
