@@ -229,6 +229,9 @@ class Harness:
             # a large plan's rate against a bare kernel that moves the same bytes an entry a thread
             info["pct_plan_stream"] = 100.0 * entries / seconds / ceil["plan_stream_entries_per_s"]
         if naive is not None:
+            # on the timed stream, so that the events bracket its device work and not only its
+            # host time (CuPy's default stream does not wait for, nor is waited on by, this one)
+            naive = self._on_stream(naive)
             naive(0)
             self.timer.sync()
             estimate = self.timer.bracket(lambda: naive(1 % copies))
@@ -246,6 +249,16 @@ class Harness:
                  f"{seconds * 1e6:10.2f} us {entries / seconds:10.3g} entries/s {info['gbps']:8.1f} GB/s "
                  f"({info['pct_copy_ceiling']:5.1f}% copy){naive_text}")
         return info
+
+    def _on_stream(self, fn: Callable[[int], Any]) -> Callable[[int], Any]:
+        """``fn`` run with the timed stream current (as is, on the CPU)."""
+        if self.stream is None:
+            return fn
+
+        def on_stream(i: int) -> Any:
+            with self.stream:
+                return fn(i)
+        return on_stream
 
     def _targets(self, state: S.EngineState, op: str, graph: bool, info: dict) -> None:
         case = state.case
