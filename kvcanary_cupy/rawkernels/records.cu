@@ -36,21 +36,21 @@ extern "C" __global__ void kvc_scatter_records(kvc_i64* __restrict__ buf, kvc_i6
 }
 
 // Both canaries on this device: the record of src_slots[i] stored at dst_slots[i] where both are in
-// range, with no staging. Pairs naming one destination twice: which lands is unspecified.
-// Grid-stride.
+// range, with no staging. A thread a word: the four threads of a record read its 32-byte sector
+// together and store it together, as a warp's eight records make eight sector requests at once.
+// Pairs naming one destination twice: which lands is unspecified. Grid-stride.
 extern "C" __global__ void kvc_copy_records(const kvc_i64* __restrict__ src, kvc_i64 src_stride_words,
                                             kvc_i64 src_num_slots, const kvc_i64* __restrict__ src_slots,
                                             kvc_i64* __restrict__ dst, kvc_i64 dst_stride_words,
                                             kvc_i64 dst_num_slots, const kvc_i64* __restrict__ dst_slots,
                                             kvc_i64 n) {
     const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
-    for (kvc_i64 i = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    const kvc_i64 words = n * KVC_SLOT_FIELD_COUNT;
+    for (kvc_i64 t = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; t < words; t += step) {
+        const kvc_i64 i = t / KVC_SLOT_FIELD_COUNT;
+        const int w = (int)(t % KVC_SLOT_FIELD_COUNT);
         const kvc_i64 from = src_slots[i], to = dst_slots[i];
         if (from < 0 || from >= src_num_slots || to < 0 || to >= dst_num_slots) continue;
-        kvc_i64 record[KVC_SLOT_FIELD_COUNT];
-#pragma unroll
-        for (int w = 0; w < KVC_SLOT_FIELD_COUNT; ++w) record[w] = src[from * src_stride_words + w];
-#pragma unroll
-        for (int w = 0; w < KVC_SLOT_FIELD_COUNT; ++w) dst[to * dst_stride_words + w] = record[w];
+        dst[to * dst_stride_words + w] = src[from * src_stride_words + w];
     }
 }

@@ -26,7 +26,7 @@ def copy(src, dst, src_slots, dst_slots, *, stream) -> None:
     """The record of ``src_slots[i]`` stored at ``dst_slots[i]`` where both are in range (both
     canaries on this device)."""
     count = int(src_slots.shape[0])
-    _launch("kvc_copy_records", src.device.index, count,
+    _launch("kvc_copy_records", src.device.index, count * L.SLOT_FIELD_COUNT,  # a thread a word
             (*_slot_words(src), ptr(src_slots), *_slot_words(dst), ptr(dst_slots), i64(count)), stream)
 
 
