@@ -23,6 +23,7 @@ device = parser.parse_args().device
 xp = np
 if device != "cpu":
     import cupy as xp
+    xp.cuda.Device(int(device.partition(":")[2] or 0)).use()  # the arrays below on that GPU
 
 # --- the engine's memory --------------------------------------------------------------------------
 blocks, block_size, heads, head_dim, layers = 32, 4, 2, 8, 2

@@ -18,6 +18,7 @@ device = parser.parse_args().device
 xp = np
 if device != "cpu":
     import cupy as xp
+    xp.cuda.Device(int(device.partition(":")[2] or 0)).use()  # the arrays below on that GPU
 
 # --- the serving pool (K and V [pages, page_size, heads, head_dim]) and its canary ----------------
 pages, page_size, heads, head_dim = 32, 4, 2, 8

@@ -9,6 +9,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import snapshot
+from kvcanary_cupy._dlpack import cuda_device_count, from_host, parse_device
 from _devices import HAS_CUDA, requires_gpu, to_device, to_numpy
 
 ALL = kc.HashMode.ALL
@@ -20,8 +21,13 @@ TIERS = [("cpu", "cpu"), pytest.param("cuda", "cpu", marks=_GPU), pytest.param("
 I64 = np.int64
 
 
+def _put(array: np.ndarray, device: str):
+    """``array`` on ``device`` ("cpu", "cuda" or "cuda:N")."""
+    return from_host(array, parse_device(device))
+
+
 def _i64(values, device):
-    return to_device(np.asarray(values, I64), device)
+    return _put(np.asarray(values, I64), device)
 
 
 class _Tier:
@@ -98,10 +104,11 @@ def test_a_request_offloaded_and_loaded_back_verifies_clean_and_catches_what_cha
     assert found[int(loaded[8])] & kc.FailReason.POSITION and found[int(loaded[9])] & kc.FailReason.POSITION
 
 
-def _random_records(device: str, slots: int, seed: int) -> kc.CanaryContext:
-    ctx = kc.CanaryContext.allocate(slots, device=device)
-    words = np.random.default_rng(seed).integers(-2**63, 2**63 - 1, (slots, 4), dtype=I64, endpoint=True)
-    ctx.canary_buf[...] = to_device(words.view(np.uint8).reshape(slots, 32), device)
+def _random_records(device: str, slots: int, seed: int, stride: int = 32) -> kc.CanaryContext:
+    """A canary of ``slots`` slots of ``stride`` bytes, every byte random (past the record too)."""
+    ctx = kc.CanaryContext.allocate(slots, device=device, slot_stride_bytes=stride)
+    words = np.random.default_rng(seed).integers(-2**63, 2**63 - 1, (slots, stride // 8), dtype=I64, endpoint=True)
+    ctx.canary_buf[...] = _put(words.view(np.uint8).reshape(slots, stride), device)
     return ctx
 
 
@@ -110,7 +117,7 @@ def _expected(src: np.ndarray, dst: np.ndarray, src_slots, dst_slots) -> np.ndar
     out = dst.copy()
     for s, d in zip(src_slots, dst_slots):
         if 0 <= s < src.shape[0] and 0 <= d < out.shape[0]:
-            out[d] = src[s]
+            out[d, :32] = src[s, :32]  # the record; the slot's bytes past it stay
     return out
 
 
@@ -143,7 +150,8 @@ def test_the_gpu_copies_what_the_cpu_copies(tier):
         dst_slots = rng.permutation(np.arange(-50, 1600))[:n]
         results = []
         for device, dst_device in (("cpu", "cpu"), ("cuda", tier)):
-            src, dst = _random_records(device, 1000, case), _random_records(dst_device, 1500, case + 100)
+            src = _random_records(device, 1000, case, stride=(32, 40, 64)[case % 3])
+            dst = _random_records(dst_device, 1500, case + 100, stride=(48, 32, 136)[case % 3])
             kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, dst_device))
             results.append(to_numpy(dst.canary_buf))
         assert np.array_equal(*results), case
@@ -207,3 +215,55 @@ def test_within_one_canary_every_record_is_read_before_any_is_stored(device):
     dst_slots = np.roll(src_slots, 1)
     kc.copy_records(src=ctx, dst=ctx, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, device))
     assert np.array_equal(to_numpy(ctx.canary_buf), _expected(before, before, src_slots, dst_slots))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+def test_two_canaries_over_overlapping_bytes_read_every_record_first(device):
+    """Canaries over overlapping views of one buffer (slot i of one is slot i + 1 of the other):
+    every record is read before any is stored, as within one canary."""
+    base = _random_records(device, 40, 16)
+    rows = base.canary_buf
+    views = [kc.CanaryContext(canary_buf=rows[first:first + 32], violation_ring=base.violation_ring,
+                              violation_write_index=base.violation_write_index,
+                              slot_run_counter=base.slot_run_counter, kernel_run_counter=base.kernel_run_counter,
+                              chain_position_assert=base.chain_position_assert) for first in (0, 1)]
+    before = to_numpy(rows).copy()
+    slots = np.arange(0, 31)
+    kc.copy_records(src=views[0], dst=views[1], src_slots=_i64(slots, device), dst_slots=_i64(slots, device))
+    expected = before.copy()
+    expected[1:32] = before[0:31]
+    assert np.array_equal(to_numpy(rows), expected)
+
+
+@requires_gpu
+def test_a_staged_copy_is_refused_while_its_stream_captures():
+    import cupy
+
+    ctx = _random_records("cuda", 16, 17)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    before = to_numpy(ctx.canary_buf).copy()
+    slots = _i64([1, 2], "cuda")
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match=r"^kv-canary: stream must not be capturing a CUDA graph"):
+                kc.copy_records(src=ctx, dst=ctx, src_slots=slots, dst_slots=slots, stream=stream)
+        finally:
+            stream.end_capture()
+    assert np.array_equal(to_numpy(ctx.canary_buf), before)
+
+
+@pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("cuda:1", "cuda:1"), ("cuda:0", "cuda:1"), ("cuda:1", "cpu")])
+def test_canaries_on_a_gpu_that_is_not_current(pair):
+    """Each launch on its canary's GPU whichever is current: the copy equals the CPU's."""
+    import cupy
+
+    src_slots, dst_slots = np.arange(1, 30), np.arange(30, 1, -1)
+    want = _expected(to_numpy(_random_records("cpu", 40, 18).canary_buf),
+                     to_numpy(_random_records("cpu", 40, 19).canary_buf), src_slots, dst_slots)
+    with cupy.cuda.Device(0):
+        src, dst = _random_records(pair[0], 40, 18), _random_records(pair[1], 40, 19)
+        kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, pair[0]), dst_slots=_i64(dst_slots, pair[1]))
+    assert np.array_equal(to_numpy(dst.canary_buf), want)

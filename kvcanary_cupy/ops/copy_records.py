@@ -3,13 +3,14 @@ any device, as their KV moves (to a host-memory tier and back, to another device
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from .. import _layout as L
 from .. import validate as check
-from .._dlpack import Device, data_pointer, require_cupy, to_host
+from .._dlpack import Device, data_pointer, require_cupy, stream_capturing, to_host
 from ._dispatch import backend_module, check_stream_form, resolve_stream
 from .batches import RecordCopy
 
@@ -20,28 +21,51 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     of range stores nothing. Move the KV bytes too, and the next verify at the destination checks
     them against the hash they had when they were written, their chain and positions as before.
 
-    ``src`` and ``dst`` must hash KV alike (:attr:`CanaryContext.kv_read_lengths`); they may be one
-    canary (every record is read before any is stored). On one device it is one launch on
-    ``stream`` (two within one canary) and nothing waits. Across devices the records travel
-    through host memory: the call waits for the source's stream (``stream`` when the source is
-    the one GPU side, else its device's current stream), and the store is queued on the
-    destination's (done on return for a CPU destination); ``stream`` must be None between two GPUs.
+    ``src`` and ``dst`` must hash KV alike (:attr:`CanaryContext.kv_read_lengths`: the same bytes
+    a source, in order; that the sources are the same layers, K and V in the same order, is the
+    caller's to keep). They may be one canary: every record is read before any is stored. Pairs
+    naming one destination twice leave the last one's record on the CPU, an undefined one on a GPU.
+
+    On one device it is one launch on ``stream`` (two within one buffer) and nothing waits. Across
+    devices the records travel through host memory: the call waits for the source's stream
+    (``stream`` when the source is the one GPU side, else its device's current stream), and the
+    store is queued on the destination's (done on return for a CPU destination); ``stream`` must be
+    None between two GPUs. A copy that stages its records (within one buffer, or across devices)
+    cannot be captured in a CUDA graph.
     """
     move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
     src_stream, dst_stream = _streams(move.src.device, move.dst.device, stream)
+    one_device = move.dst.device == move.src.device
+    direct = one_device and not _overlapping(move.src.canary_buf, move.dst.canary_buf)
+    if not direct and any(stream_capturing(s) for s in (src_stream, dst_stream)):
+        raise ValueError(f"{check.PREFIX}stream must not be capturing a CUDA graph for a copy that stages its "
+                         f"records (across devices, or within one canary's buffer), got a capturing stream")
     if move.count == 0:
         return
-    one_device = move.dst.device == move.src.device
-    if one_device and data_pointer(move.src.canary_buf) != data_pointer(move.dst.canary_buf):
-        backend_module(move.src.device, "records").copy(move.src, move.dst, move.src_slots, move.dst_slots,
-                                                        stream=src_stream)
+    if direct:
+        with _current(move.src.device):
+            backend_module(move.src.device, "records").copy(move.src, move.dst, move.src_slots, move.dst_slots,
+                                                            stream=src_stream)
         return
-    # across devices, or within one canary (every record read before any is stored)
+    # across devices, or within one buffer (every record read before any is stored)
     staged = _staging(move.count, move.src.device, src_stream)
-    backend_module(move.src.device, "records").gather(move.src, move.src_slots, staged, stream=src_stream)
+    with _current(move.src.device):
+        backend_module(move.src.device, "records").gather(move.src, move.src_slots, staged, stream=src_stream)
     if not one_device:
         staged = _carried(staged, src_stream, move.dst.device, dst_stream)
-    backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
+    with _current(move.dst.device):
+        backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
+
+
+def _current(device: Device):
+    """``device`` current while a launch is made there (nothing to do on the CPU)."""
+    return require_cupy("device").cuda.Device(device.index) if device.is_cuda else contextlib.nullcontext()
+
+
+def _overlapping(a, b) -> bool:
+    """Whether two canary buffers share any byte (one canary, or views of one allocation)."""
+    start_a, start_b = data_pointer(a), data_pointer(b)
+    return start_a < start_b + int(b.nbytes) and start_b < start_a + int(a.nbytes)
 
 
 def _streams(src: Device, dst: Device, stream: Any) -> tuple[Any, Any]:
