@@ -38,49 +38,41 @@ def test_session():
             "(stored token 19412 position 3)") in out
 
 
-_BLOCK_TABLE_FINDINGS = [
-    "after 5 forwards: 0 violation(s)",
-    "after the bug: 10 violation(s), requests ['a']",
-    "[HEAD_K_FULL step 7] request 'a' position 8 slot 12: CHAIN_HASH|POSITION (stored token 20052 position 0)",
-    "[HEAD_K_FULL step 7] request 'a' position 11 slot 15: POSITION (stored token 2820 position 3)",
-    "[HEAD_K_FULL step 7] request 'a' position 12 slot 20: CHAIN_HASH (stored token 24576 position 12)",
-]
+# What the engine examples print, the same on the CPU and on a GPU:
+_FINDINGS = {
+    # block tables, K/V stacked a layer, the table mirrored a block at a time: a block freed while
+    # request a still holds it and rewritten by a new request is reported at a's positions in it
+    # (stored positions of the new request) and the one after it
+    "block_tables.py": [
+        "after 5 forwards: 0 violation(s)",
+        "after the bug: 10 violation(s), requests ['a']",
+        "[HEAD_K_FULL step 7] request 'a' position 8 slot 12: CHAIN_HASH|POSITION (stored token 20052 position 0)",
+        "[HEAD_K_FULL step 7] request 'a' position 11 slot 15: POSITION (stored token 2820 position 3)",
+        "[HEAD_K_FULL step 7] request 'a' position 12 slot 20: CHAIN_HASH (stored token 24576 position 12)",
+    ],
+    # a request offloaded to a host tier and loaded back into other slots, its records carried with
+    # kc.copy_records: clean, and a bit flipped in host memory meanwhile is reported at the next
+    # forward's reads
+    "kv_tiers.py": [
+        "after offloading and reloading request a: 0 violation(s) over 4 forwards",
+        "after a bit flip in host memory while a was offloaded: 2 violation(s)",
+        "[HEAD_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
+        "[TAIL_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
+    ],
+}
 
 
-def test_block_tables():
-    """An engine with block tables and K/V stacked in one tensor a layer, its table mirrored a block
-    at a time: a block freed while request a still holds it and rewritten by a new request is
-    reported at a's positions in it (stored positions of the new request) and the one after it."""
-    out = _run("block_tables.py")
-    assert all(line in out for line in _BLOCK_TABLE_FINDINGS), out
-
-
-@requires_gpu
-def test_block_tables_on_a_gpu():
-    out = _run("block_tables.py", "cuda")
-    assert all(line in out for line in _BLOCK_TABLE_FINDINGS), out
-
-
-_KV_TIER_FINDINGS = [
-    "after offloading and reloading request a: 0 violation(s) over 4 forwards",
-    "after a bit flip in host memory while a was offloaded: 2 violation(s)",
-    "[HEAD_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
-    "[TAIL_K_FULL step 5] request 'a' position 5 slot 30: REAL_KV_HASH (stored token 1312 position 5)",
-]
-
-
-def test_kv_tiers():
-    """A request offloaded to a host tier and loaded back into other slots, its records carried
-    with kc.copy_records: clean, and a bit flipped in host memory meanwhile is reported at the next
-    forward's reads."""
-    out = _run("kv_tiers.py")
-    assert all(line in out for line in _KV_TIER_FINDINGS), out
+@pytest.mark.parametrize("script", sorted(_FINDINGS))
+def test_engine_examples(script):
+    out = _run(script)
+    assert all(line in out for line in _FINDINGS[script]), out
 
 
 @requires_gpu
-def test_kv_tiers_between_the_gpu_and_the_host():
-    out = _run("kv_tiers.py", "cuda")
-    assert all(line in out for line in _KV_TIER_FINDINGS), out
+@pytest.mark.parametrize("script", sorted(_FINDINGS))
+def test_engine_examples_on_a_gpu(script):
+    out = _run(script, "cuda")
+    assert all(line in out for line in _FINDINGS[script]), out
 
 
 def test_torch_quickstart():
