@@ -561,9 +561,53 @@ def run_step_unfused(case: dict, device: str) -> dict:
     return _context_outputs(ctx)
 
 
+# --- copy_records ----------------------------------------------------------------------------------
+
+
+def make_records_case(rng: np.random.Generator, max_entries: int) -> dict:
+    """Records carried between two canaries (random bytes, random slot strides) or within one, on
+    one device or across the device and the host: source slots in range but a few (negative, past
+    the pool, huge), destination slots distinct (a GPU leaves a slot named twice undefined)."""
+    n = _log_uniform(rng, max_entries)
+    src_slots_count = int(rng.integers(1, 2 * n + 2))
+    dst_slots_count = n + int(rng.integers(1, n + 2))
+    where = str(rng.choice(["apart", "apart", "one", "to_host", "from_host"]))
+    if where == "one":
+        dst_slots_count = src_slots_count = max(src_slots_count, dst_slots_count)
+    src_slots = rng.integers(0, src_slots_count, size=n)
+    dst_slots = rng.permutation(dst_slots_count)[:n] - int(rng.integers(0, 3))  # a few below 0
+    for slots, count in ((src_slots, src_slots_count), (dst_slots, dst_slots_count)):
+        hostile = rng.random(n) < 0.02
+        slots[hostile] = rng.choice([-1, count, count + 7, 1 << 62], size=int(hostile.sum()))
+    stride = lambda: int(rng.choice([32, 40, 64, 136]))  # noqa: E731
+    src_stride = stride()
+    return {
+        "op": "records", "where": where,
+        "src": rng.integers(0, 256, size=(src_slots_count, src_stride), dtype=np.uint8),
+        "dst": rng.integers(0, 256, size=(dst_slots_count, src_stride if where == "one" else stride()), dtype=np.uint8),
+        "src_slots": src_slots.astype(np.int64), "dst_slots": dst_slots.astype(np.int64),
+    }
+
+
+def run_records(case: dict, device: str) -> dict:
+    where = case["where"]
+    src_device = "cpu" if where == "from_host" else device
+    dst_device = "cpu" if where == "to_host" else device
+    src = build_context(dict(_RECORDS_POOL, num_slots=case["src"].shape[0], canary=case["src"]), src_device)
+    dst = src if where == "one" else build_context(
+        dict(_RECORDS_POOL, num_slots=case["dst"].shape[0], canary=case["dst"]), dst_device)
+    kc.copy_records(src=src, dst=dst, src_slots=_to(case["src_slots"], src_device),
+                    dst_slots=_to(case["dst_slots"], dst_device))
+    return {"src": _host(src.canary_buf).copy(), "dst": _host(dst.canary_buf).copy()}
+
+
+_RECORDS_POOL = {"sources": [], "hash_mode": 0, "ring_capacity": 0, "chain_position_assert": 0}
+
+
 MAKERS = {"verify": make_verify_case, "write": make_write_case, "plan": make_plan_case, "scatter": make_scatter_case,
-          "step": make_step_case}
-RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter, "step": run_step}
+          "step": make_step_case, "records": make_records_case}
+RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter, "step": run_step,
+           "records": run_records}
 
 
 def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
@@ -591,6 +635,8 @@ def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
             if not np.array_equal(oracle[key], other[key]):
                 problems.append(key)
         return problems
+    if op == "records":
+        return [key for key in ("src", "dst") if not np.array_equal(oracle[key], other[key])]
     if not np.array_equal(oracle["pool_out"], other["pool_out"]):
         problems.append("pool_out")
     return problems

@@ -89,6 +89,8 @@ def _size(op: str, case: dict) -> int:
                    case["verify_capacity"]) + len(case["input_ids"])
     if op == "plan":
         return int(case["verify_capacity"])
+    if op == "records":
+        return len(case["src_slots"])
     return len(case["flat_in"])
 
 

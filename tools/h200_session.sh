@@ -27,7 +27,7 @@ if has tests; then
   pids+=($!)
 fi
 if has fuzz; then
-  for op in verify write plan scatter step; do
+  for op in verify write plan scatter step records; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
       > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
   done
@@ -51,12 +51,12 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
 if has fuzz; then
-  for op in verify write plan scatter step write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
+  for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
 if has sanitize; then
   for tool in memcheck racecheck initcheck; do
     # the fuzz table's rows, as "op mismatches/cases"
-    fuzzed=$(grep -E '^(verify|write|plan|scatter|step) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
+    fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
     echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"
   done
 fi
