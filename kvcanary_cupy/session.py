@@ -29,7 +29,7 @@ from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, na
 from ._mapping import RowMapper
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
-from .ops._dispatch import backend_module, check_stream_form, resolve_stream
+from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .ops.batches import PlanBatch, WriteBatch, launch_tag
 from .sources import RealKvSource, source_list
 
@@ -327,17 +327,6 @@ class _PreparedWrites:
     swa_entries: Optional[int]
 
 
-@contextlib.contextmanager
-def _on(device, stream: Any):
-    """The ops and the canary's own array work between them, on their device and ``stream`` (resolved):
-    queued on another stream that work would not wait for the ops before it (nor they for it)."""
-    if device.is_cuda:
-        with cupy_module().cuda.Device(device.index), stream:
-            yield
-    else:
-        yield
-
-
 # --- argument checks (SPEC §4) of what only the session takes; the ops' own rules run through their
 # --- argument bundles (PlanBatch, WriteBatch), all built before the first launch of a call ---------
 def _sources(name: str, sources: Any, device: Device, slots: int) -> tuple:
@@ -557,7 +546,7 @@ class Canary:
                 loc = _adopt("swa_out_cache_loc", batch.swa_out_cache_loc, self.device, check.vector, np.int64,
                              full.num_entries, "one per entry, as input_ids")
             else:
-                with _on(self.device, stream):  # allocated (and zeroed) on the stream that fills it
+                with on_device(self.device, stream):  # allocated (and zeroed) on the stream that fills it
                     loc = empty((full.num_entries,), np.int64, self.device)
                     self._bookkeeping.translate_slots(full.out_cache_loc, group.lut, loc, stream=stream)
             writes.append(full.for_group(group.tail_tag, loc))
@@ -693,7 +682,7 @@ class Canary:
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
-        with _on(self.device, stream):
+        with on_device(self.device, stream):
             self._order_after_torch(geometry)
             self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
@@ -751,10 +740,10 @@ class Canary:
             plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, self._plan_fields)
             plans = None if prepared_plans is not None else self._batch_plans(batch)
         write_geometry, prepared_writes = self._lookup(self._prepared_writes, batch, self._write_fields)
-        with _on(self.device, stream):  # before the call's first launch: _writes may translate SWA slots
+        with on_device(self.device, stream):  # before the call's first launch: _writes may translate SWA slots
             self._order_after_torch(plan_geometry, write_geometry)
         writes = None if prepared_writes is not None else self._writes(batch, stream)
-        with _on(self.device, stream):
+        with on_device(self.device, stream):
             self._prepare_checks()
             if plans is not None and self._prepared_plans.second_meeting(plan_geometry):
                 prepared_plans = self._prepared_plans.put(plan_geometry, self._prepare_plans(batch, plans))
@@ -805,7 +794,7 @@ class Canary:
         stream = self._stream(stream)
         if bs == 0:
             return
-        with _on(self.device, stream):
+        with on_device(self.device, stream):
             zeros = empty((bs,), np.int64, self.device)
         plans = self._plans(rows, seq_lens, zeros, None)
         for group in self.groups:
@@ -814,7 +803,7 @@ class Canary:
             if group.sweep_vplan is None:
                 group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
                 group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
-        with _on(self.device, stream):
+        with on_device(self.device, stream):
             self._order_after_torch(self._geometry(live_requests, ("req_pool_indices", "seq_lens")))
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
@@ -944,7 +933,7 @@ class StaticForward:
         self._translate = None
         self._geometries: tuple = ()
         if canary.device.is_cuda:
-            with _on(canary.device, stream):
+            with on_device(canary.device, stream):
                 canary._prepare_checks()
                 self._plans = canary._pack_plans(plans)
                 self._writes = canary._pack_writes(writes)
@@ -975,7 +964,7 @@ class StaticForward:
         batch's arrays are torch tensors (outside a graph capture)."""
         canary = self._canary
         stream = canary._stream(stream)
-        with _on(canary.device, stream):
+        with on_device(canary.device, stream):
             canary._order_after_torch(*self._geometries)
             yield stream
 

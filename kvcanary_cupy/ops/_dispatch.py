@@ -97,6 +97,18 @@ class _StreamHandle:
 
 
 @contextlib.contextmanager
+def on_device(device: Device, stream: Any) -> Iterator[None]:
+    """``device`` and ``stream`` (resolved) current, on a GPU (nothing to do on the CPU): a launch or
+    an array's work queued there, and not on another stream that would not wait for the launches
+    before it (nor they for it)."""
+    if device.is_cuda:
+        with cupy_module().cuda.Device(device.index), stream:
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
 def launch_scope(devices: Mapping[str, Device], stream: Any) -> Iterator[tuple[Device, Any]]:
     """Check the call's arrays share one device; on a GPU make it current and resolve the stream."""
     device = check.one_device(devices)

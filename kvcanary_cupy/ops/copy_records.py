@@ -3,7 +3,6 @@ any device, as their KV moves (to a host-memory tier and back, to another device
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from .. import _layout as L
 from .. import validate as check
 from .._dlpack import Device, data_pointer, require_cupy, stream_capturing, to_host
-from ._dispatch import backend_module, check_stream_form, resolve_stream
+from ._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .batches import RecordCopy
 
 
@@ -43,23 +42,18 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     if move.count == 0:
         return
     if direct:
-        with _current(move.src.device):
+        with on_device(move.src.device, src_stream):
             backend_module(move.src.device, "records").copy(move.src, move.dst, move.src_slots, move.dst_slots,
                                                             stream=src_stream)
         return
     # across devices, or within one buffer (every record read before any is stored)
     staged = _staging(move.count, move.src.device, src_stream)
-    with _current(move.src.device):
+    with on_device(move.src.device, src_stream):
         backend_module(move.src.device, "records").gather(move.src, move.src_slots, staged, stream=src_stream)
     if not one_device:
         staged = _carried(staged, src_stream, move.dst.device, dst_stream)
-    with _current(move.dst.device):
+    with on_device(move.dst.device, dst_stream):
         backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
-
-
-def _current(device: Device):
-    """``device`` current while a launch is made there (nothing to do on the CPU)."""
-    return require_cupy("device").cuda.Device(device.index) if device.is_cuda else contextlib.nullcontext()
 
 
 def _overlapping(a, b) -> bool:
@@ -82,9 +76,8 @@ def _staging(count: int, device: Device, stream: Any):
     written by the gather)."""
     if not device.is_cuda:
         return np.empty((count, L.STAGED_RECORD_WORDS), np.int64)
-    cupy = require_cupy("device")
-    with cupy.cuda.Device(device.index), stream:
-        return cupy.empty((count, L.STAGED_RECORD_WORDS), np.int64)
+    with on_device(device, stream):
+        return require_cupy("device").empty((count, L.STAGED_RECORD_WORDS), np.int64)
 
 
 def _carried(staged, src_stream: Any, device: Device, stream: Any):
@@ -94,6 +87,5 @@ def _carried(staged, src_stream: Any, device: Device, stream: Any):
     host = to_host(staged)
     if not device.is_cuda:
         return host
-    cupy = require_cupy("device")
-    with cupy.cuda.Device(device.index), stream:
-        return cupy.asarray(host)
+    with on_device(device, stream):
+        return require_cupy("device").asarray(host)
