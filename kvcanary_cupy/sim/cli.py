@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent requests (default 16)")
     parser.add_argument("--swa-window", type=_at_least(SMALLEST["swa_window"]), default=0,
                         help="add a sliding-window group of this window (default 0: none)")
+    parser.add_argument("--host-slots", type=_at_least(SMALLEST["host_slots"]), default=2048,
+                        help="slots of a host-memory KV tier that requests are offloaded to now and then and "
+                             "loaded back from, their canary records carried with them (default 2048; 0: none)")
     parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,
                         help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
@@ -99,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      layout=args.layout, pool_slots=args.pool_slots, page_size=args.page_size,
                      max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
                      expected_checks=not args.no_expected_checks, split_batches=args.split_batches,
-                     static_decode=args.static_decode)
+                     static_decode=args.static_decode, host_slots=args.host_slots)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -21,16 +21,18 @@ from typing import Optional
 import numpy as np
 
 from .. import _layout as L
-from .. import layouts
-from .._dlpack import empty, from_host, parse_device
+from .._dlpack import from_host, parse_device
 from ..capacities import Capacities
 from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
+from .host_tier import HostTier
+from .pools import kv_pool, swa_pool
 
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
 # the smallest value of each integer setting (the demo's options take the same bounds)
 SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 1, "swa_window": 0,
-            "sweep_every": 0, "poll_every": 1}
+            "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1}
 _FREED = -1
+
 
 
 @dataclasses.dataclass
@@ -65,6 +67,9 @@ class SimConfig:
     static_decode: bool = False  # decode forwards through static forwards (implies split_batches)
     chain_position_assert: bool = True
     ring_capacity: int = 1024
+    host_slots: int = 2048  # slots of the host-memory KV tier (0: no tier)
+    offload_prob: float = 0.05  # chance a step offloads a running request to the host tier
+    offload_steps: int = 3  # steps an offloaded request waits before it is loaded back
     vocab: int = 32000
 
     def __post_init__(self) -> None:
@@ -84,6 +89,12 @@ class SimConfig:
             raise ValueError(f"kv-canary: pool_slots must be >= {smallest_pool} (a request of max_len "
                              f"{self.max_len} tokens in pages of {self.page_size}, beside the padding page), "
                              f"got {self.pool_slots!r}")
+        if 0 < self.host_slots <= self.max_len:
+            # the tier must take a whole request beside its unused slot 0
+            raise ValueError(f"kv-canary: host_slots must be 0 (no host tier) or > max_len {self.max_len}, "
+                             f"got {self.host_slots!r}")
+        if not 0.0 <= self.offload_prob <= 1.0:
+            raise ValueError(f"kv-canary: offload_prob must be within [0, 1], got {self.offload_prob!r}")
 
 
 @dataclasses.dataclass
@@ -110,6 +121,15 @@ class Request:
     @property
     def decoding(self) -> bool:
         return self.seq_len >= self.prompt_len
+
+
+@dataclasses.dataclass
+class Offloaded:
+    """A request waiting in the host tier: the host slots of its cached positions, in order."""
+
+    request: Request
+    host_slots: np.ndarray
+    since: int
 
 
 @dataclasses.dataclass
@@ -176,10 +196,10 @@ class Engine:
             self.swa_free = collections.deque(range(1, self.num_slots))
             self.lut_host = np.zeros(self.num_slots + 1, np.int64)
             self.lut = self._mirror(self.lut_host)
-            self.swa_kv = empty((self.num_slots, c.heads, c.head_dim), np.float16, self.device)
-            self.swa_targets = [self.swa_kv.reshape(self.num_slots, -1).view(np.uint8)]
+            swa_kv = swa_pool(c, self.device, self.num_slots)
+            self.swa_targets = swa_kv.targets
             swa = SwaGroup(window=c.swa_window, lut=self.lut, num_slots=self.num_slots,
-                           real_kv_sources=layouts.per_layer([self.swa_kv]))
+                           real_kv_sources=swa_kv.sources)
         caps = Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=c.max_len,
                                     pool_slot_count=self.num_slots, max_prefill_tokens=c.chunk_tokens + rows)
         self.canary = Canary(pool_slot_count=self.num_slots, capacities=caps, req_to_token=self.table,
@@ -187,6 +207,11 @@ class Engine:
                              ring_capacity=c.ring_capacity, mode=canary_mode, swa=swa,
                              expected_tokens=self.expected if c.expected_checks else None,
                              chain_position_assert=c.chain_position_assert, logger=logger)
+        self.offloaded: dict[int, Offloaded] = {}
+        self.tier_rng = np.random.default_rng(c.seed + 2)
+        self.tier = None
+        if c.host_slots:
+            self.tier = HostTier(c, -(-c.host_slots // ps) * ps, with_swa=c.swa_window > 0)
 
     # --- memory -----------------------------------------------------------------------------------
     def _mirror(self, host: np.ndarray):
@@ -201,29 +226,9 @@ class Engine:
             self.lut[...] = from_host(self.lut_host, self.device)
 
     def _build_kv(self) -> None:
-        c, dev, n = self.config, self.device, self.num_slots
-        f16 = np.float16
-        # ``targets``: uint8 [slots, bytes] views the model writes; ``target_source_bytes``: bytes per
-        # token of the canary source each target byte belongs to (interleaved rows hold two).
-        if c.layout == "paged":
-            ks = [empty((self.num_pages, self.page_size, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
-            vs = [empty((self.num_pages, self.page_size, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
-            self.sources = layouts.paged(ks, vs)
-            buffers = [b for pair in zip(ks, vs) for b in pair]
-        elif c.layout == "per_layer":
-            ks = [empty((n, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
-            vs = [empty((n, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
-            self.sources = layouts.per_layer(ks, vs)
-            buffers = [b for pair in zip(ks, vs) for b in pair]
-        elif c.layout == "interleaved":
-            buffers = [empty((n, 2, c.heads, c.head_dim), f16, dev) for _ in range(c.layers)]
-            self.sources = layouts.interleaved(buffers)
-        else:
-            buffers = [empty((n, 1, 4 * c.head_dim + 32), f16, dev) for _ in range(c.layers)]
-            self.sources = layouts.mla(buffers)
-        self.kv_buffers = buffers
-        self.targets = [b.reshape(n, -1).view(np.uint8) for b in buffers]
-        self.target_source_bytes = [int(t.shape[1]) // (2 if c.layout == "interleaved" else 1) for t in self.targets]
+        pool = kv_pool(self.config, self.device, self.num_slots)
+        self.sources, self.kv_buffers = pool.sources, pool.buffers
+        self.targets, self.target_source_bytes = pool.targets, pool.target_source_bytes
 
     def _take_page(self) -> int:
         page = self.free_pages.popleft()
@@ -321,7 +326,77 @@ class Engine:
                 self._release(request)
                 self.aborted += 1
                 return True
-        return False
+        entry = self.offloaded.pop(rid, None)
+        if entry is None:
+            return False
+        self.tier.give_back(entry.host_slots)
+        self.reserved_pages -= entry.request.own_pages_needed - entry.request.own_taken
+        self.free_rows.append(entry.request.row)
+        self.aborted += 1
+        return True
+
+    # --- the host tier ----------------------------------------------------------------------------
+    def can_offload(self, request: Request) -> bool:
+        """Whether ``request`` can move to the host tier now: it holds every page it uses, the tier
+        has room for its cached tokens, and the pool can keep room for its return (pages it shares
+        stay with their other holders, so they are reserved anew)."""
+        if self.tier is None or request.seq_len == 0 or _FREED in request.pages:
+            return False
+        shared = sum(int(self.page_ref[page] > 1) for page in request.pages)
+        return len(self.tier.free) >= request.seq_len and len(self.free_pages) - self.reserved_pages >= shared
+
+    def offload(self, request: Request) -> np.ndarray:
+        """Move ``request``'s cached KV and its slots' records to the host tier and let go of its
+        pages, keeping enough reserved for its return. Returns the host slot of each cached position."""
+        slots = np.asarray([self.slot_of(request, p) for p in range(request.seq_len)], np.int64)
+        host_slots = self.tier.take(slots.size)
+        self._tier_copy(self.tier.store, slots, host_slots)
+        pages_needed = -(-request.total // self.page_size)
+        self.reserved_pages += pages_needed - (request.own_pages_needed - request.own_taken)
+        request.own_pages_needed, request.own_taken = pages_needed, 0
+        for page in request.pages:
+            self.release_page(page)
+        request.pages = []
+        self.running.remove(request)
+        self.offloaded[request.rid] = Offloaded(request, host_slots, self.step_index)
+        self.tier.offloads += 1
+        return host_slots
+
+    def reload(self, entry: Offloaded) -> None:
+        """Load an offloaded request back: new pages for its cached positions, its KV and records
+        copied into them from the host tier, its table row pointed at them."""
+        request = entry.request
+        while len(request.pages) * self.page_size < request.seq_len:
+            request.pages.append(self._take_page())
+            request.own_taken += 1
+            self.reserved_pages -= 1
+        slots = np.asarray([self.slot_of(request, p) for p in range(request.seq_len)], np.int64)
+        self._tier_copy(self.tier.load, slots, entry.host_slots)
+        self.tier.give_back(entry.host_slots)
+        self.table_host[request.row, :request.seq_len] = slots
+        del self.offloaded[request.rid]
+        self.running.append(request)
+        self.tier.reloads += 1
+
+    def _tier_copy(self, action, slots: np.ndarray, host_slots: np.ndarray) -> None:
+        action("full", device=self.device, targets=self.targets, context=self.canary.context, slots=slots,
+               host_slots=host_slots)
+        if self.config.swa_window > 0:
+            action("swa", device=self.device, targets=self.swa_targets, context=self.canary.swa_context,
+                   slots=self.lut_host[slots], host_slots=host_slots)
+
+    def tier_turn(self, protected=frozenset()) -> None:
+        """Load back the requests whose wait is over, then, with probability ``offload_prob``, offload
+        one running request (none whose id ``protected`` holds)."""
+        if self.tier is None:
+            return
+        c = self.config
+        for entry in [e for e in self.offloaded.values() if self.step_index - e.since >= c.offload_steps]:
+            self.reload(entry)
+        if self.tier_rng.random() < c.offload_prob:
+            candidates = [r for r in self.running if r.rid not in protected and r.remaining > 0 and self.can_offload(r)]
+            if candidates:
+                self.offload(candidates[int(self.tier_rng.integers(len(candidates)))])
 
     def admit_arrivals(self) -> None:
         c = self.config
@@ -329,7 +404,7 @@ class Engine:
         if len(self.running) < 2:
             arrivals = max(arrivals, 2)
         for _ in range(arrivals):
-            if len(self.running) >= c.max_running:
+            if len(self.running) + len(self.offloaded) >= c.max_running:
                 break
             if not self._admit(self._new_request()):
                 break

@@ -1,7 +1,8 @@
 """Named fault classes the simulator injects into its engine, each recording whom it hurts.
 
-State faults (``kv_bitflip``, ``slot_alias``, ``use_after_free``, ``canary_overwrite``) corrupt the
-engine's memory between steps; batch faults (``stale_position``, ``token_swap``) corrupt the metadata
+State faults (``kv_bitflip``, ``slot_alias``, ``use_after_free``, ``canary_overwrite``,
+``offload_bitflip``) corrupt the engine's memory between steps (``offload_bitflip`` the KV of a
+request while it waits in the host tier); batch faults (``stale_position``, ``token_swap``) corrupt the metadata
 of the tokens a step writes, as a buggy batch builder would. Each fault names its victim requests and
 slots, so a violation can be attributed to it (or counted as a false positive).
 """
@@ -16,7 +17,7 @@ import numpy as np
 from .._dlpack import from_host
 from .engine import Engine, StepBatch, _FREED
 
-STATE_FAULTS = ("kv_bitflip", "slot_alias", "use_after_free", "canary_overwrite")
+STATE_FAULTS = ("kv_bitflip", "slot_alias", "use_after_free", "canary_overwrite", "offload_bitflip")
 BATCH_FAULTS = ("stale_position", "token_swap")
 FAULT_CLASSES = STATE_FAULTS + BATCH_FAULTS
 _MIN_REMAINING = 8
@@ -47,6 +48,8 @@ def _cannot_host(engine: Engine, cls: str) -> Optional[str]:
     """Why ``engine`` can never host a fault of ``cls`` (``None`` when it can)."""
     if cls == "slot_alias" and engine.config.max_running < 2:
         return "needs two running requests (max_running >= 2)"
+    if cls == "offload_bitflip" and engine.tier is None:
+        return "needs a host tier (host_slots > 0)"
     return None
 
 
@@ -113,24 +116,44 @@ class FaultInjector:
         request, positions = candidates[int(self.rng.integers(len(candidates)))]
         return request, int(self.rng.choice(positions))
 
+    def _flip_a_bit(self, targets: list, source_bytes: list, row: int) -> dict:
+        """Flip one bit of ``row`` in one of ``targets`` (at ``bitflip_offset`` inside its canary
+        source's token bytes when that is pinned); what was flipped, for the fault's detail."""
+        target_index = int(self.rng.integers(len(targets)))
+        target, token_bytes = targets[target_index], source_bytes[target_index]
+        if self.bitflip_offset is None:
+            offset = int(self.rng.integers(target.shape[1]))
+        else:
+            half = int(self.rng.integers(target.shape[1] // token_bytes)) * token_bytes
+            offset = half + min(int(self.bitflip_offset), token_bytes - 1)
+        bit = int(self.rng.integers(8))
+        target[row, offset] ^= np.uint8(1 << bit)
+        return dict(byte=offset, source_offset=offset % token_bytes, bit=bit)
+
     def _kv_bitflip(self, step: int) -> Optional[Fault]:
         eng = self.engine
         request, position = self._pick()
         if request is None:
             return None
         slot = eng.slot_of(request, position)
-        target_index = int(self.rng.integers(len(eng.targets)))
-        target = eng.targets[target_index]
-        source_bytes = eng.target_source_bytes[target_index]
-        if self.bitflip_offset is None:
-            offset = int(self.rng.integers(target.shape[1]))
-        else:
-            half = int(self.rng.integers(target.shape[1] // source_bytes)) * source_bytes
-            offset = half + min(int(self.bitflip_offset), source_bytes - 1)
-        bit = int(self.rng.integers(8))
-        target[slot, offset] ^= np.uint8(1 << bit)
-        return self._record("kv_bitflip", step, [request.rid], [slot], position=position, byte=offset,
-                            source_offset=offset % source_bytes, bit=bit)
+        flipped = self._flip_a_bit(eng.targets, eng.target_source_bytes, slot)
+        return self._record("kv_bitflip", step, [request.rid], [slot], position=position, **flipped)
+
+    def _offload_bitflip(self, step: int) -> Optional[Fault]:
+        """Offload a request to the host tier and flip a bit of one of its tokens' KV there: its
+        records, carried with it, still hold the hash of the KV as written."""
+        eng = self.engine
+        open_victims = {rid for fault in self.faults if not fault.detected for rid in fault.victims}
+        candidates = [r for r in self._victims(exclude=open_victims) if eng.can_offload(r)]
+        if not candidates:
+            return None
+        request = candidates[int(self.rng.integers(len(candidates)))]
+        position = int(self.rng.integers(request.seq_len))
+        host_slot = int(eng.offload(request)[position])
+        kv = eng.tier.groups["full"].kv
+        flipped = self._flip_a_bit(kv.targets, kv.target_source_bytes, host_slot)
+        return self._record("offload_bitflip", step, [request.rid], [], position=position, host_slot=host_slot,
+                            **flipped)
 
     def _slot_alias(self, step: int) -> Optional[Fault]:
         eng = self.engine

@@ -69,6 +69,7 @@ class SimResult:
     decode_canary_s: float = 0.0  # the canary's host time in those forwards
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
     not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
+    host_tier: Optional[dict] = None  # the host tier's slots, offloads and reloads (None: no tier)
 
     @property
     def canary_ms_per_step(self) -> float:
@@ -122,6 +123,7 @@ class SimResult:
             "canary_us_per_decode_forward": round(self.canary_us_per_decode_forward, 2),
             "static_decode": self.static_decode,
             "not_injectable": self.not_injectable,
+            "host_tier": self.host_tier,
             "faults": self.per_class(),
             "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
                            "detected_step": f.detected_step,
@@ -143,6 +145,10 @@ class SimResult:
             + (f"; kernels ready in {self.kernels_s:.2f} s before it (compiled once a machine, then loaded "
                f"from {'CuPy' if 'cuda' in str(c.device) else 'numba'}'s cache)"),
         ]
+        if self.host_tier is not None:
+            tier = self.host_tier
+            lines.append(f"  host tier of {tier['slots']} slots: {tier['offloads']} offloads, {tier['reloads']} reloads, "
+                         f"records carried both ways by kc.copy_records")
         if c.split_batches or c.static_decode:
             sd = self.static_decode
             how = "eager" if sd is None else (
@@ -211,6 +217,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     start = time.perf_counter()
     for step in range(config.steps):
         engine.step_index = step
+        engine.tier_turn(protected={rid for f in injector.faults if not f.detected for rid in f.victims})
         engine.admit_arrivals()
         injector.before_step(step)
         host_batch = engine.schedule()
@@ -246,7 +253,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
             false_positives.extend((step, e) for e in unexplained)
             for rid in hit:
                 engine.abort(rid)
-            live = {r.rid for r in engine.running}
+            live = {r.rid for r in engine.running} | set(engine.offloaded)
             for fault in injector.faults:
                 fault.closed = fault.closed or not (fault.victims & live)
         canary_s += time.perf_counter() - t3
@@ -263,7 +270,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
                      engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
                      false_positives, violations_per_step, kernels_s,
                      decode_forwards, decode_canary_s, None if static is None else static.to_json(),
-                     injector.not_injectable)
+                     injector.not_injectable, None if engine.tier is None else engine.tier.to_json())
 
 
 __all__ = ["Progress", "SimResult", "run"]

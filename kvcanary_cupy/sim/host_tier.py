@@ -1,0 +1,86 @@
+"""The engine's host-memory KV tier: where a request's cached KV waits while the request is offloaded
+(preempted to host memory, or parked by a hierarchical cache), and where it is loaded back from.
+
+The tier keeps KV bytes in host arrays of the engine's layout and, beside them, canary contexts on
+the CPU that hold only slot records. Offloading a request copies its KV bytes and carries its slots'
+records there (``kc.copy_records``); loading it back does both the other way, into whatever slots
+the request is given then. The records still hold the hashes the KV had when it was written, so KV
+that changed while it was away fails the first verify that reads it after the reload.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from .._dlpack import from_host, parse_device, to_host
+from ..context import CanaryContext
+from ..ops import copy_records
+
+if TYPE_CHECKING:
+    from .engine import SimConfig
+from .pools import KvPool, kv_pool, swa_pool
+
+_HOST = parse_device("cpu")
+
+
+@dataclasses.dataclass
+class _Group:
+    """One slot group's half of the tier: host KV and a context holding only records."""
+
+    kv: KvPool
+    context: CanaryContext
+
+
+class HostTier:
+    """``num_slots`` host slots (a whole number of pages), for the full group and, with an SWA
+    group, for its sliding-window KV too (a host slot holds one token of each)."""
+
+    def __init__(self, config: SimConfig, num_slots: int, *, with_swa: bool):
+        self.num_slots = num_slots
+        self.groups = {"full": self._group(kv_pool(config, _HOST, num_slots), config)}
+        if with_swa:
+            self.groups["swa"] = self._group(swa_pool(config, _HOST, num_slots), config)
+        # host slot 0 stays unused, as the pool's padding slot does
+        self.free = collections.deque(range(1, num_slots))
+        self.offloads = 0
+        self.reloads = 0
+
+    @staticmethod
+    def _group(kv: KvPool, config: SimConfig) -> _Group:
+        context = CanaryContext.allocate(int(kv.targets[0].shape[0]), device=_HOST, ring_capacity=0,
+                                         hash_mode=config.hash_mode, real_kv_sources=kv.sources)
+        return _Group(kv, context)
+
+    def take(self, count: int) -> Optional[np.ndarray]:
+        """``count`` free host slots, or ``None`` when the tier has fewer."""
+        if count > len(self.free):
+            return None
+        return np.asarray([self.free.popleft() for _ in range(count)], np.int64)
+
+    def give_back(self, host_slots: np.ndarray) -> None:
+        self.free.extend(int(s) for s in host_slots)
+
+    def store(self, group: str, *, device, targets: list, context: CanaryContext, slots: np.ndarray,
+              host_slots: np.ndarray) -> None:
+        """Copy the KV bytes of pool ``slots`` into ``host_slots`` and carry their records."""
+        tier = self.groups[group]
+        on_device = from_host(slots, device)
+        for target, host_target in zip(targets, tier.kv.targets):
+            host_target[host_slots] = to_host(target[on_device])
+        copy_records(src=context, dst=tier.context, src_slots=on_device, dst_slots=host_slots)
+
+    def load(self, group: str, *, device, targets: list, context: CanaryContext, slots: np.ndarray,
+             host_slots: np.ndarray) -> None:
+        """Copy the KV bytes of ``host_slots`` back into pool ``slots`` and carry their records."""
+        tier = self.groups[group]
+        on_device = from_host(slots, device)
+        for target, host_target in zip(targets, tier.kv.targets):
+            target[on_device] = from_host(np.ascontiguousarray(host_target[host_slots]), device)
+        copy_records(src=tier.context, dst=context, src_slots=host_slots, dst_slots=on_device)
+
+    def to_json(self) -> dict:
+        return {"slots": self.num_slots, "offloads": self.offloads, "reloads": self.reloads}
