@@ -289,17 +289,19 @@ def test_static_decode_with_an_swa_group_as_replays_and_no_false_positive(monkey
 # --- the host tier ---------------------------------------------------------------------------------
 HOST_TIER_CASES = [dict(hash_mode=kc.HashMode.ALL), dict(hash_mode=kc.HashMode.ALL, layout="interleaved", seed=3),
                    dict(hash_mode=kc.HashMode.PARTIAL, layout="mla", swa_window=24, seed=5),
-                   dict(hash_mode=kc.HashMode.ALL, layout="per_layer", static_decode=True, swa_window=32, seed=6)]
+                   dict(hash_mode=kc.HashMode.ALL, layout="per_layer", static_decode=True, swa_window=32, seed=7)]
 HOST_TIER_IDS = ["all-paged", "all-interleaved", "partial-mla-swa", "all-per-layer-static-swa"]
 
 
 @pytest.mark.parametrize("kwargs", HOST_TIER_CASES, ids=HOST_TIER_IDS)
 def test_offloaded_requests_come_back_clean(kwargs):
     """Requests offloaded to the host tier often and loaded back into other slots (their SWA
-    slots too) verify clean at every forward after: their records came back with their KV."""
-    result = run(SimConfig(steps=240, pool_slots=3072, offload_prob=0.3, **kwargs), [])
+    slots too), and evicted prefixes kept there and loaded back for a later request, verify clean
+    at every forward after: their records came back with their KV."""
+    result = run(SimConfig(steps=240, pool_slots=3072, offload_prob=0.3, evict_prob=0.3, **kwargs), [])
     tier = result.host_tier
     assert tier["offloads"] >= 30 and tier["offloads"] - tier["reloads"] <= 16, tier
+    assert tier["prefix_stores"] >= tier["prefix_loads"] >= 1, tier
     assert sum(result.violations_per_step) == 0 and result.false_positives == []
     assert result.requests_finished > 10
 
@@ -345,7 +347,7 @@ def test_demo_cli_host_tier(capsys):
 def test_host_tier_on_the_gpu_finds_what_the_cpu_finds(kwargs):
     """The serving pool on a GPU, the host tier in host memory: records cross between them, and the
     run finds exactly what the same run on the CPU finds, fault by fault and step by step."""
-    config = dict(steps=200, offload_prob=0.2, **kwargs)
+    config = dict(steps=200, offload_prob=0.2, evict_prob=0.3, **kwargs)
     cpu = run(SimConfig(**config), FAULT_CLASSES)
     gpu = run(SimConfig(device="cuda", **config), FAULT_CLASSES)
     assert _findings(gpu) == _findings(cpu)

@@ -208,6 +208,7 @@ class Engine:
                              expected_tokens=self.expected if c.expected_checks else None,
                              chain_position_assert=c.chain_position_assert, logger=logger)
         self.offloaded: dict[int, Offloaded] = {}
+        self.host_prefixes: dict[int, np.ndarray] = {}  # template -> host slots of its shared prefix
         self.tier_rng = np.random.default_rng(c.seed + 2)
         self.tier = None
         if c.host_slots:
@@ -293,10 +294,15 @@ class Engine:
 
     def _admit(self, request: Request) -> bool:
         ps = self.page_size
-        shared = self.prefix_cache.get(request.template, []) if request.template >= 0 else []
-        need = -(-request.total // ps) - len(shared)
-        if not self.free_rows or len(self.free_pages) - self.reserved_pages < need:
+        template = request.template
+        shared = self.prefix_cache.get(template, []) if template >= 0 else []
+        # a prefix stored in the host tier comes back into pages of its own, held by the prefix cache
+        stored_pages = len(self.host_prefixes[template]) // ps if not shared and template in self.host_prefixes else 0
+        need = -(-request.total // ps) - len(shared) - stored_pages
+        if not self.free_rows or len(self.free_pages) - self.reserved_pages < need + stored_pages:
             return False
+        if stored_pages:
+            shared = self._load_prefix(template)
         request.row = self.free_rows.popleft()
         request.own_pages_needed = need
         self.reserved_pages += need
@@ -378,6 +384,30 @@ class Engine:
         self.running.append(request)
         self.tier.reloads += 1
 
+    def _store_prefix(self, template: int, pages: list) -> None:
+        """Keep an evicted prefix in the host tier (when it has room), as a hierarchical prefix cache
+        does, so that a later request with the same prefix loads it instead of computing it again."""
+        ps = self.page_size
+        if self.tier is None or len(self.tier.free) < len(pages) * ps:
+            return
+        slots = np.asarray([page * ps + k for page in pages for k in range(ps)], np.int64)
+        host_slots = self.tier.take(slots.size)
+        self._tier_copy(self.tier.store, slots, host_slots)
+        self.host_prefixes[template] = host_slots
+        self.tier.prefix_stores += 1
+
+    def _load_prefix(self, template: int) -> list:
+        """Load a prefix stored in the host tier back into new pages, held by the prefix cache."""
+        ps = self.page_size
+        host_slots = self.host_prefixes.pop(template)
+        pages = [self._take_page() for _ in range(host_slots.size // ps)]
+        slots = np.asarray([page * ps + k for page in pages for k in range(ps)], np.int64)
+        self._tier_copy(self.tier.load, slots, host_slots)
+        self.tier.give_back(host_slots)
+        self.prefix_cache[template] = pages
+        self.tier.prefix_loads += 1
+        return pages
+
     def _tier_copy(self, action, slots: np.ndarray, host_slots: np.ndarray) -> None:
         action("full", device=self.device, targets=self.targets, context=self.canary.context, slots=slots,
                host_slots=host_slots)
@@ -408,9 +438,13 @@ class Engine:
                 break
             if not self._admit(self._new_request()):
                 break
-        if self.prefix_cache and self.rng.random() < c.evict_prob:
-            template = list(self.prefix_cache)[int(self.rng.integers(len(self.prefix_cache)))]
-            for page in self.prefix_cache.pop(template):
+        # as a radix cache does, only a prefix no running request holds is evicted
+        unheld = [t for t, pages in self.prefix_cache.items() if all(self.page_ref[p] == 1 for p in pages)]
+        if unheld and self.rng.random() < c.evict_prob:
+            template = unheld[int(self.rng.integers(len(unheld)))]
+            pages = self.prefix_cache.pop(template)
+            self._store_prefix(template, pages)
+            for page in pages:
                 self.release_page(page)
 
     # --- one forward ------------------------------------------------------------------------------
@@ -514,6 +548,8 @@ class Engine:
                     for page in pages:
                         self.page_ref[page] += 1
                     self.prefix_cache[request.template] = list(pages)
+                    if request.template in self.host_prefixes:  # the host tier's copy is superseded
+                        self.tier.give_back(self.host_prefixes.pop(request.template))
         for request in [r for r in self.running if r.remaining <= 0]:
             self._release(request)
             self.finished += 1

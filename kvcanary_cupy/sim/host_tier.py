@@ -1,5 +1,6 @@
 """The engine's host-memory KV tier: where a request's cached KV waits while the request is offloaded
-(preempted to host memory, or parked by a hierarchical cache), and where it is loaded back from.
+(preempted to host memory), and where an evicted shared prefix is kept (as a hierarchical prefix
+cache keeps it) until a request with the same prefix loads it back.
 
 The tier keeps KV bytes in host arrays of the engine's layout and, beside them, canary contexts on
 the CPU that hold only slot records. Offloading a request copies its KV bytes and carries its slots'
@@ -48,6 +49,8 @@ class HostTier:
         self.free = collections.deque(range(1, num_slots))
         self.offloads = 0
         self.reloads = 0
+        self.prefix_stores = 0
+        self.prefix_loads = 0
 
     @staticmethod
     def _group(kv: KvPool, config: SimConfig) -> _Group:
@@ -83,4 +86,5 @@ class HostTier:
         copy_records(src=tier.context, dst=context, src_slots=host_slots, dst_slots=on_device)
 
     def to_json(self) -> dict:
-        return {"slots": self.num_slots, "offloads": self.offloads, "reloads": self.reloads}
+        return {"slots": self.num_slots, "offloads": self.offloads, "reloads": self.reloads,
+                "prefix_stores": self.prefix_stores, "prefix_loads": self.prefix_loads}

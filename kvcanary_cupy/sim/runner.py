@@ -147,8 +147,9 @@ class SimResult:
         ]
         if self.host_tier is not None:
             tier = self.host_tier
-            lines.append(f"  host tier of {tier['slots']} slots: {tier['offloads']} offloads, {tier['reloads']} reloads, "
-                         f"records carried both ways by kc.copy_records")
+            lines.append(f"  host tier of {tier['slots']} slots: {tier['offloads']} requests offloaded, {tier['reloads']} "
+                         f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back; "
+                         f"records carried by kc.copy_records")
         if c.split_batches or c.static_decode:
             sd = self.static_decode
             how = "eager" if sd is None else (
