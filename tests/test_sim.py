@@ -353,3 +353,14 @@ def test_host_tier_on_the_gpu_finds_what_the_cpu_finds(kwargs):
     assert _findings(gpu) == _findings(cpu)
     assert gpu.host_tier == cpu.host_tier and gpu.host_tier["offloads"] >= 20
     assert gpu.false_positives == []
+
+
+def test_a_prefix_published_by_a_corrupt_request_is_not_shared():
+    """A request reloaded with a bit flipped in its prefix publishes that prefix in the forward
+    that finds it corrupt; aborting the request drops the cached prefix too, so no later request
+    shares the corruption (before, this run reported 12 rows of a later request as unexplained)."""
+    result = run(SimConfig(steps=200, offload_prob=0.2, evict_prob=0.3, hash_mode=kc.HashMode.ALL, layout="per_layer",
+                           static_decode=True, swa_window=32, seed=7), FAULT_CLASSES)
+    assert any(f.cls == "offload_bitflip" and f.detail["position"] < result.config.template_len for f in result.faults)
+    assert result.false_positives == []
+    assert all(fault.detected for fault in result.faults)

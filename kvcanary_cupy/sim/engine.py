@@ -326,9 +326,15 @@ class Engine:
         self.running.remove(request)
 
     def abort(self, rid: int) -> bool:
-        """Drop a request (as an engine does when its KV is found corrupt)."""
+        """Drop a request (as an engine does when its KV is found corrupt), and the cached prefixes
+        that hold any of its pages: one it published in the forward that found it corrupt may
+        carry the corruption to the next request that shares it."""
         for request in self.running:
             if request.rid == rid:
+                held = set(request.pages)
+                for template in [t for t, pages in self.prefix_cache.items() if held.intersection(pages)]:
+                    for page in self.prefix_cache.pop(template):
+                        self.release_page(page)
                 self._release(request)
                 self.aborted += 1
                 return True
