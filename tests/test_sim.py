@@ -364,3 +364,43 @@ def test_a_prefix_published_by_a_corrupt_request_is_not_shared():
     assert any(f.cls == "offload_bitflip" and f.detail["position"] < result.config.template_len for f in result.faults)
     assert result.false_positives == []
     assert all(fault.detected for fault in result.faults)
+
+
+def test_the_engine_keeps_its_books_through_offloads_reloads_and_aborts():
+    """Pages, reservations and host slots add up at every step of a run that offloads often,
+    keeps and loads prefixes, and aborts requests both running and offloaded."""
+    import numpy as np
+
+    from kvcanary_cupy.sim.engine import Engine
+
+    engine = Engine(SimConfig(seed=1, offload_prob=0.5, evict_prob=0.3, pool_slots=3072, hash_mode=kc.HashMode.ALL))
+    tier = engine.tier
+    aborted_away = 0
+    for step in range(150):
+        engine.step_index = step
+        engine.tier_turn()
+        engine.admit_arrivals()
+        batch = engine.schedule()
+        forward = engine.forward_batch(batch)
+        engine.canary.before_forward(forward)
+        engine.model_forward(forward, batch)
+        engine.canary.after_forward(forward)
+        engine.advance(batch)
+        if step % 7 == 3 and engine.offloaded:
+            aborted_away += engine.abort(next(iter(engine.offloaded)))
+        elif step % 11 == 5 and engine.running:
+            engine.abort(engine.running[0].rid)
+        requests = engine.running + [entry.request for entry in engine.offloaded.values()]
+        held = {page for request in requests for page in request.pages}
+        for pages in engine.prefix_cache.values():
+            held.update(pages)
+        assert len(held) + len(engine.free_pages) == engine.num_pages - 1  # page 0 is the padding page
+        assert all(engine.page_ref[page] > 0 for page in held)
+        assert engine.reserved_pages == sum(r.own_pages_needed - r.own_taken for r in requests)
+        assert engine.reserved_pages <= len(engine.free_pages)
+        kept = [entry.host_slots for entry in engine.offloaded.values()] + list(engine.host_prefixes.values())
+        used = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        assert len(set(used.tolist())) == used.size and used.size + len(tier.free) == tier.num_slots - 1
+        assert len(engine.running) + len(engine.offloaded) <= engine.config.max_running
+    assert engine.canary.poll().total == 0
+    assert aborted_away > 3 and tier.reloads > 20 and tier.prefix_loads >= 1, (aborted_away, tier.to_json())
