@@ -142,6 +142,8 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--json", "/nonexistent-folder/run.json"], "argument --json: no folder '/nonexistent-folder'"),
     (["--chart", "."], "argument --chart: cannot write '.'"),
     (["--host-slots", "-1"], "argument --host-slots: must be >= 0, got -1"),
+    (["--offload-prob", "2"], "argument --offload-prob: must be within [0, 1], got 2"),
+    (["--offload-prob", "x"], "argument --offload-prob: must be a number, got 'x'"),
     (["--host-slots", "64"], "kv-canary: host_slots must be 0 (no host tier) or > max_len 512, got 64"),
 ])
 def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
@@ -337,6 +339,8 @@ def test_offload_bitflip_is_caught_when_the_request_is_back():
 def test_demo_cli_host_tier(capsys):
     assert demo_main(["--device", "cpu", "--steps", "60", "--no-progress"]) == 0
     assert "host tier of 2048 slots:" in capsys.readouterr().out
+    assert demo_main(["--device", "cpu", "--steps", "60", "--offload-prob", "0", "--faults", "none", "--no-progress"]) == 0
+    assert "0 requests offloaded, 0 loaded back" in capsys.readouterr().out
     assert demo_main(["--device", "cpu", "--steps", "60", "--host-slots", "0", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "host tier of" not in out and "offload_bitflip    not injected: needs a host tier (host_slots > 0)" in out

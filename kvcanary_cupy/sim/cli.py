@@ -41,6 +41,17 @@ def _at_least(minimum: int):
     return parse
 
 
+def _probability(text: str) -> float:
+    """An argparse type: a number within [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
+
+
 def _output_path(text: str) -> str:
     """An argparse type: a file the run can write, checked before it runs rather than after."""
     folder = os.path.dirname(os.path.abspath(text))
@@ -80,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-slots", type=_at_least(SMALLEST["host_slots"]), default=2048,
                         help="slots of a host-memory KV tier that requests are offloaded to now and then and "
                              "loaded back from, their canary records carried with them (default 2048; 0: none)")
+    parser.add_argument("--offload-prob", type=_probability, default=0.05,
+                        help="chance that a step offloads a running request to the host tier (default 0.05)")
     parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,
                         help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
@@ -102,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      layout=args.layout, pool_slots=args.pool_slots, page_size=args.page_size,
                      max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
                      expected_checks=not args.no_expected_checks, split_batches=args.split_batches,
-                     static_decode=args.static_decode, host_slots=args.host_slots)
+                     static_decode=args.static_decode, host_slots=args.host_slots,
+                     offload_prob=args.offload_prob)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
