@@ -34,7 +34,6 @@ SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 
 _FREED = -1
 
 
-
 @dataclasses.dataclass
 class SimConfig:
     """Engine shape and workload of one simulation."""
@@ -360,7 +359,7 @@ class Engine:
     def offload(self, request: Request) -> np.ndarray:
         """Move ``request``'s cached KV and its slots' records to the host tier and let go of its
         pages, keeping enough reserved for its return. Returns the host slot of each cached position."""
-        slots = np.asarray([self.slot_of(request, p) for p in range(request.seq_len)], np.int64)
+        slots = self._cached_slots(request)
         host_slots = self.tier.take(slots.size)
         self._tier_copy(self.tier.store, slots, host_slots)
         pages_needed = -(-request.total // self.page_size)
@@ -382,7 +381,7 @@ class Engine:
             request.pages.append(self._take_page())
             request.own_taken += 1
             self.reserved_pages -= 1
-        slots = np.asarray([self.slot_of(request, p) for p in range(request.seq_len)], np.int64)
+        slots = self._cached_slots(request)
         self._tier_copy(self.tier.load, slots, entry.host_slots)
         self.tier.give_back(entry.host_slots)
         self.table_host[request.row, :request.seq_len] = slots
@@ -393,10 +392,9 @@ class Engine:
     def _store_prefix(self, template: int, pages: list) -> None:
         """Keep an evicted prefix in the host tier (when it has room), as a hierarchical prefix cache
         does, so that a later request with the same prefix loads it instead of computing it again."""
-        ps = self.page_size
-        if self.tier is None or len(self.tier.free) < len(pages) * ps:
+        if self.tier is None or len(self.tier.free) < len(pages) * self.page_size:
             return
-        slots = np.asarray([page * ps + k for page in pages for k in range(ps)], np.int64)
+        slots = self._page_slots(pages)
         host_slots = self.tier.take(slots.size)
         self._tier_copy(self.tier.store, slots, host_slots)
         self.host_prefixes[template] = host_slots
@@ -404,15 +402,20 @@ class Engine:
 
     def _load_prefix(self, template: int) -> list:
         """Load a prefix stored in the host tier back into new pages, held by the prefix cache."""
-        ps = self.page_size
         host_slots = self.host_prefixes.pop(template)
-        pages = [self._take_page() for _ in range(host_slots.size // ps)]
-        slots = np.asarray([page * ps + k for page in pages for k in range(ps)], np.int64)
+        pages = [self._take_page() for _ in range(host_slots.size // self.page_size)]
+        slots = self._page_slots(pages)
         self._tier_copy(self.tier.load, slots, host_slots)
         self.tier.give_back(host_slots)
         self.prefix_cache[template] = pages
         self.tier.prefix_loads += 1
         return pages
+
+    def _cached_slots(self, request: Request) -> np.ndarray:
+        return np.asarray([self.slot_of(request, p) for p in range(request.seq_len)], np.int64)
+
+    def _page_slots(self, pages: list) -> np.ndarray:
+        return (np.asarray(pages, np.int64)[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
 
     def _tier_copy(self, action, slots: np.ndarray, host_slots: np.ndarray) -> None:
         action("full", device=self.device, targets=self.targets, context=self.canary.context, slots=slots,
