@@ -45,7 +45,7 @@ def _warm_cpu(source_counts: Iterable[int]) -> None:
 
     from . import _layout as L
     from .context import CanaryContext, VerifyPlan, WritePlan
-    from .ops import plan, scatter_req_token_ids, verify, write
+    from .ops import copy_records, plan, scatter_req_token_ids, verify, write
     from .ops.backends._cpu import plan as cpu_plan
     from .ops.backends._cpu import verify as cpu_verify
     from .ops.backends._cpu import write as cpu_write
@@ -68,3 +68,7 @@ def _warm_cpu(source_counts: Iterable[int]) -> None:
         verify(ctx, vplan, tag=L.LaunchTag.HEAD_K_FULL)
         scatter_req_token_ids(flat_in=slots, offsets=np.array([0, tokens]), req_pool_indices=np.array([1]),
                               pool_out=req_to_token)
+        # between two canaries, and within one (staged)
+        tier = CanaryContext.allocate(tokens + 1, hash_mode=ctx.hash_mode, real_kv_sources=sources)
+        copy_records(src=ctx, dst=tier, src_slots=slots, dst_slots=slots)
+        copy_records(src=tier, dst=tier, src_slots=slots, dst_slots=slots[::-1].copy())

@@ -16,10 +16,11 @@ def test_cpu_ops_compile_nothing_more_after_it():
     import numpy as np
     from numba.core.registry import CPUDispatcher
 
-    from kvcanary_cupy.ops.backends._cpu import hashing, plan, scatter, verify, write
+    from kvcanary_cupy.ops.backends._cpu import hashing, plan, records, scatter, verify, write
 
     def signatures():
-        return {(module.__name__, name): len(value.signatures) for module in (hashing, plan, scatter, verify, write)
+        return {(module.__name__, name): len(value.signatures)
+                for module in (hashing, plan, records, scatter, verify, write)
                 for name, value in vars(module).items() if isinstance(value, CPUDispatcher)}
 
     kc.compile_kernels(device="cpu", source_counts=[3])
@@ -37,6 +38,10 @@ def test_cpu_ops_compile_nothing_more_after_it():
         kc.plan(vplan, wplan, req_pool_indices=np.array([1]), prefix_lens=np.array([tokens]),
                 extend_seq_lens=np.array([1]), req_to_token=table)
         kc.verify(ctx, vplan, tag=0)
+    tier = kc.CanaryContext.allocate(1_000, hash_mode=kc.HashMode.ALL, real_kv_sources=ctx.real_kv_sources)
+    slots = np.arange(1, 500, dtype=np.int64)
+    kc.copy_records(src=ctx, dst=tier, src_slots=slots, dst_slots=slots)
+    kc.copy_records(src=tier, dst=tier, src_slots=slots, dst_slots=slots + 400)
     assert signatures() == before
     assert ctx.violations().total == 0
     with pytest.raises(ValueError, match="^kv-canary: source_counts item must be non-negative, got -1"):

@@ -1,36 +1,74 @@
-"""copy_records on host arrays: slots' records staged in rows, and stored from them."""
+"""copy_records on host arrays: one serial loop over the pairs, in their order (so where pairs name
+one destination twice, the last one's record lands), each record read and stored as four words.
+The slots are random, so the records of a pair further on are asked for ahead of their use."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from .... import _layout as L
-from .hashing import slot_words
+from .hashing import JIT, PREFETCH_AHEAD, njit, prefetch, slot_words
+
+_FIELDS = L.SLOT_FIELD_COUNT
+_IN_RANGE = L.STAGED_IN_RANGE
+_STAGED_WORDS = L.STAGED_RECORD_WORDS
+
+
+@njit(**JIT)
+def _copy(src_words, src_slots, dst_words, dst_slots):
+    count, src_count, dst_count = src_slots.shape[0], src_words.shape[0], dst_words.shape[0]
+    for i in range(count):
+        ahead = i + PREFETCH_AHEAD
+        if ahead < count:
+            if 0 <= src_slots[ahead] < src_count:
+                prefetch(src_words, src_slots[ahead] * src_words.shape[1])
+            if 0 <= dst_slots[ahead] < dst_count:
+                prefetch(dst_words, dst_slots[ahead] * dst_words.shape[1])
+        source, destination = src_slots[i], dst_slots[i]
+        if 0 <= source < src_count and 0 <= destination < dst_count:
+            for f in range(_FIELDS):
+                dst_words[destination, f] = src_words[source, f]
+
+
+@njit(**JIT)
+def _gather(words, slots, staged):
+    count, slot_count = slots.shape[0], words.shape[0]
+    for i in range(count):
+        ahead = i + PREFETCH_AHEAD
+        if ahead < count and 0 <= slots[ahead] < slot_count:
+            prefetch(words, slots[ahead] * words.shape[1])
+        slot = slots[i]
+        inside = 0 <= slot < slot_count
+        for f in range(_FIELDS):
+            staged[i, f] = words[slot, f] if inside else 0
+        staged[i, _IN_RANGE] = 1 if inside else 0
+        for f in range(_FIELDS + 1, _STAGED_WORDS):
+            staged[i, f] = 0
+
+
+@njit(**JIT)
+def _scatter(words, slots, staged):
+    count, slot_count = slots.shape[0], words.shape[0]
+    for i in range(count):
+        ahead = i + PREFETCH_AHEAD
+        if ahead < count and 0 <= slots[ahead] < slot_count:
+            prefetch(words, slots[ahead] * words.shape[1])
+        slot = slots[i]
+        if staged[i, _IN_RANGE] != 0 and 0 <= slot < slot_count:
+            for f in range(_FIELDS):
+                words[slot, f] = staged[i, f]
 
 
 def gather(ctx, slots, staged, *, stream=None) -> None:
     """``staged[i]``: the record of ``slots[i]`` and 1 where the slot is in range, else zeros."""
-    words = slot_words(ctx)
-    inside = (slots >= 0) & (slots < words.shape[0])
-    staged[...] = 0
-    staged[inside, :L.SLOT_FIELD_COUNT] = words[slots[inside], :L.SLOT_FIELD_COUNT]
-    staged[:, L.STAGED_IN_RANGE] = inside
+    _gather(slot_words(ctx), slots, staged)
 
 
 def scatter(ctx, slots, staged, *, stream=None) -> None:
     """The record staged for each pair stored at ``slots[i]`` where it was gathered in range and the
     slot is in range; where pairs name one slot twice, the last one's."""
-    words = slot_words(ctx)
-    store = np.flatnonzero((staged[:, L.STAGED_IN_RANGE] != 0) & (slots >= 0) & (slots < words.shape[0]))
-    # the last pair of each slot: unique's first index in the reversed order
-    _, last = np.unique(slots[store][::-1], return_index=True)
-    pairs = store[::-1][last]
-    words[slots[pairs], :L.SLOT_FIELD_COUNT] = staged[pairs, :L.SLOT_FIELD_COUNT]
+    _scatter(slot_words(ctx), slots, staged)
 
 
 def copy(src, dst, src_slots, dst_slots, *, stream=None) -> None:
-    """The record of ``src_slots[i]`` stored at ``dst_slots[i]`` where both are in range (pairs
-    naming one destination twice: the last one's)."""
-    staged = np.empty((src_slots.shape[0], L.STAGED_RECORD_WORDS), np.int64)
-    gather(src, src_slots, staged)
-    scatter(dst, dst_slots, staged)
+    """The record of ``src_slots[i]`` stored at ``dst_slots[i]`` where both are in range (two
+    canaries whose buffers do not overlap; pairs naming one destination twice: the last one's)."""
+    _copy(slot_words(src), src_slots, slot_words(dst), dst_slots)
