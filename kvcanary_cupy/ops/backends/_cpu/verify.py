@@ -7,8 +7,8 @@ import numpy as np
 
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
-                      as_i64, hash_slots_parallel, hashable, link, prefetch, real_kv_hash, record, slot_words,
-                      source_arguments)
+                      as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, prefetch, real_kv_hash, record,
+                      serial_and_parallel, slot_words, source_arguments)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -72,7 +72,7 @@ def _entry_bits(active, words, slots, expected_tokens, expected_positions, prev_
                                   hashes[k], out_of_range[k])[0]
 
 
-_entry_bits_parallel = njit(parallel=True, **JIT)(_entry_bits)
+_entry_bits_serial, _entry_bits_parallel = serial_and_parallel(_entry_bits)
 
 
 @njit(**JIT)
@@ -84,16 +84,22 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
     active = min(max(np.int64(num_valid[0]), 0), slots.shape[0])
     slot_run_counter[0] += active
     num_slots = words.shape[0]
+    # Every entry is checked in a first pass whose random reads are asked for ahead of use (in
+    # threads from PARALLEL_MIN_ENTRIES on); only the entries found bad are checked again, in order,
+    # to record their rows as the reference does.
+    hashes = np.zeros(active, dtype=np.uint64)
+    out_of_range = np.zeros(active, dtype=np.bool_)
+    bits = np.empty(active, dtype=np.uint8)
     if active >= PARALLEL_MIN_ENTRIES:
-        hashes = np.zeros(active, dtype=np.uint64)
-        out_of_range = np.zeros(active, dtype=np.bool_)
         if table.shape[0]:
             hash_slots_parallel(num_slots, sources, table, slots[:active], hashes, out_of_range)
-        bits = np.empty(active, dtype=np.uint8)
         _entry_bits_parallel(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
                              hashes, out_of_range, bits)
     else:
-        bits = np.ones(active, dtype=np.uint8)
+        if table.shape[0]:
+            hash_slots_serial(num_slots, sources, table, slots[:active], hashes, out_of_range)
+        _entry_bits_serial(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
+                           hashes, out_of_range, bits)
     for k in range(active):
         if bits[k] == 0:
             continue
