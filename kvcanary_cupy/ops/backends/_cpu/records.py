@@ -1,6 +1,8 @@
 """copy_records on host arrays: one serial loop over the pairs, in their order (so where pairs name
 one destination twice, the last one's record lands), each record read and stored as four words.
-The slots are random, so the records of a pair further on are asked for ahead of their use."""
+The slots are random, so the records of a pair further on are asked for ahead of their use,
+written out in each loop: through a helper, even an inlined one, the copy of 65,536 records took
+about three times as long."""
 
 from __future__ import annotations
 
