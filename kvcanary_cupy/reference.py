@@ -272,3 +272,14 @@ def scatter_req_token_ids(*, flat_in, offsets, req_pool_indices, pool_out):
         for j in range(max(length, 0)):
             if 0 <= begin + j < n:
                 pool_out[rp, j] = np.int64(flat_in[begin + j]).astype(pool_out.dtype)
+
+
+def copy_records(*, src_buf, dst_buf, src_slots, dst_slots):
+    """Every pair's source record read first, then each stored in pair order where both slots are in
+    range (one buffer may be both: what is read is what was there before the copy)."""
+    src_words, dst_words = src_buf.view(np.int64), dst_buf.view(np.int64)
+    fields = L.SLOT_FIELD_COUNT
+    records = [src_words[s, :fields].copy() if 0 <= s < src_words.shape[0] else None for s in map(int, src_slots)]
+    for record, d in zip(records, map(int, dst_slots)):
+        if record is not None and 0 <= d < dst_words.shape[0]:
+            dst_words[d, :fields] = record

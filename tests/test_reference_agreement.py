@@ -384,3 +384,28 @@ def test_serial_and_parallel_builds_are_distinct():
                              (plan._fill_entries_serial, plan._fill_entries_parallel)):
         assert serial.py_func.__qualname__ != parallel.py_func.__qualname__
         assert not serial.targetoptions.get("parallel") and parallel.targetoptions.get("parallel")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_copy_records_agrees(seed):
+    """Between two canaries of other strides and within one, with slots out of range both ways and
+    destinations named more than once, sometimes more pairs than the threads' look-ahead."""
+    rng = np.random.default_rng(7000 + seed)
+    sizes = [int(rng.integers(1, 300)) for _ in range(2)]
+    strides = [int(rng.choice([32, 40, 64])) for _ in range(2)]
+    bufs = [rng.integers(0, 256, size=(n, s), dtype=np.uint8) for n, s in zip(sizes, strides)]
+    contexts = [kc.CanaryContext(canary_buf=buf, violation_ring=np.zeros((1, 8), np.int64),
+                                 violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
+                                 kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+                for buf in bufs]
+    within = rng.random() < 0.4
+    src, dst = (contexts[0], contexts[0]) if within else contexts
+    pairs = int(rng.integers(0, 3 * max(sizes)))
+    src_slots = rng.integers(-3, src.num_slots + 3, size=pairs).astype(np.int64)
+    dst_slots = rng.integers(-3, dst.num_slots + 3, size=pairs).astype(np.int64)
+    want_src, want_dst = src.canary_buf.copy(), dst.canary_buf.copy()
+    ref.copy_records(src_buf=want_src, dst_buf=want_src if within else want_dst, src_slots=src_slots,
+                     dst_slots=dst_slots)
+    kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+    assert dst.canary_buf.tobytes() == (want_src if within else want_dst).tobytes()
+    assert src.canary_buf.tobytes() == want_src.tobytes()
