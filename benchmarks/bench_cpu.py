@@ -1,5 +1,6 @@
 """CPU benchmarks: the numba backend against the plain-Python model (``kvcanary_cupy.reference``) on
-the same inputs, for verify, write (ALL hash mode with a real-KV source) and plan at ~100k entries.
+the same inputs, for verify, write (ALL hash mode with a real-KV source), plan and copy_records at ~100k
+entries.
 
     pytest benchmarks/bench_cpu.py --benchmark-only
 
@@ -198,3 +199,35 @@ def test_plan_reference(benchmark, work, ratio_log):
     for got, want in zip((vplan.slot_indices, vplan.prev_slot_indices, vplan.expected_tokens, wplan.offsets),
                          (fast_v.slot_indices, fast_v.prev_slot_indices, fast_v.expected_tokens, fast_w.offsets)):
         assert np.array_equal(got, want), "the two implementations disagree"
+
+
+# --- copy_records ---------------------------------------------------------------------------------
+
+def _copy_pairs(work):
+    """Every written slot's record to a random other slot of a second canary (a host tier's)."""
+    rng = np.random.default_rng(1)
+    return work.loc, rng.permutation(np.arange(1, work.num_slots))[:ENTRIES].astype(np.int64)
+
+
+def _numba_copy(work, tier, pairs):
+    kc.copy_records(src=work.ctx, dst=tier, src_slots=pairs[0], dst_slots=pairs[1])
+
+
+@pytest.mark.benchmark(group="copy_records")
+def test_copy_records_numba(benchmark, work):
+    tier, pairs = work.context(), _copy_pairs(work)
+    benchmark.extra_info["entries"] = ENTRIES
+    benchmark.pedantic(_numba_copy, args=(work, tier, pairs), rounds=10, iterations=1, warmup_rounds=1)
+    assert np.array_equal(tier.canary_buf[pairs[1]], work.ctx.canary_buf[pairs[0]])
+
+
+@pytest.mark.benchmark(group="copy_records")
+def test_copy_records_reference(benchmark, work, ratio_log):
+    tier, fast_tier, pairs = work.context(), work.context(), _copy_pairs(work)
+
+    def run():
+        ref.copy_records(src_buf=work.ctx.canary_buf, dst_buf=tier.canary_buf, src_slots=pairs[0], dst_slots=pairs[1])
+
+    _record(benchmark, ratio_log, "copy_records", _best_of(lambda: _numba_copy(work, fast_tier, pairs)), run)
+    assert np.array_equal(tier.canary_buf, fast_tier.canary_buf), "the two implementations disagree"
+    assert tier.canary_buf[pairs[1]].any()
