@@ -88,6 +88,11 @@ class FaultInjector:
         self._turn += 1
         return fault
 
+    def undetected_victims(self) -> set:
+        """The requests hurt by a fault the canary has not reported yet: offloading one would carry
+        its fault out of sight (a corrupted table entry is rewritten when it comes back)."""
+        return {rid for fault in self.faults if not fault.detected for rid in fault.victims}
+
     def _victims(self, exclude=()) -> list:
         running = [r for r in self.engine.running if r.rid not in exclude and r.remaining >= _MIN_REMAINING
                    and r.seq_len > 0]
@@ -143,8 +148,7 @@ class FaultInjector:
         """Offload a request to the host tier and flip a bit of one of its tokens' KV there: its
         records, carried with it, still hold the hash of the KV as written."""
         eng = self.engine
-        open_victims = {rid for fault in self.faults if not fault.detected for rid in fault.victims}
-        candidates = [r for r in self._victims(exclude=open_victims) if eng.can_offload(r)]
+        candidates = [r for r in self._victims(exclude=self.undetected_victims()) if eng.can_offload(r)]
         if not candidates:
             return None
         request = candidates[int(self.rng.integers(len(candidates)))]

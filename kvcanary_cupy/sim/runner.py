@@ -218,7 +218,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     start = time.perf_counter()
     for step in range(config.steps):
         engine.step_index = step
-        engine.tier_turn(protected={rid for f in injector.faults if not f.detected for rid in f.victims})
+        engine.tier_turn(protected=injector.undetected_victims())
         engine.admit_arrivals()
         injector.before_step(step)
         host_batch = engine.schedule()
