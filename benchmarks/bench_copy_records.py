@@ -7,6 +7,7 @@ import pytest
 
 import _naive as N
 import _shapes as S
+import _timing as T
 import kvcanary_cupy as kc
 
 # a batch of decode requests' whole caches (1M records), one long request's (12K), one short (5K)
@@ -43,6 +44,7 @@ def test_copy_records(benchmark, harness, case):
 # --- through host memory: an offload's records to a host tier and back ----------------------------
 HOST_POOL = 1 << 20  # slots of each canary
 HOST_COUNTS = (4096, 65536)  # one long request's cache; sixteen of them
+REPS = 50  # timed calls of each function
 
 
 @pytest.mark.parametrize("count", HOST_COUNTS)
@@ -54,8 +56,6 @@ def test_copy_records_through_host(benchmark, harness, direction, count):
     fancy-indexed assignment through a host array. Kept out of the main table (no ``case``)."""
     if harness.device != "cuda":
         pytest.skip("needs a GPU canary beside the host one")
-    import time
-
     import numpy as np
 
     cupy = harness.cupy
@@ -93,23 +93,17 @@ def test_copy_records_through_host(benchmark, harness, direction, count):
             cupy.asarray(staged)
             cupy.cuda.get_current_stream().synchronize()
 
-    def wall_us(fn, reps: int = 50) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e6 * float(np.median(times))
-
     def destination() -> np.ndarray:
         return host.canary_buf[host_slots].copy() if direction == "to_host" else cupy.asnumpy(gpu.canary_buf[gpu_slots])
 
     source = cupy.asnumpy(gpu.canary_buf[gpu_slots]) if direction == "to_host" else host.canary_buf[host_slots].copy()
     before = destination()
-    benchmark.pedantic(ours, rounds=50, iterations=1, warmup_rounds=3)
+    host_clock = T.CpuTimer()  # each call waits for its copies, so its wall time is the cost
+    ours_us = 1e6 * T.run_pytest_benchmark(benchmark, host_clock, lambda _: host_clock.once(ours),
+                                           rounds=REPS, warmup=3).median_s
     assert np.array_equal(destination(), source) and not np.array_equal(before, source)
-    ours_us, naive_us, bare_us = wall_us(ours), wall_us(naive), wall_us(bare)
+    naive_us, bare_us = (1e6 * host_clock.eager(lambda _: fn(), 1, warmup=1, reps=REPS).median_s
+                         for fn in (naive, bare))
     benchmark.extra_info.update(op="copy_records_host", direction=direction, records=count, pool_slots=HOST_POOL,
                                 wall_us=ours_us, records_per_s=count / (ours_us * 1e-6), naive_us=naive_us,
                                 x_naive=naive_us / ours_us, bare_transfer_us=bare_us,

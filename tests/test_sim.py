@@ -304,6 +304,7 @@ def test_offloaded_requests_come_back_clean(kwargs):
     tier = result.host_tier
     assert tier["offloads"] >= 30 and tier["offloads"] - tier["reloads"] <= 16, tier
     assert tier["prefix_stores"] >= tier["prefix_loads"] >= 1, tier
+    assert tier["kv_copy_ms"] > 0 and tier["records_copy_ms"] > 0, tier
     assert sum(result.violations_per_step) == 0 and result.false_positives == []
     assert result.requests_finished > 10
 

@@ -69,7 +69,7 @@ class SimResult:
     decode_canary_s: float = 0.0  # the canary's host time in those forwards
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
     not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
-    host_tier: Optional[dict] = None  # the host tier's slots, offloads and reloads (None: no tier)
+    host_tier: Optional[dict] = None  # the host tier's slots, moves and copy times (None: no tier)
 
     @property
     def canary_ms_per_step(self) -> float:
@@ -147,9 +147,10 @@ class SimResult:
         ]
         if self.host_tier is not None:
             tier = self.host_tier
-            lines.append(f"  host tier of {tier['slots']} slots: {tier['offloads']} requests offloaded, {tier['reloads']} "
-                         f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back; "
-                         f"records carried by kc.copy_records")
+            lines.extend([f"  host tier of {tier['slots']} slots: {tier['offloads']} requests offloaded, {tier['reloads']} "
+                         f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back",
+                         f"    copies {tier['kv_copy_ms']:.1f} ms of KV bytes, {tier['records_copy_ms']:.1f} ms of their records "
+                         f"(kc.copy_records)"])
         if c.split_batches or c.static_decode:
             sd = self.static_decode
             how = "eager" if sd is None else (
