@@ -15,6 +15,7 @@ bounds them, and the decode-shaped ops against an empty kernel.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import pathlib
 import sys
@@ -29,7 +30,8 @@ ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_h
 
 
 def load(path: str) -> tuple[Optional[dict], list[dict], dict]:
-    data = json.loads(pathlib.Path(path).read_text())
+    raw = pathlib.Path(path).read_bytes()
+    data = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)  # older runs are kept gzipped
     ceilings, rows, end_us = None, [], None
     for bench in data.get("benchmarks", []):
         info = dict(bench.get("extra_info") or {})
@@ -298,7 +300,7 @@ def summary_chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", help="a pytest-benchmark --benchmark-json file of this suite")
+    parser.add_argument("json", help="a pytest-benchmark --benchmark-json file of this suite (or it gzipped, .json.gz)")
     parser.add_argument("--png", help="write the throughput chart here (needs matplotlib)")
     parser.add_argument("--summary-png", help="write the README's summary chart here (needs matplotlib)")
     parser.add_argument("--markdown", help="also write the table to this file")

@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a results path in backticks or a Markdown link, or a short form (`-swa-9e25cfb.json`) that names a
 # sibling of the full path cited last: that path up to its last "-", then the short form
-CITED = re.compile(r"[`(]((?:tests|benchmarks)/results/[^`)\s]+|-[A-Za-z0-9_.-]+\.(?:json|txt|md|png))[`)]")
+CITED = re.compile(r"[`(]((?:tests|benchmarks)/results/[^`)\s]+|-[A-Za-z0-9_.-]+\.(?:json|txt|md|png)(?:\.gz)?)[`)]")
 
 
 def _cited(document: pathlib.Path) -> list[str]:
