@@ -356,7 +356,8 @@ def test_host_tier_on_the_gpu_finds_what_the_cpu_finds(kwargs):
     cpu = run(SimConfig(**config), FAULT_CLASSES)
     gpu = run(SimConfig(device="cuda", **config), FAULT_CLASSES)
     assert _findings(gpu) == _findings(cpu)
-    assert gpu.host_tier == cpu.host_tier and gpu.host_tier["offloads"] >= 20
+    moves = {name: value for name, value in gpu.host_tier.items() if not name.endswith("_ms")}  # not the times
+    assert moves == {name: cpu.host_tier[name] for name in moves} and moves["offloads"] >= 20
     assert gpu.false_positives == []
 
 
