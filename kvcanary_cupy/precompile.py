@@ -21,7 +21,9 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
 
     ``source_counts`` matters on the CPU only, where numba compiles a build of the hashing ops for
     each number of real-KV sources a context hashes (0 when its hash mode is NONE): pass the counts
-    of your contexts (``len(ctx.source_words)``).
+    of your contexts (``len(ctx.source_words)``). ``copy_records`` hashes nothing and is made ready
+    whatever the counts, so ``device="cpu", source_counts=[]`` readies only it: what a host tier of
+    records beside GPU canaries runs on the host side.
     """
     where = parse_device(device)
     if not isinstance(source_counts, (list, tuple, range)):
@@ -39,8 +41,9 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
 
 
 def _warm_cpu(source_counts: Iterable[int]) -> None:
-    """Runs each CPU op on host arrays, with each number of hashed sources, at a size that takes its
-    parallel build and at one that takes its serial build, so that numba compiles (or loads) them."""
+    """Runs each CPU op on host arrays (the hashing ones once for each number of hashed sources) at a
+    size that takes its parallel build and at one that takes its serial build, so that numba
+    compiles (or loads) them."""
     import numpy as np
 
     from . import _layout as L
@@ -68,7 +71,8 @@ def _warm_cpu(source_counts: Iterable[int]) -> None:
         verify(ctx, vplan, tag=L.LaunchTag.HEAD_K_FULL)
         scatter_req_token_ids(flat_in=slots, offsets=np.array([0, tokens]), req_pool_indices=np.array([1]),
                               pool_out=req_to_token)
-        # between two canaries, and within one (staged)
-        tier = CanaryContext.allocate(tokens + 1, hash_mode=ctx.hash_mode, real_kv_sources=sources)
-        copy_records(src=ctx, dst=tier, src_slots=slots, dst_slots=slots)
-        copy_records(src=tier, dst=tier, src_slots=slots, dst_slots=slots[::-1].copy())
+    # between two canaries, and within one: staged, as records crossing to or from a GPU are
+    slots = np.arange(1, 3, dtype=np.int64)
+    canaries = [CanaryContext.allocate(4, ring_capacity=0) for _ in range(2)]
+    copy_records(src=canaries[0], dst=canaries[1], src_slots=slots, dst_slots=slots)
+    copy_records(src=canaries[1], dst=canaries[1], src_slots=slots, dst_slots=slots[::-1].copy())

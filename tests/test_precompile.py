@@ -50,6 +50,33 @@ def test_cpu_ops_compile_nothing_more_after_it():
         kc.compile_kernels(device="cpu", source_counts=5)
 
 
+def test_no_source_counts_ready_only_the_copy():
+    """``source_counts=[]`` readies copy_records alone (its direct loop and the staged gather and
+    scatter that records crossing to or from a GPU take), and compiles no hashing op: what a host
+    tier beside GPU canaries needs. A fresh process, so that nothing else compiled them first."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json
+from numba.core.registry import CPUDispatcher
+import kvcanary_cupy as kc
+from kvcanary_cupy.ops.backends._cpu import records, verify, write
+kc.compile_kernels(device="cpu", source_counts=[])
+print(json.dumps({f"{m.__name__.rsplit('.', 1)[1]}.{name}": len(v.signatures) for m in (records, verify, write)
+                  for name, v in vars(m).items() if isinstance(v, CPUDispatcher)}))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {name: compiled[name] for name in ("records._copy", "records._gather", "records._scatter")} == \
+        {"records._copy": 1, "records._gather": 1, "records._scatter": 1}, compiled
+    hashing = {name: count for name, count in compiled.items() if not name.startswith("records.")}
+    assert hashing and not any(hashing.values()), compiled
+
+
 @pytest.mark.parametrize("device, error", [("gpu", ValueError), (True, TypeError), (-1, ValueError),
                                            (1.5, TypeError)])
 def test_bad_device_is_rejected(device, error):

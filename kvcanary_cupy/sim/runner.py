@@ -206,6 +206,10 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     started = time.perf_counter()
     compile_kernels(device=config.device,
                     source_counts=[len(ctx.source_words) for ctx in contexts if ctx is not None])
+    if engine.tier is not None and engine.device.is_cuda:
+        # the host side of the records' copies to and from the tier: numba's, else the first
+        # offload would wait a second or two for it
+        compile_kernels(device="cpu", source_counts=[])
     kernels_s = time.perf_counter() - started
     injector = FaultInjector(engine, faults, every=fault_every, start=fault_start, seed=config.seed,
                              bitflip_offset=bitflip_offset)
