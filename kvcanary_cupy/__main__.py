@@ -57,15 +57,21 @@ def _compile(args: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
-    devices = [args.device] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())] or ["cpu"]
-    for device in devices:
+    gpus = [] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())]
+    if args.device:
+        jobs = [(args.device, {}, "kernels")]
+    elif gpus:  # and the host side of kc.copy_records, which a host tier of records runs
+        jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
+    else:
+        jobs = [("cpu", {}, "kernels")]
+    for device, options, what in jobs:
         start = time.perf_counter()
         try:
-            kc.compile_kernels(device=device)
+            kc.compile_kernels(device=device, **options)
         except (RuntimeError, TypeError, ValueError) as error:
             print(error, file=sys.stderr)
             return 2
-        print(f"{device}: kernels ready in {time.perf_counter() - start:.2f} s")
+        print(f"{device}: {what} ready in {time.perf_counter() - start:.2f} s")
     return 0
 
 
@@ -81,7 +87,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "compile", help="compile every kernel now (CuPy and numba cache them on disk: later processes only load them)",
         description="Compile and load every CUDA kernel for each device seen (or --device), or the CPU "
                     "backend's numba kernels when there is none, as kc.compile_kernels does: for a "
-                    "container build or an engine's start-up, so that no forward waits for a compiler.")
+                    "container build or an engine's start-up, so that no forward waits for a compiler. "
+                    "Beside GPUs it also readies the host side of kc.copy_records (a host tier's copies).")
     compile_.add_argument("--device", default=None,
                           help="cuda, cuda:N or cpu (default: every CUDA device seen, else cpu)")
     compile_.set_defaults(handler=_compile)

@@ -95,6 +95,7 @@ def test_cli_compiles_every_device_seen(capsys):
     assert cli_main(["compile"]) == 0
     out = capsys.readouterr().out
     assert ("cuda:0: kernels ready" if HAS_CUDA else "cpu: kernels ready") in out
+    assert ("cpu: copy_records ready" in out) == HAS_CUDA  # beside GPUs, a host tier's copy
 
 
 @pytest.mark.gpu
