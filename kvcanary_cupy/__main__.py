@@ -58,12 +58,10 @@ def _compile(args: argparse.Namespace) -> int:
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
     gpus = [] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())]
-    if args.device:
-        jobs = [(args.device, {}, "kernels")]
-    elif gpus:  # and the host side of kc.copy_records, which a host tier of records runs
+    if gpus:  # and the host side of kc.copy_records, which a host tier of records runs
         jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
     else:
-        jobs = [("cpu", {}, "kernels")]
+        jobs = [(args.device or "cpu", {}, "kernels")]
     for device, options, what in jobs:
         start = time.perf_counter()
         try:
