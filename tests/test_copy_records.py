@@ -165,11 +165,14 @@ def test_on_a_busy_non_blocking_stream():
 
     src, dst = _random_records("cuda", 64, 9), _random_records("cuda", 64, 10)
     expected = _expected(to_numpy(src.canary_buf), to_numpy(dst.canary_buf), range(1, 40), range(20, 59))
+    src_slots, dst_slots = _i64(range(1, 40), "cuda"), _i64(range(20, 59), "cuda")
+    # the slots were uploaded on the current stream, which a non-blocking stream does not wait for
+    # (a spin alone does not order them: under time-slicing with other processes it can end first)
+    cupy.cuda.get_current_stream().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         spin_kernel()((1,), (1,), (cupy.uint64(2_000_000),))
-    kc.copy_records(src=src, dst=dst, src_slots=_i64(range(1, 40), "cuda"), dst_slots=_i64(range(20, 59), "cuda"),
-                    stream=stream)
+    kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots, stream=stream)
     stream.synchronize()
     assert np.array_equal(to_numpy(dst.canary_buf), expected)
 
