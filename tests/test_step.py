@@ -304,6 +304,7 @@ def test_steps_on_concurrent_streams_write_at_every_launch():
         step = _decode_step(ctx, table, new_slots, input_ids)
         assert step.num_launches == 1
         runs.append((ctx, step, input_ids, cupy.cuda.Stream(non_blocking=True)))
+    cupy.cuda.Device().synchronize()  # the batches' arrays, filled on the current stream, which those do not wait for
     for _ in range(launches):
         for _, step, _, stream in runs:
             step.launch(stream=stream)
