@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
@@ -45,3 +46,28 @@ def test_summary_chart_is_drawn(tmp_path):
     out = tmp_path / "summary.png"
     assert report.main([str(RESULTS), "--summary-png", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _runs_with_tables():
+    """Each committed run's JSON (older ones gzipped) whose table beside it states its targets."""
+    runs = []
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*-h200*.json*")):
+        table = path.with_name(path.name.split(".json")[0] + ".md")
+        if table.exists() and "**Targets:**" in table.read_text():
+            runs.append(path)
+    return runs
+
+
+@pytest.mark.parametrize("path", _runs_with_tables(), ids=lambda path: path.name)
+def test_each_committed_table_is_what_its_json_gives(path):
+    """report.py reads every committed run, gzipped or not, and finds the targets met that the run's
+    committed table states."""
+    report = _report()
+    ceilings, rows, data = report.load(str(path))
+    made = re.search(r"\*\*Targets:\*\* \d+ of \d+ met", report.markdown(ceilings, rows, data))
+    table = path.with_name(path.name.split(".json")[0] + ".md").read_text()
+    assert made and made.group(0) in table
+
+
+def test_the_committed_runs_are_found():
+    assert len(_runs_with_tables()) >= 20  # the glob above still matches the results' names
