@@ -7,11 +7,16 @@ for its copies), then each part on its own, timed alone the same way: the host-s
 (``RecordCopy``), the GPU gather or scatter with its wait, the staging allocation, the transfer of
 the staged rows (device to host, host to device) and the host gather or scatter. The medians of 200
 calls, us, a line a count. What the parts do not add up to is the call's own Python (stream and
-device lookups, context switches, the checks of the stream form).
+device lookups, context switches, the checks of the stream form). A second line a count times the
+same stages inside whole calls (each stage's function wrapped in a timer in ``ops.copy_records``):
+its ``unstaged`` is what the call spends outside them.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import importlib
 import statistics
 import time
 
@@ -25,6 +30,7 @@ from kvcanary_cupy.ops.backends._cpu import records as cpu_records
 from kvcanary_cupy.ops.backends._cuda import records as gpu_records
 from kvcanary_cupy.ops.batches import RecordCopy
 
+copy_module = importlib.import_module("kvcanary_cupy.ops.copy_records")  # the module, not kc.copy_records
 POOL = 1 << 16
 COUNTS = (128, 1024, 4096)
 
@@ -37,6 +43,66 @@ def median_us(fn, reps: int = 200) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e6, 1)
+
+
+class _Timed:
+    """A stand-in for a backend module whose gather and scatter add their time to ``spent``."""
+
+    def __init__(self, module, spent: dict, side: str):
+        self.module, self.spent, self.side = module, spent, side
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[f"{self.side} {name}"] += time.perf_counter() - start
+        return timed
+
+
+@contextlib.contextmanager
+def _stages_timed(spent: dict):
+    """The stages of ``kc.copy_records`` timed inside the call, restored afterwards."""
+    names = ("RecordCopy", "_streams", "stream_capturing", "_staging", "_carried")
+    saved = {name: getattr(copy_module, name) for name in names}
+    saved["backend_module"] = copy_module.backend_module
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return timed
+
+    for name in names:
+        setattr(copy_module, name, wrap(name, saved[name]))
+    copy_module.backend_module = lambda device, op: _Timed(saved["backend_module"](device, op), spent,
+                                                             "gpu" if device.is_cuda else "host")
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(copy_module, name, fn)
+
+
+def stages_inside(call, reps: int = 200) -> dict:
+    """Mean us a call of each stage of ``call``'s copy, and of the whole call outside them."""
+    call()
+    spent: dict = collections.defaultdict(float)
+    with _stages_timed(spent):
+        start = time.perf_counter()
+        for _ in range(reps):
+            call()
+        whole = time.perf_counter() - start
+    row = {name: round(seconds / reps * 1e6, 1) for name, seconds in spent.items()}
+    row["unstaged"] = round((whole - sum(spent.values())) / reps * 1e6, 1)
+    row["whole (mean)"] = round(whole / reps * 1e6, 1)
+    return row
 
 
 def main() -> None:
@@ -71,6 +137,12 @@ def main() -> None:
             "wait alone": median_us(stream.synchronize),
         }
         print("  ".join(f"{name} {value}" for name, value in row.items()))
+        for direction, call in (
+                ("to host", lambda: kc.copy_records(src=gpu, dst=host, src_slots=gpu_slots, dst_slots=host_slots)),
+                ("from host", lambda: (kc.copy_records(src=host, dst=gpu, src_slots=host_slots, dst_slots=gpu_slots),
+                                       stream.synchronize()))):
+            inside = stages_inside(call)
+            print(f"  inside, {direction}: " + "  ".join(f"{name} {value}" for name, value in inside.items()))
 
 
 if __name__ == "__main__":
