@@ -1,6 +1,7 @@
 """Turn a ``--benchmark-json`` file of this suite into a markdown table and a PNG chart.
 
     python benchmarks/report.py bench.json [--png chart.png] [--summary-png summary.png] [--markdown table.md]
+    python benchmarks/report.py --index benchmarks/results [--markdown benchmarks/results/INDEX.md]
 
 The table has one row per (case, op, mode): device time, host wall time per call in a back-to-back
 loop (eager: Python, validation and launch; graph: replay launch), entries/s, effective GB/s, % of
@@ -9,7 +10,8 @@ targets are met. The ceilings of the run come first and a list of every target (
 cross-case ones included) last. The chart (needs matplotlib) plots each row's effective bandwidth
 against the run's copy ceiling; the summary chart, made for the README, plots the three kinds of
 target: each case's step against the peer's, the large rows against the physical ceiling that
-bounds them, and the decode-shaped ops against an empty kernel.
+bounds them, and the decode-shaped ops against an empty kernel. ``--index`` lists every run of a
+folder instead, a line each: commit, time, the card's ceilings and the targets met.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ ALL_HASH_TWINS = {"e2e_prefill_chunk_hash": "e2e_prefill_chunk_last", "prefill_h
 
 
 def load(path: str) -> tuple[Optional[dict], list[dict], dict]:
-    raw = pathlib.Path(path).read_bytes()
-    data = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)  # older runs are kept gzipped
+    data = _read(path)
     ceilings, rows, end_us = None, [], None
     for bench in data.get("benchmarks", []):
         info = dict(bench.get("extra_info") or {})
@@ -100,6 +101,48 @@ def cross_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def all_targets(rows: list[dict]) -> list[dict]:
+    """Every target check of a run, each row's and the cross-case ones, named by their row."""
+    every = [dict(t, row=f"{r['case']} {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}")
+             for r in _order(rows) for t in (r.get("targets") or [])]
+    return every + [dict(t, row="cross-case") for t in cross_targets(rows)]
+
+
+def index(paths: list) -> str:
+    """A table of runs, one line each: its commit and time, the card's ceilings measured in it, and
+    its targets met. Files without the suite's ceilings (single-op probes) are left out."""
+    lines = ["# Benchmark runs on H200 cards", "",
+             "Made by `python benchmarks/report.py --index benchmarks/results` from the JSON of each run in",
+             "this folder (older ones gzipped); each run's table is the `.md` of the same name. H200 cards",
+             "differ (random reads 37 to 41 G/s): compare a run with the ceilings measured in it.", "",
+             "| run | commit | taken (UTC) | rows | copy GB/s | random reads G/s | random gather G/s | "
+             "empty kernel µs | targets met |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(paths, key=lambda p: (json_time(p), str(p))):
+        ceilings, rows, data = load(str(path))
+        if ceilings is None or not rows:
+            continue
+        every = all_targets(rows)
+        reads = ceilings.get("read32_entries_per_s")
+        name = pathlib.Path(path).name
+        lines.append(f"| `{name}` | {str((data.get('commit_info') or {}).get('id', ''))[:10]} | "
+                     f"{str(data.get('datetime', ''))[:16].replace('T', ' ')} | {len(rows)} | "
+                     f"{ceilings['copy_gbps']:.0f} | {'–' if reads is None else f'{reads / 1e9:.2f}'} | "
+                     f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} | {ceilings['empty_kernel_us']:.2f} | "
+                     f"{sum(1 for t in every if t['met'])} of {len(every)} |")
+    return "\n".join(lines) + "\n"
+
+
+def json_time(path) -> str:
+    """When a run was taken, from its JSON (for ordering the index)."""
+    return str(_read(path).get("datetime", ""))
+
+
+def _read(path) -> dict:
+    raw = pathlib.Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)  # older runs are kept gzipped
+
+
 def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
     lines = []
     first = rows[0] if rows else {}
@@ -147,9 +190,7 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
             lines.append(f"| {r['case']} | {r['op']} | {r['random_sectors_per_entry']} | "
                          f"{r['random_sectors_per_s'] / 1e9:.2f} | {r['pct_random_read']:.0f} | "
                          f"{100.0 * r['random_sectors_per_s'] / ceilings['gather32_entries_per_s']:.0f} |")
-    every = [dict(t, row=f"{r['case']} {r['op']}{' (graph)' if r.get('mode') == 'graph' else ''}")
-             for r in _order(rows) for t in (r.get("targets") or [])]
-    every += [dict(t, row="cross-case") for t in cross_targets(rows)]
+    every = all_targets(rows)
     if every:
         met = sum(1 for t in every if t["met"])
         lines.append("")
@@ -300,11 +341,22 @@ def summary_chart(ceilings: Optional[dict], rows: list[dict], path: str) -> bool
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", help="a pytest-benchmark --benchmark-json file of this suite (or it gzipped, .json.gz)")
+    parser.add_argument("json", nargs="?",
+                        help="a pytest-benchmark --benchmark-json file of this suite (or it gzipped, .json.gz)")
+    parser.add_argument("--index", metavar="DIR",
+                        help="instead: print the table of every run's JSON in DIR (--markdown writes it too)")
     parser.add_argument("--png", help="write the throughput chart here (needs matplotlib)")
     parser.add_argument("--summary-png", help="write the README's summary chart here (needs matplotlib)")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
+    if args.index:
+        text = index(sorted(pathlib.Path(args.index).glob("*.json*")))
+        print(text, end="")
+        if args.markdown:
+            pathlib.Path(args.markdown).write_text(text)
+        return 0
+    if not args.json:
+        parser.error("a JSON file, or --index DIR")
     ceilings, rows, data = load(args.json)
     if not rows:
         print(f"no benchmark rows of this suite in {args.json}", file=sys.stderr)

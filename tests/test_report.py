@@ -71,3 +71,14 @@ def test_each_committed_table_is_what_its_json_gives(path):
 
 def test_the_committed_runs_are_found():
     assert len(_runs_with_tables()) >= 20  # the glob above still matches the results' names
+
+
+def test_the_committed_index_lists_every_run():
+    """benchmarks/results/INDEX.md is what report.py makes of the committed runs: regenerate it
+    (`python benchmarks/report.py --index benchmarks/results --markdown benchmarks/results/INDEX.md`)
+    when a run is added."""
+    report = _report()
+    folder = ROOT / "benchmarks" / "results"
+    made = report.index(sorted(folder.glob("*.json*")))
+    assert (folder / "INDEX.md").read_text() == made
+    assert made.count("\n| `") >= 20  # every run with the suite's ceilings, a line each
