@@ -11,7 +11,6 @@ from .hashing import JIT, PREFETCH_AHEAD, njit, prefetch, slot_words
 
 _FIELDS = L.SLOT_FIELD_COUNT
 _IN_RANGE = L.STAGED_IN_RANGE
-_STAGED_WORDS = L.STAGED_RECORD_WORDS
 
 
 @njit(**JIT)
@@ -42,8 +41,6 @@ def _gather(words, slots, staged):
         for f in range(_FIELDS):
             staged[i, f] = words[slot, f] if inside else 0
         staged[i, _IN_RANGE] = 1 if inside else 0
-        for f in range(_FIELDS + 1, _STAGED_WORDS):
-            staged[i, f] = 0
 
 
 @njit(**JIT)
