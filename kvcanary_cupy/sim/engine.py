@@ -317,12 +317,15 @@ class Engine:
         return True
 
     def _release(self, request: Request) -> None:
+        """Give back a request's reservation, pages and table row, and take it off the running list
+        (an offloaded request holds no pages and is not on it)."""
         self.reserved_pages -= request.own_pages_needed - request.own_taken
         for page in request.pages:
             self.release_page(page)
         request.pages = []
         self.free_rows.append(request.row)
-        self.running.remove(request)
+        if any(r is request for r in self.running):
+            self.running.remove(request)
 
     def abort(self, rid: int) -> bool:
         """Drop a request (as an engine does when its KV is found corrupt), and the cached prefixes
@@ -341,8 +344,7 @@ class Engine:
         if entry is None:
             return False
         self.tier.give_back(entry.host_slots)
-        self.reserved_pages -= entry.request.own_pages_needed - entry.request.own_taken
-        self.free_rows.append(entry.request.row)
+        self._release(entry.request)
         self.aborted += 1
         return True
 
