@@ -261,8 +261,9 @@ class RowMapper:
         return found
 
     def _rewrites(self, group, slots: set) -> dict:
-        """For each of ``slots``, the logged write launches that wrote it."""
-        wanted = np.array(sorted(slots), np.int64)
+        """For each of ``slots`` in the pool, the logged write launches that wrote it. A slot outside
+        the pool has no record to write: its rows read the same before and after such a write."""
+        wanted = np.array(sorted(s for s in slots if 0 <= s < group.ctx.num_slots), np.int64)
         found: dict = {}
         for index, launch in enumerate(group.log):
             if launch.kind == "write" and wanted.size:

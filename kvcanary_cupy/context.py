@@ -214,6 +214,7 @@ class CanaryContext:
     def clear_violations(self) -> None:
         """Empty the ring (rows and write index); counters are kept. Done when this returns, for an
         op launched next on any stream."""
+        require_writable(self, ("violation_ring", "violation_write_index"))
         self.violation_ring[...] = 0
         self.violation_write_index[...] = 0
         settle(self.device)
@@ -221,7 +222,9 @@ class CanaryContext:
     def set_chain_position_assert(self, enabled: bool) -> None:
         """Flip the device flag; CUDA graphs captured earlier see the new value. Done when this
         returns, for an op launched next on any stream."""
-        self.chain_position_assert[...] = 1 if check.boolean("enabled", enabled) else 0
+        flag = 1 if check.boolean("enabled", enabled) else 0
+        require_writable(self, ("chain_position_assert",))
+        self.chain_position_assert[...] = flag
         settle(self.device)
 
     def slot_fields(self, slot: int) -> dict[str, int]:

@@ -392,8 +392,7 @@ class Canary:
                  token_offset: int = 0, chain_position_assert: bool = False,
                  logger: Optional[logging.Logger] = None):
         # Every argument is checked before anything is allocated.
-        if mode not in MODES:
-            raise ValueError(f"{check.PREFIX}mode must be one of {MODES}, got {mode!r}")
+        check.choice("mode", mode, MODES)
         check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
         if device.is_cuda:  # said first: every table would otherwise be refused as on another device

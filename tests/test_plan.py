@@ -316,3 +316,28 @@ def test_write_offsets_past_int64_wrap_as_in_the_reference(device):
                    v_enable=np.zeros(1, np.int32), w_offsets=offsets, w_seeds=seeds, w_num_valid_reqs=valid)
     assert offsets.tolist() == [0, big, -(1 << 63), -(1 << 63) + 5, 0]
     assert to_numpy(wplan.offsets).tolist() == offsets.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("bs", [4, 300])
+def test_lengths_that_alias_the_plan_it_fills_stay_inside_it(device, bs):
+    """prefix_lens is a view of the verify plan's own slot array: the slots the plan stores change
+    the lengths as it fills. The lengths are the caller's mistake, but every request writes at most
+    the entries counted for it, so the cells past the plan's capacity are never touched."""
+    guard, sentinel = 64, -7
+    capacity = bs + 1
+    backing = [to_device(np.full(capacity + guard, sentinel, np.int64), device) for _ in range(4)]
+    vplan = kc.VerifyPlan(*(b[:capacity] for b in backing), num_valid=to_device(np.zeros(1, np.int32), device),
+                          enable=to_device(np.zeros(1, np.int32), device))
+    prefix_lens = backing[0][1:1 + bs]
+    # request 0's bs entries overwrite the lengths of requests 1 .. bs - 2 as it fills; the counted
+    # total, bs + 1, equals the capacity, so the plan fills
+    prefix_lens[...] = 0
+    prefix_lens[0], prefix_lens[1] = bs, 1
+    table = np.full((bs + 1, 64), 40, np.int32)  # every slot read back as a length of 40
+    kc.plan(vplan, kc.WritePlan.allocate(bs, device=device), req_pool_indices=to_device(np.arange(1, bs + 1), device),
+            prefix_lens=prefix_lens, extend_seq_lens=to_device(np.zeros(bs, np.int64), device),
+            req_to_token=to_device(table, device))
+    assert int(to_numpy(vplan.num_valid)[0]) == capacity
+    for b in backing:
+        assert (to_numpy(b)[capacity:] == sentinel).all()

@@ -945,8 +945,10 @@ def test_prepared_launches_cache_keeps_what_it_met_twice():
 
 
 def test_bad_mode_rejected():
-    with pytest.raises(ValueError, match="kv-canary: mode"):
+    with pytest.raises(ValueError, match="kv-canary: mode must be one of"):
         Tiny("cpu", mode="loud")
+    with pytest.raises(TypeError, match="kv-canary: mode must be a str"):
+        Tiny("cpu", mode=np.array(["log", "off"]))
 
 
 # --- layout builders ------------------------------------------------------------------------------

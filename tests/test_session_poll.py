@@ -417,3 +417,25 @@ def test_a_full_ring_keeps_the_step_where_every_reader_recorded(device):
     eng.forward({"a": 1})
     report = eng.canary.poll()
     assert report.dropped == 1 and [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_slot_past_the_pool_written_then_read_is_reported_and_cleared(device):
+    """An allocator hands out slot 200 of a 128-slot pool; a forward writes it and the next reads
+    it as prefix. Poll reports the slot as OUT_OF_RANGE, named by its request, and a second poll
+    finds nothing (the rows were cleared, not left to fail every later poll)."""
+    eng = _Engine(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    eng.table[1, :3] = [3, 200, 4]
+    eng.sync()
+    for prefix, tokens, positions, slots in ((0, [10, 11], [0, 1], [3, 200]), (2, [12], [2], [4])):
+        batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]),
+                                extend_seq_lens=i64([len(tokens)]), input_ids=i64(tokens), positions=i64(positions),
+                                out_cache_loc=i64(slots), req_ids=["a"])
+        eng.canary.before_forward(batch)
+        eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert len(report) > 0
+    assert {(e.slot, e.reasons, e.request) for e in report} == {(200, ("OUT_OF_RANGE",), "a")}
+    assert {e.phase for e in report} >= {"head", "write"}
+    assert len(eng.canary.poll()) == 0

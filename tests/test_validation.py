@@ -337,6 +337,16 @@ class World:
         wplan = args.pop("wplan", self.wplan)
         kc.plan(vplan, wplan, **args)
 
+    def step(self, **kw):
+        self.build_step(**kw).launch()
+
+    def build_step(self, **kw):
+        args = dict(verify_capacity=6, verify_tag=0, write_tag=2, req_pool_indices=self.rpi, prefix_lens=self.prefix,
+                    extend_seq_lens=self.extend, req_to_token=self.table, input_ids=self.ids[:2],
+                    positions=self.pos[:2], out_cache_loc=self.loc[:2])
+        args.update(kw)
+        return kc.CanaryStep(args.pop("ctx", self.ctx), **args)
+
     def scatter(self, **kw):
         args = dict(flat_in=self.flat, offsets=self.put(np.array([0, 2, 4])), req_pool_indices=self.rpi,
                     pool_out=self.pool)
@@ -451,6 +461,8 @@ READ_ONLY_OUTPUTS = [
     ("plan", "wplan", "offsets", r"WritePlan\.offsets must be writable"),
     ("plan", "wplan", "num_valid_reqs", r"WritePlan\.num_valid_reqs must be writable"),
     ("scatter", None, "pool", r"scatter_req_token_ids pool_out must be writable"),
+    ("step", "ctx", "canary_buf", r"CanaryContext\.canary_buf must be writable"),
+    ("step", "ctx", "violation_write_index", r"CanaryContext\.violation_write_index must be writable"),
 ]
 
 
@@ -466,6 +478,34 @@ def test_read_only_outputs_change_nothing(op, owner, field, pattern):
     before = snapshot(*w.buffers())
     with pytest.raises(ValueError, match="^kv-canary: " + pattern):
         getattr(w, op)()
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+
+
+@pytest.mark.parametrize("field", ["canary_buf", "violation_ring", "kernel_run_counter"])
+def test_a_step_whose_context_became_read_only_launches_nothing(field):
+    """A step is validated once, when built; an array NumPy marks read-only after that is still
+    refused at launch, before the verify half writes anything."""
+    w = World("cpu")
+    step = w.build_step()
+    _read_only(getattr(w.ctx, field))
+    before = snapshot(*w.buffers())
+    with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
+        step.launch()
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+
+
+@pytest.mark.parametrize("call,field", [(lambda ctx: ctx.clear_violations(), "violation_write_index"),
+                                        (lambda ctx: ctx.set_chain_position_assert(False), "chain_position_assert")])
+def test_context_methods_refuse_read_only_arrays_whole(call, field):
+    """Clearing the ring or flipping the chain flag into a read-only array is refused before any
+    array is changed (the ring is not emptied when its write index cannot be)."""
+    w = World("cpu")
+    _read_only(getattr(w.ctx, field))
+    before = snapshot(*w.buffers())
+    with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
+        call(w.ctx)
     for index, (old, new) in enumerate(zip(before, w.buffers())):
         assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
 

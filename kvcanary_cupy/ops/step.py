@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .. import validate as check
-from ..context import CanaryContext, WritePlan
+from ..context import CanaryContext, WritePlan, require_writable
 from ._dispatch import backend_module, check_stream_form, launch_scope, resolve_stream
 from .batches import PlanBatch, WriteBatch, launch_tag
 
@@ -54,6 +54,7 @@ class CanaryStep:
                  kv_token_id_vs_position_offset: int = 0, check_expected_token: bool = False,
                  expected_input_tokens: Optional[Any] = None, expected_input_positions: Optional[Any] = None):
         check.instance("ctx", ctx, CanaryContext)
+        require_writable(ctx, CanaryContext.WRITE_WRITES)
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
         batch = PlanBatch.from_arguments(locals())
         writes = WriteBatch(tag=launch_tag(write_tag, "write_tag"), input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
@@ -75,7 +76,8 @@ class CanaryStep:
         return len(self._launches)
 
     def launch(self, *, stream: Any = None) -> None:
-        """Run the step on ``stream`` (default: CuPy's current stream); nothing is validated again."""
+        """Run the step on ``stream`` (default: CuPy's current stream). Only the host arrays'
+        writability is checked again."""
         if self.device.is_cuda:
             # The hot path of an eager engine: no context manager beyond the device's own.
             import cupy
@@ -86,6 +88,8 @@ class CanaryStep:
                     launch(resolved)
             return
         check_stream_form(stream)
+        # host arrays can be made read-only after the step was built; device arrays cannot
+        require_writable(self.ctx, CanaryContext.WRITE_WRITES)
         for launch in self._launches:
             launch(None)
 

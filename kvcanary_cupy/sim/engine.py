@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _layout as L
+from .. import validate as check
 from .._dlpack import from_host, parse_device
 from ..capacities import Capacities
 from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
@@ -159,8 +160,7 @@ class Engine:
     """The simulated engine and its canary session."""
 
     def __init__(self, config: SimConfig, *, canary_mode: str = "log", logger: Optional[logging.Logger] = None):
-        if config.layout not in LAYOUTS:
-            raise ValueError(f"kv-canary: layout must be one of {LAYOUTS}, got {config.layout!r}")
+        check.choice("layout", config.layout, LAYOUTS)
         self.config = c = config
         self.device = parse_device(c.device)
         self.rng = np.random.default_rng(c.seed)

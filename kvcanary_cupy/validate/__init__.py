@@ -11,6 +11,7 @@ from .rules import (  # noqa: F401
     boolean,
     both_or_neither,
     c_contiguous,
+    choice,
     dtype,
     elements_aligned,
     fits_int32,

@@ -131,6 +131,15 @@ def shape_text(array) -> str:
     return f"{shape} in bytes of a {foreign} array" + ("" if own is None else f" of shape {own}")
 
 
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value``, a string among ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{PREFIX}{name} must be a str, one of {choices}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{PREFIX}{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def member(name: str, value: Any, kind: type) -> Any:
     """``value`` as a member of the int enum ``kind``; bools, floats and strings are refused."""
     if isinstance(value, kind):

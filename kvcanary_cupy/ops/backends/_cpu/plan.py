@@ -37,16 +37,20 @@ def window_start(prefix, swa_window):
     return max(0, prefix - swa_window) if swa_window > 0 else 0
 
 
-def _fill_entries(starts, req_pool_indices, prefix_lens, req_to_token, swa_window, lut, has_lut, expected_pool,
-                  valid_lens, has_expected, token_offset, slots, tokens, positions, prevs):
-    for r in numba.prange(req_pool_indices.shape[0]):
+def _fill_entries(starts, total, req_pool_indices, prefix_lens, req_to_token, swa_window, lut, has_lut,
+                  expected_pool, valid_lens, has_expected, token_offset, slots, tokens, positions, prevs):
+    bs = req_pool_indices.shape[0]
+    for r in numba.prange(bs):
         pool_row = req_pool_indices[r]
         prefix = prefix_lens[r]
         if pool_row == 0 or prefix <= 0:
             continue
         first = window_start(prefix, swa_window)
         k = starts[r]
-        for pos in range(first, prefix):
+        # The request's counted share, not its length read again: a length that aliases a plan
+        # array changes as the plan fills, and the GPU's entries are bounded by the count alike.
+        end = starts[r + 1] if r + 1 < bs else total
+        for pos in range(first, min(prefix, first + end - k)):
             slots[k] = resolve(req_to_token, lut, has_lut, pool_row, pos)
             prevs[k] = resolve(req_to_token, lut, has_lut, pool_row, pos - 1) if pos > 0 else _NO_PREDECESSOR
             positions[k] = pos
@@ -112,7 +116,7 @@ def plan(vplan, wplan, batch, *, stream=None) -> None:
     vplan.enable[0] = 1 if total <= capacity else 0
     if total <= capacity:
         fill = _fill_entries_parallel if total >= PARALLEL_MIN_ENTRIES else _fill_entries_serial
-        fill(starts, batch.req_pool_indices, batch.prefix_lens, batch.req_to_token, batch.swa_window_size, lut,
+        fill(starts, total, batch.req_pool_indices, batch.prefix_lens, batch.req_to_token, batch.swa_window_size, lut,
              has_lut, expected_pool, valid_lens, has_expected, batch.kv_token_id_vs_position_offset,
              vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions, vplan.prev_slot_indices)
     _write_plan(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.req_to_token, lut, has_lut,
