@@ -17,7 +17,10 @@ parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N for the
 device = parser.parse_args().device
 xp = np
 if device != "cpu":
-    import cupy as xp
+    try:
+        import cupy as xp
+    except ImportError:
+        parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
     xp.cuda.Device(int(device.partition(":")[2] or 0)).use()  # the arrays below on that GPU
 
 # --- the serving pool (K and V [pages, page_size, heads, head_dim]) and its canary ----------------

@@ -14,7 +14,10 @@ parser.add_argument("--device", default="cpu")
 device = parser.parse_args().device
 xp = np
 if device != "cpu":
-    import cupy as xp
+    try:
+        import cupy as xp
+    except ImportError:
+        parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
 
 rng = np.random.default_rng(0)
 num_slots, prompt = 1024, 12

@@ -14,7 +14,10 @@ parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (defaul
 device = parser.parse_args().device
 xp = np
 if device != "cpu":
-    import cupy as xp
+    try:
+        import cupy as xp
+    except ImportError:
+        parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
 
 # --- the engine's memory: a paged KV pool of one layer, K and V [pages, page_size, heads, head_dim] --
 pages, page_size, heads, head_dim = 64, 4, 2, 8

@@ -15,7 +15,10 @@ Needs a CUDA GPU, CuPy and PyTorch: ``python examples/torch_cuda_graph.py [--dev
 import argparse
 
 import numpy as np
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("torch_cuda_graph.py needs PyTorch: pip install torch (the test extra installs it)")
 
 import kvcanary_cupy as kc
 

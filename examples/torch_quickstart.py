@@ -8,13 +8,18 @@ every op on PyTorch's current stream. The tensors are used in place through DLPa
 import argparse
 
 import numpy as np
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("torch_quickstart.py needs PyTorch: pip install torch (the test extra installs it)")
 
 import kvcanary_cupy as kc
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 device = parser.parse_args().device
+if device != "cpu" and not torch.cuda.is_available():
+    parser.exit(2, f"--device {device} needs a CUDA GPU and PyTorch built with CUDA\n")
 # Ops on CUDA arrays take stream= (a CuPy stream, a raw handle, torch.cuda.Stream or any object with
 # __cuda_stream__); host arrays run synchronously and ignore it.
 stream = torch.cuda.current_stream(device) if device != "cpu" else None

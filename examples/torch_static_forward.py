@@ -16,7 +16,10 @@ first is a graph replay.
 import argparse
 
 import numpy as np
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("torch_static_forward.py needs PyTorch: pip install torch (the test extra installs it)")
 
 import kvcanary_cupy as kc
 
@@ -27,6 +30,8 @@ parser.add_argument("--steps", type=int, default=6, choices=range(1, 20),
 args = parser.parse_args()
 device = torch.device(args.device)
 on_gpu = device.type == "cuda"
+if on_gpu and not torch.cuda.is_available():
+    parser.exit(2, f"--device {args.device} needs a CUDA GPU and PyTorch built with CUDA\n")
 if on_gpu:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.set_device(device)

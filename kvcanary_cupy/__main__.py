@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -57,11 +58,11 @@ def _compile(args: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
-    gpus = [] if args.device else [f"cuda:{i}" for i in range(cuda_device_count())]
+    gpus = [] if args.device is not None else [f"cuda:{i}" for i in range(cuda_device_count())]
     if gpus:  # and the host side of kc.copy_records, which a host tier of records runs
         jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
     else:
-        jobs = [(args.device or "cpu", {}, "kernels")]
+        jobs = [("cpu" if args.device is None else args.device, {}, "kernels")]
     for device, options, what in jobs:
         start = time.perf_counter()
         try:
@@ -74,7 +75,9 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy", description=DESCRIPTION,
+    # the same commands are installed on the path as `kvcanary`
+    prog = "kvcanary" if os.path.basename(sys.argv[0]) == "kvcanary" else "python -m kvcanary_cupy"
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="version, backends and devices available",
@@ -100,7 +103,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:  # piped into head: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds a sink
+        return 0
 
 
 if __name__ == "__main__":

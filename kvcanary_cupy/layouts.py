@@ -147,7 +147,9 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
     out = []
     for name, buffer in _pick(buffers, layers, "buffers"):
         view = native_view(buffer, name)
-        if view.ndim not in (3, 4):
+        # the latent's one head: without it a paged [pages, page_size, latent] would pass for a
+        # token a row, its pages' tokens taken for one token's bytes
+        if view.ndim not in (3, 4) or view.shape[-2] != 1:
             raise ValueError(f"{check.PREFIX}{name} must be [slots, 1, latent] or [pages, page_size, 1, latent], "
                              f"got shape {check.shape_text(view)}")
         rows_hold = int(view.shape[1]) if view.ndim == 4 else 1

@@ -91,6 +91,23 @@ def test_cuda_without_a_device_says_why():
     assert cli_main(["compile", "--device", "cuda:0"]) == 2
 
 
+def test_cli_refuses_an_empty_device(capsys):
+    """``--device ""`` is a device named, and refused; it is not taken for the default."""
+    assert cli_main(["compile", "--device", ""]) == 2
+    assert "kv-canary: device must be" in capsys.readouterr().err
+
+
+def test_cli_piped_into_a_reader_that_stops_ends_quietly():
+    """``kvcanary info | head -1``: the closed pipe ends the command with status 0 and no traceback."""
+    import subprocess
+    import sys
+
+    command = f"{sys.executable} -m kvcanary_cupy info | head -c 1"
+    for _ in range(3):  # the race with head's exit is not always lost; any run must end quietly
+        done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_cli_compiles_every_device_seen(capsys):
     assert cli_main(["compile"]) == 0
     out = capsys.readouterr().out
@@ -147,3 +164,16 @@ def test_cpu_cache_follows_what_a_cached_op_calls_and_freezes(tmp_path):
     layout.write_text(layout.read_text().replace("SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9", "SPLITMIX_MUL_1 = 0x1"))
     changed, hits = run()
     assert hits == 0 and changed != first
+
+
+def test_the_installed_command_names_itself():
+    """Run as the ``kvcanary`` script the install puts on the path, its usage says ``kvcanary``."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(sys.executable), "kvcanary")
+    if not os.path.exists(script):
+        pytest.skip("the package is not installed as a script beside this interpreter")
+    done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: kvcanary "), done.stdout[:200]

@@ -1250,8 +1250,9 @@ def test_mla_buffers_take_their_page_size_from_their_shape():
     with pytest.raises(ValueError, match=r"^kv-canary: page_size must be the tokens a row of buffers\[0\] holds "
                                          r"\(shape\[1\]\), got 1 for shape \(8, 16, 1, 64\)$"):
         kc.layouts.mla([np.zeros((8, 16, 1, 64), np.uint8)], page_size=1)
-    with pytest.raises(ValueError, match=r"^kv-canary: buffers\[0\] must be \[slots, 1, latent\] or "):
-        kc.layouts.mla([np.zeros((8, 64), np.uint8)])
+    for shape in ((8, 64), (8, 4, 576), (8, 16, 2, 64)):  # a paged buffer without the head is not a token a row
+        with pytest.raises(ValueError, match=r"^kv-canary: buffers\[0\] must be \[slots, 1, latent\] or "):
+            kc.layouts.mla([np.zeros(shape, np.uint8)])
 
 
 def test_construction_keeps_the_tables_in_place():

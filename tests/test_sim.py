@@ -111,9 +111,12 @@ def test_demo_default_run_catches_every_class_partial_mode_can_see():
 
 
 def test_demo_cli_writes_png_chart(tmp_path):
+    """A default-length run, long enough to inject a fault of every class, each given a colour."""
     pytest.importorskip("matplotlib")
-    path = tmp_path / "demo.png"
-    assert demo_main(["--device", "cpu", "--steps", "40", "--seed", "2", "--chart", str(path), "--no-progress"]) == 0
+    path, summary = tmp_path / "demo.png", tmp_path / "demo.json"
+    assert demo_main(["--device", "cpu", "--seed", "2", "--chart", str(path), "--json", str(summary),
+                      "--no-progress"]) == 0
+    assert {fault["class"] for fault in json.loads(summary.read_text())["fault_log"]} == set(FAULT_CLASSES)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 

@@ -18,7 +18,7 @@ def write_chart(result, path: str) -> bool:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), gridspec_kw={"height_ratios": [2, 1]})
     steps = range(len(result.violations_per_step))
     top.bar(steps, result.violations_per_step, width=1.0, color="#888", label="violations reported")
-    colours = dict(zip(FAULT_CLASSES, ("C0", "C1", "C2", "C3", "C4", "C5")))
+    colours = {name: f"C{index % 10}" for index, name in enumerate(FAULT_CLASSES)}  # matplotlib's ten
     seen = set()
     for fault in result.faults:
         label = fault.cls if fault.cls not in seen else None

@@ -81,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "visible; partial, the cheaper production mode, hashes each slot's first 16 bytes, "
                              "so a bit flipped past them goes unseen: see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
-    parser.add_argument("--pool-slots", type=_at_least(1), default=8192, help="KV slots in the pool (default 8192)")
+    parser.add_argument("--pool-slots", type=_at_least(1), default=8192,
+                        help=f"KV slots in the pool (default 8192; at least one request of {SimConfig.max_len} tokens "
+                             f"in pages, beside the padding page: {SimConfig.max_len + 16} with pages of 16)")
     parser.add_argument("--page-size", type=_at_least(SMALLEST["page_size"]), default=16,
                         help="tokens per page (default 16)")
     parser.add_argument("--max-running", type=_at_least(SMALLEST["max_running"]), default=16,
@@ -90,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a sliding-window group of this window (default 0: none)")
     parser.add_argument("--host-slots", type=_at_least(SMALLEST["host_slots"]), default=2048,
                         help="slots of a host-memory KV tier that requests are offloaded to now and then and "
-                             "loaded back from, their canary records carried with them (default 2048; 0: none)")
+                             "loaded back from, their canary records carried with them (default 2048; 0: none; else more "
+                             f"than a request's {SimConfig.max_len} tokens)")
     parser.add_argument("--offload-prob", type=_probability, default=0.05,
                         help="chance that a step offloads a running request to the host tier (default 0.05)")
     parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,

@@ -203,6 +203,9 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
     # As an engine warms up before traffic: a first compile would otherwise land in the first steps.
     engine = Engine(config, logger=_QUIET)
     contexts = [engine.canary.context, engine.canary.swa_context]
+    if progress:  # a first run on a machine is silent for seconds otherwise
+        sys.stderr.write("readying the kernels (compiled on a machine's first run, then loaded from its cache)...\n")
+        sys.stderr.flush()
     started = time.perf_counter()
     compile_kernels(device=config.device,
                     source_counts=[len(ctx.source_words) for ctx in contexts if ctx is not None])
