@@ -621,6 +621,9 @@ def test_stream_form_names_each_form_a_gpu_launch_resolves():
     for refused in (True, np.bool_(False), 1.5, "0"):
         with pytest.raises(TypeError, match=r"^kv-canary: stream must be None"):
             stream_form(refused)
+    for handle in (-1, 2**64, np.int64(-5)):  # not a pointer: refused on every device
+        with pytest.raises(ValueError, match=r"^kv-canary: stream, a raw CUDA stream handle, must be in \[0, 2\*\*64\)"):
+            stream_form(handle)
 
 
 @pytest.mark.parametrize("tag_name", ["verify_tag", "write_tag"])

@@ -62,6 +62,8 @@ def stream_form(stream: Any) -> str:
     if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
         return "torch_cuda"
     if isinstance(stream, (int, np.integer)) and not isinstance(stream, (bool, np.bool_)):
+        if not 0 <= int(stream) < 2**64:  # a cudaStream_t is a pointer
+            raise ValueError(f"{check.PREFIX}stream, a raw CUDA stream handle, must be in [0, 2**64), got {int(stream)}")
         return "handle"
     if _is_torch_stream(stream):
         return "torch_other"
