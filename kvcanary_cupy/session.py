@@ -727,13 +727,21 @@ class Canary:
 
     def after_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Fingerprint the batch's new tokens (their KV must be written by now), then re-verify the
-        prefix slots the forward read (TAIL)."""
+        prefix slots the forward read (TAIL).
+
+        ``batch`` may be another batch than ``before_forward``'s, over the same requests and
+        prefixes: the tokens the forward keeps. A speculative decoding step verifies k drafts a
+        request and keeps those the target accepts; passing only those fingerprints the kept path,
+        which a draft tree's flat order does not chain. It is the same forward (one step in
+        reports); an ``after_forward`` with no ``before_forward`` before it counts a forward of its
+        own."""
         if not self.enabled:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
         stream = self._stream(stream)
         replan = self._planned is not batch
+        opens_forward = self._planned is None
         plan_geometry = prepared_plans = plans = None
         if replan:
             plan_geometry, prepared_plans = self._lookup(self._prepared_plans, batch, self._plan_fields)
@@ -754,7 +762,8 @@ class Canary:
             else:
                 addresses, slots = self._translate(batch, prepared_writes, write_geometry, stream)
             if replan:
-                self._next_forward()
+                if opens_forward:
+                    self._next_forward()
                 for index, group in enumerate(self.groups):
                     self._launch_plan(group, index, plans, prepared_plans, plan_geometry, stream)
             for index, group in enumerate(self.groups):
