@@ -13,7 +13,7 @@ from kvcanary_cupy.sim import FAULT_CLASSES, SimConfig, run
 from kvcanary_cupy.sim.cli import main as demo_main
 from kvcanary_cupy.sim.static_decode import batch_sizes
 
-from _devices import requires_gpu
+from _devices import BACKENDS, requires_gpu
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "detection.md"
 MODES = {"NONE": kc.HashMode.NONE, "PARTIAL": kc.HashMode.PARTIAL, "ALL": kc.HashMode.ALL}
@@ -230,6 +230,26 @@ def test_split_batches_alternate_prefill_and_decode():
         previous = decoded
         engine.advance(batch)
     assert turns > 10
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("kwargs", [dict(speculative=3), dict(speculative=1, swa_window=24, layout="mla", seed=2)],
+                         ids=["3-drafts-paged", "1-draft-mla-swa"])
+def test_speculative_decoding_finds_every_fault_and_nothing_else(device, kwargs):
+    """Decoding requests verify drafted tokens and keep those before the first miss; the canary
+    fingerprints only what they keep. Every fault is found, nothing else is reported, and the
+    drafts were both accepted and rejected."""
+    result = run(SimConfig(steps=300, hash_mode=kc.HashMode.ALL, device=device, **kwargs), FAULT_CLASSES)
+    assert result.false_positives == []
+    assert set(result.per_class()) == set(FAULT_CLASSES)
+    assert all(fault.detected for fault in result.faults)
+    spec = result.to_json()["speculative"]
+    assert spec["drafts"] == kwargs["speculative"] and 0 < spec["accepted"] < spec["verified"]
+
+
+def test_speculative_decoding_refuses_static_decode():
+    with pytest.raises(ValueError, match="^kv-canary: speculative and static_decode are not run together"):
+        SimConfig(speculative=2, static_decode=True)
 
 
 def test_demo_cli_static_decode(capsys):

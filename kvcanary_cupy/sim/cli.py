@@ -107,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the next batch size (powers of two below --max-running, and --max-running), over "
                              "input arrays refilled in place, the canary's part bound once per size "
                              "(kc.StaticForward) and, on a GPU, replayed as CUDA graphs")
+    parser.add_argument("--speculative", type=_at_least(SMALLEST["speculative"]), default=0, metavar="DRAFTS",
+                        help="speculative decoding: each decoding request's forward verifies this many drafted "
+                             f"tokens (a chain, each wrong with chance {SimConfig.draft_miss}) and keeps those the "
+                             "target accepts, the only ones the canary fingerprints (default 0: none; not with "
+                             "--static-decode)")
     parser.add_argument("--json", type=_output_path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--chart", type=_output_path, metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -119,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
                      expected_checks=not args.no_expected_checks, split_batches=args.split_batches,
                      static_decode=args.static_decode, host_slots=args.host_slots,
-                     offload_prob=args.offload_prob)
+                     offload_prob=args.offload_prob, speculative=args.speculative)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from .pools import kv_pool, swa_pool
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
 # the smallest value of each integer setting (the demo's options take the same bounds)
 SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 1, "swa_window": 0,
-            "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1}
+            "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1, "speculative": 0}
 _FREED = -1
 
 
@@ -70,6 +70,8 @@ class SimConfig:
     host_slots: int = 2048  # slots of the host-memory KV tier (0: no tier)
     offload_prob: float = 0.05  # chance a step offloads a running request to the host tier
     offload_steps: int = 3  # steps an offloaded request waits before it is loaded back
+    speculative: int = 0  # drafts (a chain) a decoding request's forward verifies; 0: no speculative decoding
+    draft_miss: float = 0.3  # chance that a draft is not the target's token (the drafts after it are rejected)
     vocab: int = 32000
 
     def __post_init__(self) -> None:
@@ -93,8 +95,13 @@ class SimConfig:
             # the tier must take a whole request beside its unused slot 0
             raise ValueError(f"kv-canary: host_slots must be 0 (no host tier) or > max_len {self.max_len}, "
                              f"got {self.host_slots!r}")
-        if not 0.0 <= self.offload_prob <= 1.0:
-            raise ValueError(f"kv-canary: offload_prob must be within [0, 1], got {self.offload_prob!r}")
+        for name in ("offload_prob", "draft_miss"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"kv-canary: {name} must be within [0, 1], got {getattr(self, name)!r}")
+        if self.speculative and self.static_decode:
+            # a static forward binds one token a request; verify forwards take 1 + speculative
+            raise ValueError("kv-canary: speculative and static_decode are not run together, got "
+                             f"speculative={self.speculative!r} with static_decode")
 
 
 @dataclasses.dataclass
@@ -145,6 +152,22 @@ class StepBatch:
     out_cache_loc: np.ndarray
     expected_ids: np.ndarray
     expected_positions: np.ndarray
+    kept_lens: Optional[np.ndarray] = None  # the tokens each request keeps (None: every one it writes)
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.kept_lens is None or bool((self.kept_lens == self.extend_lens).all())
+
+    def kept(self) -> "StepBatch":
+        """The batch of the tokens the requests keep: each request's first ``kept_lens`` entries
+        (its pending token and the drafts the target accepted)."""
+        if self.keeps_all:
+            return self
+        entries = np.concatenate([np.arange(*self.entry_range(i))[:int(self.kept_lens[i])]
+                                  for i in range(len(self.requests))]).astype(np.int64)
+        return StepBatch(self.requests, self.rows, self.prefix_lens, self.kept_lens.copy(), self.input_ids[entries],
+                         self.positions[entries], self.out_cache_loc[entries], self.expected_ids[entries],
+                         self.expected_positions[entries])
 
     @property
     def decodes_only(self) -> bool:
@@ -165,6 +188,8 @@ class Engine:
         self.device = parse_device(c.device)
         self.rng = np.random.default_rng(c.seed)
         self.kv_rng = np.random.default_rng(c.seed + 1)
+        self.draft_rng = np.random.default_rng(c.seed + 3)
+        self.drafts_verified = self.drafts_accepted = 0
         self.page_size = ps = c.page_size
         self.num_pages = max(2, c.pool_slots // ps)
         self.num_slots = self.num_pages * ps
@@ -199,8 +224,11 @@ class Engine:
             self.swa_targets = swa_kv.targets
             swa = SwaGroup(window=c.swa_window, lut=self.lut, num_slots=self.num_slots,
                            real_kv_sources=swa_kv.sources)
+        # a forward's writes: a prefill chunk beside every row's decode, its drafts included
         caps = Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=c.max_len,
-                                    pool_slot_count=self.num_slots, max_prefill_tokens=c.chunk_tokens + rows)
+                                    pool_slot_count=self.num_slots,
+                                    max_prefill_tokens=c.chunk_tokens + rows * (1 + c.speculative),
+                                    speculative_num_draft_tokens=c.speculative + 1 if c.speculative else 0)
         self.canary = Canary(pool_slot_count=self.num_slots, capacities=caps, req_to_token=self.table,
                              device=self.device, real_kv_sources=self.sources, hash_mode=c.hash_mode,
                              ring_capacity=c.ring_capacity, mode=canary_mode, swa=swa,
@@ -478,7 +506,7 @@ class Engine:
         """Pick this step's tokens (every decode, prefill chunks within the budget) and give them slots."""
         c, ps = self.config, self.page_size
         budget = c.chunk_tokens
-        chosen, rows, prefix, extend = [], [], [], []
+        chosen, rows, prefix, extend, kept = [], [], [], [], []
         ids, positions, locs = [], [], []
         decodes_now = self._decodes_now()
         for request in self.running:
@@ -487,7 +515,7 @@ class Engine:
             if decodes_now is not None and request.decoding != decodes_now:
                 continue
             if request.decoding:
-                n = 1
+                n = min(1 + c.speculative, request.remaining)  # its pending token and its drafts
             else:
                 n = min(request.prompt_len - request.seq_len, budget)
                 if n <= 0:
@@ -502,11 +530,14 @@ class Engine:
             pages = np.asarray(request.pages, np.int64)[pos // ps]
             slots = pages * ps + pos % ps
             self.table_host[request.row, start:start + n] = slots
+            tokens, keeps = self._draft(request.tokens[start:start + n]) if request.decoding else (
+                request.tokens[start:start + n], n)
             chosen.append(request)
             rows.append(request.row)
             prefix.append(start)
             extend.append(n)
-            ids.append(request.tokens[start:start + n])
+            kept.append(keeps)
+            ids.append(tokens)
             positions.append(pos)
             locs.append(slots)
         if decodes_now is not None:
@@ -516,7 +547,23 @@ class Engine:
         input_ids = cat(ids)
         pos = cat(positions)
         return StepBatch(chosen, np.asarray(rows, np.int64), np.asarray(prefix, np.int64),
-                         np.asarray(extend, np.int64), input_ids, pos, cat(locs), input_ids.copy(), pos.copy())
+                         np.asarray(extend, np.int64), input_ids, pos, cat(locs), input_ids.copy(), pos.copy(),
+                         np.asarray(kept, np.int64))
+
+    def _draft(self, truth: np.ndarray) -> tuple[np.ndarray, int]:
+        """A decoding request's tokens for a verify forward, its pending token first and then its
+        drafts, each one missing the target's token with chance ``draft_miss``; and how many of
+        them it keeps: the pending token and the drafts before the first miss."""
+        tokens = truth.copy()
+        drafts = len(tokens) - 1
+        if drafts == 0:
+            return tokens, 1
+        missed = np.flatnonzero(self.draft_rng.random(drafts) < self.config.draft_miss)
+        tokens[1 + missed] = tokens[1 + missed] % (self.config.vocab - 1) + 1
+        accepted = int(missed[0]) if missed.size else drafts
+        self.drafts_verified += drafts
+        self.drafts_accepted += accepted
+        return tokens, 1 + accepted
 
     def forward_batch(self, step: StepBatch) -> ForwardBatch:
         dev = self.device
@@ -549,7 +596,7 @@ class Engine:
         """Account the step's tokens, publish finished prompt prefixes, retire finished requests."""
         c = self.config
         share_len = (c.template_len // self.page_size) * self.page_size
-        for request, n in zip(step.requests, step.extend_lens.tolist()):
+        for request, n in zip(step.requests, step.kept().extend_lens.tolist()):
             request.seq_len += n
             self.tokens_written += n
             if (request.template >= 0 and share_len and request.template not in self.prefix_cache

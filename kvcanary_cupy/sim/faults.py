@@ -207,6 +207,8 @@ class FaultInjector:
         index = choices[int(self.rng.integers(len(choices)))]
         request = batch.requests[index]
         lo, hi = batch.entry_range(index)
+        if batch.kept_lens is not None:  # a rejected draft's record is never written: no fault there
+            hi = lo + int(batch.kept_lens[index])
         entry = int(self.rng.integers(lo, hi))
         slot = int(batch.out_cache_loc[entry])
         position = int(batch.expected_positions[entry])

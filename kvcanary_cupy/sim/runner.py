@@ -70,6 +70,7 @@ class SimResult:
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
     not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
     host_tier: Optional[dict] = None  # the host tier's slots, moves and copy times (None: no tier)
+    speculative: Optional[dict] = None  # drafts a decode verifies, drafts verified and accepted (None: off)
 
     @property
     def canary_ms_per_step(self) -> float:
@@ -124,6 +125,7 @@ class SimResult:
             "static_decode": self.static_decode,
             "not_injectable": self.not_injectable,
             "host_tier": self.host_tier,
+            "speculative": self.speculative,
             "faults": self.per_class(),
             "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
                            "detected_step": f.detected_step,
@@ -151,6 +153,10 @@ class SimResult:
                          f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back",
                          f"    copies {tier['kv_copy_ms']:.1f} ms of KV bytes, {tier['records_copy_ms']:.1f} ms of their records "
                          f"(kc.copy_records)"])
+        if self.speculative is not None:
+            spec = self.speculative
+            lines.append(f"  speculative decoding, {spec['drafts']} draft{'s' if spec['drafts'] != 1 else ''} a decoding request: {spec['accepted']} of "
+                         f"{spec['verified']} drafts accepted; each forward fingerprints the tokens it keeps")
         if c.split_batches or c.static_decode:
             sd = self.static_decode
             how = "eager" if sd is None else (
@@ -238,7 +244,9 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
             batch, before, after = static.batch, static.before, static.after
         else:
             batch = engine.forward_batch(host_batch)
-            before, after = functools.partial(canary.before_forward, batch), functools.partial(canary.after_forward, batch)
+            # a speculative forward fingerprints what it keeps: each request's accepted path
+            kept = batch if host_batch.keeps_all else engine.forward_batch(host_batch.kept())
+            before, after = functools.partial(canary.before_forward, batch), functools.partial(canary.after_forward, kept)
         t0 = time.perf_counter()
         before()
         t1 = time.perf_counter()
@@ -279,7 +287,10 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
                      engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
                      false_positives, violations_per_step, kernels_s,
                      decode_forwards, decode_canary_s, None if static is None else static.to_json(),
-                     injector.not_injectable, None if engine.tier is None else engine.tier.to_json())
+                     injector.not_injectable, None if engine.tier is None else engine.tier.to_json(),
+                     None if not config.speculative else {"drafts": config.speculative,
+                                                          "verified": engine.drafts_verified,
+                                                          "accepted": engine.drafts_accepted})
 
 
 __all__ = ["Progress", "SimResult", "run"]
