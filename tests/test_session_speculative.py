@@ -86,15 +86,27 @@ class SpeculativeEngine:
             frontier = grown[:2]  # at most two nodes a depth go on growing
         return nodes, parents
 
-    def step(self, *, tree: bool, keep_all_drafts: bool = False) -> kc.ForwardBatch:
+    def static_step(self, static: "kc.StaticForward", arrays: dict) -> None:
+        """A chain step through ``static``, bound to ``arrays``, refilled in place: as a verify
+        forward captured in a CUDA graph runs."""
+        fresh = self.step(tree=False, keep_all_drafts=True, run=False)
+        for name, array in arrays.items():
+            array[...] = getattr(fresh, name)
+        static.before()
+        self.write_kv(to_numpy(arrays["out_cache_loc"]).tolist())
+        static.after()
+
+    def step(self, *, tree: bool, keep_all_drafts: bool = False, run: bool = True) -> kc.ForwardBatch:
         """One target forward over every request's drafts. With ``keep_all_drafts`` (a chain), the
-        forward's own batch is fingerprinted; otherwise only each request's accepted path."""
+        forward's own batch is fingerprinted; otherwise only each request's accepted path. Without
+        ``run`` the canary is not called: the caller runs the returned batch (a chain's)."""
         rids = list(self.rows)
         drafted = {rid: self.draft(rid, tree) for rid in rids}
         prefix = dict(self.lens)
         forward = self.batch(rids, prefix, {rid: drafted[rid][0] for rid in rids})
-        self.canary.before_forward(forward)
-        self.write_kv([slot for rid in rids for *_, slot in drafted[rid][0]])
+        if run:
+            self.canary.before_forward(forward)
+            self.write_kv([slot for rid in rids for *_, slot in drafted[rid][0]])
         accepted = {}
         for rid in rids:
             nodes, parents = drafted[rid]
@@ -107,7 +119,8 @@ class SpeculativeEngine:
             rejected = [nodes[i][2] for i in range(len(nodes)) if i not in path]
             self.freed_drafts += rejected
             self.free.extendleft(rejected)  # handed out again first
-        self.canary.after_forward(forward if keep_all_drafts else self.batch(rids, prefix, accepted))
+        if run:
+            self.canary.after_forward(forward if keep_all_drafts else self.batch(rids, prefix, accepted))
         for rid in rids:
             kept = accepted[rid]
             self.table[self.rows[rid], self.lens[rid]:self.lens[rid] + len(kept)] = [slot for *_, slot in kept]
@@ -135,6 +148,26 @@ def test_speculative_steps_report_nothing_and_count_one_forward_each(device, tre
     eng.canary.sweep(kc.LiveRequests(req_pool_indices=eng.i64([1, 2]), seq_lens=eng.i64([eng.lens["a"],
                                                                                           eng.lens["b"]])))
     assert len(eng.canary.poll()) == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_chain_steps_through_a_static_forward_report_nothing(device):
+    """A chain's verify forward bound once (a static forward over arrays refilled in place, as a
+    CUDA-graph engine's) fingerprints every draft it verifies; the kept ones chain as written."""
+    eng = SpeculativeEngine(device, seed=4)
+    eng.prefill(6)
+    first = eng.step(tree=False, keep_all_drafts=True)
+    arrays = {name: to_device(to_numpy(getattr(first, name)), device) for name in
+              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
+    static = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a", "b"]))
+    for _ in range(20):
+        eng.static_step(static, arrays)
+    assert len(eng.canary.poll()) == 0
+    slot = eng.slot("a", eng.lens["a"] - 1)
+    eng.v[slot, 0, 0] += 1.0
+    eng.static_step(static, arrays)
+    assert {(e.slot, e.reasons) for e in eng.canary.poll()} == {(slot, ("REAL_KV_HASH",))}
+    static.close()
 
 
 @pytest.mark.parametrize("device", BACKENDS)
