@@ -39,6 +39,8 @@ __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardB
 MODES = ("off", "log", "raise")
 _LOG = logging.getLogger("kvcanary_cupy")
 _RUN_COUNTS_PER_ARRAY = 64
+# Canary._planned after a static forward's logged before(): a forward is open, planned by no batch
+_STATIC_RUN = object()
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -987,7 +989,9 @@ class StaticForward:
                 plan(stream)
                 canary._forward_check(group, group.head_tag, stream)
             self._log(stream, 0, 1, new_forward=True)
-        canary._planned = None  # the plans are this batch's now: an eager after_forward plans its own
+        # the plans are this batch's now: an eager after_forward plans its own, in the same forward
+        # unless this run is captured (a replay's place among the forwards is told at the poll)
+        canary._planned = None if stream_capturing(stream) else _STATIC_RUN
 
     def after(self, *, stream: Any = None) -> None:
         """Fingerprint the batch's new tokens (their KV written by now), then verify the prefix
@@ -1002,6 +1006,7 @@ class StaticForward:
                 write(stream)
                 canary._forward_check(group, group.tail_tag, stream)
             self._log(stream, 1, 3)
+        canary._planned = None
 
     def _log(self, stream, first: int, end: int, new_forward: bool = False) -> None:
         """Log a run's launches ``[first, end)`` (head, counted as a forward; write and tail) as an

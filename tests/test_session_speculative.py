@@ -7,6 +7,7 @@ a freed draft slot is never read."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -86,15 +87,19 @@ class SpeculativeEngine:
             frontier = grown[:2]  # at most two nodes a depth go on growing
         return nodes, parents
 
-    def static_step(self, static: "kc.StaticForward", arrays: dict) -> None:
+    def static_step(self, static: "kc.StaticForward", arrays: dict, *, keep_all_drafts: bool = True) -> None:
         """A chain step through ``static``, bound to ``arrays``, refilled in place: as a verify
-        forward captured in a CUDA graph runs."""
+        forward captured in a CUDA graph runs. Without ``keep_all_drafts`` the kept tokens are
+        fingerprinted by an eager ``after_forward``."""
         fresh = self.step(tree=False, keep_all_drafts=True, run=False)
         for name, array in arrays.items():
             array[...] = getattr(fresh, name)
         static.before()
         self.write_kv(to_numpy(arrays["out_cache_loc"]).tolist())
-        static.after()
+        if keep_all_drafts:
+            static.after()
+        else:
+            self.canary.after_forward(self.kept)
 
     def step(self, *, tree: bool, keep_all_drafts: bool = False, run: bool = True) -> kc.ForwardBatch:
         """One target forward over every request's drafts. With ``keep_all_drafts`` (a chain), the
@@ -107,7 +112,7 @@ class SpeculativeEngine:
         if run:
             self.canary.before_forward(forward)
             self.write_kv([slot for rid in rids for *_, slot in drafted[rid][0]])
-        accepted = {}
+        accepted, self.rejected = {}, {}
         for rid in rids:
             nodes, parents = drafted[rid]
             node = int(self.rng.integers(0, len(nodes)))  # the deepest accepted node
@@ -116,11 +121,17 @@ class SpeculativeEngine:
                 path.append(node)
                 node = parents[node]
             accepted[rid] = [nodes[i] for i in reversed(path)]
-            rejected = [nodes[i][2] for i in range(len(nodes)) if i not in path]
+            self.rejected[rid] = [nodes[i] for i in range(len(nodes)) if i not in path]
+            rejected = [slot for *_, slot in self.rejected[rid]]
             self.freed_drafts += rejected
             self.free.extendleft(rejected)  # handed out again first
+        flat = [node for rid in rids for node in accepted[rid]]
+        self.kept = dataclasses.replace(forward, extend_seq_lens=self.i64([len(accepted[r]) for r in rids]),
+                                        input_ids=self.i64([n[0] for n in flat]),
+                                        positions=self.i64([n[1] for n in flat]),
+                                        out_cache_loc=self.i64([n[2] for n in flat]))
         if run:
-            self.canary.after_forward(forward if keep_all_drafts else self.batch(rids, prefix, accepted))
+            self.canary.after_forward(forward if keep_all_drafts else self.kept)
         for rid in rids:
             kept = accepted[rid]
             self.table[self.rows[rid], self.lens[rid]:self.lens[rid] + len(kept)] = [slot for *_, slot in kept]
@@ -171,6 +182,29 @@ def test_chain_steps_through_a_static_forward_report_nothing(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_forward_then_its_kept_tokens_eagerly_is_one_forward(device):
+    """The verify forward's HEAD through a static forward run eagerly, its kept tokens through an
+    eager after_forward: one forward, and a prefix row flipped before it is reported by HEAD and
+    TAIL at that forward's step."""
+    eng = SpeculativeEngine(device, seed=5)
+    eng.prefill(6)
+    first = eng.step(tree=False, keep_all_drafts=True)
+    arrays = {name: to_device(to_numpy(getattr(first, name)), device) for name in
+              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
+    static = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a", "b"]))
+    for _ in range(5):
+        eng.static_step(static, arrays, keep_all_drafts=False)
+    assert len(eng.canary.poll()) == 0
+    slot = eng.slot("b", 2)
+    eng.k[slot, 0, 1] += 1.0
+    eng.static_step(static, arrays, keep_all_drafts=False)
+    report = eng.canary.poll()
+    assert report.forwards == 1 + 1 + 6
+    assert {(e.phase, e.step, e.request, e.position) for e in report} == {("head", 8, "b", 2), ("tail", 8, "b", 2)}
+    static.close()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_tree_fingerprinted_in_flat_order_breaks_its_chains(device):
     """Why the accepted path is what a tree step fingerprints: written in the forward's flat order,
     a node's record chains to the node before it, not to its parent, and the positions it is given
@@ -198,6 +232,29 @@ def test_kept_kv_flipped_between_steps_is_reported_where_it_was(device):
     found = {(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report}
     assert ("head", 12, "b", position, slot, ("REAL_KV_HASH",)) in found
     assert {e.slot for e in report} == {slot}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("keep_all_drafts", [False, True], ids=["kept-only", "all-drafts"])
+def test_a_rejected_draft_kept_by_mistake(device, keep_all_drafts):
+    """The engine commits one token too many: the first rejected draft of a chain stays in
+    ``req_to_token``. Fingerprinting only the kept tokens, the next forward reads a slot with no
+    record of that token and reports it; fingerprinting every draft, the mistake reads as written."""
+    eng = SpeculativeEngine(device, seed=6)
+    eng.prefill(6)
+    while True:
+        eng.step(tree=False, keep_all_drafts=keep_all_drafts)
+        if eng.rejected["a"]:
+            break
+    token, position, slot = eng.rejected["a"][0]
+    assert position == eng.lens["a"]
+    eng.free.remove(slot)
+    eng.table[eng.rows["a"], position] = slot
+    eng.lens["a"] += 1
+    eng.table_dev[...] = to_device(eng.table, device)
+    eng.step(tree=False, keep_all_drafts=keep_all_drafts)
+    found = {(e.phase, e.request, e.position) for e in eng.canary.poll()}
+    assert (("head", "a", position) in found) == (not keep_all_drafts)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

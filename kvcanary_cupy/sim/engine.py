@@ -171,8 +171,8 @@ class StepBatch:
 
     @property
     def decodes_only(self) -> bool:
-        """One new token for each of its requests, all past their prompts."""
-        return bool(self.requests) and all(r.decoding for r in self.requests) and bool((self.extend_lens == 1).all())
+        """Every request past its prompt: one new token each, or its pending token and its drafts."""
+        return bool(self.requests) and all(r.decoding for r in self.requests)
 
     def entry_range(self, index: int) -> tuple[int, int]:
         start = int(self.extend_lens[:index].sum())

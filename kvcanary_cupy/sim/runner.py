@@ -65,7 +65,7 @@ class SimResult:
     false_positives: list
     violations_per_step: list
     kernels_s: float = 0.0  # compiling or loading the kernels before the first step
-    decode_forwards: int = 0  # forwards of one new token a request, every request past its prompt
+    decode_forwards: int = 0  # forwards whose requests are all past their prompts (a token each, or drafts)
     decode_canary_s: float = 0.0  # the canary's host time in those forwards
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
     not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
