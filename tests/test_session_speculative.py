@@ -87,6 +87,13 @@ class SpeculativeEngine:
             frontier = grown[:2]  # at most two nodes a depth go on growing
         return nodes, parents
 
+    def bind_chain_forward(self) -> tuple["kc.StaticForward", dict]:
+        """After one eager chain step: a static forward over arrays shaped as its batch, to refill."""
+        first = self.step(tree=False, keep_all_drafts=True)
+        arrays = {name: to_device(to_numpy(getattr(first, name)), self.device) for name in
+                  ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
+        return self.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=list(self.rows))), arrays
+
     def static_step(self, static: "kc.StaticForward", arrays: dict, *, keep_all_drafts: bool = True) -> None:
         """A chain step through ``static``, bound to ``arrays``, refilled in place: as a verify
         forward captured in a CUDA graph runs. Without ``keep_all_drafts`` the kept tokens are
@@ -167,10 +174,7 @@ def test_chain_steps_through_a_static_forward_report_nothing(device):
     CUDA-graph engine's) fingerprints every draft it verifies; the kept ones chain as written."""
     eng = SpeculativeEngine(device, seed=4)
     eng.prefill(6)
-    first = eng.step(tree=False, keep_all_drafts=True)
-    arrays = {name: to_device(to_numpy(getattr(first, name)), device) for name in
-              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
-    static = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a", "b"]))
+    static, arrays = eng.bind_chain_forward()
     for _ in range(20):
         eng.static_step(static, arrays)
     assert len(eng.canary.poll()) == 0
@@ -188,10 +192,7 @@ def test_a_static_forward_then_its_kept_tokens_eagerly_is_one_forward(device):
     TAIL at that forward's step."""
     eng = SpeculativeEngine(device, seed=5)
     eng.prefill(6)
-    first = eng.step(tree=False, keep_all_drafts=True)
-    arrays = {name: to_device(to_numpy(getattr(first, name)), device) for name in
-              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
-    static = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a", "b"]))
+    static, arrays = eng.bind_chain_forward()
     for _ in range(5):
         eng.static_step(static, arrays, keep_all_drafts=False)
     assert len(eng.canary.poll()) == 0
