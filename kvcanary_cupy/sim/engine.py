@@ -155,17 +155,22 @@ class StepBatch:
     kept_lens: Optional[np.ndarray] = None  # the tokens each request keeps (None: every one it writes)
 
     @property
+    def kept_counts(self) -> np.ndarray:
+        """The tokens each request keeps: every one it writes, or its pending token and the drafts
+        the target accepted."""
+        return self.extend_lens if self.kept_lens is None else self.kept_lens
+
+    @property
     def keeps_all(self) -> bool:
-        return self.kept_lens is None or bool((self.kept_lens == self.extend_lens).all())
+        return bool((self.kept_counts == self.extend_lens).all())
 
     def kept(self) -> "StepBatch":
-        """The batch of the tokens the requests keep: each request's first ``kept_lens`` entries
-        (its pending token and the drafts the target accepted)."""
+        """The batch of the tokens the requests keep: each request's first ``kept_counts`` entries."""
         if self.keeps_all:
             return self
-        entries = np.concatenate([np.arange(*self.entry_range(i))[:int(self.kept_lens[i])]
+        entries = np.concatenate([np.arange(*self.entry_range(i))[:int(self.kept_counts[i])]
                                   for i in range(len(self.requests))]).astype(np.int64)
-        return StepBatch(self.requests, self.rows, self.prefix_lens, self.kept_lens.copy(), self.input_ids[entries],
+        return StepBatch(self.requests, self.rows, self.prefix_lens, self.kept_counts.copy(), self.input_ids[entries],
                          self.positions[entries], self.out_cache_loc[entries], self.expected_ids[entries],
                          self.expected_positions[entries])
 
@@ -596,7 +601,7 @@ class Engine:
         """Account the step's tokens, publish finished prompt prefixes, retire finished requests."""
         c = self.config
         share_len = (c.template_len // self.page_size) * self.page_size
-        for request, n in zip(step.requests, step.kept().extend_lens.tolist()):
+        for request, n in zip(step.requests, step.kept_counts.tolist()):
             request.seq_len += n
             self.tokens_written += n
             if (request.template >= 0 and share_len and request.template not in self.prefix_cache

@@ -206,10 +206,9 @@ class FaultInjector:
             return None
         index = choices[int(self.rng.integers(len(choices)))]
         request = batch.requests[index]
-        lo, hi = batch.entry_range(index)
-        if batch.kept_lens is not None:  # a rejected draft's record is never written: no fault there
-            hi = lo + int(batch.kept_lens[index])
-        entry = int(self.rng.integers(lo, hi))
+        lo, _ = batch.entry_range(index)
+        # among the tokens the request keeps: a rejected draft's record is never written
+        entry = int(self.rng.integers(lo, lo + int(batch.kept_counts[index])))
         slot = int(batch.out_cache_loc[entry])
         position = int(batch.expected_positions[entry])
         if cls == "stale_position":
