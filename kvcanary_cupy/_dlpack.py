@@ -145,6 +145,21 @@ def _cuda_interface_device(obj: Any, name: str) -> int:
     return int(cupy.cuda.runtime.pointerGetAttributes(pointer).device)
 
 
+def own_view(obj: Any):
+    """A new view of a NumPy or CuPy array (``obj`` itself otherwise, whose native view is new anyway).
+
+    A bundle that keeps arrays across calls keeps its own views of them: what it validated once
+    (shape, strides, dtype) then stays what its launches read, whatever is later done in place to
+    the caller's array object (``a.shape = ...``, ``a.dtype = ...``), which could otherwise turn a
+    checked buffer into one a kernel reads or writes past."""
+    if isinstance(obj, np.ndarray):
+        return obj.view()
+    cupy = sys.modules.get("cupy")  # a CuPy array means CuPy is imported
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return obj.view()
+    return obj
+
+
 def native_view(obj: Any, name: str, device: Device | None = None):
     """A NumPy (host) or CuPy (CUDA) view of ``obj`` sharing its memory."""
     device = device_of(obj, name) if device is None else device

@@ -69,7 +69,8 @@ class ViolationReport:
 class CanaryContext:
     """The canary buffer, violation ring, counters and real-KV sources of one KV pool.
 
-    Build it with :meth:`allocate`, or from your own arrays (any DLPack objects, used in place).
+    Build it with :meth:`allocate`, or from your own arrays (any DLPack objects, used in place: it
+    keeps views of its own over their memory, so their shape and dtype are read once, here).
     """
 
     canary_buf: Any
@@ -91,7 +92,7 @@ class CanaryContext:
     def __post_init__(self) -> None:
         names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
                  "kernel_run_counter", "chain_position_assert")
-        devices = check.adopt_views(self, {name: name for name in names})
+        devices = check.adopt_views(self, {name: name for name in names}, own=True)
         sources = source_list("real_kv_sources", self.real_kv_sources)
         for index, source in enumerate(sources):
             devices[f"real_kv_sources[{index}].tensor"] = source.device
@@ -238,7 +239,7 @@ class CanaryContext:
 
 
 def require_writable(bundle, names: Sequence[str] = ()) -> None:
-    """An op's rule, checked every call (an array can be made read-only after its bundle was built):
+    """An op's rule, checked every call (a bundle's array can be made read-only after it was built):
     the arrays ``names`` of ``bundle`` (default: a plan's every array, which the plan op stores into)
     writable. The name is formatted only for a read-only one."""
     for name in names or bundle.ARRAYS:
@@ -264,7 +265,7 @@ class VerifyPlan:
 
     def __post_init__(self) -> None:
         names = self.ARRAYS
-        devices = check.adopt_views(self, {n: f"VerifyPlan.{n}" for n in names})
+        devices = check.adopt_views(self, {n: f"VerifyPlan.{n}" for n in names}, own=True)
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("VerifyPlan.slot_indices", self.slot_indices, np.int64)
         capacity = int(self.slot_indices.shape[0])
@@ -302,7 +303,7 @@ class WritePlan:
 
     def __post_init__(self) -> None:
         names = self.ARRAYS
-        devices = check.adopt_views(self, {n: f"WritePlan.{n}" for n in names})
+        devices = check.adopt_views(self, {n: f"WritePlan.{n}" for n in names}, own=True)
         object.__setattr__(self, "device", check.one_device(devices))
         check.vector("WritePlan.seed_slot_indices", self.seed_slot_indices, np.int64)
         capacity = int(self.seed_slot_indices.shape[0])

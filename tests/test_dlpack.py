@@ -154,7 +154,7 @@ def test_numpy_in_place():
     ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
                            violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
                            kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
-    assert ctx.violation_ring is ring
+    assert np.shares_memory(ctx.violation_ring, ring)
     kc.verify(ctx, kc.VerifyPlan(slot_indices=np.array([9]), expected_tokens=np.array([-1]),
                                  expected_positions=np.array([4]), prev_slot_indices=np.array([-1]),
                                  num_valid=np.array([1], np.int32), enable=np.array([1], np.int32)), tag=3)

@@ -510,6 +510,49 @@ def test_context_methods_refuse_read_only_arrays_whole(call, field):
         assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
 
 
+def _narrower(array):
+    """The same bytes as rows half as wide (a vector as two columns): what a caller can do in
+    place, through ``array.shape =``, to an array object it handed to a bundle."""
+    rows = array.shape[0] * 2 if array.ndim == 2 else array.shape[0] // 2
+    array.shape = (rows, array.shape[-1] // 2) if array.ndim == 2 else (rows, 2)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_arrays_reshaped_in_place_after_building_change_nothing(device):
+    """A context, its plans and a step keep views of their own: the caller's array objects reshaped
+    in place afterwards (a canary buffer of 16-byte rows would be written past its end, a ring of
+    4 columns past its last row) leave every op's result as it was."""
+    outcomes = []
+    for reshaped in (False, True):
+        rng = np.random.default_rng(5)
+        put = lambda a: to_device(np.ascontiguousarray(a), device)  # noqa: E731
+        given = dict(canary_buf=put(rng.integers(0, 256, size=(8, 32), dtype=np.uint8)),
+                     violation_ring=put(np.zeros((4, 8), np.int64)), violation_write_index=put(np.zeros(1, np.int32)),
+                     slot_run_counter=put(np.zeros(1, np.int64)), kernel_run_counter=put(np.zeros(1, np.int64)),
+                     chain_position_assert=put(np.ones(1, np.int32)))
+        ctx = kc.CanaryContext(**given)
+        plan_given = dict(slot_indices=put(np.zeros(6, np.int64)), expected_tokens=put(np.zeros(6, np.int64)),
+                          expected_positions=put(np.zeros(6, np.int64)), prev_slot_indices=put(np.zeros(6, np.int64)))
+        vplan = kc.VerifyPlan(**plan_given, num_valid=put(np.zeros(1, np.int32)), enable=put(np.ones(1, np.int32)))
+        wplan = kc.WritePlan.allocate(4, device=device)
+        step_given = dict(input_ids=put(np.array([11, 12, 13, 14])), positions=put(np.array([3, 4, 5, 6])),
+                          out_cache_loc=put(np.array([7, 6, 5, 1])))
+        table = put(rng.integers(1, 8, size=(4, 8)).astype(np.int32))
+        batch = dict(req_pool_indices=put(np.array([0, 1, 2, 3])), prefix_lens=put(np.array([3, 4, 5, 6])),
+                     extend_seq_lens=put(np.array([1, 1, 1, 1])), req_to_token=table)
+        step = kc.CanaryStep(ctx, verify_capacity=32, verify_tag=0, write_tag=2, **batch, **step_given)
+        if reshaped:
+            for array in (*given.values(), *plan_given.values(), *step_given.values()):
+                if array.shape[-1] > 1:
+                    _narrower(array)
+        kc.plan(vplan, wplan, **batch)
+        kc.verify(ctx, vplan, tag=1)
+        step.launch()
+        outcomes.append([to_numpy(a).tobytes() for a in (*given.values(), *plan_given.values())])
+    assert outcomes[0] == outcomes[1]
+    assert np.frombuffer(outcomes[0][2], np.int32)[0] > 0  # rows were recorded: the ring is compared at work
+
+
 @requires_gpu
 def test_misaligned_cuda_arrays_refused():
     """A CuPy view whose int64 elements straddle 8-byte boundaries is refused on the host: loading

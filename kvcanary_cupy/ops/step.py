@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .. import validate as check
+from .._dlpack import own_view
 from ..context import CanaryContext, WritePlan, require_writable
 from ._dispatch import backend_module, check_stream_form, launch_scope, resolve_stream
 from .batches import PlanBatch, WriteBatch, launch_tag
@@ -56,10 +57,12 @@ class CanaryStep:
         check.instance("ctx", ctx, CanaryContext)
         require_writable(ctx, CanaryContext.WRITE_WRITES)
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
-        batch = PlanBatch.from_arguments(locals())
-        writes = WriteBatch(tag=launch_tag(write_tag, "write_tag"), input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-                            expected_input_tokens=expected_input_tokens,
-                            expected_input_positions=expected_input_positions)
+        # Launched on every step long after it was validated: the step's own views (see own_view).
+        arrays = {name: own_view(value) for name, value in locals().items()}
+        batch = PlanBatch.from_arguments(arrays)
+        writes = WriteBatch(tag=launch_tag(write_tag, "write_tag"),
+                            **{name: arrays[name] for name in ("input_ids", "positions", "out_cache_loc",
+                                                               "expected_input_tokens", "expected_input_positions")})
         devices = {"ctx": ctx.device, "req_pool_indices": batch.device, "input_ids": writes.device}
         self.device = check.one_device(devices)
         self.ctx, self.settings, self.batch, self.writes = ctx, settings, batch, writes

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._dlpack import Device, byte_view_dtype, byte_view_shape, data_pointer, device_of, native_view
+from .._dlpack import Device, byte_view_dtype, byte_view_shape, data_pointer, device_of, native_view, own_view
 from .._layout import INT32_MAX, INT64_MAX, SOURCE_ALIGN_BYTES
 
 PREFIX = "kv-canary: "
@@ -259,11 +259,13 @@ def both_or_neither(first: tuple[str, Any], second: tuple[str, Any]) -> None:
         raise ValueError(f"{PREFIX}{given} requires {missing}: pass both or neither, got {missing}=None")
 
 
-def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False) -> dict[str, Device]:
+def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False,
+                own: bool = False) -> dict[str, Device]:
     """Swap each named field of a frozen dataclass for a zero-copy native view of it.
 
     ``labels`` maps attribute names to the names used in messages; ``None`` is refused unless
-    ``optional`` (then it stays ``None``). All arrays must share one device;
+    ``optional`` (then it stays ``None``). ``own``: a bundle kept across calls takes views of its
+    own even of NumPy and CuPy arrays (see ``own_view``). All arrays must share one device;
     that is checked before any view is taken, so mixing devices is reported as such. Returns the
     devices by label.
     """
@@ -277,7 +279,7 @@ def adopt_views(owner: Any, labels: Mapping[str, str], *, optional: bool = False
         one_device(devices)
     for attribute, value in values.items():
         label = labels[attribute]
-        object.__setattr__(owner, attribute, native_view(value, label, devices[label]))
+        object.__setattr__(owner, attribute, native_view(own_view(value) if own else value, label, devices[label]))
     return devices
 
 
