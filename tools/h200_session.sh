@@ -2,7 +2,8 @@
 # One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
 # compute-sanitizer (memcheck, racecheck, initcheck) and the demo on the GPU, the independent parts
 # concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
-# $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo bench.
+# $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
+# tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them).
 set -uo pipefail
 OUT=${OUT:-out}
 LOGS="$OUT/logs"
@@ -10,6 +11,7 @@ mkdir -p "$LOGS"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 FUZZ_CASES=${FUZZ_CASES:-10000}
 SANITIZE_CASES=${SANITIZE_CASES:-40}
+CANARY_SEEDS=${CANARY_SEEDS:-1000}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300}
 stages=${*:-tests fuzz sanitize demo}
 summary="$OUT/summary.txt"
@@ -48,8 +50,13 @@ if has demo; then
   timeout "$STAGE_TIMEOUT" python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
   pids+=($!)
 fi
+if has canary; then
+  timeout "$STAGE_TIMEOUT" python3 tools/canary_fuzz.py --device cuda --seeds "$CANARY_SEEDS" --forwards 60 \
+    --json "$LOGS/canary-fuzz.json" > "$LOGS/canary-fuzz.log" 2>&1 & pids+=($!)
+fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
+if has canary; then echo "canary fuzz: $(tail -n 1 "$LOGS/canary-fuzz.log")" >> "$summary"; fi
 if has fuzz; then
   for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
