@@ -18,13 +18,20 @@ def test_tool_imports(name):
 
 def test_canary_fuzz_on_the_cpu_finds_no_false_positive_and_misses_no_fault(tmp_path, capsys):
     """A few seeds of tools/canary_fuzz.py: clean runs report nothing and their counters match what
-    the engine did, every injected fault is reported, and nothing crashes."""
+    the engine did (all zero with the canary off), every injected fault is reported and named on
+    the request it harms, and nothing crashes; prefix sharing and a draft model's canary among them."""
     (fuzz,) = import_tools("canary_fuzz")
     out = tmp_path / "fuzz.json"
-    status = fuzz.main(["--device", "cpu", "--seeds", "12", "--forwards", "16", "--json", str(out)])
+    # seeds 84-95 hold a canary that is off, prefix sharing and faults on shared slots, a draft
+    # model's canary and both of its faults
+    status = fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16", "--json", str(out)])
     printed = capsys.readouterr().out
     total = json.loads(out.read_text())["total"]
     assert status == 0, printed
     assert total["runs"] == 12 and total["injected"] >= 10
     assert total["false_positives"] == total["counter_errors"] == total["missed"] == total["crashes"] == 0
+    assert total["misnamed"] == 0
     assert "layout=paged" in printed and "fault=" in printed  # the table by feature
+    for feature in ("mode=off", "prefix_sharing=on", "prefix_cache=on", "fault=slot_steal@shared",
+                    "fault=draft_token", "fault=draft_kv_flip"):
+        assert feature in printed

@@ -1,27 +1,33 @@
 """A fuzz of ``kc.Canary`` through its public API: a random but correct engine must report nothing,
-and the same engine with one corruption injected must be reported.
+and the same engine with one corruption injected must be reported, naming the request it harms.
 
     PYTHONPATH=. python tools/canary_fuzz.py --device cpu --seeds 200 --forwards 40 --json fuzz.json
 
 Each seed draws an engine (the real-KV layout or none, hash mode, an SWA group, expected tokens,
 speculative chains or trees, static forwards, CUDA graphs on a GPU, a host tier, compaction, a
-verify capacity small enough to overflow, poll and sweep periods) and a workload of chunked
-prefills, decodes, finishing requests and reused slots and rows, and runs it twice. In the clean
-run any violation is a false positive, and the counters the canary exposes (forwards, skipped
-verify launches, each group's kernel and slot run counters) must equal what the engine asked of
-it. In the second run one corruption the configuration is documented to catch is injected (a KV
-byte flipped on the device or in the host tier, a live slot written by another request, a
-``req_to_token`` cell pointed at another request's slot, a dropped write, a wrong token id) and must
-be reported. An exception in either run is a crash. A row of ``--json`` is one seed: its
-configuration, the clean run's findings and counter mismatches, the fault and whether it was
-reported; the table sums the rows by feature. The exit status is 1 when any seed had a false
-positive, a counter mismatch, a missed fault or a crash.
+verify capacity small enough to overflow, poll and sweep periods, prefix sharing between requests
+and from a cache of finished requests' prefixes, an EAGLE draft model with a canary of its own, the
+canary switched off, and on a GPU torch tensors as batch arrays and a stream of the canary's own)
+and a workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs
+it twice. In the clean run any violation is a false positive, and the counters the canary exposes
+(forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
+engine asked of it; with ``mode="off"`` they must all read zero and no record may be written. In
+the second run (none for mode "off") one corruption the configuration is documented to catch is
+injected (a KV byte flipped on the device, in the host tier or in the draft model's KV, a live slot
+written by another request, a ``req_to_token`` cell pointed at another request's slot, a dropped
+write, a wrong token id, a draft model's KV written for the wrong token), now and then on a slot
+that several requests share, and must be reported, and the reports must name the request it harms
+(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
+seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
+was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had
+a false positive, a counter mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,8 +42,10 @@ import kvcanary_cupy as kc
 
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla", "none")
 SPECULATIVE = ("off", "chain_all", "chain_kept", "tree")  # chain_all: after_forward gets every draft
-FAULTS = ("kv_flip", "swa_kv_flip", "host_flip", "slot_steal", "table_alias", "dropped_write", "wrong_token")
-BETWEEN_FORWARDS = FAULTS[:5]  # the others change what one forward hands after_forward
+FAULTS = ("kv_flip", "swa_kv_flip", "host_flip", "draft_kv_flip", "slot_steal", "table_alias", "dropped_write",
+          "wrong_token", "draft_token")
+BETWEEN_FORWARDS = FAULTS[:6]  # the others change what one forward hands after_forward
+ON_A_SLOT = ("kv_flip", "swa_kv_flip", "draft_kv_flip", "slot_steal")  # these may be aimed at a shared slot
 VOCAB = 32000
 ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
 ENTRY_FIELDS = ("input_ids", "positions", "out_cache_loc")
@@ -82,7 +90,12 @@ class SeedConfig:
     poll_every: int
     sweep_every: int
     ring_capacity: int
-    mode: str  # "log" or "raise"
+    mode: str  # "log", "raise" or "off"
+    prefix_sharing: bool  # a new request may start with the cached slots of a prefix of another's tokens
+    prefix_cache: int  # finished requests' prefixes kept cached (a reference on each slot), at most
+    draft_model: bool  # an EAGLE draft model: a KV pool and a canary (token_offset=1) of its own
+    torch_arrays: bool  # GPU only: batch arrays are torch CUDA tensors
+    side_stream: bool  # GPU only: the canary's calls run on a CuPy stream of their own (stream=)
 
     @property
     def hashes_kv(self) -> bool:
@@ -106,10 +119,13 @@ class SeedConfig:
                 f"kept_move={self.kept_move if self.speculative in ('chain_kept', 'tree') else 'n/a'}",
                 f"host_tier={on[self.host_tier]}",
                 f"compaction={on[self.compaction]}", f"capacity={'tiny' if self.verify_capacity else 'derived'}",
-                f"mode={self.mode}"]
+                f"mode={self.mode}", f"prefix_sharing={on[self.prefix_sharing]}",
+                f"prefix_cache={on[self.prefix_cache > 0]}", f"draft_model={on[self.draft_model]}",
+                f"arrays={'torch' if self.torch_arrays else 'native'}",
+                f"stream={'side' if self.side_stream else 'current'}"]
 
 
-def draw_config(seed: int, device: str) -> SeedConfig:
+def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
     rng = np.random.default_rng([seed, 1])
 
     def pick(options):
@@ -124,7 +140,7 @@ def draw_config(seed: int, device: str) -> SeedConfig:
     # graphs need a GPU; on the CPU a static forward's before()/after() run the ops eagerly
     statics = ("off", "eager", "graph") if device != "cpu" else ("off", "eager")
     max_running = int(rng.integers(1, 7))
-    return SeedConfig(
+    config = SeedConfig(
         seed=seed, layout=layout, layers=int(rng.integers(1, 3)), heads=heads, head_units=head_units,
         dtype=pick(("float16", "float32", "uint8")),
         page_size=pick((1, 2, 4, 8)) if layout in ("paged", "mla") else 1, hash_mode=hash_mode,
@@ -139,7 +155,18 @@ def draw_config(seed: int, device: str) -> SeedConfig:
         verify_capacity=int(rng.integers(max_len, 2 * max_len + 1)) if rng.random() < 0.3 else 0,
         max_running=max_running, max_len=max_len, chunk=int(rng.integers(1, 17)),
         poll_every=pick((1, 1, 2, 5)), sweep_every=pick((2, 5, 9)), ring_capacity=pick((0, 1, 4, 1024)),
-        mode=pick(("log", "raise")))
+        mode=pick(("log", "raise")), prefix_sharing=False, prefix_cache=0, draft_model=False,
+        torch_arrays=False, side_stream=False)
+    more = np.random.default_rng([seed, 5])  # the later features: a seed's other draws stay as they were
+    sharing, cache, draft = bool(more.random() < 0.5), int(more.integers(0, 4)), bool(more.random() < 0.3)
+    off, torch_arrays, side_stream = (bool(more.random() < p) for p in (0.08, 0.5, 0.5))
+    on_gpu = device != "cpu"
+    return dataclasses.replace(
+        config, prefix_sharing=sharing, prefix_cache=cache if sharing else 0, draft_model=draft,
+        mode="off" if off else config.mode,
+        # a graph captured with the canary off would hold no node at all: its capture is left out
+        static="eager" if off and config.static == "graph" else config.static,
+        torch_arrays=torch_arrays and on_gpu and torch_ok, side_stream=side_stream and on_gpu)
 
 
 def applicable_faults(c: SeedConfig) -> list[str]:
@@ -148,47 +175,68 @@ def applicable_faults(c: SeedConfig) -> list[str]:
     intended tokens exists; a dropped write (at a position >= 1, so that a stale record of another
     request fails its chain link) only where KV hashes or expected tokens are checked, since the
     request's own rejected draft of that position, fingerprinted with a wrong token (chain_all),
-    chains as the right token would; an alias only where a second request can hold slots."""
+    chains as the right token would; an alias only where a second request can hold slots. A draft
+    model's canary always checks the expected tokens (its KV at position p against the token at
+    p + 1), so a draft KV written for the wrong token is always caught."""
     kinds = ["slot_steal"] + (["table_alias"] if c.max_running > 1 else [])
     kinds += ["kv_flip"] if c.hashes_kv else []
     kinds += ["swa_kv_flip"] if c.hashes_swa_kv else []
     kinds += ["host_flip"] if c.host_tier and c.hashes_kv else []
     kinds += ["dropped_write"] if c.hashes_kv or c.expected_pool else []
     kinds += ["wrong_token"] if c.input_asserts or c.expected_pool else []
+    kinds += ["draft_kv_flip"] if c.draft_model and c.hash_mode != "NONE" else []
+    kinds += ["draft_token"] if c.draft_model else []
     return kinds
 
 
 @dataclasses.dataclass
 class Fault:
     """The corruption of a seed's second run: injected at forward ``at`` or the first one after it
-    where the engine holds what it needs (a live request with two cached tokens, say)."""
+    where the engine holds what it needs (a live request with two cached tokens, say), and the
+    requests it harms (see :meth:`FuzzEngine.misnamed`)."""
 
     kind: str
     at: int
     rng: np.random.Generator
+    shared: bool = False  # aimed at a slot more than one holder references (requests, cached prefixes)
     armed: bool = False  # done with it (a slot_steal is injected once the allocator hands the slot out)
     steal: Optional[int] = None  # slot_steal: the live slot the allocator hands out next
+    stolen_from: Optional[tuple] = None  # slot_steal: (request, position) the slot holds
     injected_at: Optional[int] = None
     what: str = ""
+    in_static: bool = False  # injected into what a static forward's after() reads
+    bad_slots: set = dataclasses.field(default_factory=set)  # slots whose record or KV is wrong, followed when moved
+    victims: set = dataclasses.field(default_factory=set)  # requests reading a bad slot or cell: one must be named
+    bystanders: set = dataclasses.field(default_factory=set)  # requests that may be named too (a steal's thief)
 
 
 def draw_fault(c: SeedConfig, forwards: int) -> Fault:
     rng = np.random.default_rng([c.seed, 4])
     kinds = applicable_faults(c)
-    return Fault(kinds[int(rng.integers(len(kinds)))], int(rng.integers(1, max(2, 2 * forwards // 3))), rng)
+    fault = Fault(kinds[int(rng.integers(len(kinds)))], int(rng.integers(1, max(2, 2 * forwards // 3))), rng)
+    fault.shared = bool(c.prefix_sharing and fault.kind in ON_A_SLOT and rng.random() < 0.5)
+    return fault
 
 
 class Device:
-    """Arrays on the fuzz's device: NumPy on the CPU, CuPy (imported only then) on a GPU."""
+    """Arrays on the fuzz's device: NumPy on the CPU, CuPy (imported only then) on a GPU, and torch
+    CUDA tensors for batch arrays where torch is installed."""
 
     def __init__(self, name: str):
-        self.name = name
-        self.cupy = None
+        self.name, self.index = name, 0
+        self.cupy = self.torch = None
         if name != "cpu":
             import cupy  # noqa: PLC0415 (a machine without CuPy runs the CPU fuzz)
 
-            cupy.cuda.Device(int(name.partition(":")[2] or 0)).use()  # where cupy.asarray puts arrays
+            self.index = int(name.partition(":")[2] or 0)
+            cupy.cuda.Device(self.index).use()  # where cupy.asarray puts arrays
             self.cupy = cupy
+            try:
+                import torch  # noqa: PLC0415 (optional: without it no seed passes torch tensors)
+
+                self.torch = torch if torch.cuda.is_available() else None
+            except ImportError:
+                pass
 
     def put(self, host: np.ndarray):
         return host if self.cupy is None else self.cupy.asarray(host)
@@ -198,6 +246,10 @@ class Device:
 
     def i64(self, values) -> Any:
         return self.put(np.asarray(values, np.int64))
+
+    def tensor(self, values) -> Any:
+        """Int64 values as a torch tensor on the fuzz's GPU, copied there on torch's current stream."""
+        return self.torch.as_tensor(np.asarray(values, np.int64), device=f"cuda:{self.index}")
 
     def push(self, host: np.ndarray, mirror) -> None:
         """The engine's host table copied into its device mirror (on the CPU they are one array)."""
@@ -265,11 +317,13 @@ class Request:
     row: int
     tokens: np.ndarray  # every token it will hold: the prompt, then what decoding produces
     prompt_len: int
+    bonus: int  # the token the target samples after its last one (a draft model's KV of that position holds it)
     slots: list = dataclasses.field(default_factory=list)  # the slot of each cached position (the truth)
     host_slots: Optional[np.ndarray] = None  # while offloaded: the host slot of each cached position
     swa_copied: Optional[np.ndarray] = None  # while offloaded: which of them had an SWA slot
+    tainted: tuple = ()  # while offloaded: the positions whose record or KV the fault made wrong
     away_since: int = 0
-    swa_evicted: int = 0  # positions below it have no SWA slot any more
+    swa_evicted: int = 0  # positions below it have no SWA slot any more, unless a sharer still needs it
     pinned: bool = False  # holds the injected fault: never finished, offloaded or moved
     frozen: bool = False  # scheduled no more (a waiting request), so that its SWA window holds still
 
@@ -284,6 +338,25 @@ class Request:
     @property
     def total(self) -> int:
         return len(self.tokens)
+
+    def token_at(self, position: int) -> int:
+        return int(self.tokens[position]) if position < self.total else self.bonus
+
+
+@dataclasses.dataclass
+class CachedPrefix:
+    """A finished request's prefix kept by the prefix cache: its slots, each held by a reference,
+    and its tokens, one more than its slots (a draft model's KV of the last slot holds that one)."""
+
+    tokens: list
+    slots: list
+
+
+def same_history(a: Request, position_a: int, b: Request, position_b: int) -> bool:
+    """Whether ``a`` at ``position_a`` would store the very record ``b`` stores at ``position_b``:
+    the same position after the same tokens (a chain hashes tokens, not slots). One slot read for
+    the other is then no corruption the canary could see, nor one a real model's KV would show."""
+    return position_a == position_b and all(a.token_at(p) == b.token_at(p) for p in range(position_a + 1))
 
 
 @dataclasses.dataclass
@@ -334,6 +407,23 @@ class Ledger:
         self.slot_runs[group] += entries
 
 
+@dataclasses.dataclass
+class Watch:
+    """A canary the engine drives (the target model's, or the draft model's), what its counters must
+    read, and what its polls said."""
+
+    label: str
+    canary: kc.Canary
+    groups: list  # (group name, SWA window or 0)
+    ledger: Ledger = dataclasses.field(default_factory=Ledger)
+    reported_forwards: int = 0
+    overflows_seen: int = 0
+
+    @property
+    def contexts(self) -> list:
+        return [self.canary.context] + ([self.canary.swa_context] if self.canary.swa_context is not None else [])
+
+
 def next_pow2(n: int) -> int:
     size = 1
     while size < n:
@@ -350,18 +440,20 @@ def columns(nodes: list) -> tuple[list, list, list]:
 
 
 class FuzzEngine:
-    """A small serving engine driving a ``kc.Canary`` as docs/integration.md says; with ``fault`` it
-    injects that corruption once."""
+    """A small serving engine driving a ``kc.Canary`` (and a draft model's) as docs/integration.md
+    says; with ``fault`` it injects that corruption once."""
 
     def __init__(self, c: SeedConfig, dev: Device, fault: Optional[Fault] = None):
         self.c, self.dev, self.fault = c, dev, fault
         self.rng = np.random.default_rng([c.seed, 2])  # the workload
         self.kv_rng = np.random.default_rng([c.seed, 3])  # the bytes the model writes
         self.nodes_per_decode = 1 + (4 * c.drafts if c.speculative == "tree" else c.drafts)
-        # room for every request's tokens, its in-flight drafts and their moves, and a compaction's
-        slots = 1 + c.max_running * (c.max_len + self.nodes_per_decode + c.drafts) + 8
+        # room for every request's tokens, its in-flight drafts and their moves, a compaction's, and
+        # the prefixes the cache keeps
+        slots = 1 + c.max_running * (c.max_len + self.nodes_per_decode + c.drafts) + 8 + c.prefix_cache * c.max_len
         self.pool_slots = -(-slots // c.page_size) * c.page_size
         self.free = collections.deque(int(s) for s in self.rng.permutation(np.arange(1, self.pool_slots)))
+        self.refs = np.zeros(self.pool_slots, np.int64)  # holders of each slot: requests and cached prefixes
         self.swa_free = collections.deque(range(1, self.pool_slots))
         self.free_rows = collections.deque(range(1, c.max_running + 1))  # pool row 0 is the padding row
         self.table_host = np.zeros((c.max_running + 1, c.max_len), np.int32)
@@ -370,26 +462,36 @@ class FuzzEngine:
         self.table, self.expected, self.lut = (dev.put(a.copy()) if dev.cupy is not None else a
                                                for a in (self.table_host, self.expected_host, self.lut_host))
         self.kv = build_kv(c, dev, self.pool_slots, self.kv_rng)
-        swa_layout = dataclasses.replace(c, layout="per_layer", layers=1, page_size=1)
-        self.swa_kv = build_kv(swa_layout, dev, self.pool_slots, self.kv_rng) if c.swa_window and c.swa_sources \
+        one_layer = dataclasses.replace(c, layout="per_layer", layers=1, page_size=1)
+        self.swa_kv = build_kv(one_layer, dev, self.pool_slots, self.kv_rng) if c.swa_window and c.swa_sources \
             else KvPool((), [])
+        self.draft_kv = build_kv(one_layer, dev, self.pool_slots, self.kv_rng) if c.draft_model else KvPool((), [])
+        self.array = dev.tensor if c.torch_arrays else dev.i64  # the batches' arrays
+        self.side = dev.cupy.cuda.Stream(non_blocking=True) if c.side_stream else None
         self.canary = self.build_canary()
-        self.groups = [("full", 0)] + ([("swa", c.swa_window)] if c.swa_window else [])
+        self.watches = [Watch("", self.canary, [("full", 0)] + ([("swa", c.swa_window)] if c.swa_window else []))]
+        self.draft = self.build_draft_canary() if c.draft_model else None
+        if self.draft is not None:
+            self.watches.append(Watch("draft canary: ", self.draft, [("full", 0)]))
         self.tier, self.tier_free = None, collections.deque()
         if c.host_tier:
             tier_slots = 1 + c.max_running * c.max_len  # host slot 0 unused, as the pool's
             self.tier = {"full": tier_group(self.kv, self.canary.hash_mode, tier_slots, self.kv_rng)}
             if c.swa_window:
                 self.tier["swa"] = tier_group(self.swa_kv, self.canary.hash_mode, tier_slots, self.kv_rng)
+            if self.draft is not None:
+                self.tier["draft"] = tier_group(self.draft_kv, self.canary.hash_mode, tier_slots, self.kv_rng)
             self.tier_free = collections.deque(range(1, tier_slots))
         self.requests: list[Request] = []
+        self.cache: list[CachedPrefix] = []
         self.statics: dict = {}
-        self.ledger, self.tally = Ledger(), collections.Counter()
+        self.tally = collections.Counter()
         self.index = self.next_rid = 0
-        self.found = self.found_after_fault = self.overflows_seen = self.reported_forwards = 0
+        self.found = self.found_after_fault = 0
         self.first_found: Optional[int] = None
         self.examples: list[str] = []
         self.report_errors: list[str] = []
+        self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
 
     def build_canary(self) -> kc.Canary:
         c, rows = self.c, self.c.max_running + 1
@@ -409,6 +511,30 @@ class FuzzEngine:
                          ring_capacity=c.ring_capacity, mode=c.mode, swa=swa,
                          expected_tokens=self.expected if c.expected_pool else None,
                          chain_position_assert=c.chain_position_assert, logger=QUIET)
+
+    def build_draft_canary(self) -> kc.Canary:
+        """The draft model's canary (integration.md §2, "Speculative decoding"): over its own KV pool,
+        indexed by the target's slots and ``req_to_token`` as an EAGLE draft model's is, its KV at
+        position p checked against the pool's token at p + 1 (``token_offset=1``)."""
+        c = self.c
+        return kc.Canary(pool_slot_count=self.pool_slots, capacities=self.canary.capacities, req_to_token=self.table,
+                         device=self.dev.name, real_kv_sources=self.draft_kv.sources,
+                         hash_mode=kc.HashMode[c.hash_mode], ring_capacity=c.ring_capacity, mode=c.mode,
+                         expected_tokens=self.expected, token_offset=1,
+                         chain_position_assert=c.chain_position_assert, logger=QUIET)
+
+    @contextlib.contextmanager
+    def canary_stream(self):
+        """The ``stream=`` of a canary call: None (CuPy's current stream), or the canary's own stream,
+        which the engine orders after its work so far and its later work after (README: forwards
+        run "on one stream, or on streams the engine orders")."""
+        if self.side is None:
+            yield None
+            return
+        engine_stream = self.dev.cupy.cuda.get_current_stream()
+        self.side.wait_event(engine_stream.record())
+        yield self.side
+        engine_stream.wait_event(self.side.record())
 
     # --- the run ----------------------------------------------------------------------------------
     def run(self, forwards: int) -> "FuzzEngine":
@@ -432,45 +558,91 @@ class FuzzEngine:
             self.forward(scheduled)
         self.retire()
         self.evict_swa()
+        if self.cache and self.rng.random() < 0.1:
+            self.drop_cached(int(self.rng.integers(len(self.cache))))
         if (index + 1) % c.sweep_every == 0:
             self.sweep(self.live())
         if (index + 1) % c.poll_every == 0:
             self.poll()
 
     def finish(self) -> None:
-        """Load back every offloaded request, then sweep each live request alone (it always fits the
-        verify capacity), so that a fault is read at least once whatever overflowed before."""
+        """Poll what is pending, load back every offloaded request, then sweep each live request
+        alone (it always fits the verify capacity) and poll after each, so that a fault is read at
+        least once whatever overflowed before, and named from tables that did not change since."""
+        self.poll()
         for request in [r for r in self.requests if r.away]:
             self.reload(request)
         for request in self.live():
             self.sweep([request])
-        self.poll()
+            self.poll()
 
     def live(self) -> list[Request]:
         """Requests holding cached KV in the pool (offloaded ones are not live: integration.md §5)."""
         return [r for r in self.requests if not r.away and r.cached > 0]
 
-    # --- requests and slots -----------------------------------------------------------------------
+    # --- requests, slots and shared prefixes ------------------------------------------------------
     def admit(self) -> None:
         for _ in range(int(self.rng.integers(0, 3)) if self.requests else 1):
             if not self.free_rows:
                 return
-            total = int(self.rng.integers(2, self.c.max_len + 1))
-            tokens = self.rng.integers(1, VOCAB, total)
-            row = self.free_rows.popleft()
-            self.expected_host[row] = 0
-            self.expected_host[row, :total] = tokens
-            self.requests.append(Request(self.next_rid, row, tokens, int(self.rng.integers(1, total))))
-            self.next_rid += 1
+            shared = self.draw_shared_prefix() if self.c.prefix_sharing and self.rng.random() < 0.6 else None
+            self.add_request(*(shared or ([], [])))
 
-    def take_slot(self, *, kept: bool, with_swa: bool = True) -> int:
-        """A free slot, or the armed slot_steal's live one for a token that is kept (a rejected
-        draft's record is never written, so stealing for it would only move KV bytes)."""
+    def draw_shared_prefix(self) -> Optional[tuple[list, list]]:
+        """The tokens and slots of a prefix to share, of a live request's cached tokens or a cached
+        prefix, as a radix cache matches one: ``k`` slots, and their ``k`` tokens (``k + 1`` with a
+        draft model, whose KV of position ``k - 1`` holds the token at ``k``). With an SWA group only
+        a prefix whose last ``window`` positions still have SWA slots is shared (as SGLang's SWA radix
+        cache matches), so that a sharer's window never starts at a freed SWA slot."""
+        sources = [(r.token_at, r.slots) for r in self.live()] + [(e.tokens.__getitem__, e.slots) for e in self.cache]
+        if not sources:
+            return None
+        token_at, slots = sources[int(self.rng.integers(len(sources)))]
+        window = self.c.swa_window
+        lengths = [k for k in range(1, min(len(slots), self.c.max_len - 2) + 1)
+                   if not window or all(self.lut_host[slots[p]] for p in range(max(0, k - window), k))]
+        if not lengths:
+            return None
+        k = lengths[int(self.rng.integers(len(lengths)))]
+        return [token_at(p) for p in range(k + self.c.draft_model)], list(slots[:k])
+
+    def add_request(self, prefix_tokens: list, shared: list) -> None:
+        """A new request, starting with the ``shared`` slots (its row points at them, a reference
+        held on each), whose first forward then has ``prefix_lens`` their number; at least one
+        prompt token is left to run."""
+        k, rng = len(shared), self.rng
+        total = int(rng.integers(k + 2, self.c.max_len + 1))
+        tokens = rng.integers(1, VOCAB, total)
+        tokens[:len(prefix_tokens)] = prefix_tokens
+        row = self.free_rows.popleft()
+        self.expected_host[row] = 0
+        self.expected_host[row, :total] = tokens
+        self.table_host[row, :k] = shared
+        np.add.at(self.refs, shared, 1)
+        request = Request(self.next_rid, row, tokens, int(rng.integers(k + 1, total)), int(rng.integers(1, VOCAB)),
+                          slots=list(shared))
+        self.requests.append(request)
+        self.next_rid += 1
+        self.tally["shared_tokens"] += k
+        if self.fault is not None and self.fault.bad_slots.intersection(shared):
+            self.fault.victims.add(request.rid)  # it reads the corruption too
+
+    def take_slot(self, *, kept: bool, with_swa: bool = True, owner: Optional[Request] = None,
+                  position: int = 0) -> int:
+        """A free slot, or the armed slot_steal's live one for a token whose record will land in it
+        (a rejected draft's record is never written, nor a kept draft's moved before after_forward,
+        so stealing for it would only move KV bytes), unless that token's record would be the very
+        one the slot holds (:func:`same_history`)."""
         fault = self.fault
-        if fault is not None and fault.steal is not None and kept:
+        if fault is not None and fault.steal is not None and kept and not same_history(owner, position,
+                                                                                       *fault.stolen_from):
             slot, fault.steal, fault.injected_at = fault.steal, None, self.index
+            fault.victims |= self.holders(slot)
+            fault.bystanders.add(owner.rid)
+            self.refs[slot] += 1  # its holders keep it too: it is freed once every one of them let go
         elif self.free:
             slot = self.free.popleft()
+            self.refs[slot] = 1
         else:
             raise RuntimeError("fuzz engine: the pool ran out of slots (the fuzz sized it wrong)")
         if with_swa and self.c.swa_window:
@@ -478,30 +650,52 @@ class FuzzEngine:
         return slot
 
     def release_slot(self, slot: int) -> None:
-        """Back to the free list (often its front, so that slots are reused soon), with its SWA slot."""
+        """One holder lets go; at the last, the slot goes back to the free list (often its front, so
+        that slots are reused soon), with its SWA slot."""
+        self.refs[slot] -= 1
+        if self.refs[slot] > 0:
+            return
         if self.c.swa_window and self.lut_host[slot]:
             self.swa_free.append(int(self.lut_host[slot]))
             self.lut_host[slot] = 0
         (self.free.appendleft if self.rng.random() < 0.5 else self.free.append)(slot)
 
+    def holders(self, slot: int) -> set:
+        return {r.rid for r in self.requests if slot in r.slots}
+
     def retire(self) -> None:
         for request in [r for r in self.requests if not r.away and not r.pinned and r.cached >= r.total]:
+            if self.c.prefix_cache and self.rng.random() < 0.5:
+                self.keep_prefix(request)
             for slot in request.slots:
                 self.release_slot(slot)
             self.free_rows.append(request.row)
             self.requests.remove(request)
             self.tally["finished"] += 1
 
+    def keep_prefix(self, request: Request) -> None:
+        """A prefix of a finished request into the prefix cache (the oldest entry evicted when full)."""
+        n = int(self.rng.integers(1, request.cached + 1))
+        self.cache.append(CachedPrefix([request.token_at(p) for p in range(n + 1)], request.slots[:n]))
+        np.add.at(self.refs, request.slots[:n], 1)
+        if len(self.cache) > self.c.prefix_cache:
+            self.drop_cached(0)
+
+    def drop_cached(self, index: int) -> None:
+        for slot in self.cache.pop(index).slots:
+            self.release_slot(slot)
+
     def evict_swa(self) -> None:
         """Free the SWA slots of positions that left every later window, zeroing their LUT cells
-        (integration.md §2: 0 means no predecessor to check)."""
+        (integration.md §2: 0 means no predecessor to check); a slot another holder references keeps
+        its SWA slot until it is freed, since that holder's window may still hold it."""
         if not (self.c.swa_window and self.c.swa_evict):
             return
         for request in self.live():
             end = request.cached - self.c.swa_window
             for position in range(request.swa_evicted, end):
                 slot = request.slots[position]
-                if self.lut_host[slot]:
+                if self.lut_host[slot] and self.refs[slot] == 1:
                     self.swa_free.append(int(self.lut_host[slot]))
                     self.lut_host[slot] = 0
             request.swa_evicted = max(request.swa_evicted, end)
@@ -535,8 +729,10 @@ class FuzzEngine:
             kept = list(range(right.index(False) if False in right else n))
             self.tally["drafts"] += n - 1
             self.tally["drafts_kept"] += len(kept) - 1
-        keep = set(kept)
-        nodes = [(int(t), p, self.take_slot(kept=i in keep)) for i, (t, p) in enumerate(zip(tokens, positions))]
+        moves_before = c.speculative in ("chain_kept", "tree") and c.kept_move == "before"
+        lands = set(kept[:1] if moves_before else kept)  # the tokens whose records are written where they ran
+        nodes = [(int(t), p, self.take_slot(kept=i in lands, owner=request, position=p))
+                 for i, (t, p) in enumerate(zip(tokens, positions))]
         return Scheduled(request, start, nodes, kept)
 
     def draft_tree(self, truth: np.ndarray, start: int) -> tuple[list, list, list]:
@@ -571,14 +767,16 @@ class FuzzEngine:
     # --- one forward ------------------------------------------------------------------------------
     def forward(self, scheduled: list[Scheduled]) -> None:
         """before_forward (or a static forward's before()), the model's KV writes for every token,
-        then after_forward with what the forward keeps (integration.md §2, "Speculative decoding")."""
+        then after_forward with what the forward keeps (integration.md §2, "Speculative decoding"),
+        then the draft model's forward over the kept tokens."""
         c = self.c
         verify = self.batch(scheduled)
         keeps_all = c.speculative in ("off", "chain_all")  # the forward's own batch is fingerprinted
         entry = self.static_entry(scheduled) if c.static != "off" and self.rng.random() < 0.7 else None
         self.sync_tables()
         if entry is None:
-            self.canary.before_forward(verify)
+            with self.canary_stream() as stream:
+                self.canary.before_forward(verify, stream=stream)
         else:
             self.refill(entry, scheduled)
             self.static_before(entry, replay=keeps_all)
@@ -587,58 +785,93 @@ class FuzzEngine:
             self.move_kept(scheduled, records=False)
             self.sync_tables()  # the LUT cells of the destination slots, which the SWA write reads
         after_nodes = [s.nodes if keeps_all else [s.nodes[i] for i in s.kept] for s in scheduled]
-        change = self.inject_in_forward(scheduled, after_nodes)
+        change = self.inject_in_forward(scheduled, after_nodes, static=entry is not None and keeps_all)
         if entry is not None and keeps_all:
             if change:
                 entry.arrays[change[0]][change[1]] = change[2]
             self.static_after(entry)
         else:
-            after = verify if keeps_all else self.kept_batch(verify, after_nodes)
-            if change:
-                values = self.dev.get(getattr(after, change[0])).copy()
-                values[change[1]] = change[2]
-                after = dataclasses.replace(after, **{change[0]: self.dev.put(values)})
-            self.canary.after_forward(after)
+            after = verify if keeps_all and change is None else self.kept_batch(verify, after_nodes, change)
+            with self.canary_stream() as stream:
+                self.canary.after_forward(after, stream=stream)
         written = sum(len(nodes) for nodes in after_nodes) - (change is not None and change[0] == "out_cache_loc")
-        self.account_forward(scheduled, written, eager=entry is None)
+        self.account_forward(self.watches[0], scheduled, written, eager=entry is None)
         if not keeps_all and c.kept_move == "after":
             self.move_kept(scheduled, records=True)
+        if self.draft is not None:
+            self.draft_forward(scheduled)
         self.commit(scheduled)
 
     def batch(self, scheduled: list[Scheduled]) -> kc.ForwardBatch:
-        i64, c = self.dev.i64, self.c
+        array, c = self.array, self.c
         tokens, positions, slots = columns([node for s in scheduled for node in s.nodes])
         prefixes = [s.prefix for s in scheduled]
         asserts = c.input_asserts
         return kc.ForwardBatch(
-            req_pool_indices=i64([s.request.row for s in scheduled]), prefix_lens=i64(prefixes),
-            extend_seq_lens=i64([len(s.nodes) for s in scheduled]), input_ids=i64(tokens),
-            positions=i64(positions), out_cache_loc=i64(slots), req_ids=[s.request.rid for s in scheduled],
-            expected_input_tokens=i64(tokens) if asserts else None,
-            expected_input_positions=i64(positions) if asserts else None,
-            expected_valid_lens=i64(prefixes) if c.expected_pool and c.explicit_valid_lens else None)
+            req_pool_indices=array([s.request.row for s in scheduled]), prefix_lens=array(prefixes),
+            extend_seq_lens=array([len(s.nodes) for s in scheduled]), input_ids=array(tokens),
+            positions=array(positions), out_cache_loc=array(slots), req_ids=[s.request.rid for s in scheduled],
+            expected_input_tokens=array(tokens) if asserts else None,
+            expected_input_positions=array(positions) if asserts else None,
+            expected_valid_lens=array(prefixes) if c.expected_pool and c.explicit_valid_lens else None)
 
-    def kept_batch(self, verify: kc.ForwardBatch, after_nodes: list) -> kc.ForwardBatch:
+    def kept_batch(self, verify: kc.ForwardBatch, after_nodes: list,
+                   change: Optional[tuple] = None) -> kc.ForwardBatch:
         """The verify batch's requests and prefixes with each one's kept path: every per-token field
-        replaced."""
-        i64 = self.dev.i64
+        replaced; ``change`` (a fault's) applied to what the write is given, not to what the write
+        input assert expects."""
+        array = self.array
         tokens, positions, slots = columns([node for nodes in after_nodes for node in nodes])
-        fields = dict(extend_seq_lens=i64([len(nodes) for nodes in after_nodes]), input_ids=i64(tokens),
-                      positions=i64(positions), out_cache_loc=i64(slots))
+        given = {"input_ids": list(tokens), "out_cache_loc": slots}
+        if change:
+            given[change[0]][change[1]] = change[2]
+        fields = dict(extend_seq_lens=array([len(nodes) for nodes in after_nodes]), input_ids=array(given["input_ids"]),
+                      positions=array(positions), out_cache_loc=array(given["out_cache_loc"]))
         if self.c.input_asserts:
-            fields.update(expected_input_tokens=i64(tokens), expected_input_positions=i64(positions))
+            fields.update(expected_input_tokens=array(tokens), expected_input_positions=array(positions))
         return dataclasses.replace(verify, **fields)
 
     def model_write(self, slots: list) -> None:
-        """The "model": random bytes into every token's K/V, in both pools (never all-zero: byte 0
-        of each token is odd)."""
-        for views, where in ((self.kv.views, slots), (self.swa_kv.views, self.lut_host[slots].tolist())):
-            index = self.dev.i64(where)
-            for view in views:
-                data = np.frombuffer(self.kv_rng.bytes(len(where) * int(view.shape[1])), np.uint8).copy()
-                data = data.reshape(len(where), -1)
-                data[:, 0] |= 1
-                view[index] = self.dev.put(data)
+        """The "model": random bytes into every token's K/V, in both pools."""
+        self.write_kv(self.kv.views, slots)
+        self.write_kv(self.swa_kv.views, self.lut_host[slots].tolist())
+
+    def write_kv(self, views: list, slots: list) -> None:
+        """Random bytes into ``slots`` of ``views`` (never all-zero: byte 0 of each token is odd)."""
+        index = self.dev.i64(slots)
+        for view in views:
+            data = np.frombuffer(self.kv_rng.bytes(len(slots) * int(view.shape[1])), np.uint8).copy()
+            data = data.reshape(len(slots), -1)
+            data[:, 0] |= 1
+            view[index] = self.dev.put(data)
+
+    def draft_forward(self, scheduled: list[Scheduled]) -> None:
+        """The EAGLE draft model's forward over the tokens the target kept, at their final slots:
+        the forward whose KV the draft model keeps, as integration.md §2 asks (its draft steps,
+        whose KV a later forward writes again, are not the canary's). Its KV at position p is the
+        token at p + 1's, so that is the token each entry is given (and the write input assert
+        expects); the last kept position's is the token the target sampled after it."""
+        array = self.array
+        kept = [[s.nodes[i] for i in s.kept] for s in scheduled]
+        truth = [s.request.token_at(p + 1) for s, nodes in zip(scheduled, kept) for _, p, _ in nodes]
+        _, positions, slots = columns([node for nodes in kept for node in nodes])
+        given = list(truth)
+        wrong = self.inject_draft_token(scheduled, kept)
+        if wrong is not None:
+            given[wrong[0]] = wrong[1]
+        batch = kc.ForwardBatch(
+            req_pool_indices=array([s.request.row for s in scheduled]),
+            prefix_lens=array([s.prefix for s in scheduled]), extend_seq_lens=array([len(nodes) for nodes in kept]),
+            input_ids=array(given), positions=array(positions),
+            out_cache_loc=array(slots), req_ids=[s.request.rid for s in scheduled],
+            expected_input_tokens=array(truth) if self.c.input_asserts else None,
+            expected_input_positions=array(positions) if self.c.input_asserts else None)
+        with self.canary_stream() as stream:
+            self.draft.before_forward(batch, stream=stream)
+        self.write_kv(self.draft_kv.views, slots)
+        with self.canary_stream() as stream:
+            self.draft.after_forward(batch, stream=stream)
+        self.account_forward(self.watches[1], scheduled, len(slots), eager=True)
 
     def commit(self, scheduled: list[Scheduled]) -> None:
         """Kept tokens into the request and its table row (the cells at and past a prefix are read by
@@ -655,11 +888,11 @@ class FuzzEngine:
                 self.release_slot(slot)
             self.tally["tokens"] += len(s.kept)
 
-    def account_forward(self, scheduled: list[Scheduled], written: int, *, eager: bool) -> None:
-        ledger, capacity = self.ledger, self.canary.capacities.verify_capacity
+    def account_forward(self, watch: Watch, scheduled: list[Scheduled], written: int, *, eager: bool) -> None:
+        ledger, capacity = watch.ledger, self.canary.capacities.verify_capacity
         ledger.forwards += 1
         ledger.eager_forwards += eager
-        for group, window in self.groups:
+        for group, window in watch.groups:
             entries = sum(min(s.prefix, window) if window else s.prefix for s in scheduled)
             ledger.verify(group, entries, capacity)  # HEAD
             ledger.write(group, written)
@@ -707,14 +940,16 @@ class FuzzEngine:
             entry.graphs[0].launch()
             self.tally["graph_replays"] += 1
         else:
-            entry.forward.before()
+            with self.canary_stream() as stream:
+                entry.forward.before(stream=stream)
         self.tally["static_runs"] += 1
 
     def static_after(self, entry: StaticEntry) -> None:
         if entry.graphs is not None:
             entry.graphs[1].launch()
             return
-        entry.forward.after()
+        with self.canary_stream() as stream:
+            entry.forward.after(stream=stream)
         if self.c.static == "graph":  # ran once eagerly, every kernel loaded: captured for the next runs
             entry.graphs = self.capture(entry.forward)
 
@@ -735,53 +970,101 @@ class FuzzEngine:
         if not requests:
             return
         requests = [requests[i] for i in self.rng.permutation(len(requests))]
-        i64 = self.dev.i64
+        array = self.array
         self.sync_tables()
-        self.canary.sweep(kc.LiveRequests(req_pool_indices=i64([r.row for r in requests]),
-                                          seq_lens=i64([r.cached for r in requests]),
-                                          req_ids=[r.rid for r in requests]))
-        for group, window in self.groups:
-            entries = sum(min(r.cached, window) if window else r.cached for r in requests)
-            self.ledger.verify(group, entries, self.canary.capacities.verify_capacity)
+        live = kc.LiveRequests(req_pool_indices=array([r.row for r in requests]),
+                               seq_lens=array([r.cached for r in requests]), req_ids=[r.rid for r in requests])
+        for watch in self.watches:
+            with self.canary_stream() as stream:
+                watch.canary.sweep(live, stream=stream)
+            for group, window in watch.groups:
+                entries = sum(min(r.cached, window) if window else r.cached for r in requests)
+                watch.ledger.verify(group, entries, self.canary.capacities.verify_capacity)
         self.tally["sweeps"] += 1
 
     def poll(self) -> None:
-        try:
-            report = self.canary.poll()
-        except kc.CanaryViolation as caught:  # mode "raise"
-            report = caught.report
-        self.reported_forwards = report.forwards
-        per_group = collections.Counter(event.group for event in report.events)
-        stored = max(per_group.values(), default=0)
-        if len(report.events) + report.dropped != report.total or stored > self.c.ring_capacity:
-            self.report_errors.append(f"forward {self.index}: {len(report.events)} events + {report.dropped} dropped "
-                                      f"!= total {report.total}, or a group's events {dict(per_group)} past the "
-                                      f"ring's {self.c.ring_capacity}")
-        self.overflows_seen += report.capacity_overflows
-        self.found += report.total
-        if self.fault is not None and self.fault.injected_at is not None:
-            self.found_after_fault += report.total
-        if report.total and self.first_found is None:
-            self.first_found = self.index
-            self.examples = [event.describe() for event in report.events[:3]]
+        for watch in self.watches:
+            try:
+                report = watch.canary.poll()
+            except kc.CanaryViolation as caught:  # mode "raise"
+                report = caught.report
+            watch.reported_forwards = report.forwards
+            per_group = collections.Counter(event.group for event in report.events)
+            stored = max(per_group.values(), default=0)
+            if len(report.events) + report.dropped != report.total or stored > self.c.ring_capacity:
+                self.report_errors.append(f"{watch.label}forward {self.index}: {len(report.events)} events + "
+                                          f"{report.dropped} dropped != total {report.total}, or a group's events "
+                                          f"{dict(per_group)} past the ring's {self.c.ring_capacity}")
+            watch.overflows_seen += report.capacity_overflows
+            self.found += report.total
+            if self.fault is not None and self.fault.injected_at is not None:
+                self.found_after_fault += report.total
+                self.named.update(event.request for event in report.events)
+            if report.total and self.first_found is None:
+                self.first_found = self.index
+                self.examples = [watch.label + event.describe() for event in report.events[:3]]
 
     def counter_errors(self) -> list[str]:
-        """Where the canary's public counters disagree with the ledger (after the final poll), and the
-        reports that did not add up. A fault changes no launch; a dropped write stores one entry less."""
-        expected = self.ledger
+        """Where the canaries' public counters disagree with the ledgers (after the final poll), and
+        the reports that did not add up. A fault changes no launch; a dropped write stores one entry
+        less. With mode "off" every call returns at once (integration.md §5): every counter reads 0
+        and no canary buffer holds a record."""
         errors = list(self.report_errors)
-        if self.reported_forwards != expected.forwards:
-            errors.append(f"CanaryReport.forwards {self.reported_forwards} != {expected.forwards} forwards run")
-        if self.canary.forwards != expected.eager_forwards:
-            errors.append(f"Canary.forwards {self.canary.forwards} != {expected.eager_forwards} eager forwards")
-        if self.overflows_seen != expected.overflows:
-            errors.append(f"capacity_overflows {self.overflows_seen} != {expected.overflows} skipped verifies")
-        for group, counters in self.canary.stats().items():
-            for name, want in (("kernel_run_counter", expected.kernel_runs[group]),
-                               ("slot_run_counter", expected.slot_runs[group]), ("violations", 0)):
-                if counters[name] != want:
-                    errors.append(f"stats()[{group!r}][{name!r}] {counters[name]} != {want}")
+        for watch in self.watches:
+            canary, label, off = watch.canary, watch.label, self.c.mode == "off"
+            expected = Ledger() if off else watch.ledger
+            if watch.reported_forwards != expected.forwards:
+                errors.append(f"{label}CanaryReport.forwards {watch.reported_forwards} != {expected.forwards} "
+                              f"forwards run")
+            if canary.forwards != expected.eager_forwards:
+                errors.append(f"{label}Canary.forwards {canary.forwards} != {expected.eager_forwards} eager forwards")
+            if watch.overflows_seen != expected.overflows:
+                errors.append(f"{label}capacity_overflows {watch.overflows_seen} != {expected.overflows} "
+                              f"skipped verifies")
+            for group, counters in canary.stats().items():
+                for name, want in (("kernel_run_counter", expected.kernel_runs[group]),
+                                   ("slot_run_counter", expected.slot_runs[group]), ("violations", 0)):
+                    if counters[name] != want:
+                        errors.append(f"{label}stats()[{group!r}][{name!r}] {counters[name]} != {want}")
+            if off and any(self.dev.get(ctx.canary_buf).any() for ctx in watch.contexts):
+                errors.append(f"{label}mode 'off', yet a canary buffer holds records")
         return errors
+
+    def misnamed(self) -> str:
+        """Why the fault run's reports did not name the request the fault harms, or "" when they did
+        (or naming is not judged).
+
+        The victims are the requests that read the corrupted state. For a changed KV byte or record
+        (kv_flip, swa_kv_flip, host_flip, draft_kv_flip, dropped_write, wrong_token, draft_token)
+        that is every request whose cached tokens hold the bad slot: the one it was injected in,
+        those that shared the slot then, and those that share it later, from a live request or from
+        the prefix cache (the bad slot followed through moves and the host tier). For a slot_steal
+        it is every holder of the stolen slot when the allocator hands it out (and later sharers);
+        the request it is handed to (the thief), whose own record the slot then holds, may be named
+        too. For a table_alias it is only the request whose ``req_to_token`` cell was pointed
+        elsewhere: the slot's owner reads its own record, and sharers copy the true slots.
+
+        Named right: some event names a victim (the final sweeps read each live request alone and
+        poll after each, so the pinned victim is read with exact names whatever happened before),
+        and, where every forward is polled before the next (poll_every 1: integration.md §5, "call
+        it every step for exact names"), no event names anyone but victims and the thief. An event
+        may name no request (a row the tables at the poll no longer explain, such as an SWA slot
+        freed after the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
+        ring keeps no row, only counts), nor for a wrong token only the write input assert sees,
+        in a static forward polled after later forwards refilled its arrays (README: "poll after
+        each replay for exact names")."""
+        fault = self.fault
+        if not self.found_after_fault or not self.c.ring_capacity:
+            return ""
+        if fault.kind == "wrong_token" and not self.c.expected_pool and fault.in_static and self.c.poll_every > 1:
+            return ""
+        named = self.named - {None}
+        if not named & fault.victims:
+            return f"no event named a victim {sorted(fault.victims)}: they named {sorted(map(str, named))}"
+        strays = named - fault.victims - fault.bystanders
+        if strays and self.c.poll_every == 1:
+            return f"events named {sorted(map(str, strays))}, neither victims {sorted(fault.victims)} nor thieves"
+        return ""
 
     # --- moves: the host tier and compaction (integration.md §4) ---------------------------------
     def move_kv(self) -> None:
@@ -796,7 +1079,8 @@ class FuzzEngine:
             self.compact(movable[int(rng.integers(len(movable)))])
 
     def context_of(self, group: str) -> kc.CanaryContext:
-        return self.canary.context if group == "full" else self.canary.swa_context
+        return {"full": self.canary.context, "swa": self.canary.swa_context,
+                "draft": self.draft and self.draft.context}[group]
 
     def carry(self, group: str, views: list, slots: np.ndarray, host: np.ndarray, *, out: bool) -> None:
         """KV bytes, then their records (kc.copy_records), between pool ``slots`` and ``host`` slots."""
@@ -813,14 +1097,19 @@ class FuzzEngine:
         kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
 
     def offload(self, request: Request) -> None:
-        """A preempted request: KV and records to the host tier, its slots freed; not live now."""
+        """A preempted request: KV and records to the host tier, its slots let go (a slot another
+        holder references stays with it); not live now."""
         slots = np.asarray(request.slots, np.int64)
         host = np.asarray([self.tier_free.popleft() for _ in slots], np.int64)
         self.carry("full", self.kv.views, slots, host, out=True)
+        if self.draft is not None:
+            self.carry("draft", self.draft_kv.views, slots, host, out=True)
         if self.c.swa_window:
             swa_slots = self.lut_host[slots]
             request.swa_copied = swa_slots != 0
             self.carry("swa", self.swa_kv.views, swa_slots[request.swa_copied], host[request.swa_copied], out=True)
+        bad = self.fault.bad_slots if self.fault else set()
+        request.tainted = tuple(p for p, slot in enumerate(request.slots) if slot in bad)
         for slot in request.slots:
             self.release_slot(slot)
         request.slots, request.host_slots, request.away_since = [], host, self.index
@@ -831,21 +1120,29 @@ class FuzzEngine:
         host = request.host_slots
         slots = np.asarray([self.take_slot(kept=False, with_swa=False) for _ in host], np.int64)
         self.carry("full", self.kv.views, slots, host, out=False)
+        if self.draft is not None:
+            self.carry("draft", self.draft_kv.views, slots, host, out=False)
         if self.c.swa_window:
             for slot, copied in zip(slots, request.swa_copied):
                 self.lut_host[slot] = self.swa_free.popleft() if copied else 0
             copied = request.swa_copied
             self.carry("swa", self.swa_kv.views, self.lut_host[slots][copied], host[copied], out=False)
         self.tier_free.extend(int(s) for s in host)
-        request.slots, request.host_slots = slots.tolist(), None
+        if self.fault is not None:
+            self.fault.bad_slots.update(int(slots[p]) for p in request.tainted)
+        request.slots, request.host_slots, request.tainted = slots.tolist(), None, ()
         self.table_host[request.row, :len(slots)] = slots
         self.tally["reloads"] += 1
 
     def compact(self, request: Request) -> None:
         """Some cached tokens moved to other slots of the pool, their records with them
-        (copy_records within one canary); an SWA copy stays put, only its LUT cell moves."""
+        (copy_records within one canary); an SWA copy stays put, only its LUT cell moves. Only slots
+        the request alone holds: a shared one would move under its other holders' rows."""
         rng = self.rng
-        positions = rng.choice(request.cached, size=min(request.cached, int(rng.integers(1, 5))), replace=False)
+        own = [p for p, slot in enumerate(request.slots) if self.refs[slot] == 1]
+        if not own:
+            return
+        positions = rng.choice(own, size=min(len(own), int(rng.integers(1, 5))), replace=False)
         old = np.asarray([request.slots[p] for p in positions], np.int64)
         new = np.asarray([self.take_slot(kept=False, with_swa=False) for _ in positions], np.int64)
         self.move_slots(old, new, records=True)
@@ -871,22 +1168,32 @@ class FuzzEngine:
             s.moved_from += old
 
     def move_slots(self, old, new, *, records: bool) -> None:
-        """KV bytes from pool slots ``old`` to ``new``, and their records when ``records`` (within one
-        canary); an SWA copy stays where it is, only its LUT cell moves."""
+        """KV bytes from pool slots ``old`` to ``new`` (the draft model's too), and their records
+        when ``records`` (within one canary); an SWA copy stays where it is, only its LUT cell moves."""
         on_old, on_new = self.dev.i64(old), self.dev.i64(new)
-        for view in self.kv.views:
+        for view in self.kv.views + self.draft_kv.views:
             view[on_new] = view[on_old]
         if records:
-            kc.copy_records(src=self.canary.context, dst=self.canary.context, src_slots=on_old, dst_slots=on_new)
+            for canary in [self.canary] + ([self.draft] if self.draft is not None else []):
+                kc.copy_records(src=canary.context, dst=canary.context, src_slots=on_old, dst_slots=on_new)
         self.lut_host[new] = self.lut_host[old]
         self.lut_host[old] = 0
+        if self.fault is not None:
+            self.fault.bad_slots.update(int(n) for o, n in zip(old, new) if int(o) in self.fault.bad_slots)
 
     # --- faults -----------------------------------------------------------------------------------
-    def pin(self, request: Request, what: str, *, injected: bool = True) -> bool:
+    def pin(self, request: Request, what: str, *, bad: Optional[int] = None, injected: bool = True) -> bool:
+        """``request`` holds the fault (never finished, offloaded or moved, so that the final sweeps
+        read it); so does every request whose cached tokens hold the ``bad`` slot."""
+        fault = self.fault
         request.pinned = True
-        self.fault.what = what
+        fault.what = what
+        fault.victims.add(request.rid)
+        if bad is not None:
+            fault.bad_slots.add(bad)
+            fault.victims |= self.holders(bad)
         if injected:
-            self.fault.injected_at = self.index
+            fault.injected_at = self.index
         return True
 
     def flip(self, view, row: int, byte: int, bit: int) -> None:
@@ -894,23 +1201,37 @@ class FuzzEngine:
         values[byte] ^= np.uint8(1 << bit)
         view[row] = self.dev.put(values)
 
-    def inject_kv_flip(self, rng: np.random.Generator) -> bool:
-        """A bit of a hashed byte of a live token's KV."""
-        live = self.live()
-        if not live:
+    def cached_positions(self, requests: list[Request], *, last: int = 0) -> list[tuple[Request, int]]:
+        """``(request, position)`` of the cached positions of ``requests`` but their ``last`` ones;
+        for a fault aimed at a shared slot only those whose slot another holder references too."""
+        shared = self.fault.shared
+        return [(r, p) for r in requests for p in range(r.cached - last) if not shared or self.refs[r.slots[p]] > 1]
+
+    def inject_kv_flip(self, rng: np.random.Generator, pool: Optional[KvPool] = None,
+                       context: Optional[kc.CanaryContext] = None, label: str = "") -> bool:
+        """A bit of a hashed byte of a live token's KV (of the draft model's pool, for draft_kv_flip)."""
+        pool = self.kv if pool is None else pool
+        context = self.canary.context if context is None else context
+        choices = self.cached_positions(self.live())
+        if not choices:
             return False
-        request = live[int(rng.integers(len(live)))]
-        position, source = int(rng.integers(request.cached)), int(rng.integers(len(self.kv.views)))
-        byte = int(rng.integers(self.canary.context.kv_read_lengths[source]))
-        self.flip(self.kv.views[source], request.slots[position], byte, int(rng.integers(8)))
-        return self.pin(request, f"request {request.rid} position {position} source {source} byte {byte}")
+        request, position = choices[int(rng.integers(len(choices)))]
+        source = int(rng.integers(len(pool.views)))
+        byte = int(rng.integers(context.kv_read_lengths[source]))
+        slot = request.slots[position]
+        self.flip(pool.views[source], slot, byte, int(rng.integers(8)))
+        return self.pin(request, f"request {request.rid} {label}position {position} slot {slot} source {source} "
+                        f"byte {byte}", bad=slot)
+
+    def inject_draft_kv_flip(self, rng: np.random.Generator) -> bool:
+        return self.inject_kv_flip(rng, self.draft_kv, self.draft.context, "draft KV ")
 
     def inject_swa_kv_flip(self, rng: np.random.Generator) -> bool:
         """A bit of a hashed byte of the SWA KV of a position in a live request's window; the request
         waits from then on, so that the window holds still."""
         window = self.c.swa_window
-        inside = [(r, p) for r in self.live() for p in range(max(0, r.cached - window), r.cached)
-                  if self.lut_host[r.slots[p]]]
+        inside = [(r, p) for r, p in self.cached_positions(self.live())
+                  if p >= r.cached - window and self.lut_host[r.slots[p]]]
         if not inside:
             return False
         request, position = inside[int(rng.integers(len(inside)))]
@@ -918,7 +1239,8 @@ class FuzzEngine:
         byte = int(rng.integers(self.canary.swa_context.kv_read_lengths[source]))
         self.flip(self.swa_kv.views[source], int(self.lut_host[request.slots[position]]), byte, int(rng.integers(8)))
         request.frozen = True
-        return self.pin(request, f"request {request.rid} SWA position {position} source {source} byte {byte}")
+        return self.pin(request, f"request {request.rid} SWA position {position} source {source} byte {byte}",
+                        bad=request.slots[position])
 
     def inject_host_flip(self, rng: np.random.Generator) -> bool:
         """A bit of a hashed byte in the host tier while its request is away (offloaded now if no
@@ -934,82 +1256,119 @@ class FuzzEngine:
         position, source = int(rng.integers(request.cached)), int(rng.integers(len(self.kv.views)))
         byte = int(rng.integers(self.tier["full"].context.kv_read_lengths[source]))
         self.tier["full"].views[source][request.host_slots[position], byte] ^= np.uint8(1 << int(rng.integers(8)))
+        request.tainted += (position,)  # its slot once it is loaded back is the bad one
         return self.pin(request, f"request {request.rid} offloaded position {position} source {source} byte {byte}")
 
     def victim_position(self, rng: np.random.Generator) -> Optional[tuple[Request, int]]:
         """A live request and one of its cached positions with a cached successor, whose chain link
         reports a changed record even where the record's own fields happen to match (position 0)."""
-        live = [r for r in self.live() if r.cached >= 2]
-        if not live:
-            return None
-        request = live[int(rng.integers(len(live)))]
-        return request, int(rng.integers(request.cached - 1))
+        choices = self.cached_positions(self.live(), last=1)
+        return choices[int(rng.integers(len(choices)))] if choices else None
 
     def inject_slot_steal(self, rng: np.random.Generator) -> bool:
-        """The allocator hands a live slot to the next kept token (a use after free)."""
+        """The allocator hands a live slot to the next kept token (a use after free; on a shared
+        slot, a reference count dropped once too often)."""
         victim = self.victim_position(rng)
         if victim is None:
             return False
         request, position = victim
-        self.fault.steal = request.slots[position]
+        self.fault.steal, self.fault.stolen_from = request.slots[position], victim
         return self.pin(request, f"request {request.rid} position {position} slot {self.fault.steal}",
-                        injected=False)
+                        bad=self.fault.steal, injected=False)
 
     def inject_table_alias(self, rng: np.random.Generator) -> bool:
-        """A req_to_token cell pointed at another live request's slot."""
+        """A req_to_token cell pointed at another live request's slot, one whose record differs from
+        the cell's own (a shared prefix's slot at the same position would be no corruption)."""
         victim = self.victim_position(rng)
-        others = [r for r in self.live() if victim and r is not victim[0]]
-        if not others:
+        if victim is None:
             return False
         request, position = victim
-        other = others[int(rng.integers(len(others)))]
-        target = other.slots[int(rng.integers(other.cached))]
+        targets = [(other, p) for other in self.live() if other is not request for p in range(other.cached)
+                   if not same_history(request, position, other, p)]
+        if not targets:
+            return False
+        other, at = targets[int(rng.integers(len(targets)))]
+        target = other.slots[at]
         self.table_host[request.row, position] = target
         return self.pin(request, f"request {request.rid} position {position} -> slot {target} of {other.rid}")
 
-    def inject_in_forward(self, scheduled: list[Scheduled], after_nodes: list) -> Optional[tuple[str, int, int]]:
+    def inject_in_forward(self, scheduled: list[Scheduled], after_nodes: list, *,
+                          static: bool) -> Optional[tuple[str, int, int]]:
         """For dropped_write and wrong_token, from forward ``at`` on: ``(field, entry, value)`` to
-        change in what after_forward (or after()) gets, for one kept token."""
+        change in what after_forward (or after()) gets, for one kept token. A write dropped into a
+        slot whose stale record is the one it would have written is no corruption: left out."""
         fault = self.fault
-        if fault is None or fault.armed or fault.kind in BETWEEN_FORWARDS or self.index < fault.at:
+        if fault is None or fault.armed or fault.kind not in ("dropped_write", "wrong_token") or self.index < fault.at:
             return None
         candidates, entry = [], 0
         for s, nodes in zip(scheduled, after_nodes):
             kept = {s.nodes[i][2] for i in s.kept}
             for token, position, slot in nodes:
-                if slot in kept and (position >= 1 or fault.kind == "wrong_token"):
-                    candidates.append((entry, s.request, token, position))
+                if slot in kept and (position >= 1 or fault.kind == "wrong_token") and not (
+                        fault.kind == "dropped_write" and self.holds_record(slot, token, position)):
+                    candidates.append((entry, s.request, token, position, slot))
                 entry += 1
         if not candidates:
             return None
-        entry, request, token, position = candidates[int(fault.rng.integers(len(candidates)))]
-        fault.armed = self.pin(request, f"request {request.rid} position {position} entry {entry}")
+        entry, request, token, position, slot = candidates[int(fault.rng.integers(len(candidates)))]
+        fault.in_static = static
+        fault.armed = self.pin(request, f"request {request.rid} position {position} entry {entry}", bad=slot)
         if fault.kind == "dropped_write":
             return "out_cache_loc", entry, -1  # a negative slot: the write skips the entry
         return "input_ids", entry, wrong_token(token)
 
+    def holds_record(self, slot: int, token: int, position: int) -> bool:
+        fields = self.canary.context.slot_fields(slot)
+        return (fields["token"], fields["position"]) == (token, position)
+
+    def inject_draft_token(self, scheduled: list[Scheduled], kept: list) -> Optional[tuple[int, int]]:
+        """For draft_token, from forward ``at`` on: ``(entry, token)``, one kept token's draft KV given
+        the token at its own position instead of the next one's (the off-by-one ``token_offset=1``
+        checks). Only where a check will see it: with the write input assert anywhere, else below
+        the request's last kept position, which later verifies check against the token pool."""
+        fault = self.fault
+        if fault is None or fault.armed or fault.kind != "draft_token" or self.index < fault.at:
+            return None
+        candidates, entry = [], 0
+        for s, nodes in zip(scheduled, kept):
+            for i, (_, position, slot) in enumerate(nodes):
+                own = s.request.token_at(position)
+                if (self.c.input_asserts or i + 1 < len(nodes)) and own != s.request.token_at(position + 1):
+                    candidates.append((entry, s.request, position, slot, own))
+                entry += 1
+        if not candidates:
+            return None
+        entry, request, position, slot, own = candidates[int(fault.rng.integers(len(candidates)))]
+        fault.armed = self.pin(request, f"request {request.rid} draft position {position} entry {entry}", bad=slot)
+        return entry, own
+
 
 # --- seeds, rows and the table -------------------------------------------------------------------
 def run_seed(seed: int, dev: Device, forwards: int) -> dict:
-    c = draw_config(seed, dev.name)
-    fault = draw_fault(c, forwards)
-    row = {"seed": seed, "config": dataclasses.asdict(c), "features": c.features() + [f"fault={fault.kind}"],
-           "false_positives": 0, "counter_errors": [], "examples": [], "fault": fault.kind, "injected": False,
-           "detected": False, "missed": False, "crash": None}
+    c = draw_config(seed, dev.name, dev.torch is not None)
+    fault = draw_fault(c, forwards) if c.mode != "off" else None  # a canary that is off reports nothing
+    kind = "none" if fault is None else fault.kind + ("@shared" if fault.shared else "")
+    row = {"seed": seed, "config": dataclasses.asdict(c), "features": c.features() + [f"fault={kind}"],
+           "false_positives": 0, "counter_errors": [], "examples": [], "fault": kind, "injected": False,
+           "detected": False, "missed": False, "misnamed": "", "crash": None}
     started = time.perf_counter()
     try:
         clean = FuzzEngine(c, dev).run(forwards)
         row.update(false_positives=clean.found, counter_errors=clean.counter_errors(), examples=clean.examples,
-                   work=dict(clean.tally, forwards=clean.ledger.forwards, overflows=clean.ledger.overflows))
+                   work=dict(clean.tally, forwards=clean.watches[0].ledger.forwards,
+                             overflows=clean.watches[0].ledger.overflows))
     except Exception:  # noqa: BLE001 (a crash is a finding: recorded, and the next seed runs)
         row["crash"] = "clean run: " + traceback.format_exc(limit=8)
     try:
-        faulty = FuzzEngine(c, dev, fault).run(forwards)
-        injected = fault.injected_at is not None
-        row["counter_errors"] += [f"fault run: {error}" for error in faulty.counter_errors()]
-        row.update(injected=injected, detected=faulty.found_after_fault > 0, fault_at=fault.injected_at,
-                   fault_where=fault.what, first_report=faulty.first_found, fault_examples=faulty.examples)
-        row["missed"] = injected and not row["detected"]
+        if fault is not None:
+            faulty = FuzzEngine(c, dev, fault).run(forwards)
+            injected = fault.injected_at is not None
+            row["counter_errors"] += [f"fault run: {error}" for error in faulty.counter_errors()]
+            row.update(injected=injected, detected=faulty.found_after_fault > 0, fault_at=fault.injected_at,
+                       fault_where=fault.what, first_report=faulty.first_found, fault_examples=faulty.examples,
+                       misnamed=faulty.misnamed() if injected else "", victims=sorted(fault.victims),
+                       named=sorted(map(str, faulty.named)))
+            row["missed"] = injected and not row["detected"]
     except Exception:  # noqa: BLE001
         row["crash"] = (row["crash"] or "") + "fault run: " + traceback.format_exc(limit=8)
     row["wall_s"] = round(time.perf_counter() - started, 3)
@@ -1017,21 +1376,22 @@ def run_seed(seed: int, dev: Device, forwards: int) -> dict:
 
 
 def failed(row: dict) -> bool:
-    return bool(row["false_positives"] or row["counter_errors"] or row["missed"] or row["crash"])
+    return bool(row["false_positives"] or row["counter_errors"] or row["missed"] or row["misnamed"] or row["crash"])
 
 
 def describe_failure(row: dict) -> str:
     what = [f"{row['false_positives']} false positive(s)"] if row["false_positives"] else []
     what += [f"counters: {'; '.join(row['counter_errors'])}"] if row["counter_errors"] else []
     what += [f"missed {row['fault']} ({row.get('fault_where')})"] if row["missed"] else []
+    what += [f"misnamed {row['fault']} ({row.get('fault_where')}): {row['misnamed']}"] if row["misnamed"] else []
     what += [f"crash: {row['crash'].strip().splitlines()[-1]}"] if row["crash"] else []
     lines = [f"seed {row['seed']} FAILED (alone: --start {row['seed']} --seeds 1): {', '.join(what)}",
              f"  config: {row['config']}"]
-    lines += [f"  {example}" for example in row["examples"]]
+    lines += [f"  {example}" for example in row["examples"] + (row.get("fault_examples") or [])]
     return "\n".join(lines)
 
 
-TABLE_COLUMNS = ("runs", "false+", "counters", "injected", "missed", "crashes")
+TABLE_COLUMNS = ("runs", "false+", "counters", "injected", "missed", "misnamed", "crashes")
 
 
 def table(rows: list[dict]) -> dict:
@@ -1040,14 +1400,16 @@ def table(rows: list[dict]) -> dict:
         for feature in row["features"]:
             counts = by_feature[feature]
             for column, value in zip(TABLE_COLUMNS, (1, row["false_positives"] > 0, bool(row["counter_errors"]),
-                                                     row["injected"], row["missed"], row["crash"] is not None)):
+                                                     row["injected"], row["missed"], bool(row["misnamed"]),
+                                                     row["crash"] is not None)):
                 counts[column] += int(value)
     return dict(sorted(by_feature.items()))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda (CuPy): static forwards then also in CUDA graphs")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (CuPy): static forwards then also in CUDA "
+                                                        "graphs, torch tensors (when installed) and side streams")
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--forwards", type=int, default=40, help="forwards a run, before its final sweeps")
@@ -1064,17 +1426,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{len(rows)}/{args.seeds} seeds, {shown - started:.0f} s] "
                   f"{sum(failed(r) for r in rows)} failing", flush=True)
     by_feature = table(rows)
-    print(f"{'feature':<26}" + "".join(f"{column:>10}" for column in TABLE_COLUMNS))
+    print(f"{'feature':<28}" + "".join(f"{column:>10}" for column in TABLE_COLUMNS))
     for feature, counts in by_feature.items():
-        print(f"{feature:<26}" + "".join(f"{counts[column]:>10}" for column in TABLE_COLUMNS))
+        print(f"{feature:<28}" + "".join(f"{counts[column]:>10}" for column in TABLE_COLUMNS))
+    faulted = [r for r in rows if r["fault"] != "none"]
     total = {"runs": len(rows), "false_positives": sum(r["false_positives"] > 0 for r in rows),
-             "counter_errors": sum(bool(r["counter_errors"]) for r in rows),
-             "injected": sum(r["injected"] for r in rows), "not_injected": sum(not r["injected"] for r in rows),
-             "missed": sum(r["missed"] for r in rows), "crashes": sum(r["crash"] is not None for r in rows),
-             "wall_s": round(time.perf_counter() - started, 1)}
+             "counter_errors": sum(bool(r["counter_errors"]) for r in rows), "mode_off": len(rows) - len(faulted),
+             "injected": sum(r["injected"] for r in rows), "not_injected": sum(not r["injected"] for r in faulted),
+             "missed": sum(r["missed"] for r in rows), "misnamed": sum(bool(r["misnamed"]) for r in rows),
+             "crashes": sum(r["crash"] is not None for r in rows), "wall_s": round(time.perf_counter() - started, 1)}
     print(f"{total['runs']} seeds x {args.forwards} forwards on {args.device} in {total['wall_s']} s: "
           f"{total['false_positives']} with false positives, {total['counter_errors']} with counter mismatches, "
-          f"{total['injected']} faults injected ({total['not_injected']} found no place), {total['missed']} missed, "
+          f"{total['injected']} faults injected ({total['not_injected']} found no place, {total['mode_off']} seeds "
+          f"with the canary off had none), {total['missed']} missed, {total['misnamed']} misnamed, "
           f"{total['crashes']} crashes")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
