@@ -16,22 +16,45 @@ def test_tool_imports(name):
     assert module.__doc__, f"tools/{name}.py says what it is for"
 
 
-def test_canary_fuzz_on_the_cpu_finds_no_false_positive_and_misses_no_fault(tmp_path, capsys):
-    """A few seeds of tools/canary_fuzz.py: clean runs report nothing and their counters match what
-    the engine did (all zero with the canary off), every injected fault is reported and named on
-    the request it harms, and nothing crashes; prefix sharing and a draft model's canary among them."""
+def run_fuzz(tmp_path, capsys, start: int, seeds: int, forwards: int) -> tuple[str, list, dict]:
+    """Seeds of tools/canary_fuzz.py on the CPU: what it printed, its rows and its totals, once
+    its clean runs reported nothing and their counters matched what the engine did (all zero with
+    the canary off), every injected fault was reported and named on the request it harms, and
+    nothing crashed."""
     (fuzz,) = import_tools("canary_fuzz")
     out = tmp_path / "fuzz.json"
-    # seeds 84-95 hold a canary that is off, prefix sharing and faults on shared slots, a draft
-    # model's canary and both of its faults
-    status = fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16", "--json", str(out)])
+    status = fuzz.main(["--device", "cpu", "--start", str(start), "--seeds", str(seeds), "--forwards", str(forwards),
+                        "--json", str(out)])
     printed = capsys.readouterr().out
-    total = json.loads(out.read_text())["total"]
+    result = json.loads(out.read_text())
+    total = result["total"]
     assert status == 0, printed
-    assert total["runs"] == 12 and total["injected"] >= 10
+    assert total["runs"] == seeds
     assert total["false_positives"] == total["counter_errors"] == total["missed"] == total["crashes"] == 0
     assert total["misnamed"] == 0
+    return printed, result["rows"], total
+
+
+def test_canary_fuzz_on_the_cpu_finds_no_false_positive_and_misses_no_fault(tmp_path, capsys):
+    """Prefix sharing and a draft model's canary among them."""
+    # seeds 84-95 hold a canary that is off, prefix sharing and faults on shared slots, a draft
+    # model's canary and both of its faults
+    printed, _, total = run_fuzz(tmp_path, capsys, start=84, seeds=12, forwards=16)
+    assert total["injected"] >= 10
     assert "layout=paged" in printed and "fault=" in printed  # the table by feature
     for feature in ("mode=off", "prefix_sharing=on", "prefix_cache=on", "fault=slot_steal@shared",
                     "fault=draft_token", "fault=draft_kv_flip"):
         assert feature in printed
+
+
+def test_canary_fuzz_on_the_cpu_keeps_prefixes_in_the_host_tier_and_runs_the_draft_canary_static(tmp_path, capsys):
+    """Evicted prefixes kept in the host tier and loaded back for a later sharer, a KV byte flipped
+    in one there and reported to that sharer, and the draft model's canary through static forwards."""
+    # seeds 116-131 hold both features, and seed 131 the flip in a host-tier prefix
+    printed, rows, total = run_fuzz(tmp_path, capsys, start=116, seeds=16, forwards=30)
+    assert total["injected"] >= 14
+    for feature in ("prefix_tier=on", "draft_static=on", "fault=prefix_flip"):
+        assert feature in printed
+    flips = [row for row in rows if row["fault"] == "prefix_flip" and row["injected"]]
+    assert any("host-tier" in row["fault_where"] and row["detected"] for row in flips)
+    assert any(row["work"].get("prefix_loads") for row in rows)

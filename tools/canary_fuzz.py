@@ -6,21 +6,24 @@ and the same engine with one corruption injected must be reported, naming the re
 Each seed draws an engine (the real-KV layout or none, hash mode, an SWA group, expected tokens,
 speculative chains or trees, static forwards, CUDA graphs on a GPU, a host tier, compaction, a
 verify capacity small enough to overflow, poll and sweep periods, prefix sharing between requests
-and from a cache of finished requests' prefixes, an EAGLE draft model with a canary of its own, the
-canary switched off, and on a GPU torch tensors as batch arrays and a stream of the canary's own)
-and a workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs
-it twice. In the clean run any violation is a false positive, and the counters the canary exposes
-(forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
-engine asked of it; with ``mode="off"`` they must all read zero and no record may be written. In
-the second run (none for mode "off") one corruption the configuration is documented to catch is
-injected (a KV byte flipped on the device, in the host tier or in the draft model's KV, a live slot
-written by another request, a ``req_to_token`` cell pointed at another request's slot, a dropped
-write, a wrong token id, a draft model's KV written for the wrong token), now and then on a slot
-that several requests share, and must be reported, and the reports must name the request it harms
-(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
-seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
-was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had
-a false positive, a counter mismatch, a missed or misnamed fault or a crash.
+and from a cache of finished requests' prefixes, evicted prefixes kept in the host tier and loaded
+back for a later sharer, an EAGLE draft model with a canary of its own, eager or through static
+forwards, the canary switched off, and on a GPU torch tensors as batch and static forwards' arrays
+and a stream of the canary's own, for its record copies too) and a workload of chunked prefills,
+decodes, finishing requests and reused slots and rows, and runs it twice. In the clean run any
+violation is a false positive, and the counters the canary exposes (forwards, skipped verify
+launches, each group's kernel and slot run counters) must equal what the engine asked of it; with
+``mode="off"`` they must all read zero and no record may be written. In the second run (none for
+mode "off") one corruption the configuration is documented to catch is injected (a KV byte flipped
+on the device, in the host tier, in a cached prefix no request holds, on the device or in the host
+tier, or in the draft model's KV, a live slot written by another request, a ``req_to_token`` cell
+pointed at another request's slot, a dropped write, a wrong token id, a draft model's KV written for
+the wrong token), now and then on a slot that several requests share, and must be reported, and the
+reports must name the request it harms (:meth:`FuzzEngine.misnamed`). An exception in either run is
+a crash. A row of ``--json`` is one seed: its configuration, the clean run's findings and counter
+mismatches, the fault and whether it was reported and named; the table sums the rows by feature. The
+exit status is 1 when any seed had a false positive, a counter mismatch, a missed or misnamed fault
+or a crash.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ import kvcanary_cupy as kc
 
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla", "none")
 SPECULATIVE = ("off", "chain_all", "chain_kept", "tree")  # chain_all: after_forward gets every draft
-FAULTS = ("kv_flip", "swa_kv_flip", "host_flip", "draft_kv_flip", "slot_steal", "table_alias", "dropped_write",
-          "wrong_token", "draft_token")
-BETWEEN_FORWARDS = FAULTS[:6]  # the others change what one forward hands after_forward
+FAULTS = ("kv_flip", "swa_kv_flip", "host_flip", "draft_kv_flip", "slot_steal", "table_alias", "prefix_flip",
+          "dropped_write", "wrong_token", "draft_token")
+BETWEEN_FORWARDS = FAULTS[:7]  # the others change what one forward hands after_forward
 ON_A_SLOT = ("kv_flip", "swa_kv_flip", "draft_kv_flip", "slot_steal")  # these may be aimed at a shared slot
 VOCAB = 32000
 ROW_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
@@ -96,6 +99,10 @@ class SeedConfig:
     draft_model: bool  # an EAGLE draft model: a KV pool and a canary (token_offset=1) of its own
     torch_arrays: bool  # GPU only: batch arrays are torch CUDA tensors
     side_stream: bool  # GPU only: the canary's calls run on a CuPy stream of their own (stream=)
+    prefix_tier: bool  # a prefix the cache evicts, held by no request, may be kept in the host tier
+    static_torch: bool  # GPU only: static forwards' arrays are torch CUDA tensors, refilled with torch ops
+    draft_static: bool  # the draft model's canary runs through static forwards (graphs too with static "graph")
+    records_on_side: bool  # kc.copy_records runs on the canary's side stream too (stream=)
 
     @property
     def hashes_kv(self) -> bool:
@@ -122,7 +129,10 @@ class SeedConfig:
                 f"mode={self.mode}", f"prefix_sharing={on[self.prefix_sharing]}",
                 f"prefix_cache={on[self.prefix_cache > 0]}", f"draft_model={on[self.draft_model]}",
                 f"arrays={'torch' if self.torch_arrays else 'native'}",
-                f"stream={'side' if self.side_stream else 'current'}"]
+                f"stream={'side' if self.side_stream else 'current'}", f"prefix_tier={on[self.prefix_tier]}",
+                f"static_arrays={'torch' if self.static_torch else 'native'}",
+                f"draft_static={on[self.draft_static]}",
+                f"copy_stream={'side' if self.records_on_side else 'current'}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -156,17 +166,26 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
         max_running=max_running, max_len=max_len, chunk=int(rng.integers(1, 17)),
         poll_every=pick((1, 1, 2, 5)), sweep_every=pick((2, 5, 9)), ring_capacity=pick((0, 1, 4, 1024)),
         mode=pick(("log", "raise")), prefix_sharing=False, prefix_cache=0, draft_model=False,
-        torch_arrays=False, side_stream=False)
+        torch_arrays=False, side_stream=False, prefix_tier=False, static_torch=False, draft_static=False,
+        records_on_side=False)
     more = np.random.default_rng([seed, 5])  # the later features: a seed's other draws stay as they were
     sharing, cache, draft = bool(more.random() < 0.5), int(more.integers(0, 4)), bool(more.random() < 0.3)
     off, torch_arrays, side_stream = (bool(more.random() < p) for p in (0.08, 0.5, 0.5))
     on_gpu = device != "cpu"
-    return dataclasses.replace(
+    config = dataclasses.replace(
         config, prefix_sharing=sharing, prefix_cache=cache if sharing else 0, draft_model=draft,
         mode="off" if off else config.mode,
         # a graph captured with the canary off would hold no node at all: its capture is left out
         static="eager" if off and config.static == "graph" else config.static,
         torch_arrays=torch_arrays and on_gpu and torch_ok, side_stream=side_stream and on_gpu)
+    newer = np.random.default_rng([seed, 6])  # the features after those: every draw above stays as it was
+    prefix_tier, static_torch, draft_static, records_on_side = (bool(newer.random() < 0.5) for _ in range(4))
+    static = config.static != "off"
+    return dataclasses.replace(
+        config, prefix_tier=prefix_tier and config.prefix_cache > 0,
+        static_torch=static_torch and static and on_gpu and torch_ok,
+        draft_static=draft_static and static and config.draft_model,
+        records_on_side=records_on_side and config.side_stream)
 
 
 def applicable_faults(c: SeedConfig) -> list[str]:
@@ -177,10 +196,12 @@ def applicable_faults(c: SeedConfig) -> list[str]:
     request's own rejected draft of that position, fingerprinted with a wrong token (chain_all),
     chains as the right token would; an alias only where a second request can hold slots. A draft
     model's canary always checks the expected tokens (its KV at position p against the token at
-    p + 1), so a draft KV written for the wrong token is always caught."""
+    p + 1), so a draft KV written for the wrong token is always caught. A changed byte of a cached
+    prefix no request holds is caught where it is hashed, by the first request that shares it."""
     kinds = ["slot_steal"] + (["table_alias"] if c.max_running > 1 else [])
     kinds += ["kv_flip"] if c.hashes_kv else []
     kinds += ["swa_kv_flip"] if c.hashes_swa_kv else []
+    kinds += ["prefix_flip"] if c.prefix_cache and c.hashes_kv else []
     kinds += ["host_flip"] if c.host_tier and c.hashes_kv else []
     kinds += ["dropped_write"] if c.hashes_kv or c.expected_pool else []
     kinds += ["wrong_token"] if c.input_asserts or c.expected_pool else []
@@ -220,7 +241,7 @@ def draw_fault(c: SeedConfig, forwards: int) -> Fault:
 
 class Device:
     """Arrays on the fuzz's device: NumPy on the CPU, CuPy (imported only then) on a GPU, and torch
-    CUDA tensors for batch arrays where torch is installed."""
+    CUDA tensors for batch and static forwards' arrays where torch is installed."""
 
     def __init__(self, name: str):
         self.name, self.index = name, 0
@@ -250,6 +271,22 @@ class Device:
     def tensor(self, values) -> Any:
         """Int64 values as a torch tensor on the fuzz's GPU, copied there on torch's current stream."""
         return self.torch.as_tensor(np.asarray(values, np.int64), device=f"cuda:{self.index}")
+
+    def fill(self, array, values: np.ndarray) -> None:
+        """``values`` into ``array`` in place: a torch tensor with torch's own copy, on its stream."""
+        if self.torch is not None and isinstance(array, self.torch.Tensor):
+            array.copy_(self.torch.from_numpy(np.asarray(values, np.int64)))
+        else:
+            array[...] = self.put(values)
+
+    def torch_zeros(self, size: int) -> Any:
+        return self.torch.zeros(size, dtype=self.torch.int64, device=f"cuda:{self.index}")
+
+    def settle_torch(self) -> None:
+        """Torch's stream done with what it was given: a graph replay reads the arrays it refilled,
+        and inside a capture the canary does not order itself after torch's stream (README)."""
+        if self.torch is not None:
+            self.torch.cuda.current_stream().synchronize()
 
     def push(self, host: np.ndarray, mirror) -> None:
         """The engine's host table copied into its device mirror (on the CPU they are one array)."""
@@ -349,7 +386,10 @@ class CachedPrefix:
     and its tokens, one more than its slots (a draft model's KV of the last slot holds that one)."""
 
     tokens: list
-    slots: list
+    slots: list  # empty while it is in the host tier
+    host_slots: Optional[np.ndarray] = None  # in the host tier: the host slot of each position
+    swa_copied: Optional[np.ndarray] = None  # in the host tier: which positions had an SWA slot
+    tainted: tuple = ()  # in the host tier: the positions whose KV the fault made wrong
 
 
 def same_history(a: Request, position_a: int, b: Request, position_b: int) -> bool:
@@ -474,8 +514,11 @@ class FuzzEngine:
         if self.draft is not None:
             self.watches.append(Watch("draft canary: ", self.draft, [("full", 0)]))
         self.tier, self.tier_free = None, collections.deque()
-        if c.host_tier:
-            tier_slots = 1 + c.max_running * c.max_len  # host slot 0 unused, as the pool's
+        self.tier_prefixes: list[CachedPrefix] = []  # evicted prefixes the host tier keeps, oldest first
+        if c.host_tier or c.prefix_tier:
+            # host slot 0 unused, as the pool's; room for every request, the prefixes the tier keeps
+            # and one more being stored while one loads
+            tier_slots = 1 + (c.max_running + (c.prefix_cache + 1) * c.prefix_tier) * c.max_len
             self.tier = {"full": tier_group(self.kv, self.canary.hash_mode, tier_slots, self.kv_rng)}
             if c.swa_window:
                 self.tier["swa"] = tier_group(self.swa_kv, self.canary.hash_mode, tier_slots, self.kv_rng)
@@ -484,7 +527,8 @@ class FuzzEngine:
             self.tier_free = collections.deque(range(1, tier_slots))
         self.requests: list[Request] = []
         self.cache: list[CachedPrefix] = []
-        self.statics: dict = {}
+        self.statics: dict = {}  # the target canary's static forwards by padded shape
+        self.draft_statics: dict = {}  # the draft canary's
         self.tally = collections.Counter()
         self.index = self.next_rid = 0
         self.found = self.found_after_fault = 0
@@ -536,6 +580,12 @@ class FuzzEngine:
         yield self.side
         engine_stream.wait_event(self.side.record())
 
+    def records_stream(self):
+        """The ``stream=`` of a kc.copy_records: the canary's own with ``records_on_side`` (between
+        the pool and the host tier the call waits for it, or queues the store on it: the engine's
+        stream then waits for the side stream, as after any canary call), else None."""
+        return self.canary_stream() if self.c.records_on_side else contextlib.nullcontext(None)
+
     # --- the run ----------------------------------------------------------------------------------
     def run(self, forwards: int) -> "FuzzEngine":
         for index in range(forwards):
@@ -549,10 +599,11 @@ class FuzzEngine:
         self.move_kv()
         if self.fault and not self.fault.armed and index >= self.fault.at and self.fault.kind in BETWEEN_FORWARDS:
             self.fault.armed = getattr(self, f"inject_{self.fault.kind}")(self.fault.rng)
-        if self.statics and self.rng.random() < 0.05:  # graphs rebuilt: the old static forwards closed
-            for entry in self.statics.values():
-                entry.forward.close()
-            self.statics.clear()
+        if (self.statics or self.draft_statics) and self.rng.random() < 0.05:  # graphs rebuilt: old ones closed
+            for statics in (self.statics, self.draft_statics):
+                for entry in statics.values():
+                    entry.forward.close()
+                statics.clear()
         scheduled = self.schedule()
         if scheduled:
             self.forward(scheduled)
@@ -594,10 +645,13 @@ class FuzzEngine:
         draft model, whose KV of position ``k - 1`` holds the token at ``k``). With an SWA group only
         a prefix whose last ``window`` positions still have SWA slots is shared (as SGLang's SWA radix
         cache matches), so that a sharer's window never starts at a freed SWA slot."""
-        sources = [(r.token_at, r.slots) for r in self.live()] + [(e.tokens.__getitem__, e.slots) for e in self.cache]
+        prefixes = self.cache + self.tier_prefixes
+        sources = [(r.token_at, r.slots) for r in self.live()] + [(e.tokens.__getitem__, e) for e in prefixes]
         if not sources:
             return None
         token_at, slots = sources[int(self.rng.integers(len(sources)))]
+        if isinstance(slots, CachedPrefix):  # loaded back first when the host tier holds it
+            slots = (self.load_prefix(slots) if slots.host_slots is not None else slots).slots
         window = self.c.swa_window
         lengths = [k for k in range(1, min(len(slots), self.c.max_len - 2) + 1)
                    if not window or all(self.lut_host[slots[p]] for p in range(max(0, k - window), k))]
@@ -626,6 +680,8 @@ class FuzzEngine:
         self.tally["shared_tokens"] += k
         if self.fault is not None and self.fault.bad_slots.intersection(shared):
             self.fault.victims.add(request.rid)  # it reads the corruption too
+            if self.fault.kind == "prefix_flip" and self.fault.injected_at is None:
+                self.pin(request, self.fault.what)  # the first to read it: a harm now, read by the final sweeps
 
     def take_slot(self, *, kept: bool, with_swa: bool = True, owner: Optional[Request] = None,
                   position: int = 0) -> int:
@@ -655,6 +711,8 @@ class FuzzEngine:
         self.refs[slot] -= 1
         if self.refs[slot] > 0:
             return
+        if self.fault is not None:
+            self.fault.bad_slots.discard(slot)  # whatever it held is gone: its next holder writes it anew
         if self.c.swa_window and self.lut_host[slot]:
             self.swa_free.append(int(self.lut_host[slot]))
             self.lut_host[slot] = 0
@@ -682,8 +740,14 @@ class FuzzEngine:
             self.drop_cached(0)
 
     def drop_cached(self, index: int) -> None:
-        for slot in self.cache.pop(index).slots:
+        """A prefix evicted from the cache; with ``prefix_tier``, one no request holds may be kept in
+        the host tier instead of dropped (a request's slot stays with the request anyway)."""
+        prefix = self.cache.pop(index)
+        if self.c.prefix_tier and self.rng.random() < 0.7 and all(self.refs[s] == 1 for s in prefix.slots):
+            self.store_prefix(prefix)
+        for slot in prefix.slots:
             self.release_slot(slot)
+        prefix.slots = []
 
     def evict_swa(self) -> None:
         """Free the SWA slots of positions that left every later window, zeroing their LUT cells
@@ -772,13 +836,14 @@ class FuzzEngine:
         c = self.c
         verify = self.batch(scheduled)
         keeps_all = c.speculative in ("off", "chain_all")  # the forward's own batch is fingerprinted
-        entry = self.static_entry(scheduled) if c.static != "off" and self.rng.random() < 0.7 else None
+        entry = self.static_entry(self.canary, scheduled, sum(len(s.nodes) for s in scheduled)) \
+            if c.static != "off" and self.rng.random() < 0.7 else None
         self.sync_tables()
         if entry is None:
             with self.canary_stream() as stream:
                 self.canary.before_forward(verify, stream=stream)
         else:
-            self.refill(entry, scheduled)
+            self.refill(entry, scheduled, [s.nodes for s in scheduled])
             self.static_before(entry, replay=keeps_all)
         self.model_write([slot for s in scheduled for _, _, slot in s.nodes])
         if not keeps_all and c.kept_move == "before":
@@ -851,14 +916,29 @@ class FuzzEngine:
         whose KV a later forward writes again, are not the canary's). Its KV at position p is the
         token at p + 1's, so that is the token each entry is given (and the write input assert
         expects); the last kept position's is the token the target sampled after it."""
-        array = self.array
-        kept = [[s.nodes[i] for i in s.kept] for s in scheduled]
-        truth = [s.request.token_at(p + 1) for s, nodes in zip(scheduled, kept) for _, p, _ in nodes]
-        _, positions, slots = columns([node for nodes in kept for node in nodes])
+        kept = [[(s.request.token_at(p + 1), p, slot) for _, p, slot in (s.nodes[i] for i in s.kept)]
+                for s in scheduled]
+        truth, positions, slots = columns([node for nodes in kept for node in nodes])
         given = list(truth)
         wrong = self.inject_draft_token(scheduled, kept)
         if wrong is not None:
             given[wrong[0]] = wrong[1]
+        entry = self.static_entry(self.draft, scheduled, len(slots)) \
+            if self.c.draft_static and self.rng.random() < 0.7 else None
+        if entry is None:
+            self.eager_draft_forward(scheduled, kept, given)
+        else:  # the draft model's own forward always passes what it wrote: after() may replay in its graph
+            self.refill(entry, scheduled, kept, given)
+            self.static_before(entry, replay=True)
+            self.write_kv(self.draft_kv.views, slots)
+            self.static_after(entry)
+            if wrong is not None:
+                self.fault.in_static = True
+        self.account_forward(self.watches[1], scheduled, len(slots), eager=entry is None)
+
+    def eager_draft_forward(self, scheduled: list[Scheduled], kept: list, given: list) -> None:
+        array = self.array
+        truth, positions, slots = columns([node for nodes in kept for node in nodes])
         batch = kc.ForwardBatch(
             req_pool_indices=array([s.request.row for s in scheduled]),
             prefix_lens=array([s.prefix for s in scheduled]), extend_seq_lens=array([len(nodes) for nodes in kept]),
@@ -871,7 +951,6 @@ class FuzzEngine:
         self.write_kv(self.draft_kv.views, slots)
         with self.canary_stream() as stream:
             self.draft.after_forward(batch, stream=stream)
-        self.account_forward(self.watches[1], scheduled, len(slots), eager=True)
 
     def commit(self, scheduled: list[Scheduled]) -> None:
         """Kept tokens into the request and its table row (the cells at and past a prefix are read by
@@ -899,23 +978,27 @@ class FuzzEngine:
             ledger.verify(group, entries, capacity)  # TAIL
 
     # --- static forwards --------------------------------------------------------------------------
-    def static_entry(self, scheduled: list[Scheduled]) -> StaticEntry:
-        """The static forward of the batch's padded shape (rows and tokens to powers of two)."""
-        shape = (next_pow2(len(scheduled)), next_pow2(sum(len(s.nodes) for s in scheduled)))
-        if shape not in self.statics:
+    def static_entry(self, canary: kc.Canary, scheduled: list[Scheduled], entries: int) -> StaticEntry:
+        """``canary``'s static forward of the batch's padded shape (rows and tokens to powers of two);
+        its arrays are torch tensors with ``static_torch``."""
+        statics = self.statics if canary is self.canary else self.draft_statics
+        shape = (next_pow2(len(scheduled)), next_pow2(entries))
+        if shape not in statics:
             entry_fields = ENTRY_FIELDS + (ASSERT_FIELDS if self.c.input_asserts else ())
-            arrays = {name: self.dev.put(np.zeros(shape[0] if name in ROW_FIELDS else shape[1], np.int64))
-                      for name in ROW_FIELDS + entry_fields}
+            zeros = self.dev.torch_zeros if self.c.static_torch else (lambda n: self.dev.put(np.zeros(n, np.int64)))
+            arrays = {name: zeros(shape[0] if name in ROW_FIELDS else shape[1]) for name in ROW_FIELDS + entry_fields}
             req_ids = [f"pad{i}" for i in range(shape[0])]
-            forward = self.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=req_ids))
-            self.statics[shape] = StaticEntry(forward, arrays, req_ids, shape)
-        return self.statics[shape]
+            forward = canary.static_forward(kc.ForwardBatch(**arrays, req_ids=req_ids))
+            statics[shape] = StaticEntry(forward, arrays, req_ids, shape)
+        return statics[shape]
 
-    def refill(self, entry: StaticEntry, scheduled: list[Scheduled]) -> None:
-        """The batch into the entry's arrays in place: real rows and tokens first, then padding rows
-        (pool row 0) and tokens whose other fields hold junk, which no plan may read."""
+    def refill(self, entry: StaticEntry, scheduled: list[Scheduled], nodes: list, given: Optional[list] = None) -> None:
+        """The batch (its requests, and ``nodes[i]`` the ``(token, position, slot)`` of request
+        ``i``'s tokens; ``given`` the tokens its write gets where they differ) into the entry's
+        arrays in place: real rows and tokens first, then padding rows (pool row 0) and tokens whose
+        other fields hold junk, which no plan may read."""
         rows, entries = entry.shape
-        tokens, positions, slots = columns([node for s in scheduled for node in s.nodes])
+        tokens, positions, slots = columns([node for request_nodes in nodes for node in request_nodes])
 
         def padded(values, size):
             out = self.rng.integers(0, 4, size)
@@ -924,19 +1007,21 @@ class FuzzEngine:
 
         values = {"req_pool_indices": padded([s.request.row for s in scheduled], rows),
                   "prefix_lens": padded([s.prefix for s in scheduled], rows),
-                  "extend_seq_lens": padded([len(s.nodes) for s in scheduled], rows),
-                  "input_ids": padded(tokens, entries), "positions": padded(positions, entries),
-                  "out_cache_loc": padded(slots, entries), "expected_input_tokens": padded(tokens, entries),
+                  "extend_seq_lens": padded([len(request_nodes) for request_nodes in nodes], rows),
+                  "input_ids": padded(tokens if given is None else given, entries),
+                  "positions": padded(positions, entries), "out_cache_loc": padded(slots, entries),
+                  "expected_input_tokens": padded(tokens, entries),
                   "expected_input_positions": padded(positions, entries)}
         values["req_pool_indices"][len(scheduled):] = 0
         for name, array in entry.arrays.items():
-            array[...] = self.dev.put(values[name])
+            self.dev.fill(array, values[name])
         entry.req_ids[:] = [s.request.rid for s in scheduled] + [f"pad{i}" for i in range(len(scheduled), rows)]
 
     def static_before(self, entry: StaticEntry, *, replay: bool) -> None:
         """A graph replay once captured, when its after() runs too; otherwise before() eagerly (a
         kept path goes to an eager after_forward, which needs an eager before: integration.md §2)."""
         if entry.graphs is not None and replay:
+            self.settle_static_arrays()
             entry.graphs[0].launch()
             self.tally["graph_replays"] += 1
         else:
@@ -946,12 +1031,17 @@ class FuzzEngine:
 
     def static_after(self, entry: StaticEntry) -> None:
         if entry.graphs is not None:
+            self.settle_static_arrays()
             entry.graphs[1].launch()
             return
         with self.canary_stream() as stream:
             entry.forward.after(stream=stream)
         if self.c.static == "graph":  # ran once eagerly, every kernel loaded: captured for the next runs
             entry.graphs = self.capture(entry.forward)
+
+    def settle_static_arrays(self) -> None:
+        if self.c.static_torch:
+            self.dev.settle_torch()
 
     def capture(self, forward) -> tuple:
         """before() and after() each in a CuPy CUDA graph, captured on a stream of their own and
@@ -1038,7 +1128,8 @@ class FuzzEngine:
         (kv_flip, swa_kv_flip, host_flip, draft_kv_flip, dropped_write, wrong_token, draft_token)
         that is every request whose cached tokens hold the bad slot: the one it was injected in,
         those that shared the slot then, and those that share it later, from a live request or from
-        the prefix cache (the bad slot followed through moves and the host tier). For a slot_steal
+        the prefix cache (the bad slot followed through moves and the host tier); for a prefix_flip,
+        in a prefix no request held, only those later sharers. For a slot_steal
         it is every holder of the stolen slot when the allocator hands it out (and later sharers);
         the request it is handed to (the thief), whose own record the slot then holds, may be named
         too. For a table_alias it is only the request whose ``req_to_token`` cell was pointed
@@ -1050,13 +1141,14 @@ class FuzzEngine:
         it every step for exact names"), no event names anyone but victims and the thief. An event
         may name no request (a row the tables at the poll no longer explain, such as an SWA slot
         freed after the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
-        ring keeps no row, only counts), nor for a wrong token only the write input assert sees,
-        in a static forward polled after later forwards refilled its arrays (README: "poll after
-        each replay for exact names")."""
+        ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
+        input assert may be the only one to see, in a static forward polled after later forwards
+        refilled its arrays (README: "poll after each replay for exact names")."""
         fault = self.fault
         if not self.found_after_fault or not self.c.ring_capacity:
             return ""
-        if fault.kind == "wrong_token" and not self.c.expected_pool and fault.in_static and self.c.poll_every > 1:
+        only_asserted = {"wrong_token": not self.c.expected_pool, "draft_token": self.c.input_asserts}
+        if only_asserted.get(fault.kind) and fault.in_static and self.c.poll_every > 1:
             return ""
         named = self.named - {None}
         if not named & fault.victims:
@@ -1094,45 +1186,78 @@ class FuzzEngine:
                 view[on_device] = self.dev.put(np.ascontiguousarray(host_view[host]))
         ends = (self.context_of(group), on_device, tier.context, host)
         src, src_slots, dst, dst_slots = ends if out else ends[2:] + ends[:2]
-        kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+        with self.records_stream() as stream:
+            kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots, stream=stream)
 
-    def offload(self, request: Request) -> None:
-        """A preempted request: KV and records to the host tier, its slots let go (a slot another
-        holder references stays with it); not live now."""
-        slots = np.asarray(request.slots, np.int64)
+    def tier_out(self, slots: list) -> tuple[np.ndarray, Optional[np.ndarray], tuple]:
+        """KV and records of pool ``slots`` (the draft model's and SWA pool's too) into free host
+        slots: those host slots, which positions had an SWA slot, and the positions the fault made
+        wrong (whose bad slots are followed into the tier)."""
+        slots = np.asarray(slots, np.int64)
         host = np.asarray([self.tier_free.popleft() for _ in slots], np.int64)
         self.carry("full", self.kv.views, slots, host, out=True)
         if self.draft is not None:
             self.carry("draft", self.draft_kv.views, slots, host, out=True)
+        swa_copied = None
         if self.c.swa_window:
             swa_slots = self.lut_host[slots]
-            request.swa_copied = swa_slots != 0
-            self.carry("swa", self.swa_kv.views, swa_slots[request.swa_copied], host[request.swa_copied], out=True)
+            swa_copied = swa_slots != 0
+            self.carry("swa", self.swa_kv.views, swa_slots[swa_copied], host[swa_copied], out=True)
         bad = self.fault.bad_slots if self.fault else set()
-        request.tainted = tuple(p for p, slot in enumerate(request.slots) if slot in bad)
-        for slot in request.slots:
-            self.release_slot(slot)
-        request.slots, request.host_slots, request.away_since = [], host, self.index
-        self.tally["offloads"] += 1
+        return host, swa_copied, tuple(p for p, slot in enumerate(slots) if slot in bad)
 
-    def reload(self, request: Request) -> None:
-        """Back into new slots (new SWA slots for the positions that had one), the table row rewritten."""
-        host = request.host_slots
+    def tier_in(self, host: np.ndarray, swa_copied: Optional[np.ndarray], tainted: tuple) -> list:
+        """Host slots back into new pool slots (new SWA slots for the positions that had one), the
+        host slots freed; the new slots."""
         slots = np.asarray([self.take_slot(kept=False, with_swa=False) for _ in host], np.int64)
         self.carry("full", self.kv.views, slots, host, out=False)
         if self.draft is not None:
             self.carry("draft", self.draft_kv.views, slots, host, out=False)
         if self.c.swa_window:
-            for slot, copied in zip(slots, request.swa_copied):
+            for slot, copied in zip(slots, swa_copied):
                 self.lut_host[slot] = self.swa_free.popleft() if copied else 0
-            copied = request.swa_copied
-            self.carry("swa", self.swa_kv.views, self.lut_host[slots][copied], host[copied], out=False)
+            self.carry("swa", self.swa_kv.views, self.lut_host[slots][swa_copied], host[swa_copied], out=False)
         self.tier_free.extend(int(s) for s in host)
         if self.fault is not None:
-            self.fault.bad_slots.update(int(slots[p]) for p in request.tainted)
-        request.slots, request.host_slots, request.tainted = slots.tolist(), None, ()
+            self.fault.bad_slots.update(int(slots[p]) for p in tainted)
+        return slots.tolist()
+
+    def offload(self, request: Request) -> None:
+        """A preempted request: KV and records to the host tier, its slots let go (a slot another
+        holder references stays with it); not live now."""
+        request.host_slots, request.swa_copied, request.tainted = self.tier_out(request.slots)
+        for slot in request.slots:
+            self.release_slot(slot)
+        request.slots, request.away_since = [], self.index
+        self.tally["offloads"] += 1
+
+    def reload(self, request: Request) -> None:
+        """Back into new slots, the table row rewritten."""
+        slots = self.tier_in(request.host_slots, request.swa_copied, request.tainted)
+        request.slots, request.host_slots, request.tainted = slots, None, ()
         self.table_host[request.row, :len(slots)] = slots
         self.tally["reloads"] += 1
+
+    def store_prefix(self, prefix: CachedPrefix) -> None:
+        """An evicted prefix kept in the host tier, as a hierarchical prefix cache does (sim/engine.py's
+        ``_store_prefix``), the oldest one there let go when the tier keeps ``prefix_cache`` already;
+        the caller then lets go of its pool slots."""
+        if len(self.tier_prefixes) >= self.c.prefix_cache:
+            self.tier_free.extend(int(s) for s in self.tier_prefixes.pop(0).host_slots)
+        prefix.host_slots, prefix.swa_copied, prefix.tainted = self.tier_out(prefix.slots)
+        self.tier_prefixes.append(prefix)
+        self.tally["prefix_stores"] += 1
+
+    def load_prefix(self, prefix: CachedPrefix) -> CachedPrefix:
+        """A prefix of the tier back into new slots, held by the prefix cache again (the cache's
+        oldest entry evicted first when it is full), for a request about to share it."""
+        self.tier_prefixes.remove(prefix)
+        if len(self.cache) >= self.c.prefix_cache:
+            self.drop_cached(0)
+        loaded = CachedPrefix(prefix.tokens, self.tier_in(prefix.host_slots, prefix.swa_copied, prefix.tainted))
+        self.cache.append(loaded)
+        self.tally["prefix_loads"] += 1
+        return loaded
 
     def compact(self, request: Request) -> None:
         """Some cached tokens moved to other slots of the pool, their records with them
@@ -1175,7 +1300,9 @@ class FuzzEngine:
             view[on_new] = view[on_old]
         if records:
             for canary in [self.canary] + ([self.draft] if self.draft is not None else []):
-                kc.copy_records(src=canary.context, dst=canary.context, src_slots=on_old, dst_slots=on_new)
+                with self.records_stream() as stream:
+                    kc.copy_records(src=canary.context, dst=canary.context, src_slots=on_old, dst_slots=on_new,
+                                    stream=stream)
         self.lut_host[new] = self.lut_host[old]
         self.lut_host[old] = 0
         if self.fault is not None:
@@ -1258,6 +1385,32 @@ class FuzzEngine:
         self.tier["full"].views[source][request.host_slots[position], byte] ^= np.uint8(1 << int(rng.integers(8)))
         request.tainted += (position,)  # its slot once it is loaded back is the bad one
         return self.pin(request, f"request {request.rid} offloaded position {position} source {source} byte {byte}")
+
+    def inject_prefix_flip(self, rng: np.random.Generator) -> bool:
+        """A bit of a hashed KV byte of a cached prefix no request holds, in the host tier or in a pool
+        slot only the prefix cache references; injected once a later request shares it
+        (:meth:`add_request`): a corrupt prefix that nobody reads again harms nobody."""
+        on_device = [e for e in self.cache if not any(self.holders(slot) for slot in e.slots)]
+        either = [kept for kept in (on_device, self.tier_prefixes) if kept]  # the device's or the tier's, even odds
+        if not either:
+            return False
+        prefixes = either[int(rng.integers(len(either)))]
+        prefix = prefixes[int(rng.integers(len(prefixes)))]
+        length = len(prefix.slots) if prefix.host_slots is None else len(prefix.host_slots)
+        # mostly near its start, which more of the later sharers' prefixes cover
+        position = int(rng.integers(int(rng.integers(length)) + 1))
+        source = int(rng.integers(len(self.kv.views)))
+        byte, bit = int(rng.integers(self.canary.context.kv_read_lengths[source])), int(rng.integers(8))
+        if prefix.host_slots is None:
+            self.flip(self.kv.views[source], prefix.slots[position], byte, bit)
+            self.fault.bad_slots.add(prefix.slots[position])
+            where = f"cached prefix slot {prefix.slots[position]}"
+        else:
+            self.tier["full"].views[source][prefix.host_slots[position], byte] ^= np.uint8(1 << bit)
+            prefix.tainted += (position,)  # its slot once it is loaded back is the bad one
+            where = f"host-tier prefix host slot {prefix.host_slots[position]}"
+        self.fault.what = f"{where} position {position} source {source} byte {byte}"
+        return True
 
     def victim_position(self, rng: np.random.Generator) -> Optional[tuple[Request, int]]:
         """A live request and one of its cached positions with a cached successor, whose chain link
