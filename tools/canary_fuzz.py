@@ -457,6 +457,7 @@ class Watch:
     groups: list  # (group name, SWA window or 0)
     ledger: Ledger = dataclasses.field(default_factory=Ledger)
     reported_forwards: int = 0
+    polled_forwards: int = 0  # the ledger's forwards at the previous poll
     overflows_seen: int = 0
 
     @property
@@ -1085,6 +1086,7 @@ class FuzzEngine:
                 self.report_errors.append(f"{watch.label}forward {self.index}: {len(report.events)} events + "
                                           f"{report.dropped} dropped != total {report.total}, or a group's events "
                                           f"{dict(per_group)} past the ring's {self.c.ring_capacity}")
+            self.check_steps(watch, report)
             watch.overflows_seen += report.capacity_overflows
             self.found += report.total
             if self.fault is not None and self.fault.injected_at is not None:
@@ -1093,6 +1095,19 @@ class FuzzEngine:
             if report.total and self.first_found is None:
                 self.first_found = self.index
                 self.examples = [watch.label + event.describe() for event in report.events[:3]]
+
+    def check_steps(self, watch: Watch, report: kc.CanaryReport) -> None:
+        """Every event's step, where told, is a forward run since the previous poll (a sweep's, the
+        forward before it, which may be the last one that poll saw): so, polled after each forward,
+        that forward's number (`CanaryEvent.step`)."""
+        now, since = watch.ledger.forwards, watch.polled_forwards
+        watch.polled_forwards = now
+        wrong = [event for event in report.events if event.step is not None
+                 and not since + (event.phase != "sweep") <= event.step <= now]
+        if wrong:
+            self.report_errors.append(f"{watch.label}forward {self.index}: event steps outside forwards "
+                                      f"{since + 1}..{now} since the previous poll: "
+                                      + "; ".join(event.describe() for event in wrong[:3]))
 
     def counter_errors(self) -> list[str]:
         """Where the canaries' public counters disagree with the ledgers (after the final poll), and
