@@ -637,7 +637,8 @@ class FuzzEngine:
         for _ in range(int(self.rng.integers(0, 3)) if self.requests else 1):
             if not self.free_rows:
                 return
-            shared = self.draw_shared_prefix() if self.c.prefix_sharing and self.rng.random() < 0.6 else None
+            shares = self.rng.random() < 0.6 or self.flipped_prefix() is not None
+            shared = self.draw_shared_prefix() if self.c.prefix_sharing and shares else None
             self.add_request(*(shared or ([], [])))
 
     def draw_shared_prefix(self) -> Optional[tuple[list, list]]:
@@ -651,15 +652,32 @@ class FuzzEngine:
         if not sources:
             return None
         token_at, slots = sources[int(self.rng.integers(len(sources)))]
+        flipped = self.flipped_prefix()
+        if flipped is not None:
+            token_at, slots = flipped[0].tokens.__getitem__, flipped[0]
         if isinstance(slots, CachedPrefix):  # loaded back first when the host tier holds it
             slots = (self.load_prefix(slots) if slots.host_slots is not None else slots).slots
         window = self.c.swa_window
-        lengths = [k for k in range(1, min(len(slots), self.c.max_len - 2) + 1)
+        lengths = [k for k in range(1 + (flipped[1] if flipped else 0), min(len(slots), self.c.max_len - 2) + 1)
                    if not window or all(self.lut_host[slots[p]] for p in range(max(0, k - window), k))]
         if not lengths:
             return None
         k = lengths[int(self.rng.integers(len(lengths)))]
         return [token_at(p) for p in range(k + self.c.draft_model)], list(slots[:k])
+
+    def flipped_prefix(self) -> Optional[tuple[CachedPrefix, int]]:
+        """A prefix_flip's prefix, flipped and not yet read, and the flipped position, most of the
+        time: a later request shares it, so that the fault harms someone (drawn from the fault's own
+        generator, so that the engine's draws before the flip stay the clean run's)."""
+        fault = self.fault
+        if fault is None or fault.kind != "prefix_flip" or not fault.armed or fault.injected_at is not None \
+                or fault.rng.random() < 0.2:
+            return None
+        for prefix in self.cache:
+            bad = [position for position, slot in enumerate(prefix.slots) if slot in fault.bad_slots]
+            if bad:
+                return prefix, bad[0]
+        return next(((prefix, min(prefix.tainted)) for prefix in self.tier_prefixes if prefix.tainted), None)
 
     def add_request(self, prefix_tokens: list, shared: list) -> None:
         """A new request, starting with the ``shared`` slots (its row points at them, a reference
