@@ -3,7 +3,8 @@
 # compute-sanitizer (memcheck, racecheck, initcheck) and the demo on the GPU, the independent parts
 # concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
-# tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them).
+# tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them in CANARY_PARTS
+# processes).
 set -uo pipefail
 OUT=${OUT:-out}
 LOGS="$OUT/logs"
@@ -12,6 +13,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 FUZZ_CASES=${FUZZ_CASES:-10000}
 SANITIZE_CASES=${SANITIZE_CASES:-40}
 CANARY_SEEDS=${CANARY_SEEDS:-900}
+CANARY_PARTS=${CANARY_PARTS:-3}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300}
 stages=${*:-tests fuzz sanitize demo}
 summary="$OUT/summary.txt"
@@ -51,17 +53,17 @@ if has demo; then
   pids+=($!)
 fi
 if has canary; then
-  # three processes: the fuzz's own work is host-side Python
-  for part in 0 1 2; do
-    timeout "$STAGE_TIMEOUT" python3 tools/canary_fuzz.py --device cuda --seeds $((CANARY_SEEDS / 3)) \
-      --start $((part * CANARY_SEEDS / 3)) --forwards 60 --json "$LOGS/canary-fuzz-$part.json" \
+  # several processes: the fuzz's own work is host-side Python
+  for ((part = 0; part < CANARY_PARTS; part++)); do
+    timeout "$STAGE_TIMEOUT" python3 tools/canary_fuzz.py --device cuda --seeds $((CANARY_SEEDS / CANARY_PARTS)) \
+      --start $((part * CANARY_SEEDS / CANARY_PARTS)) --forwards 60 --json "$LOGS/canary-fuzz-$part.json" \
       > "$LOGS/canary-fuzz-$part.log" 2>&1 & pids+=($!)
   done
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
 if has canary; then
-  for part in 0 1 2; do echo "canary fuzz $part: $(tail -n 1 "$LOGS/canary-fuzz-$part.log")" >> "$summary"; done
+  for ((part = 0; part < CANARY_PARTS; part++)); do echo "canary fuzz $part: $(tail -n 1 "$LOGS/canary-fuzz-$part.log")" >> "$summary"; done
 fi
 if has fuzz; then
   for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
