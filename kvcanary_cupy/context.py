@@ -80,7 +80,7 @@ class CanaryContext:
     kernel_run_counter: Any
     chain_position_assert: Any
     real_kv_sources: Sequence[RealKvSource] = ()
-    hash_mode: L.HashMode = L.HashMode.NONE
+    hash_mode: L.HashMode = L.HashMode.PARTIAL  # kc.Canary's default: given sources are hashed
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
     source_table: Any = dataclasses.field(init=False, repr=False, compare=False)
     source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
@@ -142,7 +142,7 @@ class CanaryContext:
     @classmethod
     def allocate(cls, num_slots: int, *, device: Any = "cpu", ring_capacity: int = 1024,
                  slot_stride_bytes: int = L.MIN_SLOT_STRIDE_BYTES,
-                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.NONE,
+                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.PARTIAL,
                  chain_position_assert: bool = False) -> "CanaryContext":
         """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot)."""
         # Every size is checked before anything is allocated.
@@ -199,7 +199,8 @@ class CanaryContext:
         return ViolationReport(tuple(Violation.from_row(r) for r in rows.tolist()), total, total - kept)
 
     def counters(self) -> dict[str, int]:
-        """``slot_run_counter``, ``kernel_run_counter`` and the violation count, on the host."""
+        """``slot_run_counter`` and ``kernel_run_counter`` (counted since the context was built) and
+        ``violations``, the rows recorded since the ring was last cleared, on the host."""
         self._wait_for_device()
         return {
             "slot_run_counter": int(to_host(self.slot_run_counter)[0]),

@@ -41,10 +41,11 @@ def _pick(buffers: Sequence[Any], layers: Optional[Iterable[int]], name: str) ->
         raise TypeError(f"{check.PREFIX}layers must be a list, tuple or range of layer indices, "
                         f"got {type(layers).__name__} {layers!r}")
     picked = []
-    for layer in layers:
-        layer = check.integer(f"{name} layer index", layer)
+    for index, layer in enumerate(layers):
+        layer = check.integer(f"layers[{index}]", layer)
         if not -len(buffers) <= layer < len(buffers):
-            raise ValueError(f"{check.PREFIX}{name} layer index must be in [0, {len(buffers)}), got {layer}")
+            raise ValueError(f"{check.PREFIX}layers must index the {len(buffers)} buffers of {name}, in "
+                             f"[-{len(buffers)}, {len(buffers)}), got {layer}")
         picked.append((f"{name}[{layer % len(buffers)}]", buffers[layer]))
     return picked
 
@@ -84,10 +85,19 @@ def _k_then_v(k_buffers: Sequence[Any], v_buffers: Sequence[Any], layers: Option
 
 def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
               read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
-    """K and V buffers ``[slots, heads, head_dim]`` per layer (one token per row): K of each picked
-    layer, then its V."""
-    return tuple(from_buffer(buffer, page_size=1, read_bytes=read_bytes, name=name)
-                 for name, buffer in _k_then_v(k_buffers, v_buffers, layers))
+    """K and V buffers ``[slots, heads, head_dim]`` (or ``[slots, bytes]``) per layer, one token a
+    row: K of each picked layer, then its V. Not 4-D: ``[pages, page_size, heads, head_dim]`` taken
+    a page a slot would hash the wrong bytes of every slot."""
+    out = []
+    for name, buffer in _k_then_v(k_buffers, v_buffers, layers):
+        view = native_view(buffer, name)
+        if view.ndim > 3:
+            raise ValueError(f"{check.PREFIX}{name} must be [slots, heads, head_dim] (one token a row), got shape "
+                             f"{check.shape_text(view)} (a paged [pages, page_size, heads, head_dim] is "
+                             f"kc.layouts.paged, [slots, 2, heads, head_dim] kc.layouts.interleaved; other "
+                             f"shapes, kc.layouts.from_buffer with page_size=)")
+        out.append(from_buffer(view, page_size=1, read_bytes=read_bytes, name=name))
+    return tuple(out)
 
 
 def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,

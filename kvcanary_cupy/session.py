@@ -130,8 +130,12 @@ class CanaryEvent:
             slot = "none (the request's entries reach past input_ids)"
         else:
             slot = str(self.slot)
-        return (f"[{tag} step {step}] {where} position {pos} slot {slot}: {'|'.join(self.reasons)} "
-                f"(stored token {self.violation.stored_token} position {self.violation.position})")
+        v, reasons = self.violation, self.reasons
+        wanted = "".join(text for flags, text in (
+            (("VERIFY_TOKEN", "WRITE_TOKEN"), f", expected token {v.expected_token}"),
+            (("WRITE_POSITION",), f", expected position {v.expected_aux}")) if set(flags) & set(reasons))
+        return (f"[{tag} step {step}] {where} position {pos} slot {slot}: {'|'.join(reasons)} "
+                f"(stored token {v.stored_token} position {v.position}{wanted})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,14 +678,14 @@ class Canary:
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
-        if self._planned is not None:
+        geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
+        plans = None if prepared is not None else self._batch_plans(batch)
+        if self._planned is not None:  # told once the call is accepted: a refused one changes nothing
             # a forward may be dropped after before_forward; one that ran left its tokens unfingerprinted
             self.logger.warning(
                 "kv-canary: before_forward, but the previous before_forward had no after_forward: if "
                 "its forward ran, its new tokens were not fingerprinted, and each verify that reads them "
                 "reports them (CHAIN_HASH, POSITION, REAL_KV_HASH)")
-        geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
-        plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
         with on_device(self.device, stream):
             self._order_after_torch(geometry)
@@ -866,7 +870,9 @@ class Canary:
         return report
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Each group's health counters (synchronises)."""
+        """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the
+        entries they checked or wrote (``slot_run_counter``) since the canary was built, and
+        ``violations``, the rows recorded since the last poll (a poll empties the rings)."""
         return {group.name: group.ctx.counters() for group in self.groups}
 
     # --- static forwards' runs, counted on the device ---------------------------------------------

@@ -184,8 +184,8 @@ def test_on_a_busy_non_blocking_stream():
      TypeError, r"^kv-canary: src_slots must have dtype int64"),
     (lambda s, d: kc.copy_records(src=s, dst=d, src_slots=np.array([1, 2], I64), dst_slots=np.array([1], I64)),
      ValueError, r"^kv-canary: dst_slots must have length 2 \(one per pair, as src_slots\), got 1"),
-    (lambda s, d: kc.copy_records(src=s, dst=kc.CanaryContext.allocate(8), src_slots=np.array([1], I64),
-                                  dst_slots=np.array([1], I64)),
+    (lambda s, d: kc.copy_records(src=s, dst=kc.CanaryContext.allocate(8, hash_mode=kc.HashMode.NONE),
+                                  src_slots=np.array([1], I64), dst_slots=np.array([1], I64)),
      ValueError, r"^kv-canary: dst must hash the KV bytes of a slot as src does .* got src \[64\] \(ALL\) and dst "
                  r"\[\] \(NONE\)"),
     (lambda s, d: kc.copy_records(src=s, dst=d, src_slots=np.array([1], I64), dst_slots=np.array([1], I64),

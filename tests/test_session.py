@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -226,6 +227,8 @@ def test_write_assert_names_entry(device):
     writes = [e for e in report if e.phase == "write"]
     assert [(e.request, e.position, e.slot) for e in writes] == [("b", 4, 41)]
     assert "WRITE_POSITION" in writes[0].reasons
+    # what the write stored, and the position its chain wanted (the predecessor's 3, plus 1)
+    assert writes[0].describe().endswith("(stored token 8 position 2, expected position 4)")
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -982,8 +985,15 @@ def test_layout_builders_geometry():
         kc.layouts.per_layer(None)
     with pytest.raises(TypeError, match=r"^kv-canary: layers must be a list, tuple or range .*got int 5"):
         kc.layouts.per_layer(k, layers=5)
-    with pytest.raises(ValueError, match=r"^kv-canary: k_buffers layer index must be in \[0, 3\), got 3"):
+    with pytest.raises(ValueError, match=r"^kv-canary: layers must index the 3 buffers of k_buffers, in \[-3, 3\), "
+                                         r"got 3"):
         kc.layouts.per_layer(k, layers=range(4))
+    with pytest.raises(TypeError, match=r"^kv-canary: layers\[1\] must be an int"):
+        kc.layouts.per_layer(k, layers=[0, "1"])
+    # a paged buffer taken a page a slot would hash the wrong bytes: refused, pointing at paged
+    with pytest.raises(ValueError, match=r"^kv-canary: k_buffers\[0\] must be \[slots, heads, head_dim\] .*got "
+                                         r"shape \(4, 2, 2, 8\) .*kc\.layouts\.paged"):
+        kc.layouts.per_layer([np.zeros((4, 2, 2, 8), np.float32)])
 
 
 def test_layout_builders_accept_torch_bfloat16():
@@ -1230,6 +1240,10 @@ def test_a_forward_left_without_after_forward_is_logged(caplog):
                             input_ids=i64([9]), positions=i64([3]), out_cache_loc=i64([9]))
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         eng.canary.before_forward(batch)
+        assert not caplog.records
+        # a refused call changes nothing and tells nothing beyond its error
+        with pytest.raises(ValueError, match=r"^kv-canary: .*prefix_lens"):
+            eng.canary.before_forward(dataclasses.replace(batch, prefix_lens=i64([3, 3])))
         assert not caplog.records
         eng.canary.before_forward(batch)
     (record,) = caplog.records

@@ -386,8 +386,25 @@ def test_write_rows_are_named_by_their_token_and_position(device):
                             expected_input_positions=i64([0, 0, 1]))
     eng.canary.before_forward(batch)
     eng.canary.after_forward(batch)
-    assert [(e.phase, e.request, e.position, e.reasons) for e in eng.canary.poll()] == [
-        ("write", "b", 0, ("WRITE_TOKEN",))]
+    events = eng.canary.poll()
+    assert [(e.phase, e.request, e.position, e.reasons) for e in events] == [("write", "b", 0, ("WRITE_TOKEN",))]
+    assert events[0].describe().endswith("WRITE_TOKEN (stored token 999 position 0, expected token 200)")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_token_the_engine_did_not_expect_is_described_with_the_one_it_did(device):
+    """A wrong token in the expected-tokens pool (or, as the canary sees it, in the slot): the
+    event says which token the slot holds and which one the engine expects there."""
+    eng = _Engine(device, expected=True)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.expected[1, 2] = 777
+    eng.sync()
+    eng.forward({"a": 1})
+    events = [e for e in eng.canary.poll() if e.phase == "head"]
+    assert [(e.request, e.position, e.reasons) for e in events] == [("a", 2, ("VERIFY_TOKEN",))]
+    assert events[0].describe() == ("[HEAD_K_FULL step 2] request 'a' position 2 slot 3: VERIFY_TOKEN "
+                                    "(stored token 1002 position 2, expected token 777)")
 
 
 @pytest.mark.parametrize("device", BACKENDS)
