@@ -138,7 +138,7 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--steps", "-1"], "argument --steps: must be >= 1, got -1"),
     (["--fault-every", "0"], "argument --fault-every: must be >= 1, got 0"),
     (["--max-running", "x"], "argument --max-running: must be an integer, got 'x'"),
-    (["--pool-slots", "10"], "kv-canary: pool_slots must be >= 528"),
+    (["--pool-slots", "10"], "kv-canary: --pool-slots must be >= 528"),
     (["--faults", ""], "argument --faults: a fault class name is empty in ''"),
     (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
     (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),
@@ -147,7 +147,9 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--host-slots", "-1"], "argument --host-slots: must be >= 0, got -1"),
     (["--offload-prob", "2"], "argument --offload-prob: must be within [0, 1], got 2"),
     (["--offload-prob", "x"], "argument --offload-prob: must be a number, got 'x'"),
-    (["--host-slots", "64"], "kv-canary: host_slots must be 0 (no host tier) or > max_len 512, got 64"),
+    (["--host-slots", "64"], "kv-canary: --host-slots must be 0 (no host tier) or > max_len 512, got 64"),
+    (["--speculative", "2", "--static-decode"],
+     "kv-canary: --speculative and --static-decode are not run together, got --speculative=2 with --static-decode"),
 ])
 def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
     """A demo option that would crash the simulator, or let it report a clean pass of nothing, is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Optional
 
@@ -132,6 +133,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+    except ValueError as error:  # the simulator's own names for its settings, said as the flags that set them
+        flags = {name: "--" + name.replace("_", "-") for name in vars(args)}
+        print(re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), str(error)), file=sys.stderr)
+        return 2
+    try:
         result = run(config, args.faults, fault_every=args.fault_every,
                      progress=not args.no_progress and sys.stderr.isatty())
     except (RuntimeError, ValueError) as error:
