@@ -11,7 +11,8 @@ builder                    buffer shape (per layer)                             
 :func:`per_layer`          ``[slots, heads, head_dim]`` (K and V lists)           row ``s``
 :func:`paged`              ``[pages, page_size, heads, head_dim]`` (K and V)      page ``s // page_size``
 :func:`interleaved`        ``[slots, 2, heads, head_dim]``: K then V in one row   row ``s`` (K and V apart)
-:func:`mla`                ``[slots, 1, kv_lora_rank + rope_dim]`` latent rows     row ``s``
+:func:`mla`                ``[slots, 1, latent]`` or                              row ``s``, or
+                           ``[pages, page_size, 1, latent]`` (MLA latent rows)    ``s // page_size``
 =========================  =====================================================  ===============
 """
 

@@ -789,7 +789,8 @@ class Canary:
         in a CUDA graph. Call :meth:`StaticForward.before` and :meth:`StaticForward.after` where
         :meth:`before_forward` and :meth:`after_forward` would go (inside the capture, with the
         capturing stream as ``stream=``); build it outside any capture. ``poll`` maps what its
-        launches find to requests from the arrays as they are when it polls, with no step number."""
+        launches find to requests from the arrays as they are when it polls; a run made eagerly has
+        its step, a replay only when it is the only forward since the previous poll."""
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
         return StaticForward(self, batch)
@@ -932,7 +933,8 @@ class StaticForward:
     arrays' contents at that moment. On a GPU both are packed kernel launches and nothing else (a
     run count included), so they can be captured in a CUDA graph with the forward and replayed; on
     the CPU they run the ops. The canary's ``mode`` is read when they are called: a captured graph
-    replays what was captured. :meth:`close` stops ``poll`` from mapping rows to this forward.
+    replays what was captured. :meth:`close` lets go of it: the next poll still counts and maps
+    its runs, later ones do not.
     """
 
     def __init__(self, canary: Canary, batch: ForwardBatch):
