@@ -8,7 +8,7 @@ import numpy as np
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
                       as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, prefetch, real_kv_hash, record,
-                      serial_and_parallel, slot_words, source_arguments)
+                      hashing_serially, serial_and_parallel, slot_words, source_arguments, threads_can_hash)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -110,8 +110,12 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
             record(ring, write_index, tag, row[1], row[2], row[3], row[4], row[5], row[6], row[0])
 
 
+_verify_hashing_serially = hashing_serially(_verify, hash_slots_parallel=hash_slots_serial)
+
+
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> None:
     sources, table = source_arguments(ctx)
-    _verify(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
+    run = _verify if threads_can_hash(sources) else _verify_hashing_serially
+    run(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
             vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
             ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
