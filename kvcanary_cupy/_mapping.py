@@ -311,8 +311,8 @@ class RowMapper:
                 self._assign(group, rows, key, before, earlier, dropped, placed)
             else:  # written more than once: which content a row shows is not told apart
                 for i in before:
-                    names = {(request_name(log[index].batch, r), position) for index in earlier
-                             for r, position in self._fitting(group, log[index], key, rows[i])}
+                    names = _distinct((request_name(log[index].batch, r), position) for index in earlier
+                                      for r, position in self._fitting(group, log[index], key, rows[i]))
                     if len(names) == 1:
                         (name, position), = names
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
@@ -465,8 +465,17 @@ class _HostRows:
 def _one_name(launch, entries: list) -> tuple:
     """``(request, position)`` where every entry that could have recorded a row names the same,
     else ``(None, None)``."""
-    names = {(request_name(launch.batch, r), position) for r, position in entries}
-    return next(iter(names)) if len(names) == 1 else (None, None)
+    names = _distinct((request_name(launch.batch, r), position) for r, position in entries)
+    return names[0] if len(names) == 1 else (None, None)
+
+
+def _distinct(names) -> list:
+    """``names`` without repeats, compared with ``==``: a request id need not be hashable."""
+    out: list = []
+    for name in names:
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def _no_entry(v) -> bool:

@@ -14,6 +14,7 @@ the ``req_to_token`` table; the mapping is done only for the violating slots.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -165,7 +166,14 @@ class CanaryReport:
 
     @property
     def requests(self) -> set:
-        return {e.request for e in self.events if e.request is not None}
+        """The requests the events name (their ``req_ids``, which must be hashable for this)."""
+        named = [e.request for e in self.events if e.request is not None]
+        try:
+            return set(named)
+        except TypeError:
+            unhashable = next(name for name in named if not isinstance(name, collections.abc.Hashable))
+            raise TypeError(f"{check.PREFIX}CanaryReport.requests needs hashable req_ids, got "
+                            f"{type(unhashable).__name__} {unhashable!r}: read each event's request instead") from None
 
     def counts_by_reason(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -428,7 +436,7 @@ class Canary:
             swa_slots = check.slot_count("SwaGroup.num_slots", swa.num_slots)
             swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device, swa_slots)
 
-        self.mode = mode
+        self._mode = mode
         self.device = device
         self._capacities = capacities
         self.pool_slot_count = pool_slot_count
@@ -483,8 +491,20 @@ class Canary:
         return self.groups[1].ctx if len(self.groups) > 1 else None
 
     @property
+    def mode(self) -> str:
+        """``"off"``, ``"log"`` or ``"raise"``; it may change between calls. Tokens written while it
+        is off get no record: once it is on again, each verify that reads them reports them
+        (CHAIN_HASH, POSITION), so switch it back on only with requests whose tokens all came after,
+        or expect those reports."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        self._mode = check.choice("mode", mode, MODES)
+
+    @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        return self._mode != "off"
 
     @property
     def capacities(self) -> Capacities:
@@ -680,13 +700,13 @@ class Canary:
         _req_ids(batch.req_ids, batch.req_pool_indices)
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
+        stream = self._stream(stream)
         if self._planned is not None:  # told once the call is accepted: a refused one changes nothing
             # a forward may be dropped after before_forward; one that ran left its tokens unfingerprinted
             self.logger.warning(
                 "kv-canary: before_forward, but the previous before_forward had no after_forward: if "
                 "its forward ran, its new tokens were not fingerprinted, and each verify that reads them "
                 "reports them (CHAIN_HASH, POSITION, REAL_KV_HASH)")
-        stream = self._stream(stream)
         with on_device(self.device, stream):
             self._order_after_torch(geometry)
             self._prepare_checks()
@@ -831,7 +851,7 @@ class Canary:
 
         ``log`` mode logs a non-empty report; ``raise`` mode raises :class:`CanaryViolation`."""
         if not self.enabled:
-            return CanaryReport()
+            return CanaryReport(forwards=self._numbered)
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
         ran, runs, stray = self._static_forwards_ran()
@@ -968,6 +988,7 @@ class StaticForward:
             if translates:
                 self._translate = functools.partial(_run_translate, canary, writes)
         self.closed = False
+        self._before_skipped = False  # its latest before() came while the canary was off
         self._logged_step: Optional[int] = None  # the step of the logged before() of the current run
         self._logged = [(group, [_Launch("verify", "head", group.head_tag, 0, batch),
                                  _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
@@ -989,6 +1010,7 @@ class StaticForward:
     def before(self, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         canary = self._canary
+        self._before_skipped = not canary.enabled
         if not canary.enabled:
             return
         with self._launching(stream) as stream:
@@ -1008,6 +1030,14 @@ class StaticForward:
         if not canary.enabled:
             return
         with self._launching(stream) as stream:
+            if self._before_skipped and not stream_capturing(stream):
+                # the canary was switched on since: the plans are another forward's, so this batch is
+                # planned here, a forward of its own, as an after_forward with no before_forward is
+                self._before_skipped = False
+                self._count(stream)
+                for plan in self._plans:
+                    plan(stream)
+                self._log(stream, 0, 0, new_forward=True)
             if self._translate is not None:
                 self._translate(stream)
             for group, write in zip(canary.groups, self._writes):

@@ -589,6 +589,42 @@ def test_static_forward_checks_its_batch_once_and_follows_the_mode(device):
     assert np.any(to_numpy(off.canary.context.canary_buf)) and off.canary.poll().forwards == 1
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_batch(device):
+    """``before()`` while the canary is off plans nothing; switched on, ``after()`` plans its batch
+    (a forward of its own, as an ``after_forward`` with no ``before_forward``) instead of writing
+    with the plans of the forward before: every token is fingerprinted where it belongs."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    table = to_numpy(eng.table).copy()
+    table[1, 4] = 60
+    eng.table[...] = to_device(table, device)
+    forward = eng.canary.static_forward(kc.ForwardBatch(
+        req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
+        positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
+    eng.canary.mode = "off"
+    forward.before()
+    eng.canary.mode = "log"
+    forward.after()
+    eng.lens["a"], eng.next_slot = 5, 61
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert not report and report.forwards == 3
+    assert eng.canary.context.slot_fields(60)["position"] == 4
+
+
+def test_the_mode_is_checked_when_set_and_the_forwards_kept_while_off():
+    eng = Tiny("cpu")
+    eng.step({"a": 3})
+    with pytest.raises(ValueError, match=r"^kv-canary: mode must be one of \('off', 'log', 'raise'\), got 'loud'"):
+        eng.canary.mode = "loud"
+    assert eng.canary.mode == "log"
+    eng.canary.mode = "off"
+    eng.step({"a": 1})
+    assert eng.canary.poll().forwards == 1  # counted until it was switched off
+
+
 class _Requests:
     """Static forwards over a 6-row table with per-layer K on ``device``, the engine's batches
     refilled in place (their ``req_ids`` lists too)."""
@@ -1244,6 +1280,8 @@ def test_a_forward_left_without_after_forward_is_logged(caplog):
         # a refused call changes nothing and tells nothing beyond its error
         with pytest.raises(ValueError, match=r"^kv-canary: .*prefix_lens"):
             eng.canary.before_forward(dataclasses.replace(batch, prefix_lens=i64([3, 3])))
+        with pytest.raises(TypeError, match=r"^kv-canary: stream"):
+            eng.canary.before_forward(batch, stream="the default one")
         assert not caplog.records
         eng.canary.before_forward(batch)
     (record,) = caplog.records

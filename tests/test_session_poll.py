@@ -9,6 +9,7 @@ a batch, pad batches, sweep, check expected tokens and keep a sliding-window gro
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -405,6 +406,32 @@ def test_a_token_the_engine_did_not_expect_is_described_with_the_one_it_did(devi
     assert [(e.request, e.position, e.reasons) for e in events] == [("a", 2, ("VERIFY_TOKEN",))]
     assert events[0].describe() == ("[HEAD_K_FULL step 2] request 'a' position 2 slot 3: VERIFY_TOKEN "
                                     "(stored token 1002 position 2, expected token 777)")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_request_ids_need_not_be_hashable(device):
+    """An engine's own request objects as ids (a dataclass with ``eq``, hence unhashable) name the
+    events, write rows included; only ``CanaryReport.requests``, a set, needs hashable ids."""
+
+    @dataclasses.dataclass
+    class Req:
+        rid: str
+
+    eng = _Engine(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    eng.table[1, :2] = [10, 11]
+    eng.sync()
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
+                            input_ids=i64([100, 999]), positions=i64([0, 1]), out_cache_loc=i64([10, 11]),
+                            req_ids=[Req("a")], expected_input_tokens=i64([100, 101]),
+                            expected_input_positions=i64([0, 1]))
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert [(e.phase, e.request, e.position, e.reasons) for e in report] == [("write", Req("a"), 1, ("WRITE_TOKEN",))]
+    with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got Req"):
+        report.requests
+    assert not eng.canary.poll()  # the rings were emptied as ever
 
 
 @pytest.mark.parametrize("device", BACKENDS)
