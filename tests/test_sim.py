@@ -290,6 +290,19 @@ def test_a_class_the_engine_cannot_host_does_not_hold_up_the_others():
     assert result.to_json()["not_injectable"] == result.not_injectable
 
 
+def test_every_class_asked_for_is_injected_or_says_why_not():
+    """Pages so large that one request runs at a time: slot_alias waits for a second request that
+    never comes, and the classes after it wait behind it; a run too short for every turn says so."""
+    crowded = run(SimConfig(steps=100, page_size=513, pool_slots=1026, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
+    assert [f.cls for f in crowded.faults] == ["kv_bitflip"]
+    assert "never offered it a place" in crowded.not_injectable["slot_alias"]
+    assert all(crowded.not_injectable[cls] == "its turn did not come: slot_alias waited for a place before it"
+               for cls in FAULT_CLASSES[2:])
+    short = run(SimConfig(steps=25, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
+    assert len(short.faults) + len(short.not_injectable) == len(FAULT_CLASSES)
+    assert "its turn did not come (one fault every 10 steps from step 10)" in short.summary()
+
+
 @pytest.mark.parametrize("kwargs", [dict(swa_window=64), dict(swa_window=32, split_batches=True)],
                          ids=["swa64", "swa32-split"])
 def test_every_fault_class_with_an_swa_group_and_no_false_positive(kwargs):

@@ -75,17 +75,38 @@ class FaultInjector:
         self.bitflip_offset = bitflip_offset
         self.faults: list[Fault] = []
         self._turn = 0
+        self._waiting: Optional[str] = None  # the class whose turn came, until it is injected
         self._pending_batch: Optional[str] = None
+
+    def why_not_injected(self) -> dict:
+        """Why each class asked for has no fault, at the end of a run: the engine's shape cannot host
+        it, or it waited for a place the engine never offered (the classes after it wait their turn
+        behind it), or its turn did not come."""
+        injected = {fault.cls for fault in self.faults}
+        waiting = self._waiting
+        why = dict(self.not_injectable)
+        for cls in self.classes:
+            if cls in injected or cls in why:
+                continue
+            if cls == waiting:
+                why[cls] = "its turn came, but the engine never offered it a place (e.g. too few requests running)"
+            elif waiting is not None and waiting not in injected:
+                why[cls] = f"its turn did not come: {waiting} waited for a place before it"
+            else:
+                why[cls] = f"its turn did not come (one fault every {self.every} steps from step {self.start})"
+        return why
 
     def _due(self, step: int) -> Optional[str]:
         if not self.classes or step < self.start or (step - self.start) % self.every:
             return None
-        return self.classes[self._turn % len(self.classes)]
+        self._waiting = self.classes[self._turn % len(self.classes)]
+        return self._waiting
 
     def _record(self, cls: str, step: int, victims, slots, **detail) -> Fault:
         fault = Fault(len(self.faults), cls, step, set(victims), set(slots), detail)
         self.faults.append(fault)
         self._turn += 1
+        self._waiting = None
         return fault
 
     def undetected_victims(self) -> set:

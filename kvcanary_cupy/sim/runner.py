@@ -68,7 +68,7 @@ class SimResult:
     decode_forwards: int = 0  # forwards whose requests are all past their prompts (a token each, or drafts)
     decode_canary_s: float = 0.0  # the canary's host time in those forwards
     static_decode: Optional[dict] = None  # StaticDecode.to_json() when decode ran through static forwards
-    not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none ran
+    not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none was injected
     host_tier: Optional[dict] = None  # the host tier's slots, moves and copy times (None: no tier)
     speculative: Optional[dict] = None  # drafts a decode verifies, drafts verified and accepted (None: off)
 
@@ -287,7 +287,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
                      engine.aborted, engine.shared_tokens, engine.reused_pages, wall, canary_s, injector.faults,
                      false_positives, violations_per_step, kernels_s,
                      decode_forwards, decode_canary_s, None if static is None else static.to_json(),
-                     injector.not_injectable, None if engine.tier is None else engine.tier.to_json(),
+                     injector.why_not_injected(), None if engine.tier is None else engine.tier.to_json(),
                      None if not config.speculative else {"drafts": config.speculative,
                                                           "verified": engine.drafts_verified,
                                                           "accepted": engine.drafts_accepted})
