@@ -144,22 +144,25 @@ def test_a_context_hashes_its_sources_by_default():
     assert kc.CanaryContext.allocate(8, real_kv_sources=sources, hash_mode=kc.HashMode.NONE).kv_read_lengths == ()
 
 
-def test_more_sources_than_numba_threads_take_are_hashed():
+@pytest.mark.parametrize("device", BACKENDS)
+def test_more_sources_than_numba_threads_take_are_hashed(device):
     """numba unpacks at most 100 tuple items into a parallel region: a canary of 101 sources (51
-    layers' K and V would be 102) hashes them serially, as many entries as take threads otherwise."""
+    layers' K and V would be 102) hashes them serially on the CPU, as many entries as take threads
+    otherwise; the GPU's kernels walk any number of sources."""
     tokens, sources = 16_400, 101  # past the CPU verify's and write's thread thresholds
     rng = np.random.default_rng(5)
-    buffers = [rng.integers(0, 256, size=(tokens + 2, 16), dtype=np.uint8) for _ in range(sources)]
-    table = np.zeros((2, tokens + 1), np.int32)
-    table[1] = np.arange(1, tokens + 2)
-    canary = kc.Canary(pool_slot_count=tokens + 2, req_to_token=table, hash_mode=kc.HashMode.ALL,
+    buffers = [to_device(rng.integers(0, 256, size=(tokens + 2, 16), dtype=np.uint8), device) for _ in range(sources)]
+    table = to_device(np.zeros((2, tokens + 1), np.int32), device)
+    table[1] = to_device(np.arange(1, tokens + 2, dtype=np.int32), device)
+    canary = kc.Canary(pool_slot_count=tokens + 2, req_to_token=table, hash_mode=kc.HashMode.ALL, device=device,
                        real_kv_sources=kc.layouts.per_layer(buffers),
                        capacities=kc.Capacities.from_args(req_to_token_pool_size=2, max_seq_len_per_req=tokens + 1,
                                                           pool_slot_count=tokens + 2, max_prefill_tokens=tokens))
-    i64 = lambda *values: np.array(values, np.int64)  # noqa: E731
+    i64 = lambda *values: to_device(np.array(values, np.int64), device)  # noqa: E731
     prefill = kc.ForwardBatch(req_pool_indices=i64(1), prefix_lens=i64(0), extend_seq_lens=i64(tokens),
-                              input_ids=np.arange(tokens) + 7, positions=np.arange(tokens),
-                              out_cache_loc=np.arange(1, tokens + 1))
+                              input_ids=to_device(np.arange(tokens) + 7, device),
+                              positions=to_device(np.arange(tokens), device),
+                              out_cache_loc=to_device(np.arange(1, tokens + 1), device))
     canary.before_forward(prefill)
     canary.after_forward(prefill)
     buffers[100][1234, 3] ^= 0x10  # the last source's byte of slot 1234 (position 1233)

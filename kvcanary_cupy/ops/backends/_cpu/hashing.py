@@ -87,27 +87,20 @@ _S_READ = L.SRC_READ_BYTES
 BIT_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 
-def _renamed(fn, suffix: str, **bound):
-    """A copy of ``fn`` under a name of its own, ``bound`` replacing globals it reads. numba's
-    on-disk cache is keyed by a function's name and line, not by its compile flags or globals: two
-    builds of one function would share a cache entry and load each other's code."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **bound} if bound else fn.__globals__,
-                              fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
-    copy.__qualname__ = fn.__qualname__ + suffix
-    copy.__module__ = fn.__module__
-    return copy
-
-
 def serial_and_parallel(fn):
-    """``(serial, parallel)`` jitted builds of ``fn`` (whose loop is a ``numba.prange``)."""
-    return njit(**JIT)(_renamed(fn, "_serial")), njit(parallel=True, **JIT)(_renamed(fn, "_parallel"))
+    """``(serial, parallel)`` jitted builds of ``fn`` (whose loop is a ``numba.prange``). numba's
+    on-disk cache is keyed by the function's name and line, not by its compile flags: two builds
+    of one function would share a cache entry and load each other's code, so each build gets a
+    copy of ``fn`` under a name of its own."""
 
+    def renamed(suffix):
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
+                                  fn.__closure__)
+        copy.__qualname__ = fn.__qualname__ + suffix
+        copy.__module__ = fn.__module__
+        return copy
 
-def hashing_serially(dispatcher, **bound):
-    """Another build of a jitted op whose parallel hashing (``bound``: each parallel build's name,
-    and the serial one it is to call instead) runs serially: for more sources than
-    :func:`threads_can_hash` allows."""
-    return njit(**JIT)(_renamed(dispatcher.py_func, "_hashing_serially", **bound))
+    return njit(**JIT)(renamed("_serial")), njit(parallel=True, **JIT)(renamed("_parallel"))
 
 
 def threads_can_hash(sources) -> bool:

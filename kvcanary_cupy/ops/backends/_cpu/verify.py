@@ -8,7 +8,7 @@ import numpy as np
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
                       as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, prefetch, real_kv_hash, record,
-                      hashing_serially, serial_and_parallel, slot_words, source_arguments, threads_can_hash)
+                      serial_and_parallel, slot_words, source_arguments, threads_can_hash)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -100,6 +100,15 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
             hash_slots_serial(num_slots, sources, table, slots[:active], hashes, out_of_range)
         _entry_bits_serial(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
                            hashes, out_of_range, bits)
+    _record_rows(active, bits, words, sources, table, slots, expected_tokens, expected_positions, prev_slots,
+                 check_token, tag, ring, write_index)
+
+
+@njit(**INLINE)
+def _record_rows(active, bits, words, sources, table, slots, expected_tokens, expected_positions, prev_slots,
+                 check_token, tag, ring, write_index):
+    """The rows of the entries whose ``bits`` are set, in entry order, each checked again."""
+    num_slots = words.shape[0]
     for k in range(active):
         if bits[k] == 0:
             continue
@@ -110,12 +119,30 @@ def _verify(words, sources, table, slots, expected_tokens, expected_positions, p
             record(ring, write_index, tag, row[1], row[2], row[3], row[4], row[5], row[6], row[0])
 
 
-_verify_hashing_serially = hashing_serially(_verify, hash_slots_parallel=hash_slots_serial)
+@njit(**JIT)
+def _verify_serially(words, sources, table, slots, expected_tokens, expected_positions, prev_slots, num_valid, enable,
+                     check_token, tag, ring, write_index, slot_run_counter, kernel_run_counter):
+    """``_verify`` without threads, for more sources than a parallel region takes (threads_can_hash):
+    numba would not compile ``_verify`` for them, whose parallel hashing is built in."""
+    kernel_run_counter[0] += 1
+    if enable[0] == 0:
+        return
+    active = min(max(np.int64(num_valid[0]), 0), slots.shape[0])
+    slot_run_counter[0] += active
+    hashes = np.zeros(active, dtype=np.uint64)
+    out_of_range = np.zeros(active, dtype=np.bool_)
+    bits = np.empty(active, dtype=np.uint8)
+    if table.shape[0]:
+        hash_slots_serial(words.shape[0], sources, table, slots[:active], hashes, out_of_range)
+    _entry_bits_serial(active, words, slots, expected_tokens, expected_positions, prev_slots, check_token,
+                       hashes, out_of_range, bits)
+    _record_rows(active, bits, words, sources, table, slots, expected_tokens, expected_positions, prev_slots,
+                 check_token, tag, ring, write_index)
 
 
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> None:
     sources, table = source_arguments(ctx)
-    run = _verify if threads_can_hash(sources) else _verify_hashing_serially
+    run = _verify if threads_can_hash(sources) else _verify_serially
     run(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
-            vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
-            ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
+        vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
+        ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
