@@ -14,7 +14,6 @@ the ``req_to_token`` table; the mapping is done only for the violating slots.
 from __future__ import annotations
 
 import collections
-import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -171,7 +170,7 @@ class CanaryReport:
         try:
             return set(named)
         except TypeError:
-            unhashable = next(name for name in named if not isinstance(name, collections.abc.Hashable))
+            unhashable = next(name for name in named if _unhashable(name))
             raise TypeError(f"{check.PREFIX}CanaryReport.requests needs hashable req_ids, got "
                             f"{type(unhashable).__name__} {unhashable!r}: read each event's request instead") from None
 
@@ -198,6 +197,14 @@ class CanaryReport:
         if len(self.events) > limit:
             lines.append(f"  ... {len(self.events) - limit} more")
         return "\n".join(lines)
+
+
+def _unhashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return True
+    return False
 
 
 class CanaryViolation(RuntimeError):
