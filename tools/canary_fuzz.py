@@ -637,22 +637,23 @@ class FuzzEngine:
         for _ in range(int(self.rng.integers(0, 3)) if self.requests else 1):
             if not self.free_rows:
                 return
-            shares = self.rng.random() < 0.6 or self.flipped_prefix() is not None
-            shared = self.draw_shared_prefix() if self.c.prefix_sharing and shares else None
+            flipped = self.flipped_prefix()
+            shares = self.rng.random() < 0.6 or flipped is not None
+            shared = self.draw_shared_prefix(flipped) if self.c.prefix_sharing and shares else None
             self.add_request(*(shared or ([], [])))
 
-    def draw_shared_prefix(self) -> Optional[tuple[list, list]]:
+    def draw_shared_prefix(self, flipped: Optional[tuple] = None) -> Optional[tuple[list, list]]:
         """The tokens and slots of a prefix to share, of a live request's cached tokens or a cached
         prefix, as a radix cache matches one: ``k`` slots, and their ``k`` tokens (``k + 1`` with a
         draft model, whose KV of position ``k - 1`` holds the token at ``k``). With an SWA group only
         a prefix whose last ``window`` positions still have SWA slots is shared (as SGLang's SWA radix
-        cache matches), so that a sharer's window never starts at a freed SWA slot."""
+        cache matches), so that a sharer's window never starts at a freed SWA slot. ``flipped``
+        (:meth:`flipped_prefix`) is shared instead, from its flipped position on."""
         prefixes = self.cache + self.tier_prefixes
         sources = [(r.token_at, r.slots) for r in self.live()] + [(e.tokens.__getitem__, e) for e in prefixes]
         if not sources:
             return None
-        token_at, slots = sources[int(self.rng.integers(len(sources)))]
-        flipped = self.flipped_prefix()
+        token_at, slots = sources[int(self.rng.integers(len(sources)))]  # drawn anyway: the clean run's draws
         if flipped is not None:
             token_at, slots = flipped[0].tokens.__getitem__, flipped[0]
         if isinstance(slots, CachedPrefix):  # loaded back first when the host tier holds it
