@@ -741,12 +741,13 @@ def test_static_forward_run_counts_past_one_count_array(device):
     assert sorted((e.phase, e.request, e.position) for e in report) == [("head", "r66", 2), ("tail", "r66", 2)]
 
 
-def _graph_run(framework: str, capture: str = ""):
+def _graph_run(framework: str, capture: str = "", off: frozenset = frozenset()):
     """``_forward_frames`` with K bytes for each new token and a bit of request 1's cached K flipped
     before the fourth forward, through a canary with an SWA group (slots translated): on the CPU
     eagerly (framework "cpu"); else in CuPy arrays or torch tensors, each batch shape through a
     StaticForward over static buffers, run once eagerly and then captured with the forward's K write
-    in a CUDA graph (``capture``: CuPy's stream capture or ``torch.cuda.graph``) and replayed.
+    in a CUDA graph (``capture``: CuPy's stream capture or ``torch.cuda.graph``) and replayed. The
+    canary is off for the forwards numbered in ``off`` (from 0) and their polls.
     Returns each forward's events, the canary buffers and the graphs."""
     frames = _forward_frames()
     rng = np.random.default_rng(3)
@@ -794,6 +795,7 @@ def _graph_run(framework: str, capture: str = ""):
                        swa=kc.SwaGroup(window=4, lut=put(lut), num_slots=SLOTS))
     buffers, forwards, graphs, events = {}, {}, {}, []
     for number, frame in enumerate(frames):
+        canary.mode = "off" if number in off else "log"
         if number == 3:
             flipped = int(frames[0]["req_to_token"][1, 2])
             k_pool[flipped, 1, 5] += 1.0
@@ -874,6 +876,23 @@ def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework,
     for ours, theirs in zip(buffers, expected_buffers):
         assert np.array_equal(ours, theirs)
     assert canary.forwards == 0 and canary.poll().forwards == len(events)
+
+
+@requires_gpu
+def test_graph_replays_run_the_canary_while_it_is_off():
+    """``mode="off"`` makes the canary's calls return at once, but a graph that captured a static
+    forward's ``before()``/``after()`` runs its kernels at every replay: the replays' tokens are
+    fingerprinted as if it were on, and the rows they record are reported at the first poll once it
+    is on again (without steps: that poll covers three forwards)."""
+    expected, expected_buffers, _, _ = _graph_run("cpu")
+    events, buffers, graphs, canary = _graph_run("cupy", "cupy", off=frozenset({3, 4}))
+    assert len(graphs) == 2
+    assert [total for total, _, _ in events] == [0, 0, 0, 0, 0, 6]
+    unstepped = lambda keys: sorted((key[:6] + key[7:] for key in keys), key=repr)  # noqa: E731
+    assert unstepped(events[5][2]) == unstepped(sum((keys for _, _, keys in expected[3:]), []))
+    assert all(key[6] is None for key in events[5][2])
+    for ours, theirs in zip(buffers, expected_buffers):
+        assert np.array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
