@@ -58,3 +58,19 @@ def test_canary_fuzz_on_the_cpu_keeps_prefixes_in_the_host_tier_and_runs_the_dra
     flips = [row for row in rows if row["fault"] == "prefix_flip" and row["injected"]]
     assert any("host-tier" in row["fault_where"] and row["detected"] for row in flips)
     assert any(row["work"].get("prefix_loads") for row in rows)
+
+
+def test_canary_fuzz_on_the_cpu_switches_the_canary_off_and_on_again(tmp_path, capsys):
+    """Seeds that switch the canary off for a few forwards, drain the requests that ran meanwhile
+    and switch it on again: from then on the clean run reports nothing and its counters match the
+    forwards run while on, and the fault, injected after, is reported and named."""
+    # seeds 225-233 hold five such seeds, one of them with static forwards
+    printed, rows, total = run_fuzz(tmp_path, capsys, start=225, seeds=9, forwards=40)
+    assert "pause=on" in printed
+    paused = [row for row in rows if row["config"]["pause_at"]]
+    assert len(paused) == 5 and any(row["config"]["static"] != "off" for row in paused)
+    for row in paused:
+        work = row["work"]
+        assert work["forwards_off"] >= row["config"]["pause_len"] and work["resumed_at"] > row["config"]["pause_at"]
+        assert row["injected"] and row["detected"] and row["fault_at"] >= work["resumed_at"]
+

@@ -8,22 +8,24 @@ speculative chains or trees, static forwards, CUDA graphs on a GPU, a host tier,
 verify capacity small enough to overflow, poll and sweep periods, prefix sharing between requests
 and from a cache of finished requests' prefixes, evicted prefixes kept in the host tier and loaded
 back for a later sharer, an EAGLE draft model with a canary of its own, eager or through static
-forwards, the canary switched off, and on a GPU torch tensors as batch and static forwards' arrays
-and a stream of the canary's own, for its record copies too) and a workload of chunked prefills,
-decodes, finishing requests and reused slots and rows, and runs it twice. In the clean run any
-violation is a false positive, and the counters the canary exposes (forwards, skipped verify
-launches, each group's kernel and slot run counters) must equal what the engine asked of it; with
-``mode="off"`` they must all read zero and no record may be written. In the second run (none for
-mode "off") one corruption the configuration is documented to catch is injected (a KV byte flipped
-on the device, in the host tier, in a cached prefix no request holds, on the device or in the host
-tier, or in the draft model's KV, a live slot written by another request, a ``req_to_token`` cell
-pointed at another request's slot, a dropped write, a wrong token id, a draft model's KV written for
-the wrong token), now and then on a slot that several requests share, and must be reported, and the
-reports must name the request it harms (:meth:`FuzzEngine.misnamed`). An exception in either run is
-a crash. A row of ``--json`` is one seed: its configuration, the clean run's findings and counter
-mismatches, the fault and whether it was reported and named; the table sums the rows by feature. The
-exit status is 1 when any seed had a false positive, a counter mismatch, a missed or misnamed fault
-or a crash.
+forwards, the canary off throughout, or switched off for a few forwards and on again once every
+request live while it was off has finished (no admissions meanwhile, the prefixes kept from those
+requests dropped, its graphs captured anew; a fault comes after), and on a GPU torch tensors as
+batch and static forwards' arrays and a stream of the canary's own, for its record copies too) and a
+workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs it
+twice. In the clean run any violation is a false positive, and the counters the canary exposes
+(forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
+engine asked of it while it was on; with ``mode="off"`` throughout they must all read zero and no
+record may be written. In the second run (none for mode "off") one corruption the configuration is
+documented to catch is injected (a KV byte flipped on the device, in the host tier, in a cached
+prefix no request holds, on the device or in the host tier, or in the draft model's KV, a live slot
+written by another request, a ``req_to_token`` cell pointed at another request's slot, a dropped
+write, a wrong token id, a draft model's KV written for the wrong token), now and then on a slot
+that several requests share, and must be reported, and the reports must name the request it harms
+(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
+seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
+was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had a
+false positive, a counter mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ class SeedConfig:
     static_torch: bool  # GPU only: static forwards' arrays are torch CUDA tensors, refilled with torch ops
     draft_static: bool  # the draft model's canary runs through static forwards (graphs too with static "graph")
     records_on_side: bool  # kc.copy_records runs on the canary's side stream too (stream=)
+    pause_at: int = 0  # the forward at which the engine switches its canaries off (0: never)
+    pause_len: int = 0  # forwards run while off (requests admitted too) before the engine drains
 
     @property
     def hashes_kv(self) -> bool:
@@ -132,7 +136,8 @@ class SeedConfig:
                 f"stream={'side' if self.side_stream else 'current'}", f"prefix_tier={on[self.prefix_tier]}",
                 f"static_arrays={'torch' if self.static_torch else 'native'}",
                 f"draft_static={on[self.draft_static]}",
-                f"copy_stream={'side' if self.records_on_side else 'current'}"]
+                f"copy_stream={'side' if self.records_on_side else 'current'}",
+                f"pause={on[self.pause_at > 0]}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -181,11 +186,16 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
     newer = np.random.default_rng([seed, 6])  # the features after those: every draw above stays as it was
     prefix_tier, static_torch, draft_static, records_on_side = (bool(newer.random() < 0.5) for _ in range(4))
     static = config.static != "off"
-    return dataclasses.replace(
+    config = dataclasses.replace(
         config, prefix_tier=prefix_tier and config.prefix_cache > 0,
         static_torch=static_torch and static and on_gpu and torch_ok,
         draft_static=draft_static and static and config.draft_model,
         records_on_side=records_on_side and config.side_stream)
+    latest = np.random.default_rng([seed, 7])  # switched off and on again: every draw above stays as it was
+    pauses, pause_at, pause_len = latest.random() < 0.15, int(latest.integers(2, 13)), int(latest.integers(1, 5))
+    if not pauses or config.mode == "off":
+        return config
+    return dataclasses.replace(config, pause_at=pause_at, pause_len=pause_len)
 
 
 def applicable_faults(c: SeedConfig) -> list[str]:
@@ -363,6 +373,7 @@ class Request:
     swa_evicted: int = 0  # positions below it have no SWA slot any more, unless a sharer still needs it
     pinned: bool = False  # holds the injected fault: never finished, offloaded or moved
     frozen: bool = False  # scheduled no more (a waiting request), so that its SWA window holds still
+    unrecorded: bool = False  # live while the canaries were off: some of its tokens may have no record
 
     @property
     def away(self) -> bool:
@@ -390,6 +401,7 @@ class CachedPrefix:
     host_slots: Optional[np.ndarray] = None  # in the host tier: the host slot of each position
     swa_copied: Optional[np.ndarray] = None  # in the host tier: which positions had an SWA slot
     tainted: tuple = ()  # in the host tier: the positions whose KV the fault made wrong
+    unrecorded: bool = False  # kept from a request live while the canaries were off
 
 
 def same_history(a: Request, position_a: int, b: Request, position_b: int) -> bool:
@@ -537,6 +549,7 @@ class FuzzEngine:
         self.examples: list[str] = []
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
+        self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
 
     def build_canary(self) -> kc.Canary:
         c, rows = self.c, self.c.max_running + 1
@@ -596,15 +609,14 @@ class FuzzEngine:
 
     def step(self, index: int) -> None:
         c, self.index = self.c, index
+        self.switch_mode()
         self.admit()
         self.move_kv()
-        if self.fault and not self.fault.armed and index >= self.fault.at and self.fault.kind in BETWEEN_FORWARDS:
+        if self.fault and not self.fault.armed and index >= self.fault.at and self.fault.kind in BETWEEN_FORWARDS \
+                and self.faults_open:
             self.fault.armed = getattr(self, f"inject_{self.fault.kind}")(self.fault.rng)
         if (self.statics or self.draft_statics) and self.rng.random() < 0.05:  # graphs rebuilt: old ones closed
-            for statics in (self.statics, self.draft_statics):
-                for entry in statics.values():
-                    entry.forward.close()
-                statics.clear()
+            self.close_statics()
         scheduled = self.schedule()
         if scheduled:
             self.forward(scheduled)
@@ -616,6 +628,53 @@ class FuzzEngine:
             self.sweep(self.live())
         if (index + 1) % c.poll_every == 0:
             self.poll()
+
+    def close_statics(self) -> None:
+        for statics in (self.statics, self.draft_statics):
+            for entry in statics.values():
+                entry.forward.close()
+            statics.clear()
+
+    @property
+    def faults_open(self) -> bool:
+        """Whether a fault may be injected now: not before the canaries are on again in a seed that
+        switches them off, since the drain waits for every request live while they were off (a
+        fault's victim is pinned, never finished) and their reports would be expected anyway."""
+        return not self.c.pause_at or self.resumed
+
+    def switch_mode(self) -> None:
+        """A seed with ``pause_at``: the canaries off at that forward, their graphs closed (a captured
+        graph would run the canary's kernels whatever the mode: integration.md §5); after
+        ``pause_len`` forwards no request is admitted until every request live while they were off
+        has finished and every cached prefix kept from one is dropped; then they are on again and
+        must report nothing (the clean run) or the fault injected after."""
+        c = self.c
+        if not c.pause_at or self.resumed:
+            return
+        if self.index == c.pause_at:
+            self.paused = True
+            for watch in self.watches:
+                watch.canary.mode = "off"
+            for request in self.requests:
+                request.unrecorded = True
+            self.close_statics()
+        if not self.paused or self.index < c.pause_at + c.pause_len:
+            return
+        self.draining = True
+        for prefix in [p for p in self.cache if p.unrecorded]:
+            self.cache.remove(prefix)
+            for slot in prefix.slots:
+                self.release_slot(slot)
+        for prefix in [p for p in self.tier_prefixes if p.unrecorded]:
+            self.tier_prefixes.remove(prefix)
+            self.tier_free.extend(int(s) for s in prefix.host_slots)
+        if any(request.unrecorded for request in self.requests):
+            return
+        self.paused = self.draining = False
+        self.resumed = True
+        for watch in self.watches:
+            watch.canary.mode = c.mode
+        self.tally["resumed_at"] = self.index
 
     def finish(self) -> None:
         """Poll what is pending, load back every offloaded request, then sweep each live request
@@ -634,6 +693,8 @@ class FuzzEngine:
 
     # --- requests, slots and shared prefixes ------------------------------------------------------
     def admit(self) -> None:
+        if self.draining:
+            return
         for _ in range(int(self.rng.integers(0, 3)) if self.requests else 1):
             if not self.free_rows:
                 return
@@ -694,7 +755,7 @@ class FuzzEngine:
         self.table_host[row, :k] = shared
         np.add.at(self.refs, shared, 1)
         request = Request(self.next_rid, row, tokens, int(rng.integers(k + 1, total)), int(rng.integers(1, VOCAB)),
-                          slots=list(shared))
+                          slots=list(shared), unrecorded=self.paused)
         self.requests.append(request)
         self.next_rid += 1
         self.tally["shared_tokens"] += k
@@ -754,7 +815,8 @@ class FuzzEngine:
     def keep_prefix(self, request: Request) -> None:
         """A prefix of a finished request into the prefix cache (the oldest entry evicted when full)."""
         n = int(self.rng.integers(1, request.cached + 1))
-        self.cache.append(CachedPrefix([request.token_at(p) for p in range(n + 1)], request.slots[:n]))
+        self.cache.append(CachedPrefix([request.token_at(p) for p in range(n + 1)], request.slots[:n],
+                                       unrecorded=request.unrecorded))
         np.add.at(self.refs, request.slots[:n], 1)
         if len(self.cache) > self.c.prefix_cache:
             self.drop_cached(0)
@@ -988,6 +1050,9 @@ class FuzzEngine:
             self.tally["tokens"] += len(s.kept)
 
     def account_forward(self, watch: Watch, scheduled: list[Scheduled], written: int, *, eager: bool) -> None:
+        if self.paused:  # every call returned at once
+            self.tally["forwards_off"] += watch is self.watches[0]
+            return
         ledger, capacity = watch.ledger, self.canary.capacities.verify_capacity
         ledger.forwards += 1
         ledger.eager_forwards += eager
@@ -1056,7 +1121,9 @@ class FuzzEngine:
             return
         with self.canary_stream() as stream:
             entry.forward.after(stream=stream)
-        if self.c.static == "graph":  # ran once eagerly, every kernel loaded: captured for the next runs
+        # ran once eagerly, every kernel loaded: captured for the next runs (not while the canary is off:
+        # that graph would hold no node)
+        if self.c.static == "graph" and not self.paused:
             entry.graphs = self.capture(entry.forward)
 
     def settle_static_arrays(self) -> None:
@@ -1087,7 +1154,7 @@ class FuzzEngine:
         for watch in self.watches:
             with self.canary_stream() as stream:
                 watch.canary.sweep(live, stream=stream)
-            for group, window in watch.groups:
+            for group, window in [] if self.paused else watch.groups:  # off: the sweep returned at once
                 entries = sum(min(r.cached, window) if window else r.cached for r in requests)
                 watch.ledger.verify(group, entries, self.canary.capacities.verify_capacity)
         self.tally["sweeps"] += 1
@@ -1288,7 +1355,8 @@ class FuzzEngine:
         self.tier_prefixes.remove(prefix)
         if len(self.cache) >= self.c.prefix_cache:
             self.drop_cached(0)
-        loaded = CachedPrefix(prefix.tokens, self.tier_in(prefix.host_slots, prefix.swa_copied, prefix.tainted))
+        loaded = CachedPrefix(prefix.tokens, self.tier_in(prefix.host_slots, prefix.swa_copied, prefix.tainted),
+                              unrecorded=prefix.unrecorded)
         self.cache.append(loaded)
         self.tally["prefix_loads"] += 1
         return loaded
@@ -1485,7 +1553,8 @@ class FuzzEngine:
         change in what after_forward (or after()) gets, for one kept token. A write dropped into a
         slot whose stale record is the one it would have written is no corruption: left out."""
         fault = self.fault
-        if fault is None or fault.armed or fault.kind not in ("dropped_write", "wrong_token") or self.index < fault.at:
+        if fault is None or fault.armed or fault.kind not in ("dropped_write", "wrong_token") or self.index < fault.at \
+                or not self.faults_open:
             return None
         candidates, entry = [], 0
         for s, nodes in zip(scheduled, after_nodes):
@@ -1514,7 +1583,7 @@ class FuzzEngine:
         checks). Only where a check will see it: with the write input assert anywhere, else below
         the request's last kept position, which later verifies check against the token pool."""
         fault = self.fault
-        if fault is None or fault.armed or fault.kind != "draft_token" or self.index < fault.at:
+        if fault is None or fault.armed or fault.kind != "draft_token" or self.index < fault.at or not self.faults_open:
             return None
         candidates, entry = [], 0
         for s, nodes in zip(scheduled, kept):
