@@ -432,9 +432,10 @@ class RowMapper:
         """A row no logged launch explains: a static forward's replay, else only its phase is known
         (from its tag and shape; the tables have changed since)."""
         write = self.is_write_row(group, v)
-        for forward, launches in group.static_log:
-            if id(forward) not in static_ran:
+        for record in group.static_log:
+            if record.run_count_at not in static_ran:
                 continue
+            launches = record.launches
             written = frozenset().union(*(self.host(id(launch.write_loc), launch.write_loc).tolist()
                                           for launch in launches if launch.kind == "write"))
             for launch in launches:

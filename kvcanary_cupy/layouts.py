@@ -9,7 +9,9 @@ the per-layer buffers (hashing fewer layers is cheaper and still catches slot-le
 builder                    buffer shape (per layer)                               slot ``s`` reads
 =========================  =====================================================  ===============
 :func:`per_layer`          ``[slots, heads, head_dim]`` (K and V lists)           row ``s``
-:func:`paged`              ``[pages, page_size, heads, head_dim]`` (K and V)      page ``s // page_size``
+:func:`paged`              ``[pages, page_size, heads, head_dim]`` (K and V), or  page ``s // page_size``
+                           ``[pages, heads, page_size, head_dim]`` with
+                           ``head_major=True`` (a source a head)
 :func:`interleaved`        ``[slots, 2, heads, head_dim]``: K then V in one row   row ``s`` (K and V apart)
 :func:`mla`                ``[slots, 1, latent]`` or                              row ``s``, or
                            ``[pages, page_size, 1, latent]`` (MLA latent rows)    ``s // page_size``
@@ -102,18 +104,38 @@ def per_layer(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers
 
 
 def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Optional[Iterable[int]] = None,
+          page_size: Optional[int] = None, head_major: bool = False,
           read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
-    """Paged K and V buffers ``[pages, page_size, heads, head_dim]`` per layer; ``page_size`` is
-    ``shape[1]``. Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
+    """Paged K and V buffers per layer: ``[pages, page_size, heads, head_dim]`` (token-major, one
+    source a buffer), or with ``head_major`` ``[pages, heads, page_size, head_dim]`` (a page holds
+    each head's tokens together, as an "HND" cache does), one source a head: each layer's K heads,
+    then its V heads; ``read_bytes`` and PARTIAL mode's 16 bytes then count in each head's bytes.
+    The shape cannot tell the two apart: given ``page_size``, the tokens a page holds are checked
+    against it. Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
     taking its heads for the page size would hash the wrong bytes of every slot."""
+    head_major = check.boolean("head_major", head_major)
+    tokens_dim, layout = (2, "[pages, heads, page_size, head_dim]") if head_major else \
+        (1, "[pages, page_size, heads, head_dim]")
     out = []
     for name, buffer in _k_then_v(k_buffers, v_buffers, layers):
         view = native_view(buffer, name)
         if view.ndim != 4:
-            raise ValueError(f"{check.PREFIX}{name} must be 4-D [pages, page_size, heads, head_dim], got shape "
+            raise ValueError(f"{check.PREFIX}{name} must be 4-D {layout}, got shape "
                              f"{check.shape_text(view)} (one token a row, [slots, heads, head_dim], is "
                              f"kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=)")
-        out.append(from_buffer(view, page_size=int(view.shape[1]), read_bytes=read_bytes, name=name))
+        tokens = int(view.shape[tokens_dim])
+        if page_size is not None and check.positive("page_size", page_size) != tokens:
+            other = " (head_major=True takes [pages, heads, page_size, head_dim])" \
+                if not head_major and int(view.shape[2]) == page_size else ""
+            raise ValueError(f"{check.PREFIX}page_size must be the tokens a page of {name} holds, shape[{tokens_dim}] "
+                             f"of {layout}: got {page_size} for shape {check.shape_text(view)}{other}")
+        if not head_major:
+            out.append(from_buffer(view, page_size=tokens, read_bytes=read_bytes, name=name))
+            continue
+        # a head's tokens of one page are one row of page_size tokens: a view of them a head
+        for head in range(int(view.shape[1])):
+            out.append(from_buffer(view[:, head:head + 1].transpose(0, 2, 1, 3), page_size=tokens,
+                                   read_bytes=read_bytes, name=f"{name} head {head}"))
     return tuple(out)
 
 
@@ -162,7 +184,8 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
         # token a row, its pages' tokens taken for one token's bytes
         if view.ndim not in (3, 4) or view.shape[-2] != 1:
             raise ValueError(f"{check.PREFIX}{name} must be [slots, 1, latent] or [pages, page_size, 1, latent], "
-                             f"got shape {check.shape_text(view)}")
+                             f"got shape {check.shape_text(view)} (a paged [pages, page_size, latent] is "
+                             f"kc.layouts.from_buffer with page_size=)")
         rows_hold = int(view.shape[1]) if view.ndim == 4 else 1
         if page_size is not None and check.positive("page_size", page_size) != rows_hold:
             raise ValueError(f"{check.PREFIX}page_size must be the tokens a row of {name} holds "

@@ -6,9 +6,10 @@ sliding-window pool). An engine calls :meth:`Canary.before_forward` once the bat
 and :meth:`Canary.poll` whenever it can afford a host synchronisation. Nothing but ``poll`` (and
 ``stats``) ever waits for the device.
 
-``poll`` maps each violation back to the request and position it concerns, from a small host-side
-log of the launches since the previous poll (references to the batch metadata, nothing copied) and
-the ``req_to_token`` table; the mapping is done only for the violating slots.
+``poll`` maps each violation back to the request and position it concerns, from a host-side log of
+the launches since the previous poll (references to the batch metadata, nothing copied; at most
+``max_logged_forwards`` forwards' worth) and the ``req_to_token`` table; the mapping is done only
+for the violating slots.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
@@ -189,7 +191,7 @@ class CanaryReport:
         return counts
 
     def describe(self, limit: int = 20) -> str:
-        lines = [f"kv-canary: {self.total} violation(s) over {self.forwards} forward(s)"
+        lines = [f"kv-canary: {self.total} violation(s) since the previous poll ({self.forwards} forward(s) so far)"
                  + (f", {self.dropped} dropped by the ring" if self.dropped else "")
                  + (f", {self.capacity_overflows} verify launch(es) skipped: plan capacity exceeded"
                     if self.capacity_overflows else "")]
@@ -226,6 +228,23 @@ class _Launch:
     write_loc: Any = None  # the slots the write used (SWA: translated)
 
 
+@dataclasses.dataclass(eq=False)
+class _StaticRecord:
+    """A static forward as a group keeps it until it is closed: a weak reference (a forward the
+    engine lets go of without ``close()`` is closed once collected, its arrays kept here for the
+    poll that maps its last runs), where its run count lies (which names it across groups), and
+    its launches over the group."""
+
+    forward: Any  # weakref.ref to the StaticForward
+    run_count_at: tuple
+    launches: list
+
+    @property
+    def closed(self) -> bool:
+        forward = self.forward()
+        return forward is None or forward.closed
+
+
 class _Group:
     """The canary state of one KV pool (full or SWA)."""
 
@@ -246,10 +265,10 @@ class _Group:
         self.overflows = empty((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
-        # (StaticForward, its launches over this group) until it is closed: poll matches the rows it
-        # cannot place in the log against the forwards that ran since the previous poll, reading
-        # their arrays as they are then (a replayed graph leaves no log behind)
-        self.static_log: list[tuple] = []
+        # the static forwards until they are closed: poll matches the rows it cannot place in the log
+        # against the forwards that ran since the previous poll, reading their arrays as they are
+        # then (a replayed graph leaves no log behind)
+        self.static_log: list[_StaticRecord] = []
         self.checks: dict = {}  # by tag, on a GPU: the packed verify and disabled-count launches
 
 
@@ -403,7 +422,9 @@ class Canary:
     ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32 [rows, ctx]``, the
     token id of every position, referenced in place) turns on expected-token checks in verify.
     ``mode`` is ``"off"`` (every call returns at once), ``"log"`` (poll logs and returns the report)
-    or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found).
+    or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
+    polls the canary keeps the batches of at most ``max_logged_forwards`` forwards, to name the
+    requests and steps of their rows; later forwards are checked all the same, their rows unnamed.
     """
 
     def __init__(self, *, pool_slot_count: int, capacities: Capacities, req_to_token: Any, device: Any = "cpu",
@@ -411,7 +432,7 @@ class Canary:
                  ring_capacity: int = 1024, mode: str = "log", swa: Optional[SwaGroup] = None,
                  expected_tokens: Optional[Any] = None, check_expected_token: Optional[bool] = None,
                  token_offset: int = 0, chain_position_assert: bool = False,
-                 logger: Optional[logging.Logger] = None):
+                 logger: Optional[logging.Logger] = None, max_logged_forwards: int = 1024):
         # Every argument is checked before anything is allocated.
         check.choice("mode", mode, MODES)
         check.instance("capacities", capacities, Capacities)
@@ -430,6 +451,7 @@ class Canary:
         check_expected_token = (expected_tokens is not None if check_expected_token is None
                                 else check.boolean("check_expected_token", check_expected_token))
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
+        max_logged_forwards = check.positive("max_logged_forwards", max_logged_forwards)
         if logger is not None and not callable(getattr(logger, "warning", None)):
             raise TypeError(f"{check.PREFIX}logger must be None or a logging.Logger (anything with a warning "
                             f"method), got {type(logger).__name__}")
@@ -463,6 +485,12 @@ class Canary:
         self._static_forward_count = 0
         self._live_run_counts: list = []  # by count array: how many of its forwards a poll still reads
         self._planned: Any = None
+        # The launches of at most max_logged_forwards forwards between two polls are logged (each
+        # keeps its batch's arrays until the poll, and the poll's mapping walks them all); later
+        # ones are only counted.
+        self._max_logged_forwards = max_logged_forwards
+        self._polled_at = 0  # _numbered at the previous poll
+        self._unlogged = 0  # launches left out of the log since the previous poll
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
         self._plan_op = backend_module(device, "plan").plan
         self._verify_op = backend_module(device, "verify").verify
@@ -723,7 +751,7 @@ class Canary:
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
                 self._forward_check(group, group.head_tag, stream)
-                group.log.append(_Launch("verify", "head", group.head_tag, step, batch))
+                self._log(group, _Launch("verify", "head", group.head_tag, step, batch))
         self._planned = batch
 
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
@@ -745,6 +773,21 @@ class Canary:
         CuPy's stream outside ``_on``, which a ``stream=`` argument can make another one."""
         if any(geometry is not None and geometry.torch for geometry in geometries):
             order_after_torch(self.device.index)
+
+    def _log(self, group: _Group, *launches: _Launch) -> None:
+        """Log ``launches`` for the next poll, unless more than ``max_logged_forwards`` forwards
+        have run since the previous one: then they are only counted, their arrays not kept, and
+        that poll's rows get no step (said once, when it first happens)."""
+        if self._numbered - self._polled_at <= self._max_logged_forwards:
+            group.log.extend(launches)
+            return
+        if not self._unlogged:
+            self.logger.warning(
+                "kv-canary: more than %d forwards since the last poll(): the canary still checks and "
+                "fingerprints every forward, but logs no more of them until it polls, so that poll's "
+                "violations get no step and may name no request (poll more often, or raise "
+                "max_logged_forwards)", self._max_logged_forwards)
+        self._unlogged += len(launches)
 
     def _next_forward(self) -> int:
         """Count an eager forward; its number."""
@@ -804,10 +847,10 @@ class Canary:
                     self._write_op(group.ctx, group.wplan, writes[index], stream=stream)
                 else:
                     prepared_writes.writes[index](addresses, stream)
-                group.log.append(_Launch("write", "write", group.tail_tag, self._numbered, batch,
-                                         write_loc=slots[index]))
                 self._forward_check(group, group.tail_tag, stream)
-                group.log.append(_Launch("verify", "tail", group.tail_tag, self._numbered, batch))
+                self._log(group,
+                          _Launch("write", "write", group.tail_tag, self._numbered, batch, write_loc=slots[index]),
+                          _Launch("verify", "tail", group.tail_tag, self._numbered, batch))
         self._planned = None
 
     def static_forward(self, batch: ForwardBatch) -> "StaticForward":
@@ -850,7 +893,7 @@ class Canary:
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
                 self._check(group, group.sweep_vplan, group.sweep_tag, stream)
-                group.log.append(_Launch("verify", "sweep", group.sweep_tag, self._numbered, live_requests))
+                self._log(group, _Launch("verify", "sweep", group.sweep_tag, self._numbered, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
     def poll(self) -> CanaryReport:
@@ -868,7 +911,8 @@ class Canary:
         # nor which of several is which; one replay alone since the previous poll is the next forward.
         # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
         # fit the others' entries, whose steps are then not known either.
-        steps_known = not stray and not (replays and logged)
+        capped = self._unlogged > 0  # launches left out of the log: its rows' places are not known
+        steps_known = not stray and not (replays and logged) and not capped
         mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None)
         for group in self.groups:
             raw = group.ctx.violations()
@@ -878,8 +922,9 @@ class Canary:
                 group.overflows[...] = 0
                 settle(group.device)
             if raw.total:
-                named = mapper.resolve(group, raw.rows, raw.dropped > 0, ran)
-                if replays or stray:  # a sweep's place beside a replay is not known either
+                # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
+                named = mapper.resolve(group, raw.rows, raw.dropped > 0 or capped, ran)
+                if replays or stray or capped:  # a sweep's place beside a replay is not known either
                     named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
                              for phase, step, request, position in named]
                 events.extend(CanaryEvent(group.name, phase, step, v.slot_idx, request, position, v)
@@ -890,6 +935,7 @@ class Canary:
             group.log.clear()
         self._drop_closed_static_forwards()
         self._numbered += replays
+        self._polled_at, self._unlogged = self._numbered, 0
         report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
         if report.total or report.capacity_overflows:
             if self.mode == "raise" and report.total:
@@ -922,15 +968,16 @@ class Canary:
     def _drop_closed_static_forwards(self) -> None:
         """Forget the closed static forwards, their runs counted and mapped by this poll; a count
         array none of whose forwards is left is read by no later poll."""
-        closed = {id(forward): forward for group in self.groups for forward, _ in group.static_log if forward.closed}
+        closed = {record.run_count_at for group in self.groups for record in group.static_log if record.closed}
         for group in self.groups:
-            group.static_log[:] = [entry for entry in group.static_log if not entry[0].closed]
-        for forward in closed.values():
-            self._live_run_counts[forward.run_count_at[0]] -= 1
+            group.static_log[:] = [record for record in group.static_log if record.run_count_at not in closed]
+        for array, _ in closed:
+            self._live_run_counts[array] -= 1
 
     def _static_forwards_ran(self) -> tuple[set, int, int]:
-        """The static forwards (by id) that ran since the previous poll, their runs, and the runs
-        counted in the cells of forwards let go (run by mistake), the run counts cleared."""
+        """The static forwards (by where their run counts lie) that ran since the previous poll,
+        their runs, and the runs counted in the cells of forwards let go (run by mistake), the run
+        counts cleared."""
         live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
         if not live:
             return set(), 0, 0
@@ -941,10 +988,10 @@ class Canary:
         settle(self.device)
         ran, runs = set(), 0
         for group in self.groups:
-            for forward, _ in group.static_log:
-                array, index = forward.run_count_at
-                if counts[array][index] and id(forward) not in ran:
-                    ran.add(id(forward))
+            for record in group.static_log:
+                array, index = record.run_count_at
+                if counts[array][index] and record.run_count_at not in ran:
+                    ran.add(record.run_count_at)
                     runs += int(counts[array][index])
         return ran, runs, int(sum(int(count.sum()) for count in counts.values())) - runs
 
@@ -1002,7 +1049,7 @@ class StaticForward:
                                  _Launch("verify", "tail", group.tail_tag, 0, batch)])
                         for group, bundle in zip(groups, writes)]
         for group, launches in self._logged:
-            group.static_log.append((self, launches))
+            group.static_log.append(_StaticRecord(weakref.ref(self), self.run_count_at, launches))
 
     @contextlib.contextmanager
     def _launching(self, stream: Any) -> Iterator[Any]:
@@ -1071,7 +1118,7 @@ class StaticForward:
         if not new_forward:
             self._logged_step = None
         for group, launches in self._logged:
-            group.log.extend(dataclasses.replace(launch, step=step) for launch in launches[first:end])
+            canary._log(group, *(dataclasses.replace(launch, step=step) for launch in launches[first:end]))
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still

@@ -12,7 +12,9 @@ from . import validate as check
 from ._dlpack import Device, data_pointer, device_of, native_view
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: a source is its memory, so equal and hashed by identity (comparing its array's
+# elements would say nothing about the memory, and arrays are not hashable)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RealKvSource:
     """One piece of real KV memory the canary fingerprints.
 

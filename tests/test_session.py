@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import logging
+
 import numpy as np
 import pytest
 
@@ -19,7 +22,7 @@ class Tiny:
     """Two requests in a 64-slot pool with per-layer K/V buffers, on ``device``."""
 
     def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None,
-                 static=False, frame=None, bound=False):
+                 static=False, frame=None, bound=False, **canary_options):
         self.device = device
         self.stream = stream
         # static: the batch arrays are buffers refilled in place, one per field and length, as a
@@ -41,7 +44,7 @@ class Tiny:
                                 real_kv_sources=kc.layouts.per_layer([self.swa_k]))
         self.canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=self.table, device=device,
                                 real_kv_sources=kc.layouts.per_layer([self.k], [self.v]), hash_mode=hash_mode,
-                                mode=mode, swa=group, chain_position_assert=True)
+                                mode=mode, swa=group, chain_position_assert=True, **canary_options)
         self.rows = {"a": 1, "b": 2}
         self.lens = {"a": 0, "b": 0}
         self.next_slot = 1
@@ -614,6 +617,62 @@ def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_bat
     assert eng.canary.context.slot_fields(60)["position"] == 4
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_forward_let_go_without_close_is_closed(device):
+    """A static forward the engine drops without ``close()`` is closed once collected: the next
+    poll still counts and maps its run (a bit flipped in a record of the prefix it read is
+    named), then the canary keeps nothing of it."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    table = to_numpy(eng.table).copy()
+    table[1, 4] = 60
+    eng.table[...] = to_device(table, device)
+    forward = eng.canary.static_forward(kc.ForwardBatch(
+        req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
+        positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
+    flipped = eng.slot("a", 1)
+    eng.canary.context.canary_buf[flipped, 0] ^= 1
+    forward.before()
+    forward.after()
+    del forward
+    gc.collect()
+    assert all(record.closed for group in eng.canary.groups for record in group.static_log)
+    report = eng.canary.poll()
+    assert report.forwards == 2
+    # the changed token breaks the link the next position's record holds
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
+    assert all(not group.static_log for group in eng.canary.groups)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
+    """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
+    later ones are still checked, fingerprinted and counted, their rows reported at the next poll
+    without steps (a warning says so, once); after the poll, forwards are logged again."""
+    eng = Tiny(device, max_logged_forwards=2)
+    eng.step({"a": 4, "b": 3})
+    assert not eng.canary.poll()
+    slot = eng.slot("a", 1)
+    eng.k[slot, 0, 0] += 1.0  # every forward of a reads it: HEAD and TAIL report it
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            eng.step({"a": 1, "b": 1})
+    warned = [r for r in caplog.records if "more than 2 forwards since the last poll()" in r.getMessage()]
+    assert len(warned) == 1
+    assert all(len(group.log) == 2 * 3 for group in eng.canary.groups)  # head, write and tail of two forwards
+    report = eng.canary.poll()
+    assert report.forwards == 6 and report.total == 10
+    assert {(e.phase, e.step, e.slot) for e in report} == {("head", None, slot), ("tail", None, slot)}
+    # the logged forwards' four launches name theirs; the rows of the three forwards left out, none
+    assert sorted((e.request, e.position) for e in report if e.request) == [("a", 1)] * 4
+    eng.step({"a": 1, "b": 1})
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [("head", 7, "a", 1),
+                                                                                      ("tail", 7, "a", 1)]
+    with pytest.raises(ValueError, match=r"^kv-canary: max_logged_forwards must be"):
+        Tiny(device, max_logged_forwards=0)
+
+
 def test_the_mode_is_checked_when_set_and_the_forwards_kept_while_off():
     eng = Tiny("cpu")
     eng.step({"a": 3})
@@ -702,7 +761,7 @@ def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
     report = eng.canary.poll()
     assert report.forwards == 4
     assert sorted((e.phase, e.request, e.position) for e in report) == [("head", "y", 1), ("tail", "y", 1)]
-    assert all([entry[0] for entry in group.static_log] == [first] for group in eng.canary.groups)
+    assert all([record.forward() for record in group.static_log] == [first] for group in eng.canary.groups)
     later = eng.arrays(1, 1)
     third = eng.canary.static_forward(kc.ForwardBatch(**later))
     assert third.run_count_at != second.run_count_at  # a count cell serves one forward
@@ -1020,6 +1079,7 @@ def test_layout_builders_geometry():
     pk = [np.zeros((4, 16, 2, 8), np.float16)]
     (src, src_v) = kc.layouts.paged(pk, pk)
     assert src.page_size == 16 and src.num_bytes_per_token == 32 and src.read_bytes == 32
+    assert src == src and src != src_v and len({src, src_v}) == 2  # a source is its memory: by identity
 
     inter = [np.zeros((16, 2, 2, 8), np.float32)]
     k_part, v_part = kc.layouts.interleaved(inter)
@@ -1049,6 +1109,56 @@ def test_layout_builders_geometry():
     with pytest.raises(ValueError, match=r"^kv-canary: k_buffers\[0\] must be \[slots, heads, head_dim\] .*got "
                                          r"shape \(4, 2, 2, 8\) .*kc\.layouts\.paged"):
         kc.layouts.per_layer([np.zeros((4, 2, 2, 8), np.float32)])
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_paged_head_major_hashes_each_heads_tokens(device, mode):
+    """``paged(head_major=True)`` takes ``[pages, heads, page_size, head_dim]`` buffers (an "HND"
+    cache), a source a head: each slot's hash is the fold of its bytes in each head (K heads, then
+    V heads), clean forwards report nothing, and a byte flipped in one head of a cached token is
+    reported at that token. Without ``head_major``, a ``page_size`` that is not ``shape[1]`` is
+    refused, pointing at it."""
+    pages, heads, page_size, dim = 6, 3, 4, 16
+    rng = np.random.default_rng(5)
+    k, v = (to_device(rng.standard_normal((pages, heads, page_size, dim)).astype(np.float16), device) for _ in "kv")
+    with pytest.raises(ValueError, match=r"^kv-canary: page_size must be the tokens a page of k_buffers\[0\] holds, "
+                                         r"shape\[1\] of \[pages, page_size, heads, head_dim\]: got 4 for shape "
+                                         r"\(6, 3, 4, 16\) \(head_major=True takes"):
+        kc.layouts.paged([k], [v], page_size=page_size)
+    sources = kc.layouts.paged([k], [v], page_size=page_size, head_major=True)
+    assert len(sources) == 2 * heads and all(s.page_size == page_size and s.num_bytes_per_token == 2 * dim
+                                             for s in sources)
+    slots = pages * page_size
+    table = to_device(np.zeros((2, 16), np.int32), device)
+    caps = kc.Capacities.from_args(req_to_token_pool_size=2, max_seq_len_per_req=16, pool_slot_count=slots,
+                                   max_prefill_tokens=16)
+    canary = kc.Canary(pool_slot_count=slots, capacities=caps, req_to_token=table, device=device,
+                       real_kv_sources=sources, hash_mode=mode)
+    owned = [5, 9, 14, 22, 3, 17]
+    table[1, :len(owned)] = to_device(np.array(owned, np.int32), device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    for prefix, count in ((0, 4), (4, 1), (5, 1)):
+        batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]), extend_seq_lens=i64([count]),
+                                input_ids=i64(range(100 + prefix, 100 + prefix + count)),
+                                positions=i64(range(prefix, prefix + count)), out_cache_loc=i64(owned[prefix:prefix + count]),
+                                req_ids=["a"])
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+    assert not canary.poll()
+    host = [to_numpy(k), to_numpy(v)]
+    read = 16 if mode == kc.HashMode.PARTIAL else 2 * dim
+    rows = [(np.ascontiguousarray(buffer[:, head]).reshape(pages, -1).view(np.uint8), page_size, 2 * dim, read)
+            for buffer in host for head in range(heads)]
+    for slot in owned:
+        stored = canary.context.slot_fields(slot)["real_kv_hash"] % 2**64  # an int64 field, the hash a u64
+        assert stored == kc.reference.real_kv_hash(rows, slot)[0], slot
+    flipped = host[1].copy()
+    flipped.view(np.uint8)[22 // page_size, 2, 22 % page_size, 0] ^= 0x10  # V, head 2, byte 0 of slot 22
+    v[...] = to_device(flipped, device)
+    canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([6]), req_ids=["a"]))
+    report = canary.poll()
+    assert [(e.request, e.position, e.slot, e.reasons) for e in report] == [("a", 3, 22, ("REAL_KV_HASH",))]
 
 
 def test_layout_builders_accept_torch_bfloat16():

@@ -225,11 +225,12 @@ def _decode_after_a_fault(device, **driven) -> tuple[_Engine, _StaticForwards]:
     eng = _Engine(device)
     eng.add("a", 1)
     eng.forward({"a": 6})
-    eng.canary = _StaticForwards(eng.canary, device)
+    first = eng.canary = _StaticForwards(eng.canary, device)
     eng.forward({"a": 1})
     assert eng.canary.poll().total == 0
     eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
-    eng.canary = _StaticForwards(eng.canary.canary, device, **driven)
+    eng.canary = _StaticForwards(first.canary, device, **driven)
+    eng.canary.first = first  # its static forward still held, as an engine holds one it may replay
     return eng, eng.canary
 
 
@@ -250,7 +251,8 @@ def test_a_forward_let_go_and_run_by_mistake_leaves_its_span_without_steps(devic
     forward's lone replay: the mistaken run's rows fit the new forward's entries too, so no row of
     the span has a step; the next lone replay has its step again."""
     eng, driven = _decode_after_a_fault(device)
-    (old, _), = driven.canary.groups[0].static_log  # the decode forward, run once and polled
+    (record,) = driven.canary.groups[0].static_log  # the decode forward, run once and polled
+    old = record.forward()
     old.close()
     assert driven.poll().total == 0  # lets it go
     monkeypatch.setattr(kc.session.StaticForward, "_log", _unlogged)  # replays from here on

@@ -227,6 +227,20 @@ CONSTRUCTION = [
      r"\[slots, heads, head_dim\], is kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=\)$"),
     ("layouts paged per-layer buffer", lambda: kc.layouts.paged([np.zeros((16, 2, 8), np.float16)]), ValueError,
      r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(16, 2, 8\) "),
+    ("layouts broadcast rows", lambda: kc.layouts.per_layer([np.broadcast_to(np.ones((1, 16), np.uint8), (4, 16))]),
+     ValueError, r"k_buffers\[0\] must have a row of its own for every row index, got row stride 0 \(a broadcast "
+                 r"view, shape \(4, 16\)\)"),
+    ("layouts paged page_size", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], page_size=8),
+     ValueError, r"page_size must be the tokens a page of k_buffers\[0\] holds, shape\[1\] of \[pages, page_size, "
+                 r"heads, head_dim\]: got 8 for shape \(4, 2, 8, 16\) \(head_major=True takes"),
+    ("layouts paged head_major page_size", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], page_size=2,
+                                                                    head_major=True),
+     ValueError, r"shape\[2\] of \[pages, heads, page_size, head_dim\]: got 2 for shape \(4, 2, 8, 16\)$"),
+    ("layouts paged head_major bool", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], head_major=1),
+     TypeError, r"head_major must be a bool"),
+    ("layouts mla paged latent", lambda: kc.layouts.mla([np.zeros((4, 8, 32), np.uint8)]), ValueError,
+     r"buffers\[0\] must be \[slots, 1, latent\] .*\(a paged \[pages, page_size, latent\] is "
+     r"kc.layouts.from_buffer with page_size=\)$"),
     ("layouts read_bytes", lambda: kc.layouts.per_layer([np.zeros((4, 16), np.uint8)], read_bytes=8), ValueError,
      r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 8"),
     ("session logger", lambda: kc.Canary(pool_slot_count=16, req_to_token=np.zeros((4, 8), np.int32), logger="x",

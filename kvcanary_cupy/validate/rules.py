@@ -320,6 +320,9 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
     else:
         non_negative_row_stride(name, view)
         row_stride = int(view.strides[0])
+        if row_stride == 0:
+            raise ValueError(f"{PREFIX}{name} must have a row of its own for every row index, got row stride 0 "
+                             f"(a broadcast view, shape {shape_text(view)}): every slot would share one row")
     if row_stride % SOURCE_ALIGN_BYTES:
         raise ValueError(
             f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
