@@ -10,6 +10,34 @@ from kvcanary_cupy.rawkernels import _loader
 from _devices import HAS_CUDA
 
 
+def test_cpu_compiles_take_the_cache_directory_lock(tmp_path, monkeypatch):
+    """A CPU build of a new signature (the functions it calls compiled with it) takes the lock file
+    of its cache directory once, so that two processes never fill one cache at the same time; a
+    signature already built in the process takes none."""
+    fcntl = pytest.importorskip("fcntl")
+    from kvcanary_cupy.ops.backends._cpu import hashing
+
+    (tmp_path / "kvc_lock_probe.py").write_text(
+        "from kvcanary_cupy.ops.backends._cpu.hashing import JIT, njit\n\n"
+        "@njit(**JIT)\ndef inner(x):\n    return x * 2\n\n"
+        "@njit(**JIT)\ndef outer(x):\n    return inner(x) + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kvc_lock_probe as probe
+
+    taken, flock = [], fcntl.flock
+
+    def recorded(handle, operation):
+        taken.append((handle.name, operation))
+        return flock(handle, operation)
+
+    monkeypatch.setattr(hashing.fcntl, "flock", recorded)
+    lock = (str(tmp_path / "__pycache__" / "kvcanary-compile.lock"), fcntl.LOCK_EX)
+    assert probe.outer(3) == 7 and taken == [lock]
+    assert probe.outer(4) == 9 and taken == [lock]
+    assert probe.outer(1.5) == 4.0 and taken == [lock, lock]
+    assert hashing._COMPILE_LOCK.depth == 0 and hashing._COMPILE_LOCK.handle is None
+
+
 def test_cpu_ops_compile_nothing_more_after_it():
     """On the CPU it compiles each numba op for the source counts asked for (serial and parallel
     builds), so that an op of a context with that many sources compiles nothing at its first call."""

@@ -6,7 +6,9 @@ reinterpreted, never converted, so every bit matches the CUDA kernels.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import pathlib
 import types
 
@@ -21,8 +23,14 @@ from .... import _layout as L
 
 try:
     from numba.core.caching import FunctionCache
-except ImportError:  # a numba that moved it: its own cache keys, unsalted
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.core.sigutils import normalize_signature
+except ImportError:  # a numba that moved them: its own cache keys, unsalted, and its own locking
     FunctionCache = None
+try:
+    import fcntl
+except ImportError:  # not POSIX: numba's own locking alone
+    fcntl = None
 
 
 def _sources_digest() -> str:
@@ -49,8 +57,71 @@ if FunctionCache is not None:
             return (*super()._index_key(sig, codegen), SOURCES_DIGEST)
 
 
+class _CompileLock:
+    """One process at a time compiles the backend's functions into a cache directory (and loads and
+    stores their entries meanwhile). numba's on-disk cache does not guard against two processes
+    compiling the same functions at once (numba issues 4807 and 10128): a later process may load
+    entries stored by different ones, whose code does not fit together, and crash. Taken under
+    numba's own compiler lock, so that threads keep numba's lock order and nested compiles (an op
+    and the functions it calls) take the file lock once."""
+
+    def __init__(self):
+        self.depth = 0
+        self.handle = None
+
+    @contextlib.contextmanager
+    def held(self, directory: str):
+        with global_compiler_lock:
+            if self.depth == 0:
+                self.handle = self._lock_file(directory)
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                if self.depth == 0 and self.handle is not None:
+                    self.handle.close()  # which releases the lock
+                    self.handle = None
+
+    @staticmethod
+    def _lock_file(directory: str):
+        if fcntl is None:
+            return None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            handle = open(os.path.join(directory, "kvcanary-compile.lock"), "a")
+        except OSError:  # a directory numba cannot store into either: nothing to guard
+            return None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            handle.close()
+            return None
+        return handle
+
+
+_COMPILE_LOCK = _CompileLock()
+
+
+def _compile_one_process_at_a_time(dispatcher) -> None:
+    """Route ``dispatcher``'s compiles of new signatures through :data:`_COMPILE_LOCK` (numba calls
+    ``compile`` on a dispatch miss and when typing a caller; a signature already compiled in this
+    process takes no lock)."""
+    compile_unlocked, directory = dispatcher.compile, dispatcher._cache.cache_path
+
+    def compile(sig):
+        args, _ = normalize_signature(sig)
+        if tuple(args) in dispatcher.overloads:
+            return compile_unlocked(sig)
+        with _COMPILE_LOCK.held(directory):
+            return compile_unlocked(sig)
+
+    dispatcher.compile = compile
+
+
 def njit(**flags):
-    """``numba.njit(**flags)``, with its cache (when ``cache=True``) keyed by :data:`SOURCES_DIGEST`."""
+    """``numba.njit(**flags)``, with its cache (when ``cache=True``) keyed by :data:`SOURCES_DIGEST`
+    and filled by one process at a time (:class:`_CompileLock`)."""
     def build(fn):
         if not flags.get("cache") or FunctionCache is None:
             return numba.njit(**flags)(fn)
@@ -58,6 +129,7 @@ def njit(**flags):
         dispatcher = numba.njit(**dict(flags, cache=False))(fn)
         if hasattr(dispatcher, "enable_caching"):  # a Dispatcher (not the plain function NUMBA_DISABLE_JIT gives)
             dispatcher._cache = _SourcesKeyedCache(dispatcher.py_func)
+            _compile_one_process_at_a_time(dispatcher)
         return dispatcher
     return build
 
