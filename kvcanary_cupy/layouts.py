@@ -153,7 +153,8 @@ def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = Non
                 read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """One buffer per layer whose row holds a token's K bytes then its V bytes (e.g.
     ``[slots, 2, heads, head_dim]``). With ``split`` (the default) K and V become two sources, so
-    PARTIAL mode reads the head of both; otherwise one source spans the whole row."""
+    PARTIAL mode reads the head of both (and ``read_bytes`` counts in each half); otherwise one
+    source spans the whole row."""
     split = check.boolean("split", split)
     out = []
     for name, buffer in _pick(buffers, layers, "buffers"):

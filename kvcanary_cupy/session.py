@@ -946,7 +946,8 @@ class Canary:
     def stats(self) -> dict[str, dict[str, int]]:
         """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the
         entries they checked or wrote (``slot_run_counter``) since the canary was built, and
-        ``violations``, the rows recorded since the last poll (a poll empties the rings)."""
+        ``violations``, the rows recorded since the last poll (a poll empties the rings; the ring's
+        raw int32 count, negative past 2^31 rows)."""
         return {group.name: group.ctx.counters() for group in self.groups}
 
     # --- static forwards' runs, counted on the device ---------------------------------------------
