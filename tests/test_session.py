@@ -592,20 +592,25 @@ def test_static_forward_checks_its_batch_once_and_follows_the_mode(device):
     assert np.any(to_numpy(off.canary.context.canary_buf)) and off.canary.poll().forwards == 1
 
 
-@pytest.mark.parametrize("device", BACKENDS)
-def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_batch(device):
-    """``before()`` while the canary is off plans nothing; switched on, ``after()`` plans its batch
-    (a forward of its own, as an ``after_forward`` with no ``before_forward``) instead of writing
-    with the plans of the forward before: every token is fingerprinted where it belongs."""
+def _decode_of_a(device) -> tuple[Tiny, kc.StaticForward]:
+    """a's 4-token prompt run eagerly, and a static forward of its next token (position 4, slot 60)."""
     eng = Tiny(device)
     eng.step({"a": 4})
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     table = to_numpy(eng.table).copy()
     table[1, 4] = 60
     eng.table[...] = to_device(table, device)
-    forward = eng.canary.static_forward(kc.ForwardBatch(
+    return eng, eng.canary.static_forward(kc.ForwardBatch(
         req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
         positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_batch(device):
+    """``before()`` while the canary is off plans nothing; switched on, ``after()`` plans its batch
+    (a forward of its own, as an ``after_forward`` with no ``before_forward``) instead of writing
+    with the plans of the forward before: every token is fingerprinted where it belongs."""
+    eng, forward = _decode_of_a(device)
     eng.canary.mode = "off"
     forward.before()
     eng.canary.mode = "log"
@@ -622,15 +627,7 @@ def test_a_static_forward_let_go_without_close_is_closed(device):
     """A static forward the engine drops without ``close()`` is closed once collected: the next
     poll still counts and maps its run (a bit flipped in a record of the prefix it read is
     named), then the canary keeps nothing of it."""
-    eng = Tiny(device)
-    eng.step({"a": 4})
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[1, 4] = 60
-    eng.table[...] = to_device(table, device)
-    forward = eng.canary.static_forward(kc.ForwardBatch(
-        req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
-        positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
+    eng, forward = _decode_of_a(device)
     flipped = eng.slot("a", 1)
     eng.canary.context.canary_buf[flipped, 0] ^= 1
     forward.before()
