@@ -10,8 +10,9 @@ and from a cache of finished requests' prefixes, evicted prefixes kept in the ho
 back for a later sharer, an EAGLE draft model with a canary of its own, eager or through static
 forwards, the canary off throughout, or switched off for a few forwards and on again once every
 request live while it was off has finished (no admissions meanwhile, the prefixes kept from those
-requests dropped, its graphs captured anew; a fault comes after), and on a GPU torch tensors as
-batch and static forwards' arrays and a stream of the canary's own, for its record copies too) and a
+requests dropped, its graphs captured anew; a fault comes after), a launch log of a few forwards
+(``max_logged_forwards``) that polls every few forwards pass, and on a GPU torch tensors as batch
+and static forwards' arrays and a stream of the canary's own, for its record copies too) and a
 workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs it
 twice. In the clean run any violation is a false positive, and the counters the canary exposes
 (forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
@@ -107,6 +108,7 @@ class SeedConfig:
     records_on_side: bool  # kc.copy_records runs on the canary's side stream too (stream=)
     pause_at: int = 0  # the forward at which the engine switches its canaries off (0: never)
     pause_len: int = 0  # forwards run while off (requests admitted too) before the engine drains
+    max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
 
     @property
     def hashes_kv(self) -> bool:
@@ -137,7 +139,7 @@ class SeedConfig:
                 f"static_arrays={'torch' if self.static_torch else 'native'}",
                 f"draft_static={on[self.draft_static]}",
                 f"copy_stream={'side' if self.records_on_side else 'current'}",
-                f"pause={on[self.pause_at > 0]}"]
+                f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -193,9 +195,12 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
         records_on_side=records_on_side and config.side_stream)
     latest = np.random.default_rng([seed, 7])  # switched off and on again: every draw above stays as it was
     pauses, pause_at, pause_len = latest.random() < 0.15, int(latest.integers(2, 13)), int(latest.integers(1, 5))
-    if not pauses or config.mode == "off":
-        return config
-    return dataclasses.replace(config, pause_at=pause_at, pause_len=pause_len)
+    if pauses and config.mode != "off":
+        config = dataclasses.replace(config, pause_at=pause_at, pause_len=pause_len)
+    capped = np.random.default_rng([seed, 8])  # a log of a few forwards: every draw above stays as it was
+    if capped.random() < 0.2:
+        config = dataclasses.replace(config, max_logged=int(capped.integers(1, 4)))
+    return config
 
 
 def applicable_faults(c: SeedConfig) -> list[str]:
@@ -568,7 +573,8 @@ class FuzzEngine:
                          device=self.dev.name, real_kv_sources=self.kv.sources, hash_mode=kc.HashMode[c.hash_mode],
                          ring_capacity=c.ring_capacity, mode=c.mode, swa=swa,
                          expected_tokens=self.expected if c.expected_pool else None,
-                         chain_position_assert=c.chain_position_assert, logger=QUIET)
+                         chain_position_assert=c.chain_position_assert, logger=QUIET,
+                         max_logged_forwards=c.max_logged)
 
     def build_draft_canary(self) -> kc.Canary:
         """The draft model's canary (integration.md §2, "Speculative decoding"): over its own KV pool,
@@ -579,7 +585,8 @@ class FuzzEngine:
                          device=self.dev.name, real_kv_sources=self.draft_kv.sources,
                          hash_mode=kc.HashMode[c.hash_mode], ring_capacity=c.ring_capacity, mode=c.mode,
                          expected_tokens=self.expected, token_offset=1,
-                         chain_position_assert=c.chain_position_assert, logger=QUIET)
+                         chain_position_assert=c.chain_position_assert, logger=QUIET,
+                         max_logged_forwards=c.max_logged)
 
     @contextlib.contextmanager
     def canary_stream(self):
