@@ -111,9 +111,11 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
     each head's tokens together, as an "HND" cache does), one source a head: each layer's K heads,
     then its V heads; ``read_bytes`` and PARTIAL mode's 16 bytes then count in each head's bytes.
     The shape cannot tell the two apart: given ``page_size``, the tokens a page holds are checked
-    against it. Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
+    against it (which tells them apart unless the heads are as many as the page's tokens). Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
     taking its heads for the page size would hash the wrong bytes of every slot."""
     head_major = check.boolean("head_major", head_major)
+    if page_size is not None:
+        page_size = check.positive("page_size", page_size)
     tokens_dim, layout = (2, "[pages, heads, page_size, head_dim]") if head_major else \
         (1, "[pages, page_size, heads, head_dim]")
     out = []
@@ -124,9 +126,10 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
                              f"{check.shape_text(view)} (one token a row, [slots, heads, head_dim], is "
                              f"kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=)")
         tokens = int(view.shape[tokens_dim])
-        if page_size is not None and check.positive("page_size", page_size) != tokens:
-            other = " (head_major=True takes [pages, heads, page_size, head_dim])" \
-                if not head_major and int(view.shape[2]) == page_size else ""
+        if page_size is not None and page_size != tokens:
+            other_dim, other = (1, "head_major=False takes [pages, page_size, heads, head_dim]") if head_major \
+                else (2, "head_major=True takes [pages, heads, page_size, head_dim]")
+            other = f" ({other})" if int(view.shape[other_dim]) == page_size else ""
             raise ValueError(f"{check.PREFIX}page_size must be the tokens a page of {name} holds, shape[{tokens_dim}] "
                              f"of {layout}: got {page_size} for shape {check.shape_text(view)}{other}")
         if not head_major:

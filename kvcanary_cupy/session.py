@@ -232,16 +232,18 @@ class _Launch:
 class _StaticRecord:
     """A static forward as a group keeps it until it is closed: a weak reference (a forward the
     engine lets go of without ``close()`` is closed once collected, its arrays kept here for the
-    poll that maps its last runs), where its run count lies (which names it across groups), and
-    its launches over the group."""
+    poll that maps its last runs), or the forward itself once a graph captured it (the graph may
+    replay over its buffers whoever else holds it), where its run count lies (which names it
+    across groups), and its launches over the group."""
 
     forward: Any  # weakref.ref to the StaticForward
     run_count_at: tuple
     launches: list
+    captured: Any = None  # the StaticForward, once captured in a graph
 
     @property
     def closed(self) -> bool:
-        forward = self.forward()
+        forward = self.captured or self.forward()
         return forward is None or forward.closed
 
 
@@ -423,8 +425,9 @@ class Canary:
     token id of every position, referenced in place) turns on expected-token checks in verify.
     ``mode`` is ``"off"`` (every call returns at once), ``"log"`` (poll logs and returns the report)
     or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
-    polls the canary keeps the batches of at most ``max_logged_forwards`` forwards, to name the
-    requests and steps of their rows; later forwards are checked all the same, their rows unnamed.
+    polls the canary keeps the batches of at most ``max_logged_forwards`` forwards and sweeps, to
+    name the requests and steps of their rows; later ones are checked all the same, but that poll's
+    rows get no step and theirs may name no request.
     """
 
     def __init__(self, *, pool_slot_count: int, capacities: Capacities, req_to_token: Any, device: Any = "cpu",
@@ -490,6 +493,7 @@ class Canary:
         # ones are only counted.
         self._max_logged_forwards = max_logged_forwards
         self._polled_at = 0  # _numbered at the previous poll
+        self._sweeps = 0  # sweeps since the previous poll, which count toward the cap as forwards do
         self._unlogged = 0  # launches left out of the log since the previous poll
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
         self._plan_op = backend_module(device, "plan").plan
@@ -775,15 +779,17 @@ class Canary:
             order_after_torch(self.device.index)
 
     def _log(self, group: _Group, *launches: _Launch) -> None:
-        """Log ``launches`` for the next poll, unless more than ``max_logged_forwards`` forwards
-        have run since the previous one: then they are only counted, their arrays not kept, and
-        that poll's rows get no step (said once, when it first happens)."""
-        if self._numbered - self._polled_at <= self._max_logged_forwards:
+        """Log ``launches`` for the next poll, unless more than ``max_logged_forwards`` forwards and
+        sweeps have run since the previous one: then they are only counted, their arrays not kept,
+        and none of that poll's rows gets a step (said once, when it first happens)."""
+        if not launches:
+            return
+        if self._numbered - self._polled_at + self._sweeps <= self._max_logged_forwards:
             group.log.extend(launches)
             return
         if not self._unlogged:
             self.logger.warning(
-                "kv-canary: more than %d forwards since the last poll(): the canary still checks and "
+                "kv-canary: more than %d forwards and sweeps since the last poll(): the canary still checks and "
                 "fingerprints every forward, but logs no more of them until it polls, so that poll's "
                 "violations get no step and may name no request (poll more often, or raise "
                 "max_logged_forwards)", self._max_logged_forwards)
@@ -888,6 +894,7 @@ class Canary:
             if group.sweep_vplan is None:
                 group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
                 group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
+        self._sweeps += 1
         with on_device(self.device, stream):
             self._order_after_torch(self._geometry(live_requests, ("req_pool_indices", "seq_lens")))
             for group, plan in zip(self.groups, plans):
@@ -935,7 +942,7 @@ class Canary:
             group.log.clear()
         self._drop_closed_static_forwards()
         self._numbered += replays
-        self._polled_at, self._unlogged = self._numbered, 0
+        self._polled_at, self._sweeps, self._unlogged = self._numbered, 0, 0
         report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
         if report.total or report.capacity_overflows:
             if self.mode == "raise" and report.total:
@@ -1049,8 +1056,9 @@ class StaticForward:
                                  _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
                                  _Launch("verify", "tail", group.tail_tag, 0, batch)])
                         for group, bundle in zip(groups, writes)]
-        for group, launches in self._logged:
-            group.static_log.append(_StaticRecord(weakref.ref(self), self.run_count_at, launches))
+        self._records = [_StaticRecord(weakref.ref(self), self.run_count_at, launches) for _, launches in self._logged]
+        for (group, _), record in zip(self._logged, self._records):
+            group.static_log.append(record)
 
     @contextlib.contextmanager
     def _launching(self, stream: Any) -> Iterator[Any]:
@@ -1106,7 +1114,11 @@ class StaticForward:
         eager forward's are, so that poll places its rows in order among theirs; not while a graph
         is captured, whose replays leave no trace (poll matches their rows against the static
         forward itself); nor for a closed forward, run by mistake, whose rows belong to no forward."""
-        if self.closed or stream_capturing(stream):
+        if self.closed:
+            return
+        if stream_capturing(stream):
+            for record in self._records:
+                record.captured = self
             return
         canary = self._canary
         if new_forward:

@@ -592,9 +592,9 @@ def test_static_forward_checks_its_batch_once_and_follows_the_mode(device):
     assert np.any(to_numpy(off.canary.context.canary_buf)) and off.canary.poll().forwards == 1
 
 
-def _decode_of_a(device) -> tuple[Tiny, kc.StaticForward]:
+def _decode_of_a(device, **tiny) -> tuple[Tiny, kc.StaticForward]:
     """a's 4-token prompt run eagerly, and a static forward of its next token (position 4, slot 60)."""
-    eng = Tiny(device)
+    eng = Tiny(device, **tiny)
     eng.step({"a": 4})
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     table = to_numpy(eng.table).copy()
@@ -655,7 +655,7 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
     with caplog.at_level(logging.WARNING):
         for _ in range(5):
             eng.step({"a": 1, "b": 1})
-    warned = [r for r in caplog.records if "more than 2 forwards since the last poll()" in r.getMessage()]
+    warned = [r for r in caplog.records if "more than 2 forwards and sweeps since the last poll()" in r.getMessage()]
     assert len(warned) == 1
     assert all(len(group.log) == 2 * 3 for group in eng.canary.groups)  # head, write and tail of two forwards
     report = eng.canary.poll()
@@ -668,6 +668,56 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
                                                                                       ("tail", 7, "a", 1)]
     with pytest.raises(ValueError, match=r"^kv-canary: max_logged_forwards must be"):
         Tiny(device, max_logged_forwards=0)
+
+
+@requires_gpu
+def test_a_static_forward_captured_in_a_graph_is_held_until_closed():
+    """An engine that keeps only the CUDA graph of a static forward: the canary holds the forward
+    (its arrays, and the buffer its graph translates SWA slots into) until ``close()``, so a replay
+    after Python dropped it is counted and its rows named."""
+    import cupy
+
+    eng, forward = _decode_of_a("cuda", swa=True)
+    assert not eng.canary.poll()
+    for buffer in (eng.k, eng.v):
+        buffer[60] = cupy.asarray(eng.rng.standard_normal((2, 8)).astype(np.float32))
+    eng.swa_k[int(eng.lut[60])] = cupy.asarray(eng.rng.standard_normal((2, 8)).astype(np.float32))
+    forward.before()  # once eagerly: every kernel loaded before the capture
+    forward.after()
+    assert not eng.canary.poll()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    with stream:
+        stream.begin_capture()
+        forward.before(stream=stream)
+        forward.after(stream=stream)
+        graph = stream.end_capture()
+    del forward
+    gc.collect()
+    assert all(not record.closed for group in eng.canary.groups for record in group.static_log)
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    graph.launch(stream)
+    stream.synchronize()
+    report = eng.canary.poll()
+    assert report.forwards == 3
+    assert [(e.group, e.phase, e.step, e.request, e.position) for e in report] == [
+        ("full", "head", 3, "a", 1), ("full", "tail", 3, "a", 1)]
+    eng.canary.groups[0].static_log[0].captured.close()
+    eng.canary.poll()
+    assert all(not group.static_log for group in eng.canary.groups)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_sweeps_count_toward_max_logged_forwards(device):
+    """Sweeps between two polls count as forwards do: an idle engine that sweeps and polls rarely
+    holds a bounded log too."""
+    eng = Tiny(device, max_logged_forwards=3)
+    eng.step({"a": 3})
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    for _ in range(20):
+        eng.canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([3]), req_ids=["a"]))
+    assert all(len(group.log) == 3 + 2 for group in eng.canary.groups)  # the forward's three, two sweeps
+    assert not eng.canary.poll() and all(not group.log for group in eng.canary.groups)
 
 
 def test_the_mode_is_checked_when_set_and_the_forwards_kept_while_off():

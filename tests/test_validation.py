@@ -230,12 +230,19 @@ CONSTRUCTION = [
     ("layouts broadcast rows", lambda: kc.layouts.per_layer([np.broadcast_to(np.ones((1, 16), np.uint8), (4, 16))]),
      ValueError, r"k_buffers\[0\] must have a row of its own for every row index, got row stride 0 \(a broadcast "
                  r"view, shape \(4, 16\)\)"),
+    ("source rows overlap", lambda: kc.RealKvSource(
+        tensor=np.lib.stride_tricks.as_strided(np.zeros(4096, np.uint8), shape=(8, 64), strides=(16, 1)),
+        page_size=1, num_bytes_per_token=64, read_bytes=64), ValueError,
+     r"RealKvSource.tensor rows must not overlap: row stride >= page_size \* num_bytes_per_token = 64 bytes, got 16"),
     ("layouts paged page_size", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], page_size=8),
      ValueError, r"page_size must be the tokens a page of k_buffers\[0\] holds, shape\[1\] of \[pages, page_size, "
                  r"heads, head_dim\]: got 8 for shape \(4, 2, 8, 16\) \(head_major=True takes"),
     ("layouts paged head_major page_size", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], page_size=2,
                                                                     head_major=True),
-     ValueError, r"shape\[2\] of \[pages, heads, page_size, head_dim\]: got 2 for shape \(4, 2, 8, 16\)$"),
+     ValueError, r"shape\[2\] of \[pages, heads, page_size, head_dim\]: got 2 for shape \(4, 2, 8, 16\) "
+                 r"\(head_major=False takes \[pages, page_size, heads, head_dim\]\)$"),
+    ("layouts paged page_size checked first", lambda: kc.layouts.paged([], page_size=0), ValueError,
+     r"page_size must be"),
     ("layouts paged head_major bool", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], head_major=1),
      TypeError, r"head_major must be a bool"),
     ("layouts mla paged latent", lambda: kc.layouts.mla([np.zeros((4, 8, 32), np.uint8)]), ValueError,

@@ -323,6 +323,9 @@ def source_rows(name: str, view: Any, needed_row_bytes: int) -> int:
         if row_stride == 0:
             raise ValueError(f"{PREFIX}{name} must have a row of its own for every row index, got row stride 0 "
                              f"(a broadcast view, shape {shape_text(view)}): every slot would share one row")
+        if row_stride < needed_row_bytes:
+            raise ValueError(f"{PREFIX}{name} rows must not overlap: row stride >= page_size * num_bytes_per_token "
+                             f"= {needed_row_bytes} bytes, got {row_stride} (shape {shape_text(view)})")
     if row_stride % SOURCE_ALIGN_BYTES:
         raise ValueError(
             f"{PREFIX}{name} row stride must be a multiple of 16 bytes, "
