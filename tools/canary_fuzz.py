@@ -241,6 +241,7 @@ class Fault:
     injected_at: Optional[int] = None
     what: str = ""
     in_static: bool = False  # injected into what a static forward's after() reads
+    unlogged: bool = False  # injected in a span of more forwards and sweeps than the canaries log
     bad_slots: set = dataclasses.field(default_factory=set)  # slots whose record or KV is wrong, followed when moved
     victims: set = dataclasses.field(default_factory=set)  # requests reading a bad slot or cell: one must be named
     bystanders: set = dataclasses.field(default_factory=set)  # requests that may be named too (a steal's thief)
@@ -555,6 +556,9 @@ class FuzzEngine:
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
+        # forwards and sweeps since the previous poll made while the canaries were on, and the first
+        # forward's index: a span of more than max_logged is not all logged
+        self.span_calls, self.span_start = 0, 0
 
     def build_canary(self) -> kc.Canary:
         c, rows = self.c, self.c.max_running + 1
@@ -923,6 +927,7 @@ class FuzzEngine:
         then after_forward with what the forward keeps (integration.md §2, "Speculative decoding"),
         then the draft model's forward over the kept tokens."""
         c = self.c
+        self.span_calls += not self.paused
         verify = self.batch(scheduled)
         keeps_all = c.speculative in ("off", "chain_all")  # the forward's own batch is fingerprinted
         entry = self.static_entry(self.canary, scheduled, sum(len(s.nodes) for s in scheduled)) \
@@ -1156,6 +1161,7 @@ class FuzzEngine:
         requests = [requests[i] for i in self.rng.permutation(len(requests))]
         array = self.array
         self.sync_tables()
+        self.span_calls += not self.paused
         live = kc.LiveRequests(req_pool_indices=array([r.row for r in requests]),
                                seq_lens=array([r.cached for r in requests]), req_ids=[r.rid for r in requests])
         for watch in self.watches:
@@ -1167,6 +1173,12 @@ class FuzzEngine:
         self.tally["sweeps"] += 1
 
     def poll(self) -> None:
+        fault = self.fault
+        if not self.paused:  # a poll while off returns at once: the canaries' span goes on
+            if self.span_calls > self.c.max_logged and fault is not None and fault.injected_at is not None \
+                    and fault.injected_at >= self.span_start:
+                fault.unlogged = True
+            self.span_calls, self.span_start = 0, self.index + 1
         for watch in self.watches:
             try:
                 report = watch.canary.poll()
@@ -1251,12 +1263,14 @@ class FuzzEngine:
         freed after the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
         ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
         input assert may be the only one to see, in a static forward polled after later forwards
-        refilled its arrays (README: "poll after each replay for exact names")."""
+        refilled its arrays (README: "poll after each replay for exact names"), or in a forward the
+        canaries did not log (more forwards and sweeps since the previous poll than
+        ``max_logged_forwards``: integration.md §5)."""
         fault = self.fault
         if not self.found_after_fault or not self.c.ring_capacity:
             return ""
         only_asserted = {"wrong_token": not self.c.expected_pool, "draft_token": self.c.input_asserts}
-        if only_asserted.get(fault.kind) and fault.in_static and self.c.poll_every > 1:
+        if only_asserted.get(fault.kind) and (fault.in_static and self.c.poll_every > 1 or fault.unlogged):
             return ""
         named = self.named - {None}
         if not named & fault.victims:
