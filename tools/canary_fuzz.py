@@ -4,29 +4,30 @@ and the same engine with one corruption injected must be reported, naming the re
     PYTHONPATH=. python tools/canary_fuzz.py --device cpu --seeds 200 --forwards 40 --json fuzz.json
 
 Each seed draws an engine (the real-KV layout or none, hash mode, an SWA group, expected tokens,
-speculative chains or trees, static forwards, CUDA graphs on a GPU, a host tier, compaction, a
-verify capacity small enough to overflow, poll and sweep periods, prefix sharing between requests
-and from a cache of finished requests' prefixes, evicted prefixes kept in the host tier and loaded
-back for a later sharer, an EAGLE draft model with a canary of its own, eager or through static
-forwards, the canary off throughout, or switched off for a few forwards and on again once every
-request live while it was off has finished (no admissions meanwhile, the prefixes kept from those
-requests dropped, its graphs captured anew; a fault comes after), a launch log of a few forwards
-(``max_logged_forwards``) that polls every few forwards pass, and on a GPU torch tensors as batch
-and static forwards' arrays and a stream of the canary's own, for its record copies too) and a
-workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs it
-twice. In the clean run any violation is a false positive, and the counters the canary exposes
-(forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
-engine asked of it while it was on; with ``mode="off"`` throughout they must all read zero and no
-record may be written. In the second run (none for mode "off") one corruption the configuration is
-documented to catch is injected (a KV byte flipped on the device, in the host tier, in a cached
-prefix no request holds, on the device or in the host tier, or in the draft model's KV, a live slot
-written by another request, a ``req_to_token`` cell pointed at another request's slot, a dropped
-write, a wrong token id, a draft model's KV written for the wrong token), now and then on a slot
-that several requests share, and must be reported, and the reports must name the request it harms
-(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
-seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
-was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had a
-false positive, a counter mismatch, a missed or misnamed fault or a crash.
+speculative chains or trees, static forwards, CUDA graphs on a GPU (half of them, once captured,
+kept by the engine as graphs alone), a host tier, compaction, a verify capacity small enough to
+overflow, poll and sweep periods, prefix sharing between requests and from a cache of finished
+requests' prefixes, evicted prefixes kept in the host tier and loaded back for a later sharer, an
+EAGLE draft model with a canary of its own, eager or through static forwards, the canary off
+throughout, or switched off for a few forwards and on again once every request live while it was off
+has finished (no admissions meanwhile, the prefixes kept from those requests dropped, its graphs
+captured anew; a fault comes after), a launch log of a few forwards (``max_logged_forwards``) that
+polls every few forwards pass, and on a GPU torch tensors as batch and static forwards' arrays and a
+stream of the canary's own, for its record copies too) and a workload of chunked prefills, decodes,
+finishing requests and reused slots and rows, and runs it twice. In the clean run any violation is a
+false positive, and the counters the canary exposes (forwards, skipped verify launches, each group's
+kernel and slot run counters) must equal what the engine asked of it while it was on; with
+``mode="off"`` throughout they must all read zero and no record may be written. In the second run
+(none for mode "off") one corruption the configuration is documented to catch is injected (a KV byte
+flipped on the device, in the host tier, in a cached prefix no request holds, on the device or in
+the host tier, or in the draft model's KV, a live slot written by another request, a
+``req_to_token`` cell pointed at another request's slot, a dropped write, a wrong token id, a draft
+model's KV written for the wrong token), now and then on a slot that several requests share, and
+must be reported, and the reports must name the request it harms (:meth:`FuzzEngine.misnamed`). An
+exception in either run is a crash. A row of ``--json`` is one seed: its configuration, the clean
+run's findings and counter mismatches, the fault and whether it was reported and named; the table
+sums the rows by feature. The exit status is 1 when any seed had a false positive, a counter
+mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import logging
 import sys
 import time
 import traceback
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -109,6 +111,7 @@ class SeedConfig:
     pause_at: int = 0  # the forward at which the engine switches its canaries off (0: never)
     pause_len: int = 0  # forwards run while off (requests admitted too) before the engine drains
     max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
+    graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
 
     @property
     def hashes_kv(self) -> bool:
@@ -139,7 +142,8 @@ class SeedConfig:
                 f"static_arrays={'torch' if self.static_torch else 'native'}",
                 f"draft_static={on[self.draft_static]}",
                 f"copy_stream={'side' if self.records_on_side else 'current'}",
-                f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}"]
+                f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}",
+                f"graphs_only={on[self.graphs_only]}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -200,6 +204,8 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
     capped = np.random.default_rng([seed, 8])  # a log of a few forwards: every draw above stays as it was
     if capped.random() < 0.2:
         config = dataclasses.replace(config, max_logged=int(capped.integers(1, 4)))
+    if config.static == "graph" and np.random.default_rng([seed, 9]).random() < 0.5:
+        config = dataclasses.replace(config, graphs_only=True)
     return config
 
 
@@ -1137,6 +1143,8 @@ class FuzzEngine:
         # that graph would hold no node)
         if self.c.static == "graph" and not self.paused:
             entry.graphs = self.capture(entry.forward)
+            if self.c.graphs_only:  # the canary holds a captured forward until close() (integration.md §3)
+                entry.forward = weakref.proxy(entry.forward)
 
     def settle_static_arrays(self) -> None:
         if self.c.static_torch:
