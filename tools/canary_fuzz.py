@@ -1271,9 +1271,9 @@ class FuzzEngine:
         freed after the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
         ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
         input assert may be the only one to see, in a static forward polled after later forwards
-        refilled its arrays (README: "poll after each replay for exact names"), or in a forward the
-        canaries did not log (more forwards and sweeps since the previous poll than
-        ``max_logged_forwards``: integration.md §5)."""
+        refilled its arrays (README: "poll after each replay for exact names"), or in a span between
+        two polls of more forwards and sweeps than ``max_logged_forwards`` (whose later forwards the
+        canaries do not log: integration.md §5)."""
         fault = self.fault
         if not self.found_after_fault or not self.c.ring_capacity:
             return ""
