@@ -69,6 +69,11 @@ def from_buffer(buffer: Any, *, page_size: int = 1, read_bytes: Optional[int] = 
     return _source(name, view, page_size, per_token, read_bytes)
 
 
+def _given_page_size(page_size: Optional[int]) -> Optional[int]:
+    """A builder's ``page_size``, checked once before its buffers (None: taken from each shape)."""
+    return None if page_size is None else check.positive("page_size", page_size)
+
+
 def _source(name: str, view: Any, page_size: int, per_token: int, read_bytes: Optional[int]) -> RealKvSource:
     """A source over ``view``, its rules checked under the names the builder's caller knows."""
     check.positive_multiple(f"{name} bytes per token", per_token, L.SOURCE_ALIGN_BYTES)
@@ -111,11 +116,11 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
     each head's tokens together, as an "HND" cache does), one source a head: each layer's K heads,
     then its V heads; ``read_bytes`` and PARTIAL mode's 16 bytes then count in each head's bytes.
     The shape cannot tell the two apart: given ``page_size``, the tokens a page holds are checked
-    against it (which tells them apart unless the heads are as many as the page's tokens). Only 4-D buffers: a 3-D one may as well be one token a row (``per_layer``), and
-    taking its heads for the page size would hash the wrong bytes of every slot."""
+    against it (which tells them apart unless the heads are as many as the page's tokens). Only 4-D
+    buffers: a 3-D one may as well be one token a row (``per_layer``), and taking its heads for the
+    page size would hash the wrong bytes of every slot."""
     head_major = check.boolean("head_major", head_major)
-    if page_size is not None:
-        page_size = check.positive("page_size", page_size)
+    page_size = _given_page_size(page_size)
     tokens_dim, layout = (2, "[pages, heads, page_size, head_dim]") if head_major else \
         (1, "[pages, page_size, heads, head_dim]")
     out = []
@@ -181,6 +186,7 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
     """MLA latent buffers per layer: ``[slots, 1, kv_lora_rank + rope_dim]`` (a token a row) or
     ``[pages, page_size, 1, kv_lora_rank + rope_dim]``, whose ``shape[1]`` is the page size (a
     ``page_size`` given for one must equal it). Other shapes: ``from_buffer``."""
+    page_size = _given_page_size(page_size)
     out = []
     for name, buffer in _pick(buffers, layers, "buffers"):
         view = native_view(buffer, name)
@@ -191,7 +197,7 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
                              f"got shape {check.shape_text(view)} (a paged [pages, page_size, latent] is "
                              f"kc.layouts.from_buffer with page_size=)")
         rows_hold = int(view.shape[1]) if view.ndim == 4 else 1
-        if page_size is not None and check.positive("page_size", page_size) != rows_hold:
+        if page_size is not None and page_size != rows_hold:
             raise ValueError(f"{check.PREFIX}page_size must be the tokens a row of {name} holds "
                              f"({'shape[1]' if view.ndim == 4 else '1 for [slots, 1, latent]'}), "
                              f"got {page_size} for shape {check.shape_text(view)}")

@@ -243,6 +243,8 @@ CONSTRUCTION = [
                  r"\(head_major=False takes \[pages, page_size, heads, head_dim\]\)$"),
     ("layouts paged page_size checked first", lambda: kc.layouts.paged([], page_size=0), ValueError,
      r"page_size must be"),
+    ("layouts mla page_size checked first", lambda: kc.layouts.mla([], page_size=0), ValueError,
+     r"page_size must be"),
     ("layouts paged head_major bool", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], head_major=1),
      TypeError, r"head_major must be a bool"),
     ("layouts mla paged latent", lambda: kc.layouts.mla([np.zeros((4, 8, 32), np.uint8)]), ValueError,
