@@ -629,8 +629,7 @@ class FuzzEngine:
         self.switch_mode()
         self.admit()
         self.move_kv()
-        if self.fault and not self.fault.armed and index >= self.fault.at and self.fault.kind in BETWEEN_FORWARDS \
-                and self.faults_open:
+        if self.fault and not self.fault.armed and self.fault.kind in BETWEEN_FORWARDS and self.fault_due:
             self.fault.armed = getattr(self, f"inject_{self.fault.kind}")(self.fault.rng)
         if (self.statics or self.draft_statics) and self.rng.random() < 0.05:  # graphs rebuilt: old ones closed
             self.close_statics()
@@ -653,11 +652,12 @@ class FuzzEngine:
             statics.clear()
 
     @property
-    def faults_open(self) -> bool:
-        """Whether a fault may be injected now: not before the canaries are on again in a seed that
-        switches them off, since the drain waits for every request live while they were off (a
-        fault's victim is pinned, never finished) and their reports would be expected anyway."""
-        return not self.c.pause_at or self.resumed
+    def fault_due(self) -> bool:
+        """Whether the fault's forward has come (``Fault.at``) and it may be injected now: not before
+        the canaries are on again in a seed that switches them off, since the drain waits for every
+        request live while they were off (a fault's victim is pinned, never finished) and their
+        reports would be expected anyway."""
+        return self.index >= self.fault.at and (not self.c.pause_at or self.resumed)
 
     def switch_mode(self) -> None:
         """A seed with ``pause_at``: the canaries off at that forward, their graphs closed (a captured
@@ -1582,8 +1582,7 @@ class FuzzEngine:
         change in what after_forward (or after()) gets, for one kept token. A write dropped into a
         slot whose stale record is the one it would have written is no corruption: left out."""
         fault = self.fault
-        if fault is None or fault.armed or fault.kind not in ("dropped_write", "wrong_token") or self.index < fault.at \
-                or not self.faults_open:
+        if fault is None or fault.armed or fault.kind not in ("dropped_write", "wrong_token") or not self.fault_due:
             return None
         candidates, entry = [], 0
         for s, nodes in zip(scheduled, after_nodes):
@@ -1612,7 +1611,7 @@ class FuzzEngine:
         checks). Only where a check will see it: with the write input assert anywhere, else below
         the request's last kept position, which later verifies check against the token pool."""
         fault = self.fault
-        if fault is None or fault.armed or fault.kind != "draft_token" or self.index < fault.at or not self.faults_open:
+        if fault is None or fault.armed or fault.kind != "draft_token" or not self.fault_due:
             return None
         candidates, entry = [], 0
         for s, nodes in zip(scheduled, kept):
