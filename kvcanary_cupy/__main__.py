@@ -22,6 +22,12 @@ tier and back keeps its fingerprints through kc.copy_records, so what changed wh
 is caught when it is read again."""
 
 
+def _version() -> str:
+    from . import __version__  # noqa: PLC0415
+
+    return __version__
+
+
 def _info(_: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
     from ._dlpack import cuda_device_count, cupy_module  # noqa: PLC0415
@@ -32,7 +38,8 @@ def _info(_: argparse.Namespace) -> int:
 
         print(f"  cpu backend : numba {numba.__version__}")
     except ImportError:
-        print("  cpu backend : numba not installed")
+        print("  cpu backend : unavailable (numba is not installed: pip install numba; host arrays cannot be "
+              "checked without it)")
     cupy = cupy_module()
     count = cuda_device_count()
     if cupy is None:
@@ -63,6 +70,9 @@ def _compile(args: argparse.Namespace) -> int:
         jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
     else:
         jobs = [("cpu" if args.device is None else args.device, {}, "kernels")]
+    if args.source_counts is not None:  # the CPU's builds; CUDA kernels take any count
+        jobs = [(device, {**options, "source_counts": args.source_counts} if what == "kernels" else options, what)
+                for device, options, what in jobs]
     for device, options, what in jobs:
         start = time.perf_counter()
         try:
@@ -74,11 +84,23 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _counts(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of integers >= 0."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers >= 0 separated by commas, got {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"must be integers >= 0 separated by commas, got {text!r}")
+    return counts
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     # the same commands are installed on the path as `kvcanary`
     prog = "kvcanary" if os.path.basename(sys.argv[0]) == "kvcanary" else "python -m kvcanary_cupy"
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="version, backends and devices available",
                                description="Print this package's version, the backends it can use (numba on the "
@@ -92,6 +114,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "Beside GPUs it also readies the host side of kc.copy_records (a host tier's copies).")
     compile_.add_argument("--device", default=None,
                           help="cuda, cuda:N or cpu (default: every CUDA device seen, else cpu)")
+    compile_.add_argument("--source-counts", type=_counts, default=None, metavar="N,N,...",
+                          help="on the CPU: the numbers of real-KV sources your canaries hash (numba builds the "
+                               "hashing kernels once for each; 0 for hash mode NONE), e.g. 0,4 for a canary "
+                               "hashing K and V of two layers (default 0,1)")
     compile_.set_defaults(handler=_compile)
     from .sim import cli  # noqa: PLC0415
 

@@ -49,12 +49,11 @@ def _warm_cpu(source_counts: Iterable[int]) -> None:
     from . import _layout as L
     from .context import CanaryContext, VerifyPlan, WritePlan
     from .ops import copy_records, plan, scatter_req_token_ids, verify, write
-    from .ops.backends._cpu import plan as cpu_plan
-    from .ops.backends._cpu import verify as cpu_verify
-    from .ops.backends._cpu import write as cpu_write
+    from .ops._dispatch import backend_module
     from .sources import RealKvSource
 
-    large = max(cpu_plan.PARALLEL_MIN_ENTRIES, cpu_verify.PARALLEL_MIN_ENTRIES, cpu_write.PARALLEL_MIN_ENTRIES)
+    cpu = parse_device("cpu")
+    large = max(backend_module(cpu, op).PARALLEL_MIN_ENTRIES for op in ("plan", "verify", "write"))
     for count, tokens in itertools.product(source_counts, (large, 2)):
         slots = np.arange(1, tokens + 1, dtype=np.int64)
         req_to_token = np.zeros((2, tokens + 1), np.int32)

@@ -205,3 +205,44 @@ def test_the_installed_command_names_itself():
         pytest.skip("the package is not installed as a script beside this interpreter")
     done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("usage: kvcanary "), done.stdout[:200]
+
+
+def test_cli_compiles_the_source_counts_asked_for(capsys, monkeypatch):
+    """``--source-counts`` reaches compile_kernels for the CPU (numba builds the hashing kernels for
+    each count), beside GPUs too; a malformed list is refused by argparse."""
+    calls = []
+    monkeypatch.setattr(kc, "compile_kernels", lambda **options: calls.append(options))
+    assert cli_main(["compile", "--device", "cpu", "--source-counts", "0,4"]) == 0
+    assert calls == [{"device": "cpu", "source_counts": [0, 4]}]
+    for bad in ("-1", "x", "1,,2"):
+        with pytest.raises(SystemExit) as refused:
+            cli_main(["compile", "--source-counts", bad])
+        assert refused.value.code == 2
+        assert "argument --source-counts: must be integers >= 0 separated by commas" in capsys.readouterr().err
+
+
+def test_cli_tells_its_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip().endswith(f" {kc.__version__}")
+
+
+def test_without_numba_the_cpu_backend_says_so():
+    """A broken install without numba imports and tells what is missing, in one line, where a CPU op
+    (or a compile, or the demo) needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import kvcanary_cupy as kc\n"
+            "from kvcanary_cupy.__main__ import main\n"
+            "try:\n"
+            "    kc.compile_kernels(device='cpu')\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n"
+            "print(main(['demo', '--device', 'cpu', '--steps', '2', '--no-progress']), main(['info']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    message = "kv-canary: arrays on the CPU run on the numba backend, and numba is not installed: pip install numba"
+    assert done.stdout.startswith(message) and done.stderr.strip() == message
+    assert "cpu backend : unavailable (numba is not installed" in done.stdout and done.stdout.strip().endswith("2 0")

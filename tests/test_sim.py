@@ -147,7 +147,12 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--host-slots", "-1"], "argument --host-slots: must be >= 0, got -1"),
     (["--offload-prob", "2"], "argument --offload-prob: must be within [0, 1], got 2"),
     (["--offload-prob", "x"], "argument --offload-prob: must be a number, got 'x'"),
-    (["--host-slots", "64"], "kv-canary: --host-slots must be 0 (no host tier) or > max_len 512, got 64"),
+    (["--host-slots", "64"], "kv-canary: --host-slots must be 0 (no host tier) or more than a request's up to 512 "
+                             "tokens, got 64"),
+    (["--device", "gpu"], "argument --device: must be cpu, cuda or cuda:N, got 'gpu'"),
+    (["--device", ""], "argument --device: must be cpu, cuda or cuda:N, got ''"),
+    (["--json", ""], "argument --json: must name a file, got ''"),
+    (["--chart", "/tmp/demo.txt"], "argument --chart: must end in .png (the chart is a PNG), got '/tmp/demo.txt'"),
     (["--speculative", "2", "--static-decode"],
      "kv-canary: --speculative and --static-decode are not run together, got --speculative=2 with --static-decode"),
 ])
@@ -162,6 +167,38 @@ def test_demo_cli_refuses_a_shape_it_cannot_run(argv, message, capsys):
     assert status == 2 and message in err and "Traceback" not in err
 
 
+def test_demo_cli_exit_status_tells_a_failed_run(tmp_path, capsys, monkeypatch):
+    """0 for a clean run; 1 for a false positive; with --strict 1 also for a fault left unreported
+    though its requests were done with; JSON to standard output with ``--json -``."""
+    from kvcanary_cupy.sim import runner
+
+    argv = ["--device", "cpu", "--no-progress", "--steps", "40", "--hash-mode", "none", "--faults", "kv_bitflip"]
+    assert demo_main([*argv, "--json", "-"]) == 0  # unseen without hashing, yet no false positive
+    out, err = capsys.readouterr()
+    log = json.loads(out)["fault_log"]
+    assert log and all(fault["detected_step"] is None for fault in log) and "fault class" in err
+    assert demo_main([*argv, "--strict"]) == 1
+    assert re.search(r"kv-canary: demo failed: 0 false positive\(s\), [1-9]\d* missed fault\(s\)", capsys.readouterr().err)
+    explain_nothing = lambda events, faults, step: (list(events), set())  # noqa: E731
+    monkeypatch.setattr(runner, "_attribute", explain_nothing)
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "30", "--faults", "kv_bitflip",
+                      "--hash-mode", "all"]) == 1
+    assert "kv-canary: demo failed: " in capsys.readouterr().err
+
+
+def test_demo_faults_do_not_stack_on_a_request_and_undetected_ones_in_flight_are_not_misses():
+    """A fault is injected only into requests no unreported fault has hurt (a second would take the
+    first's report), so even a fault every step is each caught; one whose request still runs when
+    the run ends (an offloaded one, say, not yet loaded back) is in flight, not missed."""
+    result = run(SimConfig(steps=120, max_running=4, hash_mode=kc.HashMode.ALL), FAULT_CLASSES, fault_every=1)
+    assert result.false_positives == [] and len(result.faults) > 60
+    assert result.missed == []
+    in_flight = [fault for fault in result.faults if not fault.detected]
+    assert all(not fault.closed for fault in in_flight)
+    assert sum(row["in_flight"] for row in result.per_class().values()) == len(in_flight)
+    assert all(fault.detected for fault in result.faults if fault.step < 110)
+
+
 def test_sim_config_refuses_what_cannot_run():
     with pytest.raises(ValueError, match=r"^kv-canary: static_decode needs poll_every == 1, got 2$"):
         SimConfig(static_decode=True, poll_every=2)
@@ -169,7 +206,8 @@ def test_sim_config_refuses_what_cannot_run():
         SimConfig(max_running=0)
     with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):
         SimConfig(pool_slots=100, max_len=256, page_size=32)
-    with pytest.raises(ValueError, match=r"^kv-canary: host_slots must be 0 \(no host tier\) or > max_len 256, got 256$"):
+    with pytest.raises(ValueError, match=r"^kv-canary: host_slots must be 0 \(no host tier\) or more than a request's "
+                                         r"up to 256 tokens, got 256$"):
         SimConfig(host_slots=256, max_len=256)
     with pytest.raises(ValueError, match=r"^kv-canary: offload_prob must be within \[0, 1\], got 1.5$"):
         SimConfig(offload_prob=1.5)

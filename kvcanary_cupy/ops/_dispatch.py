@@ -16,7 +16,14 @@ from .._dlpack import Device, cupy_module, require_cupy
 def backend_module(device: Device, op: str):
     """``ops.backends._cpu.<op>`` or ``ops.backends._cuda.<op>``."""
     package = "_cuda" if device.is_cuda else "_cpu"
-    return importlib.import_module(f"{__package__}.backends.{package}.{op}")
+    try:
+        return importlib.import_module(f"{__package__}.backends.{package}.{op}")
+    except ModuleNotFoundError as error:
+        if error.name != "numba":
+            raise
+        # numba is a dependency of the package, so only a broken install lacks it
+        raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is not "
+                           "installed: pip install numba") from None
 
 
 def resolve_stream(stream: Any, device: Device):

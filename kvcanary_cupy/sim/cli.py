@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
 import sys
 from typing import Optional
 
-from .._dlpack import cuda_device_count
+from .._dlpack import cuda_device_count, parse_device
 from .._layout import HashMode
 from .engine import LAYOUTS, SMALLEST, SimConfig
 from .faults import FAULT_CLASSES
@@ -53,8 +54,19 @@ def _probability(text: str) -> float:
     return value
 
 
+def _device(text: str) -> str:
+    """An argparse type: a device the package can name (whether it is there is told when it runs)."""
+    try:
+        parse_device(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}") from None
+    return text
+
+
 def _output_path(text: str) -> str:
     """An argparse type: a file the run can write, checked before it runs rather than after."""
+    if not text:
+        raise argparse.ArgumentTypeError("must name a file, got ''")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {text!r} in")
@@ -63,13 +75,29 @@ def _output_path(text: str) -> str:
     return text
 
 
+def _json_path(text: str) -> str:
+    """``--json``'s path: a file, or ``-`` for standard output."""
+    return text if text == "-" else _output_path(text)
+
+
+def _chart_path(text: str) -> str:
+    """``--chart``'s path: a PNG file, with matplotlib there to draw it, both told before the run."""
+    path = _output_path(text)
+    if not path.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"must end in .png (the chart is a PNG), got {text!r}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib, not installed here: pip install matplotlib (this "
+                                         "package's plot extra)")
+    return path
+
+
 DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which ones the canary catches, "
                "how fast, and at what cost.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, for a parser of its own or a ``demo`` subcommand."""
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
+    parser.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
     parser.add_argument("--steps", type=_at_least(SMALLEST["steps"]), default=300,
                         help="forward passes to simulate (default 300)")
     parser.add_argument("--seed", type=_at_least(SMALLEST["seed"]), default=0,
@@ -113,9 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"tokens (a chain, each wrong with chance {SimConfig.draft_miss}) and keeps those the "
                              "target accepts, the only ones the canary fingerprints (default 0: none; not with "
                              "--static-decode)")
-    parser.add_argument("--json", type=_output_path, metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--chart", type=_output_path, metavar="PATH", help="write a PNG chart (needs matplotlib: this package's plot extra)")
+    parser.add_argument("--json", type=_json_path, metavar="PATH",
+                        help="write the results as JSON (- : to standard output, the summary then to standard error)")
+    parser.add_argument("--chart", type=_chart_path, metavar="PATH.png",
+                        help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when an injected fault went unreported although its requests were done "
+                             "with before the run ended, as well as on a false positive (exit status: 0 all "
+                             "well, 1 a false positive or, with --strict, a missed fault, 2 a refused option)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -145,23 +179,47 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise
         print(error, file=sys.stderr)  # e.g. --device cuda without CuPy: one line, not a traceback
         return 2
-    lines = [result.summary()]
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result.to_json(), handle, indent=2)
-        lines.append(f"wrote {args.json}")
-    if args.chart:
-        from .chart import write_chart  # noqa: PLC0415
-
-        if write_chart(result, args.chart):
-            lines.append(f"wrote {args.chart}")
-        else:
-            print("chart skipped: matplotlib is not installed (this package's plot extra)", file=sys.stderr)
+    except MemoryError:
+        print("kv-canary: the simulated engine does not fit in this machine's memory: lower --pool-slots, "
+              "--max-running or --page-size", file=sys.stderr)
+        return 2
+    summary_to = sys.stderr if args.json == "-" else sys.stdout  # standard output carries the JSON then
     try:
-        print("\n".join(lines), flush=True)
+        print(result.summary(), file=summary_to, flush=True)
+        wrote = _write_outputs(result, args, summary_to)
     except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
         sys.stderr.close()
-    return 0
+        return 0
+    if not wrote:
+        return 2
+    failed = bool(result.false_positives) or (args.strict and bool(result.missed))
+    if failed:
+        print(f"kv-canary: demo failed: {len(result.false_positives)} false positive(s)"
+              + (f", {len(result.missed)} missed fault(s)" if args.strict else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
+    """Write ``--json`` and ``--chart``, each said on ``say_to``; False when one cannot be."""
+    try:
+        if args.json == "-":
+            json.dump(result.to_json(), sys.stdout, indent=2)
+            print(flush=True)
+        elif args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(result.to_json(), handle, indent=2)
+            print(f"wrote {args.json}", file=say_to)
+        if args.chart:
+            from .chart import write_chart  # noqa: PLC0415
+
+            if not write_chart(result, args.chart):
+                print("kv-canary: cannot write the chart: matplotlib does not import", file=sys.stderr)
+                return False
+            print(f"wrote {args.chart}", file=say_to)
+    except OSError as error:  # the folder was writable when the run began
+        print(f"kv-canary: cannot write {error.filename or 'the output'}: {error.strerror or error}", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -88,12 +88,13 @@ class SimConfig:
         # one request of max_len tokens must fit in the pages beside the padding slot's
         smallest_pool = (-(-self.max_len // self.page_size) + 1) * self.page_size
         if self.pool_slots < smallest_pool:
-            raise ValueError(f"kv-canary: pool_slots must be >= {smallest_pool} (a request of max_len "
+            raise ValueError(f"kv-canary: pool_slots must be >= {smallest_pool} (a request of up to "
                              f"{self.max_len} tokens in pages of {self.page_size}, beside the padding page), "
                              f"got {self.pool_slots!r}")
         if 0 < self.host_slots <= self.max_len:
             # the tier must take a whole request beside its unused slot 0
-            raise ValueError(f"kv-canary: host_slots must be 0 (no host tier) or > max_len {self.max_len}, "
+            raise ValueError(f"kv-canary: host_slots must be 0 (no host tier) or more than a request's up to "
+                             f"{self.max_len} tokens, "
                              f"got {self.host_slots!r}")
         for name in ("offload_prob", "draft_miss"):
             if not 0.0 <= getattr(self, name) <= 1.0:

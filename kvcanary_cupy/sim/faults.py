@@ -115,6 +115,9 @@ class FaultInjector:
         return {rid for fault in self.faults if not fault.detected for rid in fault.victims}
 
     def _victims(self, exclude=()) -> list:
+        """Running requests a fault may hurt: none already hurt by one not reported yet, whose report
+        a second fault would take (and offloading it would carry its fault out of sight)."""
+        exclude = set(exclude) | self.undetected_victims()
         running = [r for r in self.engine.running if r.rid not in exclude and r.remaining >= _MIN_REMAINING
                    and r.seq_len > 0]
         decoding = [r for r in running if r.decoding]
@@ -169,7 +172,7 @@ class FaultInjector:
         """Offload a request to the host tier and flip a bit of one of its tokens' KV there: its
         records, carried with it, still hold the hash of the KV as written."""
         eng = self.engine
-        candidates = [r for r in self._victims(exclude=self.undetected_victims()) if eng.can_offload(r)]
+        candidates = [r for r in self._victims() if eng.can_offload(r)]
         if not candidates:
             return None
         request = candidates[int(self.rng.integers(len(candidates)))]
@@ -221,7 +224,9 @@ class FaultInjector:
         cls, self._pending_batch = self._pending_batch, None
         if cls is None:
             return None
-        choices = [i for i, r in enumerate(batch.requests) if r.remaining - batch.extend_lens[i] >= _MIN_REMAINING]
+        hurt = self.undetected_victims()
+        choices = [i for i, r in enumerate(batch.requests)
+                   if r.remaining - batch.extend_lens[i] >= _MIN_REMAINING and r.rid not in hurt]
         if not choices:
             self._pending_batch = cls  # try again next step
             return None

@@ -91,11 +91,18 @@ class SimResult:
             out[cls] = {
                 "injected": len(faults),
                 "detected": len(detected),
+                "in_flight": sum(not f.detected and not f.closed for f in faults),
                 "detection_rate": len(detected) / len(faults),
                 "median_steps_to_detection": statistics.median(latencies) if latencies else None,
                 "max_steps_to_detection": max(latencies) if latencies else None,
             }
         return out
+
+    @property
+    def missed(self) -> list:
+        """The faults not reported although their requests were done with (finished or aborted)
+        before the run ended: not those still in flight, whose requests a later verify would read."""
+        return [f for f in self.faults if not f.detected and f.closed]
 
     def to_json(self) -> dict:
         c = self.config
@@ -174,6 +181,10 @@ class SimResult:
                          f"{median:>14}")
         if not self.faults:
             lines.append(f"  {'(none injected)':<18}")
+        in_flight = sum(row["in_flight"] for row in self.per_class().values())
+        if in_flight:
+            lines.append(f"  {in_flight} undetected fault{'s' if in_flight != 1 else ''} still in flight at the end "
+                         f"(their requests still ran, so a later verify may yet see them)")
         for cls, why in self.not_injectable.items():
             lines.append(f"  {cls:<18} not injected: {why}")
         lines.append(f"  {'false positives':<18}{len(self.false_positives):>9}")
@@ -280,6 +291,9 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
         bar.update(step + 1, f"faults {sum(f.detected for f in injector.faults)}/{len(injector.faults)} detected")
     bar.close()
     wall = time.perf_counter() - start
+    live = {r.rid for r in engine.running} | set(engine.offloaded)
+    for fault in injector.faults:  # a fault whose requests still run may yet be seen: in flight, not missed
+        fault.closed = fault.closed or not (fault.victims & live)
     stats = canary.stats()
     slot_runs = sum(s["slot_run_counter"] for s in stats.values())
     writes = engine.tokens_written * len(stats)
