@@ -84,14 +84,16 @@ class CanaryContext:
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
     source_table: Any = dataclasses.field(init=False, repr=False, compare=False)
     source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    forms: dict = dataclasses.field(init=False, repr=False, compare=False)
+    ARRAYS: ClassVar[tuple[str, ...]] = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
+                                         "kernel_run_counter", "chain_position_assert")
     # What verify stores into (the ring and its counters); write stores into the canary buffer too.
     VERIFY_WRITES: ClassVar[tuple[str, ...]] = ("violation_ring", "violation_write_index", "slot_run_counter",
                                                 "kernel_run_counter")
     WRITE_WRITES: ClassVar[tuple[str, ...]] = ("canary_buf",) + VERIFY_WRITES
 
     def __post_init__(self) -> None:
-        names = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter",
-                 "kernel_run_counter", "chain_position_assert")
+        names = self.ARRAYS
         devices = check.adopt_views(self, {name: name for name in names}, own=True)
         sources = source_list("real_kv_sources", self.real_kv_sources)
         for index, source in enumerate(sources):
@@ -134,6 +136,7 @@ class CanaryContext:
         for name, value in (("real_kv_sources", sources), ("hash_mode", mode), ("device", device),
                             ("source_table", from_host(descriptors, device)), ("source_words", words)):
             object.__setattr__(self, name, value)
+        _remember_forms(self)
         # The source table's upload (and the fills of arrays from allocate) are queued on the
         # current stream; an op launched next on a stream that does not wait for it must find them.
         settle(device)
@@ -216,7 +219,7 @@ class CanaryContext:
     def clear_violations(self) -> None:
         """Empty the ring (rows and write index); counters are kept. Done when this returns, for an
         op launched next on any stream."""
-        require_writable(self, ("violation_ring", "violation_write_index"))
+        require_intact(self, ("violation_ring", "violation_write_index"))
         self.violation_ring[...] = 0
         self.violation_write_index[...] = 0
         settle(self.device)
@@ -225,7 +228,7 @@ class CanaryContext:
         """Flip the device flag; CUDA graphs captured earlier see the new value. Done when this
         returns, for an op launched next on any stream."""
         flag = 1 if check.boolean("enabled", enabled) else 0
-        require_writable(self, ("chain_position_assert",))
+        require_intact(self, ("chain_position_assert",))
         self.chain_position_assert[...] = flag
         settle(self.device)
 
@@ -239,11 +242,30 @@ class CanaryContext:
                 "prev_hash": int(words[L.FIELD_PREV_HASH]), "real_kv_hash": int(words[L.FIELD_REAL_KV_HASH])}
 
 
-def require_writable(bundle, names: Sequence[str] = ()) -> None:
-    """An op's rule, checked every call (a bundle's array can be made read-only after it was built):
-    the arrays ``names`` of ``bundle`` (default: a plan's every array, which the plan op stores into)
-    writable. The name is formatted only for a read-only one."""
-    for name in names or bundle.ARRAYS:
+def _form(array: Any) -> tuple:
+    return array.shape, array.strides, array.dtype
+
+
+def _remember_forms(bundle) -> None:
+    """Keep the form (shape, strides, dtype) of each of ``bundle``'s arrays, as validated."""
+    object.__setattr__(bundle, "forms", {name: _form(getattr(bundle, name)) for name in bundle.ARRAYS})
+
+
+def require_intact(bundle, writes: Sequence[str] = ()) -> None:
+    """An op's rules for a bundle validated once and used call after call, checked every call:
+    each of its arrays keeps the shape, strides and dtype it was validated with (its own views,
+    but reachable through its attributes: one reshaped or re-typed in place would have a kernel
+    read or write past it), and those it stores into (``writes``; default: a plan's every array,
+    which the plan op stores into) are writable (one can be made read-only after it was built).
+    Messages are formatted only for a refusal."""
+    for name, form in bundle.forms.items():
+        array = getattr(bundle, name)
+        if _form(array) != form:
+            shape, strides, dtype = form
+            raise ValueError(f"{check.PREFIX}{type(bundle).__name__}.{name} must keep the shape, strides and dtype "
+                             f"it was validated with ({tuple(shape)}, {tuple(strides)}, {dtype}), got "
+                             f"{tuple(array.shape)}, {tuple(array.strides)}, {array.dtype}: changed in place")
+    for name in writes or bundle.ARRAYS:
         array = getattr(bundle, name)
         if isinstance(array, np.ndarray) and not array.flags.writeable:
             check.writable(f"{type(bundle).__name__}.{name}", array)
@@ -260,6 +282,7 @@ class VerifyPlan:
     num_valid: Any
     enable: Any
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
+    forms: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     ARRAYS: ClassVar[tuple[str, ...]] = ("slot_indices", "expected_tokens", "expected_positions",
                                          "prev_slot_indices", "num_valid", "enable")
@@ -276,6 +299,7 @@ class VerifyPlan:
                          "the plan's capacity, as slot_indices")
         check.scalar_cell("VerifyPlan.num_valid", self.num_valid, np.int32)
         check.scalar_cell("VerifyPlan.enable", self.enable, np.int32)
+        _remember_forms(self)
 
     @classmethod
     def allocate(cls, capacity: int, *, device: Any = "cpu") -> "VerifyPlan":
@@ -299,6 +323,7 @@ class WritePlan:
     seed_slot_indices: Any
     num_valid_reqs: Any
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
+    forms: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     ARRAYS: ClassVar[tuple[str, ...]] = ("offsets", "seed_slot_indices", "num_valid_reqs")
 
@@ -312,6 +337,7 @@ class WritePlan:
         check.vector("WritePlan.offsets", self.offsets, np.int64, capacity + 1,
                      "capacity + 1, one more than seed_slot_indices")
         check.scalar_cell("WritePlan.num_valid_reqs", self.num_valid_reqs, np.int32)
+        _remember_forms(self)
 
     @classmethod
     def allocate(cls, req_capacity: int, *, device: Any = "cpu") -> "WritePlan":

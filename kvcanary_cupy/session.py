@@ -27,12 +27,12 @@ import numpy as np
 from . import _layout as L
 from . import validate as check
 from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, order_after_torch,
-                      parse_device, require_cupy, settle, stream_capturing, to_host)
+                      own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
-from .ops.batches import PlanBatch, WriteBatch, launch_tag
+from .ops.batches import PlanBatch, WriteBatch, launch_tag, owning
 from .sources import RealKvSource, source_list
 
 __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
@@ -387,13 +387,14 @@ def _sources(name: str, sources: Any, device: Device, slots: int) -> tuple:
     return sources
 
 
-def _adopt(name: str, array: Any, device: Device, rule, *rule_args):
+def _adopt(name: str, array: Any, device: Device, rule, *rule_args, keep: bool = False):
     """A zero-copy native view of ``array`` on the session's device, passing ``rule(name, view,
     *rule_args)``. For the tables the session keeps (checked at construction by the rule the ops
-    apply, not at the first forward) and for the arrays the ops would check under another name
-    (``LiveRequests.seq_lens`` becomes the plan's ``prefix_lens``)."""
+    apply, not at the first forward; ``keep``: a view of its own, see ``own_view``) and for the
+    arrays the ops would check under another name (``LiveRequests.seq_lens`` becomes the plan's
+    ``prefix_lens``)."""
     check.one_device({"the canary": device, name: device_of(array, name)})
-    view = native_view(array, name, device)
+    view = native_view(own_view(array) if keep else array, name, device)
     rule(name, view, *rule_args)
     return view
 
@@ -445,9 +446,9 @@ class Canary:
         pool_slot_count = check.slot_count("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
         real_kv_sources = _sources("real_kv_sources", real_kv_sources, device, pool_slot_count)
-        req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32)
+        req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32, keep=True)
         if expected_tokens is not None:
-            expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32)
+            expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32, keep=True)
             if expected_tokens.shape[0] < req_to_token.shape[0]:  # a row past it is never checked
                 raise ValueError(f"{check.PREFIX}expected_tokens must have a row for every req_to_token row: "
                                  f"rows >= {req_to_token.shape[0]}, got shape {check.shape_text(expected_tokens)}")
@@ -461,7 +462,7 @@ class Canary:
         if swa is not None:
             check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
-            lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64)
+            lut = _adopt("SwaGroup.lut", swa.lut, device, check.vector, np.int64, keep=True)
             if lut.shape[0] < pool_slot_count:
                 raise ValueError(f"{check.PREFIX}SwaGroup.lut must map every slot of the full pool: length >= "
                                  f"pool_slot_count={pool_slot_count}, got {lut.shape[0]}")
@@ -1045,6 +1046,9 @@ class StaticForward:
             self._geometries = (canary._geometry(batch, canary._plan_fields),
                                 canary._geometry(batch, canary._write_fields))
         else:
+            # launched as they are at every run: over views of their own, which in-place changes to
+            # the engine's array objects (a.shape = ..., a.dtype = ...) do not reach
+            plans, writes = [owning(bundle) for bundle in plans], [owning(bundle) for bundle in writes]
             self._plans = tuple(functools.partial(_run_plan, canary, group, bundle) for group, bundle in zip(groups, plans))
             self._writes = tuple(functools.partial(_run_write, canary, group, bundle)
                                  for group, bundle in zip(groups, writes))
@@ -1075,10 +1079,11 @@ class StaticForward:
     def before(self, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         canary = self._canary
-        self._before_skipped = not canary.enabled
         if not canary.enabled:
+            self._before_skipped = True
             return
-        with self._launching(stream) as stream:
+        with self._launching(stream) as stream:  # the stream checked before anything changes
+            self._before_skipped = False
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)

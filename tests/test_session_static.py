@@ -15,6 +15,7 @@ beside another forward.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -265,3 +266,81 @@ def test_a_forward_let_go_and_run_by_mistake_leaves_its_span_without_steps(devic
     report = driven.poll()
     assert report.forwards == 4
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 4, "a", 2), ("tail", 4, "a", 2)]
+
+
+def _small_canary(**kwargs) -> kc.Canary:
+    table = np.zeros((3, 8), np.int32)
+    table[1], table[2] = np.arange(1, 9), np.arange(9, 17)
+    capacities = kc.Capacities.from_args(req_to_token_pool_size=3, max_seq_len_per_req=8, pool_slot_count=32,
+                                         max_prefill_tokens=64)
+    return kc.Canary(pool_slot_count=32, capacities=capacities, req_to_token=table, **kwargs)
+
+
+def _batch(rows, prefixes, extends, ids, positions, slots) -> kc.ForwardBatch:
+    vector = lambda values: np.array(values, np.int64)  # noqa: E731
+    return kc.ForwardBatch(req_pool_indices=vector(rows), prefix_lens=vector(prefixes),
+                           extend_seq_lens=vector(extends), input_ids=vector(ids), positions=vector(positions),
+                           out_cache_loc=vector(slots))
+
+
+def test_arrays_retyped_in_place_do_not_reach_a_static_forward():
+    """A static forward launches over views of its own (on the CPU, where its runs call the ops):
+    the engine's array objects re-typed in place after it was built (int64 read as twice as many
+    int32) leave its runs reading what was validated, not past the arrays' ends."""
+    guarded = np.full(8, 7777, np.int64)  # positions, then what lies past them
+    canary = _small_canary()
+    batch = _batch([1], [0], [2], [10, 11], [0, 1], [1, 2])
+    positions = guarded[:2]
+    positions[:] = [0, 1]
+    batch = dataclasses.replace(batch, positions=positions)
+    forward = canary.static_forward(batch)
+    batch.input_ids.dtype = np.int32  # 4 entries now, over the same bytes
+    batch.req_pool_indices[:] = (1 << 32) | 1
+    batch.req_pool_indices.dtype = np.int32  # 2 rows now, each pool row 1
+    forward.before()
+    forward.after()
+    assert canary.groups[0].vplan.num_valid[0] == 0 and canary.groups[0].wplan.num_valid_reqs[0] == 1
+    assert [canary.context.slot_fields(slot)["position"] for slot in (1, 2, 3)] == [0, 1, 0]
+    assert canary.poll().total == 0 and (guarded[2:] == 7777).all()
+
+
+def test_a_refused_before_changes_nothing():
+    """``before(stream=...)`` refused for its stream leaves the forward as it was: its batch, whose
+    last ``before`` came while the canary was off, is still planned by its ``after``, not written
+    with the plans of the eager forward that ran since."""
+    canary = _small_canary()
+    for row in (1, 2):
+        prefill = _batch([row], [0], [3], [7 * row, 8, 9], [0, 1, 2], canary.req_to_token[row, :3])
+        canary.before_forward(prefill)
+        canary.after_forward(prefill)
+    forward = canary.static_forward(_batch([1], [3], [1], [10], [3], [canary.req_to_token[1, 3]]))
+    canary.mode = "off"
+    forward.before()
+    canary.mode = "log"
+    other = _batch([2], [3], [1], [10], [3], [canary.req_to_token[2, 3]])
+    canary.before_forward(other)
+    canary.after_forward(other)
+    with pytest.raises(TypeError, match="^kv-canary: stream must be"):
+        forward.before(stream="not a stream")
+    forward.after()
+    canary.sweep(kc.LiveRequests(req_pool_indices=np.array([1, 2]), seq_lens=np.array([4, 4])))
+    assert canary.poll().total == 0
+
+
+def test_the_tables_kept_are_views_of_their_own():
+    """``req_to_token``, ``expected_tokens`` and the SWA LUT are referenced in place (refilled, the
+    canary reads the new values) through views of the canary's own: reshaped in place afterwards,
+    the engine's objects leave the canary's shapes as they were."""
+    lut = np.arange(32, dtype=np.int64)
+    expected = np.zeros((3, 8), np.int32)
+    canary = _small_canary(expected_tokens=expected, swa=kc.SwaGroup(window=2, lut=lut, num_slots=32))
+    prefill = _batch([1], [0], [3], [5, 6, 7], [0, 1, 2], canary.req_to_token[1, :3])
+    expected[1, :3] = [5, 6, 7]  # refilled in place: read
+    canary.before_forward(prefill)
+    canary.after_forward(prefill)
+    lut.shape, expected.shape = (16, 2), (6, 4)
+    decode = _batch([1], [3], [1], [8], [3], canary.req_to_token[1, 3:4])
+    canary.before_forward(decode)
+    canary.after_forward(decode)
+    assert canary.poll().total == 0
+    assert canary.swa.lut is lut and canary.groups[1].lut.shape == (32,) and canary.expected_tokens.shape == (3, 8)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import SourceSpec, snapshot
+from _builders import SourceSpec, context_arrays, plan_arrays, snapshot
 from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 # --- the SPEC's four messages, verbatim -----------------------------------------------------------
@@ -574,6 +574,40 @@ def test_arrays_reshaped_in_place_after_building_change_nothing(device):
         outcomes.append([to_numpy(a).tobytes() for a in (*given.values(), *plan_given.values())])
     assert outcomes[0] == outcomes[1]
     assert np.frombuffer(outcomes[0][2], np.int32)[0] > 0  # rows were recorded: the ring is compared at work
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device):
+    """A bundle's own arrays are reachable through its attributes; one reshaped or re-typed there
+    (a ring of 4 columns would be written past its last row, a write plan re-typed to twice its
+    capacity past its offsets) is refused by every op that takes the bundle, before anything is
+    written, and the same op runs once it has its form back."""
+    ctx = kc.CanaryContext.allocate(8, ring_capacity=2, device=device)
+    vplan, wplan = kc.VerifyPlan.allocate(4, device=device), kc.WritePlan.allocate(2, device=device)
+    batch = dict(req_pool_indices=to_device(np.array([1, 1]), device), prefix_lens=to_device(np.array([2, 3]), device),
+                 extend_seq_lens=to_device(np.array([1, 1]), device),
+                 req_to_token=to_device(np.arange(1, 9, dtype=np.int32).reshape(2, 4), device))
+    state = lambda: [a.tobytes() for a in snapshot(*context_arrays(ctx), *plan_arrays(vplan, wplan))]  # noqa: E731
+    cases = [(ctx, "violation_ring", (4, 4), None, lambda: kc.verify(ctx, vplan, tag=1)),
+             (wplan, "seed_slot_indices", None, np.int32, lambda: kc.plan(vplan, wplan, **batch)),
+             (vplan, "expected_positions", (2, 2), None, lambda: kc.plan(vplan, wplan, **batch))]
+    for owner, field, shape, dtype, call in cases:
+        array = getattr(owner, field)
+        form = array.shape, array.dtype
+        try:
+            if shape is not None:
+                array.shape = shape
+            else:
+                array.dtype = dtype
+        except AttributeError:  # an array type that cannot be re-typed in place
+            continue
+        before = state()
+        with pytest.raises(ValueError, match=rf"^kv-canary: {type(owner).__name__}\.{field} must keep the shape, "
+                                             r"strides and dtype it was validated with .*: changed in place$"):
+            call()
+        assert state() == before
+        array.dtype, array.shape = form[1], form[0]
+        call()
 
 
 @requires_gpu

@@ -20,7 +20,7 @@ import numpy as np
 import kvcanary_cupy as kc
 from kvcanary_cupy import validate as check
 from kvcanary_cupy._dlpack import device_of, native_view
-from kvcanary_cupy.context import require_writable
+from kvcanary_cupy.context import require_intact
 from kvcanary_cupy.ops._dispatch import launch_scope
 from kvcanary_cupy.ops.backends._cuda import plan as cuda_plan
 from kvcanary_cupy.ops.backends._cuda import write as cuda_write
@@ -147,7 +147,7 @@ def main() -> None:
         "kc.Canary forward, 100 fresh batches, nothing prepared": lambda: session_forward_rotating(unprepared),
         "kc.plan, whole call": lambda: kc.plan(vplan, wplan, **batch),
         "  PlanBatch(...) (adopt + check 4 arrays)": lambda: PlanBatch(**batch),
-        "  require_writable x2": lambda: (require_writable(vplan), require_writable(wplan)),
+        "  require_intact x2": lambda: (require_intact(vplan), require_intact(wplan)),
         "  launch_scope enter+exit": scope,
         "  backend plan (arguments + launch)": lambda: cuda_plan.plan(vplan, wplan, plan_batch, stream=stream),
         "    batch_args": lambda: cuda_plan.batch_args(plan_batch),

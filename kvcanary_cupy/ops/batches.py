@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _layout as L
 from .. import validate as check
-from .._dlpack import Device
+from .._dlpack import Device, own_view
 from ..context import CanaryContext
 
 
@@ -127,6 +127,13 @@ class PlanBatch:
         (a positive int64 scalar; a native int64 vector on this device); nothing else is checked
         again."""
         return _copy_with(self, swa_window_size=window, full_to_swa_index_mapping=lut)
+
+
+def owning(bundle: Any) -> Any:
+    """A copy of a validated bundle over views of its own of its arrays (``own_view``), for one kept
+    and launched call after call: what was validated stays what its launches read, whatever is
+    later done in place to the caller's array objects."""
+    return _copy_with(bundle, **{name: own_view(value) for name, value in vars(bundle).items()})
 
 
 def _copy_with(bundle: Any, **changes: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .. import validate as check
-from ..context import VerifyPlan, WritePlan, require_writable
+from ..context import VerifyPlan, WritePlan, require_intact
 from ._dispatch import backend_module, launch_scope
 from .batches import PlanBatch
 
@@ -23,8 +23,8 @@ def plan(vplan: VerifyPlan, wplan: WritePlan, *, req_pool_indices: Any, prefix_l
     check.instance("vplan", vplan, VerifyPlan)
     check.instance("wplan", wplan, WritePlan)
     batch = PlanBatch.from_arguments(locals())
-    require_writable(vplan)
-    require_writable(wplan)
+    require_intact(vplan)
+    require_intact(wplan)
     if batch.batch_size > wplan.capacity:
         raise ValueError(f"{check.PREFIX}batch size must be <= the write plan's capacity {wplan.capacity}, "
                          f"got {batch.batch_size}")

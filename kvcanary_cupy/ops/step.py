@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from .. import validate as check
 from .._dlpack import own_view
-from ..context import CanaryContext, WritePlan, require_writable
+from ..context import CanaryContext, WritePlan, require_intact
 from ._dispatch import backend_module, check_stream_form, launch_scope, resolve_stream
 from .batches import PlanBatch, WriteBatch, launch_tag
 
@@ -55,7 +55,7 @@ class CanaryStep:
                  kv_token_id_vs_position_offset: int = 0, check_expected_token: bool = False,
                  expected_input_tokens: Optional[Any] = None, expected_input_positions: Optional[Any] = None):
         check.instance("ctx", ctx, CanaryContext)
-        require_writable(ctx, CanaryContext.WRITE_WRITES)
+        require_intact(ctx, CanaryContext.WRITE_WRITES)
         settings = StepVerify(capacity=verify_capacity, tag=verify_tag, check_expected_token=check_expected_token)
         # Launched on every step long after it was validated: the step's own views (see own_view).
         arrays = {name: own_view(value) for name, value in locals().items()}
@@ -92,7 +92,7 @@ class CanaryStep:
             return
         check_stream_form(stream)
         # host arrays can be made read-only after the step was built; device arrays cannot
-        require_writable(self.ctx, CanaryContext.WRITE_WRITES)
+        require_intact(self.ctx, CanaryContext.WRITE_WRITES)
         for launch in self._launches:
             launch(None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import validate as check
-from ..context import CanaryContext, VerifyPlan, require_writable
+from ..context import CanaryContext, VerifyPlan, require_intact
 from ._dispatch import backend_module, launch_scope
 from .batches import launch_tag
 
@@ -19,7 +19,7 @@ def verify(ctx: CanaryContext, vplan: VerifyPlan, *, tag: int, check_expected_to
     """
     check.instance("ctx", ctx, CanaryContext)
     check.instance("vplan", vplan, VerifyPlan)
-    require_writable(ctx, CanaryContext.VERIFY_WRITES)
+    require_intact(ctx, CanaryContext.VERIFY_WRITES)
     tag = launch_tag(tag)
     check_expected_token = check.boolean("check_expected_token", check_expected_token)
     with launch_scope({"ctx": ctx.device, "vplan": vplan.device}, stream) as (device, resolved):

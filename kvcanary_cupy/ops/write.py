@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .. import validate as check
-from ..context import CanaryContext, WritePlan, require_writable
+from ..context import CanaryContext, WritePlan, require_intact
 from ._dispatch import backend_module, launch_scope
 from .batches import WriteBatch
 
@@ -20,7 +20,7 @@ def write(ctx: CanaryContext, wplan: WritePlan, *, tag: int, input_ids: Any, pos
     """
     check.instance("ctx", ctx, CanaryContext)
     check.instance("wplan", wplan, WritePlan)
-    require_writable(ctx, CanaryContext.WRITE_WRITES)
+    require_intact(ctx, CanaryContext.WRITE_WRITES)
     batch = WriteBatch(tag=tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                        expected_input_tokens=expected_input_tokens,
                        expected_input_positions=expected_input_positions)
