@@ -80,7 +80,7 @@ class CanaryContext:
     kernel_run_counter: Any
     chain_position_assert: Any
     real_kv_sources: Sequence[RealKvSource] = ()
-    hash_mode: L.HashMode = L.HashMode.PARTIAL  # kc.Canary's default: given sources are hashed
+    hash_mode: L.HashMode = L.HashMode.NONE  # the SPEC's (§6): sources are hashed when a mode asks
     device: Device = dataclasses.field(init=False, repr=False, compare=False)
     source_table: Any = dataclasses.field(init=False, repr=False, compare=False)
     source_words: tuple = dataclasses.field(init=False, repr=False, compare=False)
@@ -145,9 +145,11 @@ class CanaryContext:
     @classmethod
     def allocate(cls, num_slots: int, *, device: Any = "cpu", ring_capacity: int = 1024,
                  slot_stride_bytes: int = L.MIN_SLOT_STRIDE_BYTES,
-                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.PARTIAL,
+                 real_kv_sources: Sequence[RealKvSource] = (), hash_mode: L.HashMode = L.HashMode.NONE,
                  chain_position_assert: bool = False) -> "CanaryContext":
-        """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot)."""
+        """A zeroed canary for a pool of ``num_slots`` KV slots (slot 0 is the padding slot). As in
+        the SPEC, ``hash_mode`` defaults to NONE: pass PARTIAL or ALL to hash ``real_kv_sources``
+        (``kc.Canary``, the session, defaults to PARTIAL)."""
         # Every size is checked before anything is allocated.
         num_slots = check.slot_count("num_slots", num_slots)
         ring_capacity = check.fits_int32("ring_capacity", check.non_negative("ring_capacity", ring_capacity))

@@ -16,8 +16,8 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
 
     Kernels are otherwise compiled when an op first needs them, and a forward that triggers it
     stalls that long: a first compile on a machine takes a few seconds for the CUDA kernels (NVRTC)
-    and about ten for the CPU backend's (numba). Both keep what they compiled in an on-disk cache,
-    so later processes on the machine only load it.
+    and 15–20 s on two cores for the CPU backend's (numba). Both keep what they compiled in an
+    on-disk cache, so later processes on the machine only load it.
 
     ``source_counts`` matters on the CPU only, where numba compiles a build of the hashing ops for
     each number of real-KV sources a context hashes (0 when its hash mode is NONE): pass the counts

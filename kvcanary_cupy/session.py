@@ -52,8 +52,8 @@ class ForwardBatch:
 
     ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``int64 [bs]``; ``input_ids``,
     ``positions``, ``out_cache_loc``: ``int64 [n]``, request after request. ``req_ids`` (host, one per
-    batch row) only names requests in reports. ``expected_input_tokens``/``_positions`` turn on the
-    write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the expected-token pool
+    batch row) only names requests in reports. ``expected_input_tokens``/``_positions`` (both, or
+    neither) turn on the write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the expected-token pool
     (defaults to ``prefix_lens``). ``swa_out_cache_loc`` overrides ``lut[out_cache_loc]`` for the SWA
     group. Arrays are referenced, not copied: if the engine refills them in place before
     :meth:`Canary.poll`, reports may name the wrong request.
@@ -83,8 +83,9 @@ class LiveRequests:
 
 @dataclasses.dataclass(frozen=True)
 class SwaGroup:
-    """A sliding-window KV pool beside the full one: ``lut`` (``int64 [full_pool_slots + 1]``) maps a
-    full-pool slot to its SWA slot; verify checks the last ``window`` positions of each request."""
+    """A sliding-window KV pool beside the full one: ``lut`` (``int64``, a cell for each full-pool
+    slot at least: ``pool_slot_count`` cells or more, as SGLang's ``+ 1``) maps a full-pool slot to
+    its SWA slot; verify checks the last ``window`` positions of each request."""
 
     window: int
     lut: Any
@@ -103,7 +104,9 @@ class CanaryEvent:
     told: a replay's place among the forwards and sweeps since the previous poll is not known on
     the host, so a replay has its step when it is the only forward since the previous poll, and a
     sweep beside a replay has none. Polled after each forward and each sweep, every event has its
-    step."""
+    step, but for a row whose entry's predecessor slot was written again later in the same forward
+    (a page freed while in use and taken by another request of the batch): which write the row saw
+    is not known."""
 
     group: str
     phase: str
@@ -534,10 +537,10 @@ class Canary:
     def mode(self) -> str:
         """``"off"``, ``"log"`` or ``"raise"``; it may change between calls. Tokens written while it
         is off get no record: once it is on again, each verify that reads them reports them
-        (CHAIN_HASH, POSITION), so switch it back on only when no request or cached prefix holds
-        such tokens, or expect those reports. It governs calls, not CUDA graphs: a graph that
-        captured a static forward runs its kernels at every replay whatever the mode, and one
-        captured while it was off runs none."""
+        (POSITION, with CHAIN_HASH and REAL_KV_HASH), so switch it back on only when no request or
+        cached prefix holds such tokens, or expect those reports. It governs calls, not CUDA
+        graphs: a graph that captured a static forward runs its kernels at every replay whatever
+        the mode, and one captured while it was off runs none."""
         return self._mode
 
     @mode.setter

@@ -6,6 +6,9 @@ import re
 
 import pytest
 
+from test_docs import requires_results
+
+pytestmark = requires_results
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "2026-12-01-h200.json"
 

@@ -661,7 +661,7 @@ def test_valid_world_calls_run(device):
 def test_stream_forms_refused_on_the_cpu_too(stream):
     """A stream= a GPU would refuse is refused on the CPU as well, where it is otherwise ignored."""
     w = World("cpu")
-    pattern = r"^kv-canary: stream must be None, a CuPy stream, a raw CUDA stream handle"
+    pattern = r"^kv-canary: stream must be None, a CuPy or torch stream, a raw CUDA stream handle"
     with pytest.raises(TypeError, match=pattern):
         w.verify(stream=stream)
     i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731

@@ -130,18 +130,23 @@ def test_corrupt_real_kv_byte(device, mode, byte, hit):
     _check(device, _verify(p), expected)
 
 
-def test_a_context_hashes_its_sources_by_default():
-    """As kc.Canary's: given KV buffers are hashed (PARTIAL) unless the mode says otherwise."""
+def test_a_context_hashes_its_sources_when_its_mode_asks():
+    """The SPEC's default hash mode (§6) is NONE: a context hashes its sources when given PARTIAL or
+    ALL; kc.Canary, a session of this package's own, defaults to PARTIAL."""
     k = np.arange(8 * 32, dtype=np.int64).astype(np.uint8).reshape(8, 32)
     sources = kc.layouts.per_layer([k], [k])
     ctx = kc.CanaryContext.allocate(8, real_kv_sources=sources)
-    assert ctx.hash_mode == kc.HashMode.PARTIAL and ctx.kv_read_lengths == (16, 16)
+    assert ctx.hash_mode == kc.HashMode.NONE and ctx.kv_read_lengths == ()
     own = kc.CanaryContext(canary_buf=np.zeros((8, 32), np.uint8), violation_ring=np.zeros((4, 8), np.int64),
                            violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
                            kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32),
                            real_kv_sources=sources)
-    assert own.kv_read_lengths == (16, 16)
-    assert kc.CanaryContext.allocate(8, real_kv_sources=sources, hash_mode=kc.HashMode.NONE).kv_read_lengths == ()
+    assert own.kv_read_lengths == ()
+    assert kc.CanaryContext.allocate(8, real_kv_sources=sources, hash_mode=kc.HashMode.PARTIAL).kv_read_lengths == (16, 16)
+    canary = kc.Canary(pool_slot_count=8, req_to_token=np.zeros((2, 4), np.int32), real_kv_sources=sources,
+                       capacities=kc.Capacities.from_args(req_to_token_pool_size=2, max_seq_len_per_req=4,
+                                                          pool_slot_count=8, max_prefill_tokens=4))
+    assert canary.context.kv_read_lengths == (16, 16)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -74,8 +74,8 @@ def stream_form(stream: Any) -> str:
         return "handle"
     if _is_torch_stream(stream):
         return "torch_other"
-    raise TypeError(f"{check.PREFIX}stream must be None, a CuPy stream, a raw CUDA stream handle or an "
-                    f"object with __cuda_stream__, got {type(stream).__name__}")
+    raise TypeError(f"{check.PREFIX}stream must be None, a CuPy or torch stream, a raw CUDA stream handle or "
+                    f"an object with __cuda_stream__, got {type(stream).__name__}")
 
 
 def check_stream_form(stream: Any) -> None:
