@@ -1619,3 +1619,60 @@ def test_events_name_their_request_whatever_the_padding_rows(seed, device):
             assert (slot, position) in written[request], (phase, request, position, slot, reasons)
     static, _, _, _ = _padded_forward_run(seed, static=True, device=device)
     assert sorted(static, key=repr) == sorted(events, key=repr)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("writer_first", [True, False], ids=["writer-first", "hitters-first"])
+def test_prefix_hits_on_blocks_the_same_forward_computes(device, writer_first):
+    """Parallel sampling in an engine that offers blocks for sharing when it schedules them: three
+    requests hit the full blocks of a prompt that a fourth computes in the same forward. Given to
+    the canary as integration.md says (each hitter's prefix only what earlier forwards wrote, the
+    shared tokens its own to write too: the same records the writer stores), the forward and the
+    decodes after it are clean in either batch order, and a bit flipped in a shared block is then
+    reported for every sharer; given as the model sees them, the hitters' HEAD reads unwritten
+    records (and, hitters first, their writes chain to them)."""
+    page, prompt_len, rows = 16, 200, 5
+    full = prompt_len // page * page
+    pool = (1 + (prompt_len // page + 1) * 4 + 4) * page
+    rng = np.random.default_rng(3)
+    table = np.zeros((rows, 256), np.int32)
+    kv = to_device(rng.standard_normal((pool // page, page, 2, 8)).astype(np.float32), device)
+    blocks = iter(range(1, pool // page))
+    writer_blocks = [next(blocks) for _ in range(prompt_len // page + 1)]
+    for row in range(1, rows):  # the writer (row 1) and three sharers of its full blocks, each its own tail
+        own = writer_blocks if row == 1 else writer_blocks[:-1] + [next(blocks)]
+        table[row, :len(own) * page] = (np.array(own)[:, None] * page + np.arange(page)).ravel()
+    table = to_device(table, device)
+    canary = kc.Canary(pool_slot_count=pool, req_to_token=table, device=device, hash_mode=kc.HashMode.ALL,
+                       real_kv_sources=kc.layouts.paged([kv], page_size=page), chain_position_assert=True,
+                       capacities=session_capacities(rows, 256, pool, 4 * prompt_len, None))
+    prompt = rng.integers(1, 32000, prompt_len)
+    order = [1, 2, 3, 4] if writer_first else [2, 3, 4, 1]
+
+    def forward(prefixes: dict, extends: dict, ids: dict) -> kc.CanaryReport:
+        host = to_numpy(table)
+        loc = np.concatenate([host[row, prefixes[row]:prefixes[row] + extends[row]] for row in order])
+        vector = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        batch = kc.ForwardBatch(req_pool_indices=vector(order), prefix_lens=vector([prefixes[r] for r in order]),
+                                extend_seq_lens=vector([extends[r] for r in order]),
+                                input_ids=vector(np.concatenate([ids[r] for r in order])),
+                                positions=vector(np.concatenate([np.arange(prefixes[r], prefixes[r] + extends[r])
+                                                                 for r in order])),
+                                out_cache_loc=vector(loc.astype(np.int64)))
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+        return canary.poll()
+
+    as_the_model_sees = forward({1: 0, 2: full, 3: full, 4: full}, {1: prompt_len, 2: 8, 3: 8, 4: 8},
+                                {1: prompt, 2: prompt[full:], 3: prompt[full:], 4: prompt[full:]})
+    assert "head" in {event.phase for event in as_the_model_sees}
+    canary.context.canary_buf[...] = 0  # a fresh pool for the recipe
+    assert forward({r: 0 for r in order}, {r: prompt_len for r in order}, {r: prompt for r in order}).total == 0
+    for step in range(3):
+        token = {r: rng.integers(1, 32000, 1) for r in order}
+        report = forward({r: prompt_len + step for r in order}, {r: 1 for r in order}, token)
+        assert report.total == 0, report.describe()
+    kv[3, 5, 1, 2] += 1.0  # a byte of a shared block changes
+    report = forward({r: prompt_len + 3 for r in order}, {r: 1 for r in order},
+                     {r: rng.integers(1, 32000, 1) for r in order})
+    assert report.requests == {0, 1, 2, 3} and all(e.reasons == ("REAL_KV_HASH",) for e in report)
