@@ -179,6 +179,9 @@ def test_demo_cli_exit_status_tells_a_failed_run(tmp_path, capsys, monkeypatch):
     assert log and all(fault["detected_step"] is None for fault in log) and "fault class" in err
     assert demo_main([*argv, "--strict"]) == 1
     assert re.search(r"kv-canary: demo failed: 0 false positive\(s\), [1-9]\d* missed fault\(s\)", capsys.readouterr().err)
+    if pathlib.Path("/dev/full").exists():  # a write that fails after the run: said in one line, status 2
+        assert demo_main([*argv, "--json", "/dev/full"]) == 2
+        assert "kv-canary: cannot write /dev/full: " in capsys.readouterr().err
     explain_nothing = lambda events, faults, step: (list(events), set())  # noqa: E731
     monkeypatch.setattr(runner, "_attribute", explain_nothing)
     assert demo_main(["--device", "cpu", "--no-progress", "--steps", "30", "--faults", "kv_bitflip",

@@ -201,6 +201,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
     """Write ``--json`` and ``--chart``, each said on ``say_to``; False when one cannot be."""
+    writing = args.json
     try:
         if args.json == "-":
             json.dump(result.to_json(), sys.stdout, indent=2)
@@ -209,6 +210,7 @@ def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
             with open(args.json, "w", encoding="utf-8") as handle:
                 json.dump(result.to_json(), handle, indent=2)
             print(f"wrote {args.json}", file=say_to)
+        writing = args.chart
         if args.chart:
             from .chart import write_chart  # noqa: PLC0415
 
@@ -217,7 +219,7 @@ def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
                 return False
             print(f"wrote {args.chart}", file=say_to)
     except OSError as error:  # the folder was writable when the run began
-        print(f"kv-canary: cannot write {error.filename or 'the output'}: {error.strerror or error}", file=sys.stderr)
+        print(f"kv-canary: cannot write {writing}: {error.strerror or error}", file=sys.stderr)
         return False
     return True
 
