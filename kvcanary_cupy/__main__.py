@@ -66,13 +66,14 @@ def _compile(args: argparse.Namespace) -> int:
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
     gpus = [] if args.device is not None else [f"cuda:{i}" for i in range(cuda_device_count())]
-    if gpus:  # and the host side of kc.copy_records, which a host tier of records runs
+    # the CPU's builds, one for each number of hashed sources (CUDA kernels take any count)
+    cpu_kernels = ("cpu", {} if args.source_counts is None else {"source_counts": args.source_counts}, "kernels")
+    if not gpus:
+        jobs = [cpu_kernels if args.device in (None, "cpu") else (args.device, {}, "kernels")]
+    elif args.source_counts is None:  # beside GPUs, the host side of kc.copy_records that a host tier runs
         jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
-    else:
-        jobs = [("cpu" if args.device is None else args.device, {}, "kernels")]
-    if args.source_counts is not None:  # the CPU's builds; CUDA kernels take any count
-        jobs = [(device, {**options, "source_counts": args.source_counts} if what == "kernels" else options, what)
-                for device, options, what in jobs]
+    else:  # and the CPU backend's kernels asked for (copy_records among them)
+        jobs = [(gpu, {}, "kernels") for gpu in gpus] + [cpu_kernels]
     for device, options, what in jobs:
         start = time.perf_counter()
         try:
@@ -115,9 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     compile_.add_argument("--device", default=None,
                           help="cuda, cuda:N or cpu (default: every CUDA device seen, else cpu)")
     compile_.add_argument("--source-counts", type=_counts, default=None, metavar="N,N,...",
-                          help="on the CPU: the numbers of real-KV sources your canaries hash (numba builds the "
-                               "hashing kernels once for each; 0 for hash mode NONE), e.g. 0,4 for a canary "
-                               "hashing K and V of two layers (default 0,1)")
+                          help="the CPU backend's kernels for canaries hashing these numbers of real-KV sources "
+                               "(numba builds the hashing kernels once for each; 0 for hash mode NONE), e.g. 0,4 for "
+                               "a host canary hashing K and V of two layers (default 0,1; beside GPUs, given, it "
+                               "readies them too)")
     compile_.set_defaults(handler=_compile)
     from .sim import cli  # noqa: PLC0415
 

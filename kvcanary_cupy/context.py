@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -253,13 +253,13 @@ def _remember_forms(bundle) -> None:
     object.__setattr__(bundle, "forms", {name: _form(getattr(bundle, name)) for name in bundle.ARRAYS})
 
 
-def require_intact(bundle, writes: Sequence[str] = ()) -> None:
+def require_intact(bundle, writes: Optional[Sequence[str]] = None) -> None:
     """An op's rules for a bundle validated once and used call after call, checked every call:
     each of its arrays keeps the shape, strides and dtype it was validated with (its own views,
     but reachable through its attributes: one reshaped or re-typed in place would have a kernel
     read or write past it), and those it stores into (``writes``; default: a plan's every array,
-    which the plan op stores into) are writable (one can be made read-only after it was built).
-    Messages are formatted only for a refusal."""
+    which the plan op stores into; ``()``: none) are writable (one can be made read-only after it
+    was built). Messages are formatted only for a refusal."""
     for name, form in bundle.forms.items():
         array = getattr(bundle, name)
         if _form(array) != form:
@@ -267,7 +267,7 @@ def require_intact(bundle, writes: Sequence[str] = ()) -> None:
             raise ValueError(f"{check.PREFIX}{type(bundle).__name__}.{name} must keep the shape, strides and dtype "
                              f"it was validated with ({tuple(shape)}, {tuple(strides)}, {dtype}), got "
                              f"{tuple(array.shape)}, {tuple(array.strides)}, {array.dtype}: changed in place")
-    for name in writes or bundle.ARRAYS:
+    for name in bundle.ARRAYS if writes is None else writes:
         array = getattr(bundle, name)
         if isinstance(array, np.ndarray) and not array.flags.writeable:
             check.writable(f"{type(bundle).__name__}.{name}", array)

@@ -537,10 +537,10 @@ class Canary:
     def mode(self) -> str:
         """``"off"``, ``"log"`` or ``"raise"``; it may change between calls. Tokens written while it
         is off get no record: once it is on again, each verify that reads them reports them
-        (POSITION, with CHAIN_HASH and REAL_KV_HASH), so switch it back on only when no request or
-        cached prefix holds such tokens, or expect those reports. It governs calls, not CUDA
-        graphs: a graph that captured a static forward runs its kernels at every replay whatever
-        the mode, and one captured while it was off runs none."""
+        (POSITION or CHAIN_HASH, and REAL_KV_HASH when KV is hashed), so switch it back on only
+        when no request or cached prefix holds such tokens, or expect those reports. It governs
+        calls, not CUDA graphs: a graph that captured a static forward runs its kernels at every
+        replay whatever the mode, and one captured while it was off runs none."""
         return self._mode
 
     @mode.setter

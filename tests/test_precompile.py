@@ -210,10 +210,19 @@ def test_the_installed_command_names_itself():
 def test_cli_compiles_the_source_counts_asked_for(capsys, monkeypatch):
     """``--source-counts`` reaches compile_kernels for the CPU (numba builds the hashing kernels for
     each count), beside GPUs too; a malformed list is refused by argparse."""
+    from kvcanary_cupy import _dlpack
+
     calls = []
     monkeypatch.setattr(kc, "compile_kernels", lambda **options: calls.append(options))
     assert cli_main(["compile", "--device", "cpu", "--source-counts", "0,4"]) == 0
     assert calls == [{"device": "cpu", "source_counts": [0, 4]}]
+    monkeypatch.setattr(_dlpack, "cuda_device_count", lambda: 1)  # a GPU seen: its kernels, and the CPU's asked for
+    calls.clear()
+    assert cli_main(["compile", "--source-counts", "2"]) == 0
+    assert calls == [{"device": "cuda:0"}, {"device": "cpu", "source_counts": [2]}]
+    calls.clear()
+    assert cli_main(["compile"]) == 0
+    assert calls == [{"device": "cuda:0"}, {"device": "cpu", "source_counts": []}]
     for bad in ("-1", "x", "1,,2"):
         with pytest.raises(SystemExit) as refused:
             cli_main(["compile", "--source-counts", bad])

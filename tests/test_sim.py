@@ -195,6 +195,15 @@ def test_demo_faults_do_not_stack_on_a_request_and_undetected_ones_in_flight_are
     the run ends (an offloaded one, say, not yet loaded back) is in flight, not missed."""
     result = run(SimConfig(steps=120, max_running=4, hash_mode=kc.HashMode.ALL), FAULT_CLASSES, fault_every=1)
     assert result.false_positives == [] and len(result.faults) > 60
+    # a batch fault beside a state fault still unreported a step or more (a freed page not yet reused)
+    batch_faults = run(SimConfig(steps=120, max_running=2, hash_mode=kc.HashMode.ALL),
+                       ["use_after_free", "stale_position", "token_swap"], fault_every=1)
+    for faults in (result.faults, batch_faults.faults):
+        for index, fault in enumerate(faults):  # each earlier fault on its requests reported before it
+            for earlier in faults[:index]:
+                if earlier.victims & fault.victims:
+                    assert earlier.detected_step is not None and earlier.detected_step < fault.step, (earlier, fault)
+    assert batch_faults.missed == [] and batch_faults.false_positives == []
     assert result.missed == []
     in_flight = [fault for fault in result.faults if not fault.detected]
     assert all(not fault.closed for fault in in_flight)

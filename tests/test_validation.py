@@ -580,7 +580,7 @@ def test_arrays_reshaped_in_place_after_building_change_nothing(device):
 def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device):
     """A bundle's own arrays are reachable through its attributes; one reshaped or re-typed there
     (a ring of 4 columns would be written past its last row, a write plan re-typed to twice its
-    capacity past its offsets) is refused by every op that takes the bundle, before anything is
+    capacity past its offsets, a canary buffer of half-width rows past its last slot) is refused by every op that takes the bundle, before anything is
     written, and the same op runs once it has its form back."""
     ctx = kc.CanaryContext.allocate(8, ring_capacity=2, device=device)
     vplan, wplan = kc.VerifyPlan.allocate(4, device=device), kc.WritePlan.allocate(2, device=device)
@@ -588,7 +588,10 @@ def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device
                  extend_seq_lens=to_device(np.array([1, 1]), device),
                  req_to_token=to_device(np.arange(1, 9, dtype=np.int32).reshape(2, 4), device))
     state = lambda: [a.tobytes() for a in snapshot(*context_arrays(ctx), *plan_arrays(vplan, wplan))]  # noqa: E731
+    other, slots = kc.CanaryContext.allocate(8, device=device), to_device(np.array([7]), device)
     cases = [(ctx, "violation_ring", (4, 4), None, lambda: kc.verify(ctx, vplan, tag=1)),
+             (ctx, "canary_buf", (16, 16), None,  # slot 15 of 16-byte rows: past a buffer of 8 slots
+              lambda: kc.copy_records(src=other, dst=ctx, src_slots=slots, dst_slots=slots * 2 + 1)),
              (wplan, "seed_slot_indices", None, np.int32, lambda: kc.plan(vplan, wplan, **batch)),
              (vplan, "expected_positions", (2, 2), None, lambda: kc.plan(vplan, wplan, **batch))]
     for owner, field, shape, dtype, call in cases:

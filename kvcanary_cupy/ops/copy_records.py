@@ -10,6 +10,7 @@ import numpy as np
 from .. import _layout as L
 from .. import validate as check
 from .._dlpack import Device, data_pointer, require_cupy, stream_capturing, to_host
+from ..context import require_intact
 from ._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .batches import RecordCopy
 
@@ -33,6 +34,8 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     cannot be captured in a CUDA graph.
     """
     move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+    for ctx in (move.src, move.dst):  # their forms (RecordCopy checked what the copy writes)
+        require_intact(ctx, writes=())
     src_stream, dst_stream = _streams(move.src.device, move.dst.device, stream)
     one_device = move.dst.device == move.src.device
     direct = one_device and not _overlapping(move.src.canary_buf, move.dst.canary_buf)

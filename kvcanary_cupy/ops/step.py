@@ -79,8 +79,9 @@ class CanaryStep:
         return len(self._launches)
 
     def launch(self, *, stream: Any = None) -> None:
-        """Run the step on ``stream`` (default: CuPy's current stream). Only the host arrays'
-        writability is checked again."""
+        """Run the step on ``stream`` (default: CuPy's current stream). On a GPU its packed launches
+        run as prepared; on the host the context's arrays are checked again (their forms and
+        writability), since the CPU's launches read them as they are."""
         if self.device.is_cuda:
             # The hot path of an eager engine: no context manager beyond the device's own.
             import cupy
@@ -91,7 +92,7 @@ class CanaryStep:
                     launch(resolved)
             return
         check_stream_form(stream)
-        # host arrays can be made read-only after the step was built; device arrays cannot
+        # host arrays can be made read-only or reshaped after the step was built
         require_intact(self.ctx, CanaryContext.WRITE_WRITES)
         for launch in self._launches:
             launch(None)

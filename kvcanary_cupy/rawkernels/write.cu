@@ -33,8 +33,10 @@
 //   round trips (tools/decode_probe.py --code).
 //
 // Rows of one launch reach the ring in no fixed order; the set of rows is the reference's.
-// Requests run concurrently, so two requests of one launch that write the same slot, or one that
-// seeds from a slot another writes, race (an engine never builds such a batch).
+// Requests run concurrently. Two requests of one launch may write the same slot only with the same
+// record (the same token, position and chain: docs/integration.md's prefix hits on blocks computed
+// in the same forward), which the stores leave whole whichever lands last; a request that seeds
+// from a slot another writes in the launch races (an engine never builds such a batch).
 #include "write_request.cuh"
 
 namespace {

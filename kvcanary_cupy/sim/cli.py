@@ -183,16 +183,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("kv-canary: the simulated engine does not fit in this machine's memory: lower --pool-slots, "
               "--max-running or --page-size", file=sys.stderr)
         return 2
+    failed = bool(result.false_positives) or (args.strict and bool(result.missed))
     summary_to = sys.stderr if args.json == "-" else sys.stdout  # standard output carries the JSON then
     try:
         print(result.summary(), file=summary_to, flush=True)
         wrote = _write_outputs(result, args, summary_to)
-    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
+    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted, the status still tells
         sys.stderr.close()
-        return 0
+        return 1 if failed else 0
     if not wrote:
         return 2
-    failed = bool(result.false_positives) or (args.strict and bool(result.missed))
     if failed:
         print(f"kv-canary: demo failed: {len(result.false_positives)} false positive(s)"
               + (f", {len(result.missed)} missed fault(s)" if args.strict else ""), file=sys.stderr)
@@ -218,6 +218,8 @@ def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
                 print("kv-canary: cannot write the chart: matplotlib does not import", file=sys.stderr)
                 return False
             print(f"wrote {args.chart}", file=say_to)
+    except BrokenPipeError:
+        raise
     except OSError as error:  # the folder was writable when the run began
         print(f"kv-canary: cannot write {writing}: {error.strerror or error}", file=sys.stderr)
         return False
