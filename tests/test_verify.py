@@ -3,6 +3,8 @@ and bits; padding, predecessors, out-of-range indices, enable/num_valid, ring ov
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -367,3 +369,46 @@ def test_verify_is_read_only(device):
                                     device=device), tag=TAG, check_expected_token=True)
     assert ctx.violations().total > 0
     assert np.array_equal(to_numpy(ctx.canary_buf), buf)
+
+
+def test_ops_from_several_threads_with_numba_workqueue_layer():
+    """Canaries driven from several Python threads at once (two canaries, a host tier's thread beside
+    the engine's): numba's workqueue threading layer, its fallback where neither TBB nor OpenMP is
+    installed, ends the process when two threads run parallel regions at once, so the CPU ops run
+    their parallel builds one call at a time. Batches past every op's parallel threshold."""
+    import subprocess
+    import sys
+
+    code = '''
+import threading
+import numpy as np
+import kvcanary_cupy as kc
+
+def work(found):
+    n = 70000
+    ctx = kc.CanaryContext.allocate(n + 1)
+    vplan, wplan = kc.VerifyPlan.allocate(n), kc.WritePlan.allocate(1)
+    slots = np.arange(1, n + 1, dtype=np.int64)
+    table = np.zeros((2, n + 1), np.int32)
+    table[1, :n] = slots
+    batch = dict(req_pool_indices=np.array([1]), req_to_token=table)
+    for _ in range(6):
+        kc.plan(vplan, wplan, prefix_lens=np.array([0]), extend_seq_lens=np.array([n]), **batch)
+        kc.write(ctx, wplan, tag=2, input_ids=slots, positions=slots - 1, out_cache_loc=slots)
+        kc.plan(vplan, wplan, prefix_lens=np.array([n]), extend_seq_lens=np.array([0]), **batch)
+        kc.verify(ctx, vplan, tag=0)
+    found.append(ctx.violations().total)
+
+found = []
+threads = [threading.Thread(target=work, args=(found,)) for _ in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+import numba
+print(numba.threading_layer(), found)
+'''
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["workqueue", "[0,", "0,", "0]"], done.stdout

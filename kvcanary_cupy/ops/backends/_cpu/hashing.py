@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import os
 import pathlib
+import threading
 import types
 
 import numba
@@ -173,6 +174,18 @@ def serial_and_parallel(fn):
         return copy
 
     return njit(**JIT)(renamed("_serial")), njit(parallel=True, **JIT)(renamed("_parallel"))
+
+
+_PARALLEL_REGION = threading.Lock()
+
+
+def one_parallel_call_at_a_time(uses_threads: bool):
+    """Held around a call that may run a parallel build (``uses_threads``; a no-op otherwise).
+    numba's workqueue threading layer, the one it falls back to where neither TBB nor OpenMP is
+    installed, ends the process when two Python threads run parallel regions at once (two
+    canaries driven from two threads, a host tier's thread beside the engine's); a parallel build
+    takes every core anyway. Serial builds release the GIL and run side by side."""
+    return _PARALLEL_REGION if uses_threads else contextlib.nullcontext()
 
 
 def threads_can_hash(sources) -> bool:

@@ -6,7 +6,7 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import JIT, njit, serial_and_parallel
+from .hashing import JIT, njit, one_parallel_call_at_a_time, serial_and_parallel
 
 _UNRESOLVED = L.UNRESOLVED_SLOT
 _NO_PREDECESSOR = L.NO_PREDECESSOR
@@ -115,10 +115,12 @@ def plan(vplan, wplan, batch, *, stream=None) -> None:
     vplan.num_valid[0] = min(total, capacity)
     vplan.enable[0] = 1 if total <= capacity else 0
     if total <= capacity:
-        fill = _fill_entries_parallel if total >= PARALLEL_MIN_ENTRIES else _fill_entries_serial
-        fill(starts, total, batch.req_pool_indices, batch.prefix_lens, batch.req_to_token, batch.swa_window_size, lut,
-             has_lut, expected_pool, valid_lens, has_expected, batch.kv_token_id_vs_position_offset,
-             vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions, vplan.prev_slot_indices)
+        threads = total >= PARALLEL_MIN_ENTRIES
+        fill = _fill_entries_parallel if threads else _fill_entries_serial
+        with one_parallel_call_at_a_time(threads):
+            fill(starts, total, batch.req_pool_indices, batch.prefix_lens, batch.req_to_token, batch.swa_window_size,
+                 lut, has_lut, expected_pool, valid_lens, has_expected, batch.kv_token_id_vs_position_offset,
+                 vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions, vplan.prev_slot_indices)
     _write_plan(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, batch.req_to_token, lut, has_lut,
                 wplan.offsets, wplan.seed_slot_indices, wplan.num_valid_reqs)
 

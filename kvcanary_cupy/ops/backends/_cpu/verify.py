@@ -7,8 +7,9 @@ import numpy as np
 
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
-                      as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, prefetch, real_kv_hash, record,
-                      serial_and_parallel, slot_words, source_arguments, threads_can_hash)
+                      as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, one_parallel_call_at_a_time,
+                      prefetch, real_kv_hash, record, serial_and_parallel, slot_words, source_arguments,
+                      threads_can_hash)
 
 _PADDING = L.PADDING_SLOT
 _NO_TOKEN = L.NO_EXPECTED_TOKEN
@@ -142,7 +143,9 @@ def _verify_serially(words, sources, table, slots, expected_tokens, expected_pos
 
 def verify(ctx, vplan, *, tag: int, check_expected_token: bool, stream=None) -> None:
     sources, table = source_arguments(ctx)
-    run = _verify if threads_can_hash(sources) else _verify_serially
-    run(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
-        vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
-        ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)
+    threads = threads_can_hash(sources)
+    run = _verify if threads else _verify_serially
+    with one_parallel_call_at_a_time(threads and int(vplan.num_valid[0]) >= PARALLEL_MIN_ENTRIES):
+        run(slot_words(ctx), sources, table, vplan.slot_indices, vplan.expected_tokens, vplan.expected_positions,
+            vplan.prev_slot_indices, vplan.num_valid, vplan.enable, check_expected_token, tag,
+            ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)

@@ -6,8 +6,8 @@ import numpy as np
 
 from .... import _layout as L
 from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, njit,
-                      hash_slots_parallel, hash_slots_serial, link, mix3, record, slot_words, source_arguments,
-                      threads_can_hash)
+                      hash_slots_parallel, hash_slots_serial, link, mix3, one_parallel_call_at_a_time, record,
+                      slot_words, source_arguments, threads_can_hash)
 
 _BIT_TOKEN = int(L.FailReason.WRITE_TOKEN)
 _BIT_POSITION = int(L.FailReason.WRITE_POSITION)
@@ -87,7 +87,8 @@ def write(ctx, wplan, batch, *, stream=None) -> None:
     if table.shape[0]:
         threads = count >= PARALLEL_MIN_ENTRIES and threads_can_hash(sources)
         hash_slots = hash_slots_parallel if threads else hash_slots_serial
-        hash_slots(words.shape[0], sources, table, batch.out_cache_loc, hashes, out_of_range)
+        with one_parallel_call_at_a_time(threads):
+            hash_slots(words.shape[0], sources, table, batch.out_cache_loc, hashes, out_of_range)
     unused = batch.input_ids[:0]
     _write(words, hashes, out_of_range, wplan.offsets, wplan.seed_slot_indices, wplan.num_valid_reqs,
            batch.input_ids, batch.positions, batch.out_cache_loc, batch.has_input_assert,
