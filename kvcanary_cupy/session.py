@@ -53,10 +53,10 @@ class ForwardBatch:
     ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``int64 [bs]``; ``input_ids``,
     ``positions``, ``out_cache_loc``: ``int64 [n]``, request after request. ``req_ids`` (host, one per
     batch row) only names requests in reports. ``expected_input_tokens``/``_positions`` (both, or
-    neither) turn on the write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the expected-token pool
-    (defaults to ``prefix_lens``). ``swa_out_cache_loc`` overrides ``lut[out_cache_loc]`` for the SWA
-    group. Arrays are referenced, not copied: if the engine refills them in place before
-    :meth:`Canary.poll`, reports may name the wrong request.
+    neither) turn on the write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the
+    expected-token pool (defaults to ``prefix_lens``). ``swa_out_cache_loc`` overrides
+    ``lut[out_cache_loc]`` for the SWA group. Arrays are referenced, not copied: if the engine
+    refills them in place before :meth:`Canary.poll`, reports may name the wrong request.
     """
 
     req_pool_indices: Any
