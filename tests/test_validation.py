@@ -580,8 +580,9 @@ def test_arrays_reshaped_in_place_after_building_change_nothing(device):
 def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device):
     """A bundle's own arrays are reachable through its attributes; one reshaped or re-typed there
     (a ring of 4 columns would be written past its last row, a write plan re-typed to twice its
-    capacity past its offsets, a canary buffer of half-width rows past its last slot) is refused by every op that takes the bundle, before anything is
-    written, and the same op runs once it has its form back."""
+    capacity past its offsets, a canary buffer of half-width rows past its last slot) is refused by
+    every op that takes the bundle, before anything is written, and the same op runs once it has
+    its form back."""
     ctx = kc.CanaryContext.allocate(8, ring_capacity=2, device=device)
     vplan, wplan = kc.VerifyPlan.allocate(4, device=device), kc.WritePlan.allocate(2, device=device)
     batch = dict(req_pool_indices=to_device(np.array([1, 1]), device), prefix_lens=to_device(np.array([2, 3]), device),

@@ -37,7 +37,7 @@ def trial(device: str, prompt_len: int, hitters: int, hitters_first: bool, mode:
         table[row, :len(own) * PAGE] = (np.array(own)[:, None] * PAGE + np.arange(PAGE)).ravel()
     tokens = np.zeros_like(table)  # what each request believes its positions hold, as an engine's pool
     where = parse_device(device)
-    put = (lambda a: from_host(a, where))  # noqa: E731
+    put = lambda a: from_host(a, where)  # noqa: E731
     tokens_on_device = put(tokens)
     kv = put(rng.standard_normal((pool // PAGE, PAGE, 4, 16)).astype(np.float16))
     canary = kc.Canary(pool_slot_count=pool, req_to_token=put(table), device=device, hash_mode=mode,

@@ -97,7 +97,8 @@ DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, for a parser of its own or a ``demo`` subcommand."""
-    parser.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if a GPU is seen)")
     parser.add_argument("--steps", type=_at_least(SMALLEST["steps"]), default=300,
                         help="forward passes to simulate (default 300)")
     parser.add_argument("--seed", type=_at_least(SMALLEST["seed"]), default=0,
