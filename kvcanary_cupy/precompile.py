@@ -9,6 +9,10 @@ from . import validate as check
 from ._dlpack import cuda_device_count, parse_device, require_cupy
 from .rawkernels import _loader
 
+# A model hashing K and V of every layer has twice its layers in sources: a few hundred at most. A
+# larger count is a mistake, and warming it would build a list that long before numba refused it.
+MOST_SOURCES_WARMED = 1 << 16
+
 
 def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 1)) -> None:
     """Compile every kernel of the package for ``device`` ("cuda", "cuda:N", N or "cpu") and load
@@ -21,16 +25,17 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
 
     ``source_counts`` matters on the CPU only, where numba compiles a build of the hashing ops for
     each number of real-KV sources a context hashes (0 when its hash mode is NONE): pass the counts
-    of your contexts (``len(ctx.source_words)``). ``copy_records`` hashes nothing and is made ready
-    whatever the counts, so ``device="cpu", source_counts=[]`` readies only it: what a host tier of
-    records beside GPU canaries runs on the host side.
+    of your contexts (``len(ctx.source_words)``; each at most 65536, checked on every device).
+    ``copy_records`` hashes nothing and is made ready whatever the counts, so ``device="cpu",
+    source_counts=[]`` readies only it: what a host tier of records beside GPU canaries runs on
+    the host side.
     """
     where = parse_device(device)
     if not isinstance(source_counts, (list, tuple, range)):
         raise TypeError(f"{check.PREFIX}source_counts must be a list, tuple or range of ints, "
                         f"got {type(source_counts).__name__} {source_counts!r}")
+    counts = sorted({_source_count(count) for count in source_counts})
     if not where.is_cuda:
-        counts = sorted({check.non_negative("source_counts item", count) for count in source_counts})
         _warm_cpu(counts)
         return
     require_cupy("device")
@@ -38,6 +43,14 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
     if where.index >= count:
         raise ValueError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, got {where}")
     _loader.load_all(where.index)
+
+
+def _source_count(count: Any) -> int:
+    count = check.non_negative("source_counts item", count)
+    if count > MOST_SOURCES_WARMED:
+        raise ValueError(f"{check.PREFIX}source_counts item must be at most {MOST_SOURCES_WARMED} (a context's "
+                         f"number of real-KV sources), got {count}")
+    return count
 
 
 def _warm_cpu(source_counts: Iterable[int]) -> None:

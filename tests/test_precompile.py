@@ -76,6 +76,11 @@ def test_cpu_ops_compile_nothing_more_after_it():
         kc.compile_kernels(device="cpu", source_counts=[-1])
     with pytest.raises(TypeError, match="^kv-canary: source_counts must be a list, tuple or range of ints, got int 5"):
         kc.compile_kernels(device="cpu", source_counts=5)
+    with pytest.raises(ValueError, match=r"^kv-canary: source_counts item must be at most 65536 \(a context's "
+                                         r"number of real-KV sources\), got 4611686018427387904"):
+        kc.compile_kernels(device="cpu", source_counts=[1, 2**62])
+    with pytest.raises(ValueError, match="^kv-canary: source_counts item must be at most 65536"):
+        kc.compile_kernels(device="cpu", source_counts=range(10**18))
 
 
 def test_no_source_counts_ready_only_the_copy():
