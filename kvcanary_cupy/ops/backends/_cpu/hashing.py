@@ -231,11 +231,6 @@ def mix3(a, b, c):
 
 
 @njit(**JIT)
-def as_u64(value):
-    return np.uint64(value)
-
-
-@njit(**JIT)
 def as_i64(value):
     return np.int64(value)
 
