@@ -52,10 +52,9 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     grid = max(1 if tail else 2, min(resident_grid("step", name, device_id, _BLOCK), verify_blocks))
     blocks_done = empty((1,), np.uint32, ctx.device)  # zero at the first launch, whatever its stream
     settle(ctx.device)
-    ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc = context_args(ctx)
     args = (
-        ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), ring, ring_capacity,
-        write_index, slot_counter, kernel_counter, table, nsrc, ptr(ctx.chain_position_assert),
+        ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), *context_args(ctx),
+        ptr(ctx.chain_position_assert),
         *batch_args(batch),
         i64(int(verify_capacity)), i64(int(verify_tag)), i64(1 if check_expected_token else 0),
         *write_plan_args(wplan),

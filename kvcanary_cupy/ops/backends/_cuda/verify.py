@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ....rawkernels import _loader
 from . import Launch, i64, kernel, ptr, resident_grid, vec16
+from .write import context_args
 
 _BLOCK = _loader.SPECS["verify"].constant("KVC_VERIFY_THREADS")
 
@@ -19,13 +20,10 @@ def prepare(ctx, vplan, *, tag: int, check_expected_token: bool, packed: bool = 
     capacity = int(vplan.capacity)
     grid = max(1, min(resident_grid("verify", name, device_id, _BLOCK),
                       (capacity + _BLOCK - 1) // _BLOCK))
-    table = ctx.source_table
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes),
         ptr(vplan.slot_indices), ptr(vplan.expected_tokens), ptr(vplan.expected_positions),
         ptr(vplan.prev_slot_indices), ptr(vplan.num_valid), ptr(vplan.enable), i64(capacity),
-        ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
-        ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter),
-        ptr(table), i64(int(table.shape[0])), i64(int(tag)), i64(1 if check_expected_token else 0),
+        *context_args(ctx), i64(int(tag)), i64(1 if check_expected_token else 0),
     )
     return Launch(fn, grid, _BLOCK, args, packed=packed)

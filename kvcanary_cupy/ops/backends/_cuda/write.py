@@ -51,7 +51,8 @@ def paired(num_entries: int, max_requests: int) -> bool:
 
 
 def context_args(ctx) -> tuple:
-    """The canary context's ring, counters and sources, in the order every writing kernel takes them."""
+    """The canary context's ring, counters and sources, in the order every kernel that records
+    violations takes them."""
     table = ctx.source_table
     return (ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
             ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter), ptr(table), i64(int(table.shape[0])))
@@ -82,12 +83,10 @@ def prepare(ctx, wplan, batch, *, packed: bool = False) -> Launch:
     capacity = int(wplan.capacity)
     entries = entry_args(batch)
     real_kv = has_real_kv(ctx)
-    ring, ring_capacity, write_index, slot_counter, kernel_counter, table, nsrc_arg = context_args(ctx)
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes),
         ptr(wplan.offsets), ptr(wplan.seed_slot_indices), ptr(wplan.num_valid_reqs), i64(capacity),
-        *entries, ptr(ctx.chain_position_assert), ring, ring_capacity, write_index,
-        slot_counter, kernel_counter, table, nsrc_arg, i64(int(batch.tag)),
+        *entries, ptr(ctx.chain_position_assert), *context_args(ctx), i64(int(batch.tag)),
     )
     if decode_form(int(entries[-1]), capacity, real_kv):
         grid = max(1, -(-capacity * decode_lanes(real_kv) // _DECODE_BLOCK))
