@@ -31,7 +31,7 @@ def plan_tile(batch_size: int, most_entries: int) -> int:
     return SMALL_TILE if small else TILE
 
 
-def _table(array):
+def table_args(array):
     """(pointer, rows, width, row stride in elements) of an int32 table, or zeros for None."""
     if array is None:
         return ptr(None), 0, 0, 0
@@ -42,14 +42,14 @@ def _table(array):
 
 def batch_args(batch) -> tuple:
     """The batch metadata in the order plan.cu and step.cu take it (``KvcPlanIn``)."""
-    rtt, rows, width, stride = _table(batch.req_to_token)
+    rtt, rows, width, stride = table_args(batch.req_to_token)
     lut = batch.full_to_swa_index_mapping
     lut_len = int(lut.shape[0]) if lut is not None else 0
     pool = batch.req_to_verify_expected_tokens
     valid_lens = batch.req_to_verify_expected_tokens_valid_lens
     if pool is None or valid_lens is None:
         pool = valid_lens = None
-    exp, exp_rows, exp_cols, exp_stride = _table(pool)
+    exp, exp_rows, exp_cols, exp_stride = table_args(pool)
     return (
         ptr(batch.req_pool_indices), ptr(batch.prefix_lens), ptr(batch.extend_seq_lens),
         i64(batch.batch_size),

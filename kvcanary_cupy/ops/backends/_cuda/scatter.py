@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ....rawkernels import _loader
 from . import decode_shaped, i64, kernel, launch, ptr, sm_count
+from .plan import table_args
 
 _BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_THREADS")
 _DECODE_BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_DECODE_THREADS")
@@ -35,8 +36,7 @@ def scatter_form(batch_size: int, num_tokens: int, sm_count: int) -> tuple[bool,
 
 def scatter(batch, *, stream) -> None:
     bs = batch.batch_size
-    pool = batch.pool_out
-    rows, width = int(pool.shape[0]), int(pool.shape[1])
+    pool, rows, width, stride = table_args(batch.pool_out)
     if bs == 0 or rows == 0 or width == 0:
         return
     device_id = batch.device.index
@@ -44,10 +44,9 @@ def scatter(batch, *, stream) -> None:
     num_tokens = int(batch.flat_in.shape[0])
     decode, long = scatter_form(bs, num_tokens, sms)
     fn = kernel("scatter", _loader.instance("kvc_scatter", decode, long), device_id)
-    stride = int(pool.strides[0]) // int(pool.itemsize) if rows > 1 else width
     grid = max(1, min(bs, _BLOCKS_PER_SM * sms))
     args = (
         ptr(batch.flat_in), i64(num_tokens), ptr(batch.offsets),
-        ptr(batch.req_pool_indices), i64(bs), ptr(pool), i64(rows), i64(width), i64(stride),
+        ptr(batch.req_pool_indices), i64(bs), pool, i64(rows), i64(width), i64(stride),
     )
     launch(fn, grid, _DECODE_BLOCK if decode else _BLOCK, args, stream)
