@@ -446,8 +446,8 @@ def to_host(array) -> np.ndarray:
     return array.get()
 
 
-def empty(shape, dtype, device: Device, fill: int = 0):
-    """A filled array on ``device``."""
+def filled(shape, dtype, device: Device, fill: int = 0):
+    """An array on ``device`` with every element ``fill`` (zeros by default)."""
     if device.is_cuda:
         cupy = require_cupy("device")
         with cupy.cuda.Device(device.index):

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, empty, from_host, parse_device, require_cupy, settle, to_host
+from ._dlpack import CPU, Device, filled, from_host, parse_device, require_cupy, settle, to_host
 from .sources import RealKvSource, source_list
 
 
@@ -162,12 +162,12 @@ class CanaryContext:
         sources = source_list("real_kv_sources", real_kv_sources)
         where = parse_device(device)
         return cls(
-            canary_buf=empty((num_slots, slot_stride_bytes), np.uint8, where),
-            violation_ring=empty((ring_capacity, L.RING_COLUMNS), np.int64, where),
-            violation_write_index=empty((1,), np.int32, where),
-            slot_run_counter=empty((1,), np.int64, where),
-            kernel_run_counter=empty((1,), np.int64, where),
-            chain_position_assert=empty((1,), np.int32, where, fill=assert_flag),
+            canary_buf=filled((num_slots, slot_stride_bytes), np.uint8, where),
+            violation_ring=filled((ring_capacity, L.RING_COLUMNS), np.int64, where),
+            violation_write_index=filled((1,), np.int32, where),
+            slot_run_counter=filled((1,), np.int64, where),
+            kernel_run_counter=filled((1,), np.int64, where),
+            chain_position_assert=filled((1,), np.int32, where, fill=assert_flag),
             real_kv_sources=sources,
             hash_mode=mode,
         )
@@ -307,8 +307,8 @@ class VerifyPlan:
     def allocate(cls, capacity: int, *, device: Any = "cpu") -> "VerifyPlan":
         capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", capacity))
         where = parse_device(device)
-        plan = cls(*(empty((capacity,), np.int64, where) for _ in range(4)),
-                   num_valid=empty((1,), np.int32, where), enable=empty((1,), np.int32, where))
+        plan = cls(*(filled((capacity,), np.int64, where) for _ in range(4)),
+                   num_valid=filled((1,), np.int32, where), enable=filled((1,), np.int32, where))
         settle(where)
         return plan
 
@@ -345,9 +345,9 @@ class WritePlan:
     def allocate(cls, req_capacity: int, *, device: Any = "cpu") -> "WritePlan":
         capacity = check.fits_int32("write_req_capacity", check.non_negative("write_req_capacity", req_capacity))
         where = parse_device(device)
-        plan = cls(offsets=empty((capacity + 1,), np.int64, where),
-                   seed_slot_indices=empty((capacity,), np.int64, where, fill=L.NO_PREDECESSOR),
-                   num_valid_reqs=empty((1,), np.int32, where))
+        plan = cls(offsets=filled((capacity + 1,), np.int64, where),
+                   seed_slot_indices=filled((capacity,), np.int64, where, fill=L.NO_PREDECESSOR),
+                   num_valid_reqs=filled((1,), np.int32, where))
         settle(where)
         return plan
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import (Device, cupy_module, device_of, empty, launch_geometry, native_view, order_after_torch,
+from ._dlpack import (Device, cupy_module, device_of, filled, launch_geometry, native_view, order_after_torch,
                       own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
 from .capacities import Capacities
@@ -267,7 +267,7 @@ class _Group:
         self.wplan = WritePlan.allocate(capacities.write_req_capacity, device=device)
         self.sweep_vplan: Optional[VerifyPlan] = None
         self.sweep_wplan: Optional[WritePlan] = None
-        self.overflows = empty((1,), np.int64, device)
+        self.overflows = filled((1,), np.int64, device)
         settle(device)
         self.log: list[_Launch] = []
         # the static forwards until they are closed: poll matches the rows it cannot place in the log
@@ -617,7 +617,7 @@ class Canary:
                              full.num_entries, "one per entry, as input_ids")
             else:
                 with on_device(self.device, stream):  # allocated (and zeroed) on the stream that fills it
-                    loc = empty((full.num_entries,), np.int64, self.device)
+                    loc = filled((full.num_entries,), np.int64, self.device)
                     self._bookkeeping.translate_slots(full.out_cache_loc, group.lut, loc, stream=stream)
             writes.append(full.for_group(group.tail_tag, loc))
         return writes
@@ -892,7 +892,7 @@ class Canary:
         if bs == 0:
             return
         with on_device(self.device, stream):
-            zeros = empty((bs,), np.int64, self.device)
+            zeros = filled((bs,), np.int64, self.device)
         plans = self._plans(rows, seq_lens, zeros, None)
         for group in self.groups:
             # Allocated (and settled) on the current stream, as a group's other plans are, before
@@ -971,7 +971,7 @@ class Canary:
         replayed by mistake, and must not count as a later forward's runs."""
         index = self._static_forward_count % _RUN_COUNTS_PER_ARRAY
         if index == 0:
-            self._run_counts.append(empty((_RUN_COUNTS_PER_ARRAY,), np.int64, self.device))
+            self._run_counts.append(filled((_RUN_COUNTS_PER_ARRAY,), np.int64, self.device))
             self._live_run_counts.append(0)
             settle(self.device)
         self._static_forward_count += 1

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import layouts
-from .._dlpack import empty
+from .._dlpack import filled
 
 if TYPE_CHECKING:
     from .engine import SimConfig
@@ -31,20 +31,20 @@ def kv_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
     """The KV arrays of ``num_slots`` slots (a whole number of pages) on ``device`` in ``c.layout``."""
     f16, n, pages = np.float16, num_slots, num_slots // c.page_size
     if c.layout == "paged":
-        ks = [empty((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        vs = [empty((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
+        ks = [filled((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
+        vs = [filled((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
         sources = layouts.paged(ks, vs)
         buffers = [b for pair in zip(ks, vs) for b in pair]
     elif c.layout == "per_layer":
-        ks = [empty((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        vs = [empty((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
+        ks = [filled((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
+        vs = [filled((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
         sources = layouts.per_layer(ks, vs)
         buffers = [b for pair in zip(ks, vs) for b in pair]
     elif c.layout == "interleaved":
-        buffers = [empty((n, 2, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
+        buffers = [filled((n, 2, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
         sources = layouts.interleaved(buffers)
     else:
-        buffers = [empty((n, 1, 4 * c.head_dim + 32), f16, device) for _ in range(c.layers)]
+        buffers = [filled((n, 1, 4 * c.head_dim + 32), f16, device) for _ in range(c.layers)]
         sources = layouts.mla(buffers)
     targets = [b.reshape(n, -1).view(np.uint8) for b in buffers]
     halves = 2 if c.layout == "interleaved" else 1
@@ -53,6 +53,6 @@ def kv_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
 
 def swa_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
     """The sliding-window group's KV: one array of ``num_slots`` rows."""
-    kv = empty((num_slots, c.heads, c.head_dim), np.float16, device)
+    kv = filled((num_slots, c.heads, c.head_dim), np.float16, device)
     target = kv.reshape(num_slots, -1).view(np.uint8)
     return KvPool(layouts.per_layer([kv]), [kv], [target], [int(target.shape[1])])

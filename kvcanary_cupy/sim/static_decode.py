@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._dlpack import empty, from_host, require_cupy
+from .._dlpack import filled, from_host, require_cupy
 from ..session import ForwardBatch, StaticForward
 from .engine import Engine, StepBatch
 
@@ -68,7 +68,7 @@ class StaticDecode:
 
     def _new_size(self, host: dict, req_ids: list) -> _Size:
         device = self.engine.device
-        inputs = {name: None if values is None else empty(values.shape, np.int64, device)
+        inputs = {name: None if values is None else filled(values.shape, np.int64, device)
                   for name, values in host.items()}
         _fill(inputs, host, device)
         forward = self.engine.canary.static_forward(ForwardBatch(req_ids=req_ids, **inputs))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...._dlpack import empty, settle
+from ...._dlpack import filled, settle
 from ....rawkernels import _loader
 from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, most_verify_entries, write_plan_args
@@ -50,7 +50,7 @@ def prepare(ctx, wplan, batch, writes, *, verify_capacity: int, verify_tag: int,
     if not tail:
         verify_blocks += 1  # block 0 stores the write plan, apart from the verify
     grid = max(1 if tail else 2, min(resident_grid("step", name, device_id, _BLOCK), verify_blocks))
-    blocks_done = empty((1,), np.uint32, ctx.device)  # zero at the first launch, whatever its stream
+    blocks_done = filled((1,), np.uint32, ctx.device)  # zero at the first launch, whatever its stream
     settle(ctx.device)
     args = (
         ptr(ctx.canary_buf), i64(ctx.num_slots), i64(ctx.slot_stride_bytes), *context_args(ctx),
