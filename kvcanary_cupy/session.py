@@ -223,12 +223,16 @@ class CanaryViolation(RuntimeError):
 # --- internals ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Launch:
-    kind: str  # "verify" or "write"
-    phase: str  # "head", "tail", "write", "sweep"
+    phase: str  # "head", "tail", "sweep" (verify launches) or "write"
     tag: int
     step: int
     batch: Any  # ForwardBatch or LiveRequests
     write_loc: Any = None  # the slots the write used (SWA: translated)
+
+    @property
+    def kind(self) -> str:
+        """``"write"`` for the write launch, ``"verify"`` for the others."""
+        return "write" if self.phase == "write" else "verify"
 
 
 @dataclasses.dataclass(eq=False)
@@ -761,7 +765,7 @@ class Canary:
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
                 self._forward_check(group, group.head_tag, stream)
-                self._log(group, _Launch("verify", "head", group.head_tag, step, batch))
+                self._log(group, _Launch("head", group.head_tag, step, batch))
         self._planned = batch
 
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
@@ -861,8 +865,8 @@ class Canary:
                     prepared_writes.writes[index](addresses, stream)
                 self._forward_check(group, group.tail_tag, stream)
                 self._log(group,
-                          _Launch("write", "write", group.tail_tag, self._numbered, batch, write_loc=slots[index]),
-                          _Launch("verify", "tail", group.tail_tag, self._numbered, batch))
+                          _Launch("write", group.tail_tag, self._numbered, batch, write_loc=slots[index]),
+                          _Launch("tail", group.tail_tag, self._numbered, batch))
         self._planned = None
 
     def static_forward(self, batch: ForwardBatch) -> "StaticForward":
@@ -906,7 +910,7 @@ class Canary:
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
                 self._check(group, group.sweep_vplan, group.sweep_tag, stream)
-                self._log(group, _Launch("verify", "sweep", group.sweep_tag, self._numbered, live_requests))
+                self._log(group, _Launch("sweep", group.sweep_tag, self._numbered, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
     def poll(self) -> CanaryReport:
@@ -1061,9 +1065,9 @@ class StaticForward:
         self.closed = False
         self._before_skipped = False  # its latest before() came while the canary was off
         self._logged_step: Optional[int] = None  # the step of the logged before() of the current run
-        self._logged = [(group, [_Launch("verify", "head", group.head_tag, 0, batch),
-                                 _Launch("write", "write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
-                                 _Launch("verify", "tail", group.tail_tag, 0, batch)])
+        self._logged = [(group, [_Launch("head", group.head_tag, 0, batch),
+                                 _Launch("write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
+                                 _Launch("tail", group.tail_tag, 0, batch)])
                         for group, bundle in zip(groups, writes)]
         self._records = [_StaticRecord(weakref.ref(self), self.run_count_at, launches) for _, launches in self._logged]
         for (group, _), record in zip(self._logged, self._records):
