@@ -37,11 +37,21 @@ class Violation:
                    L.FailReason(int(row[L.RING_COL_FAIL_BITS]) & 0x7F))
 
     def describe(self) -> str:
-        tag = self.kernel_kind.name if isinstance(self.kernel_kind, L.LaunchTag) else str(self.kernel_kind)
-        reasons = "|".join(flag.name for flag in L.FailReason if flag in self.fail_reason) or "none"
+        tag = tag_name(self.kernel_kind)
+        reasons = "|".join(reason_names(self.fail_reason)) or "none"
         return (f"{tag}: slot {self.slot_idx} position {self.position} [{reasons}] "
                 f"token stored={self.stored_token} expected={self.expected_token} "
                 f"chain stored=0x{self.stored_chain_hash & L.U64_MASK:016x} aux=0x{self.expected_aux & L.U64_MASK:016x}")
+
+
+def tag_name(tag: L.LaunchTag | int) -> str:
+    """A row's launch tag by name, or by number where it is no :class:`LaunchTag`."""
+    return tag.name if isinstance(tag, L.LaunchTag) else str(tag)
+
+
+def reason_names(fail_reason: L.FailReason) -> tuple[str, ...]:
+    """The names of the reasons a row's bits hold, in the order :class:`FailReason` lists them."""
+    return tuple(flag.name for flag in L.FailReason if flag in fail_reason)
 
 
 @dataclasses.dataclass(frozen=True)

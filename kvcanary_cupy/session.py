@@ -30,7 +30,7 @@ from ._dlpack import (Device, cupy_module, device_of, filled, launch_geometry, n
                       own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
 from .capacities import Capacities
-from .context import CanaryContext, Violation, VerifyPlan, WritePlan
+from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, tag_name
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .ops.batches import PlanBatch, WriteBatch, launch_tag, owning
 from .sources import RealKvSource, source_list
@@ -122,10 +122,10 @@ class CanaryEvent:
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        return tuple(flag.name for flag in L.FailReason if flag in self.violation.fail_reason)
+        return reason_names(self.violation.fail_reason)
 
     def describe(self) -> str:
-        tag = self.tag.name if isinstance(self.tag, L.LaunchTag) else str(self.tag)
+        tag = tag_name(self.tag)
         where = "unknown request" if self.request is None else f"request {self.request!r}"
         pos = "?" if self.position is None else str(self.position)
         step = "?" if self.step is None else str(self.step)
@@ -189,7 +189,7 @@ class CanaryReport:
     def counts_by_tag(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for event in self.events:
-            name = event.tag.name if isinstance(event.tag, L.LaunchTag) else str(event.tag)
+            name = tag_name(event.tag)
             counts[name] = counts.get(name, 0) + 1
         return counts
 
