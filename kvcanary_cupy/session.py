@@ -266,7 +266,6 @@ class _Group:
         self.lut = lut
         # As the verify op passes them on: plain ints (a LaunchTag member crashes the numba backend).
         self.head_tag, self.tail_tag, self.sweep_tag = (launch_tag(tag) for tag in tags)
-        self.capacities = capacities
         self.vplan = VerifyPlan.allocate(capacities.verify_capacity, device=device)
         self.wplan = WritePlan.allocate(capacities.write_req_capacity, device=device)
         self.sweep_vplan: Optional[VerifyPlan] = None
