@@ -315,7 +315,8 @@ class _PreparedLaunches:
         if geometry is None:
             return False
         key = geometry.key
-        if self.met_once.pop(key, False) is None:
+        if key in self.met_once:
+            del self.met_once[key]
             return True
         self.met_once[key] = None
         if len(self.met_once) > self.SIZE:
