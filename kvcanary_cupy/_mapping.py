@@ -10,7 +10,7 @@ for the reader whose expectations the row shows.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -24,12 +24,6 @@ _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
 _BIT_KV = int(L.FailReason.REAL_KV_HASH)
 _WRITE_BITS = int(L.FailReason.WRITE_TOKEN | L.FailReason.WRITE_POSITION)
 _OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
-
-
-def _lengths(batch) -> Any:
-    """What a verify launch over ``batch`` checks of each request: a sweep its cached tokens, a
-    forward its prefix."""
-    return batch.seq_lens if hasattr(batch, "seq_lens") else batch.prefix_lens
 
 
 def _window_starts(lens: np.ndarray, window: int) -> np.ndarray:
@@ -65,6 +59,18 @@ class RowMapper:
         array = getattr(launch.batch, name)
         return self.host(id(array), array)
 
+    def _lengths(self, launch):
+        """What a verify launch checks of each request: a sweep its cached tokens, a forward its
+        prefix."""
+        return self._batch(launch, "seq_lens" if hasattr(launch.batch, "seq_lens") else "prefix_lens")
+
+    def _table(self):
+        return self.host("req_to_token", self.canary.req_to_token)
+
+    def _write_loc(self, launch):
+        """The slots a write launch wrote (an SWA group's translated)."""
+        return self.host(id(launch.write_loc), launch.write_loc)
+
     def checked(self, group, launch) -> dict:
         """The entries of a verify launch that check a slot some row of the group names: ``{slot:
         [(batch row, position), ...]}``, in batch-row and position order. A batch's HEAD and TAIL
@@ -74,9 +80,8 @@ class RowMapper:
         if key in self._checked:
             return self._checked[key]
         rows = self._batch(launch, "req_pool_indices")
-        lens = _lengths(launch.batch)
-        lens = self.host(id(lens), lens)
-        table = self.host("req_to_token", self.canary.req_to_token)
+        lens = self._lengths(launch)
+        table = self._table()
         wanted = self._wanted[group.name]
         found: dict = {}
         live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0))  # padding, or rows resolving nothing
@@ -108,8 +113,7 @@ class RowMapper:
         """Whether the launch's plan held more entries than the verify capacity, so that it checked
         nothing (SPEC 3.3)."""
         rows = self._batch(launch, "req_pool_indices")
-        lens = _lengths(launch.batch)
-        lens = self.host(id(lens), lens).astype(np.int64)
+        lens = self._lengths(launch).astype(np.int64)
         counted = (rows != 0) & (lens > 0)
         capacity = self.canary.capacities.verify_capacity
         # each request's count clamped, so that the sum cannot wrap where the kernels' saturates
@@ -135,7 +139,7 @@ class RowMapper:
     def cell_slot(self, group, row: int, position: int) -> int:
         """The group's slot of ``req_to_token[row, position]``, as the plan resolves it (SPEC 3.3, 4):
         UNRESOLVED outside the table or the LUT."""
-        table = self.host("req_to_token", self.canary.req_to_token)
+        table = self._table()
         if not (0 <= row < table.shape[0] and 0 <= position < table.shape[1]):
             return L.UNRESOLVED_SLOT
         return int(self._through_lut(group, np.array([table[row, position]], np.int64))[0])
@@ -150,9 +154,8 @@ class RowMapper:
         if not canary._plans_expect_tokens:
             return L.NO_EXPECTED_TOKEN
         pool = self.host("expected_tokens", canary.expected_tokens)
-        batch = launch.batch
-        valid = getattr(batch, "expected_valid_lens", None)
-        valid = self.host(id(valid), valid) if valid is not None else self.host(id(_lengths(batch)), _lengths(batch))
+        valid = getattr(launch.batch, "expected_valid_lens", None)
+        valid = self.host(id(valid), valid) if valid is not None else self._lengths(launch)
         row = int(self._batch(launch, "req_pool_indices")[r])
         column = position + canary.token_offset
         if 0 <= row < pool.shape[0] and 0 <= column < pool.shape[1] and column < int(valid[r]):
@@ -202,9 +205,8 @@ class RowMapper:
             return found
         found = [entry for entry in found if entry[1] == position]
         rows = self._batch(launch, "req_pool_indices")
-        lens = _lengths(launch.batch)
-        lens = self.host(id(lens), lens)
-        table_rows, width = self.host("req_to_token", self.canary.req_to_token).shape
+        lens = self._lengths(launch)
+        table_rows, width = self._table().shape
         starts = _window_starts(lens, group.window)
         outside = (rows != 0) & ((rows < 0) | (rows >= table_rows) | (position >= width))
         return found + [(int(r), position) for r in np.flatnonzero(outside & (starts <= position) & (position < lens))]
@@ -212,7 +214,7 @@ class RowMapper:
     def match_verify(self, group, launch, v, written: frozenset = frozenset()) -> list:
         """The entries of a replayed static forward's ``launch`` that would record exactly ``v``,
         else those that fit it but for the chain (``written``: the slots the forward writes)."""
-        key = (int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None)
+        key = _verify_key(v)
         entries = self.entries(group, launch, key)
         return [e for e in entries if self.fits(group, launch, v, e)] or \
             [e for e in entries if self.fits(group, launch, v, e, written)]
@@ -229,7 +231,7 @@ class RowMapper:
         rows = self._batch(launch, "req_pool_indices")
         counted = np.where(rows != 0, np.maximum(extend, 0), 0)  # padding rows write nothing (SPEC 3.3)
         ends = np.cumsum(counted)
-        loc = self.host(id(launch.write_loc), launch.write_loc)
+        loc = self._write_loc(launch)
         writes = np.flatnonzero(counted > 0)
         if _no_entry(v) and v.stored_chain_hash == 0 and v.slot_idx != -1:
             seeded = [(int(r), int(prefix[r]) - 1) for r in writes if prefix[r] > 0
@@ -267,7 +269,7 @@ class RowMapper:
         found: dict = {}
         for index, launch in enumerate(group.log):
             if launch.kind == "write" and wanted.size:
-                for slot in np.intersect1d(self.host(id(launch.write_loc), launch.write_loc), wanted).tolist():
+                for slot in np.intersect1d(self._write_loc(launch), wanted).tolist():
                     found.setdefault(int(slot), []).append(index)
         return found
 
@@ -288,8 +290,7 @@ class RowMapper:
         keyed: dict = {}
         for i, v in enumerate(rows):
             if not self.is_write_row(group, v):
-                key = (int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None)
-                keyed.setdefault(key, []).append(i)
+                keyed.setdefault(_verify_key(v), []).append(i)
         candidates = self._candidates(group, keyed)
         rewrites = self._rewrites(group, {key[1] for key, order in candidates.items() if order})
         placed: dict = {}
@@ -327,7 +328,7 @@ class RowMapper:
                 if later.step != step:
                     break
                 if later.kind == "write":
-                    slots.update(self.host(id(later.write_loc), later.write_loc).tolist())
+                    slots.update(self._write_loc(later).tolist())
             self._cache[key] = frozenset(slots)
         return self._cache[key]
 
@@ -436,7 +437,7 @@ class RowMapper:
             if record.run_count_at not in static_ran:
                 continue
             launches = record.launches
-            written = frozenset().union(*(self.host(id(launch.write_loc), launch.write_loc).tolist()
+            written = frozenset().union(*(self._write_loc(launch).tolist()
                                           for launch in launches if launch.kind == "write"))
             for launch in launches:
                 if launch.tag != int(v.kernel_kind) or (launch.kind == "write") != write:
@@ -477,6 +478,12 @@ def _distinct(names) -> list:
         if name not in out:
             out.append(name)
     return out
+
+
+def _verify_key(v) -> tuple:
+    """``(tag, slot, position)`` of a verify row, the position only for the UNRESOLVED marker (whose
+    rows record the entry's position): the rows of one key come from the entries that check it."""
+    return int(v.kernel_kind), v.slot_idx, v.position if v.slot_idx == L.UNRESOLVED_SLOT else None
 
 
 def _no_entry(v) -> bool:
