@@ -308,7 +308,7 @@ class RowMapper:
             before = [i for i in pending if i not in after]
             earlier = [index for index in order if index < writes[-1]]
             self._assign(group, rows, key, after, [index for index in order if index > writes[-1]], dropped, placed)
-            if not any(earlier[0] < index < writes[-1] for index in writes[:-1]) if earlier else True:
+            if not earlier or not any(earlier[0] < index < writes[-1] for index in writes[:-1]):
                 self._assign(group, rows, key, before, earlier, dropped, placed)
             else:  # written more than once: which content a row shows is not told apart
                 for i in before:
