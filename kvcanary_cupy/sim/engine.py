@@ -276,6 +276,13 @@ class Engine:
                 self.lut_host[s] = self.swa_free.popleft()
         return page
 
+    def _take_pages_for(self, request: Request, positions: int) -> None:
+        """Pages for ``request`` until they hold ``positions`` positions, out of its reservation."""
+        while len(request.pages) * self.page_size < positions:
+            request.pages.append(self._take_page())
+            request.own_taken += 1
+            self.reserved_pages -= 1
+
     def release_page(self, page: int, *, front: bool = False) -> None:
         """Drop one reference; the page goes back to the free list when none is left."""
         if page == _FREED:
@@ -413,10 +420,7 @@ class Engine:
         """Load an offloaded request back: new pages for its cached positions, its KV and records
         copied into them from the host tier, its table row pointed at them."""
         request = entry.request
-        while len(request.pages) * self.page_size < request.seq_len:
-            request.pages.append(self._take_page())
-            request.own_taken += 1
-            self.reserved_pages -= 1
+        self._take_pages_for(request, request.seq_len)
         slots = self._cached_slots(request)
         self._tier_copy(self.tier.load, slots, entry.host_slots)
         self.tier.give_back(entry.host_slots)
@@ -528,10 +532,7 @@ class Engine:
                     continue
                 budget -= n
             start = request.seq_len
-            while len(request.pages) * ps < start + n:
-                request.pages.append(self._take_page())
-                request.own_taken += 1
-                self.reserved_pages -= 1
+            self._take_pages_for(request, start + n)
             pos = np.arange(start, start + n, dtype=np.int64)
             pages = np.asarray(request.pages, np.int64)[pos // ps]
             slots = pages * ps + pos % ps
