@@ -588,16 +588,15 @@ class Engine:
         n = int(step.out_cache_loc.shape[0])
         if n == 0:
             return
-        dev = self.device
-        locations = batch.out_cache_loc[:n]  # past n: a padded batch's padding tokens
-        for target in self.targets:
-            data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
-            target[locations] = from_host(data, dev)
+        self._fill_kv(self.targets, batch.out_cache_loc[:n], n)  # past n: a padded batch's padding tokens
         if self.config.swa_window > 0:
-            swa_loc = from_host(self.lut_host[step.out_cache_loc], dev)
-            for target in self.swa_targets:
-                data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
-                target[swa_loc] = from_host(data, dev)
+            self._fill_kv(self.swa_targets, from_host(self.lut_host[step.out_cache_loc], self.device), n)
+
+    def _fill_kv(self, targets: list, locations, n: int) -> None:
+        """``n`` rows of pseudo-random bytes into the rows ``locations`` of each of ``targets``."""
+        for target in targets:
+            data = np.frombuffer(self.kv_rng.bytes(n * int(target.shape[1])), np.uint8).reshape(n, -1)
+            target[locations] = from_host(data, self.device)
 
     def advance(self, step: StepBatch) -> None:
         """Account the step's tokens, publish finished prompt prefixes, retire finished requests."""
