@@ -104,6 +104,11 @@ class SimConfig:
             raise ValueError("kv-canary: speculative and static_decode are not run together, got "
                              f"speculative={self.speculative!r} with static_decode")
 
+    @property
+    def splits_batches(self) -> bool:
+        """Whether prefill and decode forwards take turns: asked, or implied by static_decode."""
+        return self.split_batches or self.static_decode
+
 
 @dataclasses.dataclass
 class Request:
@@ -497,15 +502,11 @@ class Engine:
                 self.release_page(page)
 
     # --- one forward ------------------------------------------------------------------------------
-    @property
-    def splits_batches(self) -> bool:
-        return self.config.split_batches or self.config.static_decode
-
     def _decodes_now(self) -> Optional[bool]:
         """With split batches: whether this forward decodes (True) or prefills (False). Prefill and
         decode take turns while both have work, as in engines that do not mix them in one forward.
         ``None``: one forward holds both."""
-        if not self.splits_batches:
+        if not self.config.splits_batches:
             return None
         waiting = [r for r in self.running if r.remaining > 0]
         decodes = any(r.decoding for r in waiting)

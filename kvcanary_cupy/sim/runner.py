@@ -117,7 +117,7 @@ class SimResult:
             "page_size": c.page_size,
             "max_running": c.max_running,
             "swa_window": c.swa_window,
-            "split_batches": c.split_batches or c.static_decode,
+            "split_batches": c.splits_batches,
             "tokens": self.tokens,
             "verified_entries": self.verified_entries,
             "requests_finished": self.requests_finished,
@@ -165,7 +165,7 @@ class SimResult:
             spec = self.speculative
             lines.append(f"  speculative decoding, {spec['drafts']} draft{'s' if spec['drafts'] != 1 else ''} a decoding request: {spec['accepted']} of "
                          f"{spec['verified']} drafts accepted; each forward fingerprints the tokens it keeps")
-        if c.split_batches or c.static_decode:
+        if c.splits_batches:
             sd = self.static_decode
             how = "eager" if sd is None else (
                 f"static forwards of batch sizes {sd['batch_sizes_used']}"
