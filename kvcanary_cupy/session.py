@@ -726,7 +726,7 @@ class Canary:
                          for launch, write, bound in zip(self._pack_writes(writes), writes, group_slots))
         return _PreparedWrites(translate, launches, swa_entries)
 
-    def _translate(self, batch: ForwardBatch, prepared: _PreparedWrites, geometry: _Geometry, stream):
+    def _write_addresses(self, batch: ForwardBatch, prepared: _PreparedWrites, geometry: _Geometry, stream):
         """A prepared forward's write addresses and each group's written slots (which ``poll``
         reads): the SWA group's translated by the entry's launch into a buffer of this forward's."""
         addresses, slots = geometry.addresses, [batch.out_cache_loc]
@@ -852,7 +852,7 @@ class Canary:
             if writes is not None:
                 slots = [write.out_cache_loc for write in writes]
             else:
-                addresses, slots = self._translate(batch, prepared_writes, write_geometry, stream)
+                addresses, slots = self._write_addresses(batch, prepared_writes, write_geometry, stream)
             if replan:
                 if opens_forward:
                     self._next_forward()
