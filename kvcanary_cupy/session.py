@@ -781,10 +781,10 @@ class Canary:
         return geometry, cache.get(geometry)
 
     def _order_after_torch(self, *geometries: Optional[_Geometry]) -> None:
-        """Make the stream the call launches on (CuPy's current one inside ``_on``) wait, once, for
+        """Make the stream the call launches on (CuPy's current one inside ``on_device``) wait, once, for
         torch's current stream when any of the call's arrays is a torch tensor, as a DLPack exchange
         makes its consumer wait: a prepared launch builds no view that would, and a view waits on
-        CuPy's stream outside ``_on``, which a ``stream=`` argument can make another one."""
+        CuPy's stream outside ``on_device``, which a ``stream=`` argument can make another one."""
         if any(geometry is not None and geometry.torch for geometry in geometries):
             order_after_torch(self.device.index)
 
