@@ -341,3 +341,58 @@ def test_lengths_that_alias_the_plan_it_fills_stay_inside_it(device, bs):
     assert int(to_numpy(vplan.num_valid)[0]) == capacity
     for b in backing:
         assert (to_numpy(b)[capacity:] == sentinel).all()
+
+
+# --- SPEC rules pinned one at a time ----------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_negative_pool_row_is_unresolved_not_padding(device):
+    """SPEC §4: only ``req_pool_indices[r] == 0`` is the padding row. A negative one is a pool row
+    outside ``req_to_token``: its entries, predecessors and seed are UNRESOLVED, and its extend is
+    counted in the write plan's offsets like any live request's."""
+    rng = np.random.default_rng(51)
+    table = rng.integers(1, 1000, size=(3, 6)).astype(np.int32)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan, wplan = kc.VerifyPlan.allocate(16, device=device), kc.WritePlan.allocate(3, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put([-1, 2, -5]), prefix_lens=put([2, 3, 0]),
+            extend_seq_lens=put([3, 1, 2]), req_to_token=to_device(table, device))
+    U = UNRESOLVED
+    t = [int(s) for s in table[2, :3]]
+    assert _plan_entries(vplan) == [(U, -1, 0, -1), (U, -1, 1, U),
+                                    (t[0], -1, 0, -1), (t[1], -1, 1, t[0]), (t[2], -1, 2, t[1])]
+    assert to_numpy(wplan.offsets).tolist() == [0, 3, 4, 6]
+    assert to_numpy(wplan.seed_slot_indices).tolist() == [U, t[2], -1]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_non_positive_prefix_gives_no_entries_and_no_seed(device):
+    """SPEC §3.3: a request verifies positions ``[start, prefix_len)``, none when the prefix is 0 or
+    negative, and is seeded only when ``prefix > 0``; its extend is still written."""
+    rng = np.random.default_rng(52)
+    table = rng.integers(1, 1000, size=(3, 6)).astype(np.int32)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan, wplan = kc.VerifyPlan.allocate(8, device=device), kc.WritePlan.allocate(3, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put([1, 2, 1]), prefix_lens=put([-3, 0, 2]),
+            extend_seq_lens=put([2, 1, 1]), req_to_token=to_device(table, device))
+    a, b = int(table[1, 0]), int(table[1, 1])
+    assert _plan_entries(vplan) == [(a, -1, 0, -1), (b, -1, 1, a)]
+    assert int(to_numpy(vplan.enable)[0]) == 1
+    assert to_numpy(wplan.offsets).tolist() == [0, 2, 3, 4]
+    assert to_numpy(wplan.seed_slot_indices).tolist() == [-1, -1, b]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("offset", [-1, -3, 2])
+def test_expected_token_gather_with_other_offsets(device, offset):
+    """SPEC §3.3: the expected token of position ``pos`` is ``expected_pool[rp, pos + token_offset]``
+    only where ``0 <= pos + token_offset < valid_lens[r]``, for any offset (negative ones give -1
+    below column 0)."""
+    rng = np.random.default_rng(53 + offset)
+    batch = random_batch(rng, bs=3, min_prefix=4, padding_requests=1)
+    valid = batch.prefix_lens + 2
+    p = pipeline(batch, device)
+    p.plan(expected=True, token_offset=offset, valid_lens=valid)
+    want = _expected_entries(batch, batch.prefix_lens, expected=batch.tokens, valid_lens=valid, offset=offset)
+    assert _plan_entries(p.vplan) == want
+    if offset < 0:
+        assert sum(e[1] == -1 for e in want) == -offset * len(batch.live())

@@ -412,3 +412,65 @@ print(numba.threading_layer(), found)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == ["workqueue", "[0,", "0,", "0]"], done.stdout
+
+
+# --- SPEC rules pinned one at a time ----------------------------------------------------------------
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("enable", [2, -1, 2**31 - 1])
+def test_any_non_zero_enable_runs(device, enable):
+    """SPEC §3.2 step 1 stops only when ``enable == 0``: any other value checks the entries."""
+    ctx = _chain(device)
+    buf = ctx.canary_buf
+    plan = host_verify_plan([1, 2, 3], [-1, -1, -1], [0, 1, 9], [-1, 1, 2], enable=enable, device=device)
+    before = ctx.counters()
+    kc.verify(ctx, plan, tag=TAG)
+    assert ring_rows(ctx) == [(TAG, 3, 2, 12, -1, fields(buf, 3)[2], link_of(buf, 2), 2)]
+    after = ctx.counters()
+    assert after["slot_run_counter"] - before["slot_run_counter"] == 3
+    assert after["kernel_run_counter"] - before["kernel_run_counter"] == 1
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_short_source_among_several_on_verify(device, mode):
+    """SPEC §4: a slot past one source's rows, among several sources, recomputes its hash with that
+    source folded as 0 in its place: a slot written so matches it (bit 64 alone, chain and
+    position intact); bytes changed in another source's row add bit 4."""
+    rng = np.random.default_rng(41)
+    num_slots = 12
+    specs = [random_source(rng, num_slots, page_size=2, num_bytes_per_token=32),
+             random_source(rng, 6, page_size=3, num_bytes_per_token=16),  # rows for slots 0..5
+             random_source(rng, num_slots, page_size=1, num_bytes_per_token=64, read_bytes=48)]
+    ctx = kc.CanaryContext.allocate(num_slots, device=device, real_kv_sources=tuple(s.build(device) for s in specs),
+                                    hash_mode=mode)
+    slots = [4, 10, 7]
+    ids = [int(t) for t in rng.integers(1, 2**40, size=3)]
+    wplan = kc.WritePlan.from_host(offsets=[0, 3], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put([0, 1, 2]), out_cache_loc=put(slots))
+    ctx.clear_violations()
+    buf = ctx.canary_buf
+    plan = host_verify_plan(slots, [-1] * 3, [0, 1, 2], [-1, 4, 10], device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    rows = [(TAG, 10, 1, ids[1], -1, fields(buf, 10)[2], link_of(buf, 4), 64),
+            (TAG, 7, 2, ids[2], -1, fields(buf, 7)[2], link_of(buf, 10), 64)]
+    assert ring_rows(ctx) == rows
+    ctx.clear_violations()
+    ctx.real_kv_sources[2].tensor[10, 3] ^= 0x21  # inside the read window of the last source
+    kc.verify(ctx, plan, tag=TAG)
+    assert ring_rows(ctx) == [rows[0][:7] + (64 | 4,), rows[1]]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("check_token", [False, True])
+def test_padding_slot_entry_is_skipped_whole(device, check_token):
+    """SPEC §3.2 step 3 checks only entries with ``slot != 0``: an entry of slot 0 records nothing,
+    not even for a predecessor out of range (§4's bit 64 is a check of an entry that is checked),
+    yet it is counted in ``slot_run_counter``."""
+    ctx = _chain(device, 8)
+    plan = host_verify_plan([0, 0, 0], [99, 98, 97], [7, 8, 9], [8, UNRESOLVED, -4], device=device)
+    before = ctx.counters()
+    kc.verify(ctx, plan, tag=TAG, check_expected_token=check_token)
+    assert ring_rows(ctx) == []
+    assert ctx.counters()["slot_run_counter"] - before["slot_run_counter"] == 3

@@ -8,8 +8,8 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import reference as ref
-from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_hash, fields, link_of, pipeline, random_batch,
-                       random_source, ring_rows, signed, slot_words)
+from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_hash, fields, host_verify_plan, link_of,
+                       pipeline, random_batch, random_source, ring_rows, signed, slot_words)
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
@@ -321,6 +321,160 @@ def test_ring_overflow_on_write(device):
     if device == "cpu":
         assert [r[1] for r in rows] == [1, 2]
     assert all(r[7] == 8 for r in rows)
+
+
+# --- SPEC rules pinned one at a time ----------------------------------------------------------------
+
+def _tokens(rng, n):
+    return [int(t) for t in rng.integers(1, 2**40, size=n)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_padding_slot_is_written_like_any_other(device):
+    """SPEC §3.1 skips only negative slots: a token an engine points at slot 0 (the padding slot of
+    §2, which verify never checks) is stored, chained and counted like any other."""
+    rng = np.random.default_rng(31)
+    ids, pos = _tokens(rng, 3), [int(p) for p in rng.integers(1, 1000, size=3)]
+    ctx = _ctx(device, 8)
+    _write(ctx, [0, 3], [-1], ids, pos, [3, 0, 5], device=device)
+    assert fields(ctx.canary_buf, 0) == (ids[1], pos[1], link_of(ctx.canary_buf, 3), 0)
+    assert fields(ctx.canary_buf, 5)[2] == link_of(ctx.canary_buf, 0)
+    assert ctx.counters() == {"slot_run_counter": 3, "kernel_run_counter": 1, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_seed_at_the_padding_slot_is_linked(device):
+    """SPEC §3.1 step 2: any seed ``>= 0`` is a predecessor, slot 0 included (unlike verify's
+    ``prev == 0``, §3.2): the chain starts from slot 0's link and the chain position assert, when
+    on, continues from slot 0's position."""
+    rng = np.random.default_rng(38)
+    ids, seed_pos = _tokens(rng, 3), int(rng.integers(10, 500))
+    ctx = _ctx(device, 8, chain_position_assert=True)
+    _write(ctx, [0, 1], [-1], ids[:1], [seed_pos], [0], device=device)  # an engine's padded token
+    _write(ctx, [0, 2], [0], ids[1:], [seed_pos + 1, seed_pos + 3], [4, 6], device=device)
+    assert fields(ctx.canary_buf, 4)[2] == link_of(ctx.canary_buf, 0) != signed(ANCHOR_LINK)
+    running = link_of(ctx.canary_buf, 4)
+    assert ring_rows(ctx) == [(TAG, 6, seed_pos + 3, ids[2], ids[2], running, seed_pos + 2, 16)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("skipped", [-1, -9, 8, 1000])
+def test_skipped_entry_does_not_move_the_asserted_position(device, skipped):
+    """SPEC §3.1 step 3: a skipped entry (a negative slot, or one >= num_slots, skipped alike by
+    §4) is not processed, so ``prev_pos`` stays where the last stored entry left it: the next
+    stored entry is asserted against that position + 1, and the chain does not advance either."""
+    rng = np.random.default_rng(32 + abs(skipped))
+    seed_pos = int(rng.integers(5, 500))
+    ids = _tokens(rng, 4)
+    ctx = _ctx(device, 8, chain_position_assert=True)
+    _write(ctx, [0, 1], [-1], ids[:1], [seed_pos], [2], device=device)  # the seed: slot 2
+    positions = [seed_pos + 1, seed_pos + 2, seed_pos + 3]
+    _write(ctx, [0, 3], [2], ids[1:], positions, [3, skipped, 4], device=device)
+    running = link_of(ctx.canary_buf, 3)
+    expected = [(TAG, skipped, positions[1], ids[2], ids[2], running, positions[1], 64)] if skipped >= 8 else []
+    expected.append((TAG, 4, positions[2], ids[3], ids[3], running, seed_pos + 2, int(BIT.WRITE_POSITION)))
+    assert ring_rows(ctx) == expected
+    assert fields(ctx.canary_buf, 4) == (ids[3], positions[2], running, 0)
+    assert ctx.counters()["slot_run_counter"] == 1 + 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_out_of_range_slot_gets_no_input_assert(device):
+    """SPEC §4: an entry slot >= num_slots records its bit-64 row and is skipped like a negative
+    slot, so neither it nor a negative slot is compared with the expected inputs; the entries
+    stored around them are."""
+    rng = np.random.default_rng(33)
+    ids, pos = _tokens(rng, 4), [int(p) for p in rng.integers(0, 1000, size=4)]
+    expected = ([t + 1 for t in ids], [p + 1 for p in pos])  # every entry mismatches
+    ctx = _ctx(device, 6)
+    _write(ctx, [0, 4], [-1], ids, pos, [1, 6, -2, 3], device=device, expected=expected)
+    anchor, after = signed(ANCHOR_LINK), link_of(ctx.canary_buf, 1)
+    both = int(BIT.WRITE_TOKEN | BIT.WRITE_POSITION)
+    assert ring_rows(ctx) == [(TAG, 1, pos[0], ids[0], ids[0] + 1, anchor, pos[0] + 1, both),
+                              (TAG, 6, pos[1], ids[1], ids[1], after, pos[1], 64),
+                              (TAG, 3, pos[3], ids[3], ids[3] + 1, after, pos[3] + 1, both)]
+    assert ctx.counters()["slot_run_counter"] == 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_entry_failing_both_asserts_records_both_rows(device):
+    """SPEC §3.1 step 3: the input assert's row, then the chain position assert's (aux: the
+    predecessor's position + 1, expected token: the token itself); the entry is still stored."""
+    rng = np.random.default_rng(34)
+    seed_pos = int(rng.integers(10, 500))
+    ids = _tokens(rng, 2)
+    ctx = _ctx(device, 8, chain_position_assert=True)
+    _write(ctx, [0, 1], [-1], ids[:1], [seed_pos], [2], device=device)
+    jumped = seed_pos + 3
+    _write(ctx, [0, 1], [2], ids[1:], [jumped], [5], device=device, expected=([ids[1] + 7], [seed_pos + 1]))
+    running = link_of(ctx.canary_buf, 2)
+    assert_rows(device, ring_rows(ctx), [
+        (TAG, 5, jumped, ids[1], ids[1] + 7, running, seed_pos + 1, int(BIT.WRITE_TOKEN | BIT.WRITE_POSITION)),
+        (TAG, 5, jumped, ids[1], ids[1], running, seed_pos + 1, int(BIT.WRITE_POSITION))])
+    assert fields(ctx.canary_buf, 5) == (ids[1], jumped, running, 0)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("flag", [2, -1, 2**31 - 1])
+def test_any_non_zero_chain_position_flag_turns_the_assert_on(device, flag):
+    """SPEC §3.1 step 2: the chain position assert is on when the device flag is non-zero, not only
+    when it is 1 (a context over the caller's own arrays may hold any int32 there)."""
+    rng = np.random.default_rng(35)
+    put = lambda a: to_device(np.asarray(a), device)  # noqa: E731
+    ctx = kc.CanaryContext(canary_buf=put(np.zeros((8, 32), np.uint8)), violation_ring=put(np.zeros((4, 8), np.int64)),
+                           violation_write_index=put(np.zeros(1, np.int32)),
+                           slot_run_counter=put(np.zeros(1, np.int64)), kernel_run_counter=put(np.zeros(1, np.int64)),
+                           chain_position_assert=put(np.array([flag], np.int32)))
+    seed_pos = int(rng.integers(0, 100))
+    ids = _tokens(rng, 2)
+    _write(ctx, [0, 1], [-1], ids[:1], [seed_pos], [1], device=device)
+    _write(ctx, [0, 1], [1], ids[1:], [seed_pos + 5], [2], device=device)
+    running = link_of(ctx.canary_buf, 1)
+    assert ring_rows(ctx) == [(TAG, 2, seed_pos + 5, ids[1], ids[1], running, seed_pos + 1, 16)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_short_source_among_several_folds_zero_in_its_place(device, mode):
+    """SPEC §2 and §4: with several sources, one whose rows end before a slot's row adds a fold of 0
+    in its own place (``acc = sm(acc ^ 0)``, the sources after it folded on top), not the hash of
+    the other sources alone; bit 64 is recorded and the slot is still stored."""
+    rng = np.random.default_rng(36)
+    num_slots = 12
+    specs = [random_source(rng, num_slots, page_size=1, num_bytes_per_token=32),
+             random_source(rng, 4, page_size=2, num_bytes_per_token=48, read_bytes=32),  # rows for slots 0..3
+             random_source(rng, num_slots, page_size=3, num_bytes_per_token=16)]
+    ctx = _ctx(device, num_slots, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=mode)
+    ids, pos = _tokens(rng, 2), [int(p) for p in rng.integers(0, 1000, size=2)]
+    _write(ctx, [0, 2], [-1], ids, pos, [3, 9], device=device)
+    running = link_of(ctx.canary_buf, 3)
+    assert ring_rows(ctx) == [(TAG, 9, pos[1], ids[1], ids[1], running, pos[1], 64)]
+    assert fields(ctx.canary_buf, 3)[3] == expected_kv_hash(specs, mode, 3)
+    stored = fields(ctx.canary_buf, 9)
+    assert stored == (ids[1], pos[1], running, expected_kv_hash(specs, mode, 9))
+    assert stored[3] != expected_kv_hash([specs[0], specs[2]], mode, 9)
+    assert ctx.counters()["slot_run_counter"] == 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_bytes_past_the_used_part_of_a_row_are_never_read(device, mode):
+    """SPEC §2: a source row may hold more than ``page_size * num_bytes_per_token`` bytes; the bytes
+    past those are ignored, by write and by verify."""
+    rng = np.random.default_rng(37)
+    num_slots, page, per_token, trailing = 10, 2, 32, 48
+    rows = rng.integers(1, 256, size=(num_slots // page, page * per_token + trailing), dtype=np.uint8)
+    spec = SourceSpec(rows, page, per_token, 32)
+    ctx = _ctx(device, num_slots, real_kv_sources=(spec.build(device),), hash_mode=mode)
+    slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))]
+    ids = _tokens(rng, len(slots))
+    _write(ctx, [0, len(slots)], [-1], ids, list(range(len(slots))), slots, device=device)
+    for slot in slots:
+        assert fields(ctx.canary_buf, slot)[3] == expected_kv_hash([spec], mode, slot)
+    ctx.real_kv_sources[0].tensor[:, page * per_token:] ^= 0xFF
+    prev = [-1] + slots[:-1]
+    kc.verify(ctx, host_verify_plan(slots, [-1] * len(slots), list(range(len(slots))), prev, device=device), tag=TAG)
+    assert ring_rows(ctx) == []
 
 
 # --- the CUDA write's forms (a thread or a lane group a request; one warp a request, or two in turn)
