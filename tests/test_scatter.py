@@ -52,6 +52,16 @@ def test_rows_outside_pool_skipped(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_values_past_int32_keep_their_low_32_bits(device):
+    """SPEC §3.4 is silent on int64 ids that do not fit the int32 pool: both backends store the low
+    32 bits, two's complement (as NumPy's astype does), rather than saturate or refuse."""
+    values = [2**31, 2**32 + 5, -2**31 - 1, 2**40 + 7, -(2**33) - 3, 123]
+    got = _scatter(device, values, [0, 3, 6], [2, 1], np.full((3, 3), 9, np.int32))
+    wrapped = np.array(values, np.int64).astype(np.int32).tolist()
+    assert got.tolist() == [[9, 9, 9], wrapped[3:], wrapped[:3]]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_reads_outside_flat_in_skipped(device):
     pool = np.full((3, 4), 9, np.int32)
     got = _scatter(device, [1, 2, 3], [-2, 2, 6], [1, 2], pool)
