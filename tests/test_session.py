@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -1676,3 +1677,68 @@ def test_prefix_hits_on_blocks_the_same_forward_computes(device, writer_first):
     report = forward({r: prompt_len + 3 for r in order}, {r: 1 for r in order},
                      {r: rng.integers(1, 32000, 1) for r in order})
     assert report.requests == {0, 1, 2, 3} and all(e.reasons == ("REAL_KV_HASH",) for e in report)
+
+
+def _static_decodes_closed(eng: Tiny, count: int, run: bool, poll: bool, rng: np.random.Generator) -> list:
+    """``count`` static forwards of request a's next tokens, each over arrays of its own, run once
+    (``run``) and closed, as an engine that rebuilds its decode forwards does, with a poll after
+    each (``poll``); weak references to their batches' ``input_ids``."""
+    refs = []
+    for _ in range(count):
+        position, slot = eng.lens["a"], eng.next_slot
+        eng.table[1, position] = slot
+        vector = lambda values: np.asarray(values, np.int64)  # noqa: E731
+        arrays = dict(req_pool_indices=vector([1]), prefix_lens=vector([position]), extend_seq_lens=vector([1]),
+                      input_ids=vector(rng.integers(1, 32000, 1)), positions=vector([position]),
+                      out_cache_loc=vector([slot]))
+        forward = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a"]))
+        refs.append(weakref.ref(arrays["input_ids"]))
+        if run:
+            forward.before()
+            for buffer in (eng.k, eng.v):
+                buffer[slot] = rng.standard_normal((2, 8)).astype(np.float32)
+            forward.after()
+            eng.lens["a"], eng.next_slot = position + 1, slot + 1
+        forward.close()
+        del forward, arrays
+        if poll:
+            eng.canary.poll()
+    gc.collect()
+    return refs
+
+
+def test_closed_static_forwards_are_let_go_while_the_canary_is_off():
+    """An engine that switches the canary off and builds (and closes) static forwards meanwhile, as
+    one that captures its graphs again to stop paying for the canary does, must not pile them up
+    for weeks: its polls return at once, so the closed forwards' arrays are held to
+    ``max_logged_forwards`` like any forward's."""
+    eng = Tiny("cpu", max_logged_forwards=4)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    eng.canary.mode = "off"
+    refs = _static_decodes_closed(eng, 40, run=False, poll=True, rng=np.random.default_rng(11))
+    assert sum(ref() is not None for ref in refs) <= 4
+    assert all(len(group.static_log) <= 4 for group in eng.canary.groups)
+
+
+def test_closed_static_forwards_between_polls_are_held_to_max_logged_forwards(caplog):
+    """Static forwards run once and closed between two polls hold their batches to
+    ``max_logged_forwards`` (the log keeps the first runs' batches, the canary at most that many
+    closed forwards), and the poll after them still reports a fault they could not name."""
+    eng = Tiny("cpu", max_logged_forwards=4)
+    eng.step({"a": 4, "b": 2})
+    assert not eng.canary.poll()
+    with caplog.at_level(logging.WARNING):
+        refs = _static_decodes_closed(eng, 20, run=True, poll=False, rng=np.random.default_rng(12))
+    assert sum(ref() is not None for ref in refs) <= 2 * 4
+    bad = eng.slot("a", 1)
+    eng.k[bad, 0, 0] += 1.0
+    eng.step({"a": 1, "b": 1})
+    report = eng.canary.poll()
+    assert report.forwards == 1 + 20 + 1
+    assert {e.slot for e in report} == {bad} and {e.phase for e in report} == {"head", "tail"}
+    assert all(e.request in ("a", None) for e in report)
+    assert all(not group.static_log for group in eng.canary.groups)
+    eng.step({"a": 1, "b": 1})
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
+        ("head", 23, "a", 1), ("tail", 23, "a", 1)]
