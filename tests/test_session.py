@@ -1719,6 +1719,13 @@ def test_closed_static_forwards_are_let_go_while_the_canary_is_off():
     refs = _static_decodes_closed(eng, 40, run=False, poll=True, rng=np.random.default_rng(11))
     assert sum(ref() is not None for ref in refs) <= 4
     assert all(len(group.static_log) <= 4 for group in eng.canary.groups)
+    # on again: forwards let go of without a run leave the next poll's names and steps as they were
+    eng.canary.mode = "log"
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
+        ("head", 2, "a", 1), ("tail", 2, "a", 1)]
+    assert all(not group.static_log for group in eng.canary.groups)
 
 
 def test_closed_static_forwards_between_polls_are_held_to_max_logged_forwards(caplog):
@@ -1731,6 +1738,7 @@ def test_closed_static_forwards_between_polls_are_held_to_max_logged_forwards(ca
     with caplog.at_level(logging.WARNING):
         refs = _static_decodes_closed(eng, 20, run=True, poll=False, rng=np.random.default_rng(12))
     assert sum(ref() is not None for ref in refs) <= 2 * 4
+    assert len([r for r in caplog.records if "more than 4 closed static forwards" in r.getMessage()]) == 1
     bad = eng.slot("a", 1)
     eng.k[bad, 0, 0] += 1.0
     eng.step({"a": 1, "b": 1})
