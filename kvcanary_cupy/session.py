@@ -247,7 +247,6 @@ class _StaticRecord:
     run_count_at: tuple
     launches: list
     captured: Any = None  # the StaticForward, once captured in a graph
-    logged_runs: int = 0  # its runs logged since the previous poll (kept in the full group's record)
 
     @property
     def closed(self) -> bool:
@@ -505,10 +504,8 @@ class Canary:
         self._sweeps = 0  # sweeps since the previous poll, which count toward the cap as forwards do
         self._unlogged = 0  # launches left out of the log since the previous poll
         # Closed static forwards let go of before a poll could map their runs (max_logged_forwards of
-        # them wait): their runs logged since the previous poll, and by count array how many of them
-        # the next poll still reads the counts of (a run of theirs it did not log makes its steps unknown).
-        self._let_go_logged_runs = 0
-        self._let_go_cells: collections.Counter = collections.Counter()
+        # them wait): by count array, a mask of their cells, whose runs the next poll still counts.
+        self._let_go: dict[int, int] = {}
         # The backends themselves: each call validates its bundles once, up front, for all its launches.
         self._plan_op = backend_module(device, "plan").plan
         self._verify_op = backend_module(device, "verify").verify
@@ -928,11 +925,7 @@ class Canary:
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
         ran, runs, stray = self._static_forwards_ran()
-        # the logged runs of the forwards let go of were numbered and logged as they ran
-        stray, self._let_go_logged_runs = max(0, stray - self._let_go_logged_runs), 0
         replays, self._logged_runs = max(0, runs - self._logged_runs), 0
-        for record in self.groups[0].static_log:
-            record.logged_runs = 0
         logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
         # Replays leave no trace on the host: their places among the logged forwards are not known,
         # nor which of several is which; one replay alone since the previous poll is the next forward.
@@ -962,9 +955,6 @@ class Canary:
             group.log.clear()
         self._drop_closed_static_forwards()
         self._numbered += replays
-        for array, forwards in self._let_go_cells.items():
-            self._live_run_counts[array] -= forwards
-        self._let_go_cells.clear()
         self._polled_at, self._sweeps, self._unlogged = self._numbered, 0, 0
         report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
         if report.total or report.capacity_overflows:
@@ -1004,31 +994,31 @@ class Canary:
             group.static_log[:] = [record for record in group.static_log if record.run_count_at not in closed]
         for array, _ in closed:
             self._live_run_counts[array] -= 1
+        for array, cells in self._let_go.items():
+            self._live_run_counts[array] -= bin(cells).count("1")
+        self._let_go.clear()
 
     def _hold_closed_static_forwards(self) -> None:
         """When a static forward is built or closed: keep at most ``max_logged_forwards`` closed
         ones (each holds its arrays) for the next poll, as the log keeps forwards, letting go of
         the oldest. Polls let go of them all, but not while the canary is off (they return at
         once), nor when they are rare: an engine that rebuilds its forwards meanwhile would pile
-        them up. A forward let go of keeps what its logged runs told (their steps and numbers);
-        a row only its unlogged runs since the previous poll explain (a graph's replays) names no
-        request, those runs are not counted as forwards, and they leave that poll's rows without
-        steps, as a closed forward run by mistake does (said once a poll)."""
+        them up. A forward let go of keeps its run count cell, so the next poll still counts its runs
+        as forwards; its logged runs keep their steps and names (the log holds their batches), but
+        a row only its unlogged runs explain (a graph's replays) names no request (said once a
+        poll)."""
         closed = [record for record in self.groups[0].static_log if record.closed]
         excess = len(closed) - self._max_logged_forwards
         if excess <= 0:
             return
-        if not self._let_go_cells and self.enabled:
+        if not self._let_go and self.enabled:
             self.logger.warning(
                 "kv-canary: more than %d closed static forwards since the last poll(): the canary lets go of "
-                "the oldest, so the violations only their runs explain name no request and, where they ran "
-                "unlogged, that poll's violations get no step (poll more often, or raise max_logged_forwards)",
-                self._max_logged_forwards)
+                "the oldest, so the violations only their graph replays explain name no request (poll more "
+                "often, or raise max_logged_forwards)", self._max_logged_forwards)
         let_go = {record.run_count_at for record in closed[:excess]}
-        for record in closed[:excess]:
-            self._logged_runs -= record.logged_runs
-            self._let_go_logged_runs += record.logged_runs
-            self._let_go_cells[record.run_count_at[0]] += 1  # its count is read, as a stray run's, by the next poll
+        for array, index in let_go:
+            self._let_go[array] = self._let_go.get(array, 0) | 1 << index
         for group in self.groups:
             group.static_log[:] = [record for record in group.static_log if record.run_count_at not in let_go]
 
@@ -1051,6 +1041,8 @@ class Canary:
                 if counts[array][index] and record.run_count_at not in ran:
                     ran.add(record.run_count_at)
                     runs += int(counts[array][index])
+        for array, cells in self._let_go.items():
+            runs += sum(int(count) for index, count in enumerate(counts[array]) if cells >> index & 1)
         return ran, runs, int(sum(int(count.sum()) for count in counts.values())) - runs
 
 
@@ -1179,7 +1171,6 @@ class StaticForward:
         if new_forward:
             canary._numbered += 1
             canary._logged_runs += 1
-            self._records[0].logged_runs += 1
             self._logged_step = canary._numbered
         # after() takes the step of this forward's logged before(), when no forward came between;
         # without it, its launches belong to no counted forward
@@ -1194,7 +1185,8 @@ class StaticForward:
         counts and maps its runs since the previous one, then lets go of its arrays. Its run count
         cell is never handed to another forward, so runs after that poll are simply not counted.
         At most ``max_logged_forwards`` closed forwards wait for that poll: past them the oldest are
-        let go of, their runs since the previous poll no longer counted or named."""
+        let go of, their runs still counted, but the rows only their graph replays explain named
+        to no request."""
         if not self.closed:
             self.closed = True
             self._canary._hold_closed_static_forwards()

@@ -1750,3 +1750,22 @@ def test_closed_static_forwards_between_polls_are_held_to_max_logged_forwards(ca
     eng.step({"a": 1, "b": 1})
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
         ("head", 23, "a", 1), ("tail", 23, "a", 1)]
+
+
+def test_closed_static_forwards_let_go_still_count_their_replays(monkeypatch):
+    """A graph's replays leave no trace on the host (unlogged here, as a replay is). Static forwards
+    let go of past ``max_logged_forwards`` keep their run count cells, so the next poll still
+    counts every run as a forward, and still reports the fault they read."""
+    eng = Tiny("cpu", max_logged_forwards=4)
+    eng.step({"a": 4, "b": 2})
+    assert not eng.canary.poll()
+    bad = eng.slot("a", 1)
+    eng.k[bad, 0, 0] += 1.0
+    monkeypatch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
+    refs = _static_decodes_closed(eng, 20, run=True, poll=False, rng=np.random.default_rng(13))
+    assert sum(ref() is not None for ref in refs) <= 4
+    report = eng.canary.poll()
+    assert report.forwards == 1 + 20
+    assert report.total == 2 * 20 and {e.slot for e in report} == {bad}
+    assert {e.phase for e in report} == {"head", "tail"} and all(e.request in ("a", None) for e in report)
+    assert all(not group.static_log for group in eng.canary.groups)

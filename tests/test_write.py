@@ -373,7 +373,7 @@ def test_skipped_entry_does_not_move_the_asserted_position(device, skipped):
     running = link_of(ctx.canary_buf, 3)
     expected = [(TAG, skipped, positions[1], ids[2], ids[2], running, positions[1], 64)] if skipped >= 8 else []
     expected.append((TAG, 4, positions[2], ids[3], ids[3], running, seed_pos + 2, int(BIT.WRITE_POSITION)))
-    assert ring_rows(ctx) == expected
+    assert_rows(device, ring_rows(ctx), expected)
     assert fields(ctx.canary_buf, 4) == (ids[3], positions[2], running, 0)
     assert ctx.counters()["slot_run_counter"] == 1 + 2
 
@@ -390,9 +390,9 @@ def test_out_of_range_slot_gets_no_input_assert(device):
     _write(ctx, [0, 4], [-1], ids, pos, [1, 6, -2, 3], device=device, expected=expected)
     anchor, after = signed(ANCHOR_LINK), link_of(ctx.canary_buf, 1)
     both = int(BIT.WRITE_TOKEN | BIT.WRITE_POSITION)
-    assert ring_rows(ctx) == [(TAG, 1, pos[0], ids[0], ids[0] + 1, anchor, pos[0] + 1, both),
-                              (TAG, 6, pos[1], ids[1], ids[1], after, pos[1], 64),
-                              (TAG, 3, pos[3], ids[3], ids[3] + 1, after, pos[3] + 1, both)]
+    assert_rows(device, ring_rows(ctx), [(TAG, 1, pos[0], ids[0], ids[0] + 1, anchor, pos[0] + 1, both),
+                                         (TAG, 6, pos[1], ids[1], ids[1], after, pos[1], 64),
+                                         (TAG, 3, pos[3], ids[3], ids[3] + 1, after, pos[3] + 1, both)])
     assert ctx.counters()["slot_run_counter"] == 2
 
 
