@@ -744,6 +744,14 @@ class Canary:
                 slots.append(translated)
         return addresses, slots
 
+    def _warn_if_unfinished(self, starting: str) -> None:
+        """A forward may be dropped after its before; one that ran left its tokens unfingerprinted."""
+        if self._planned is not None:
+            self.logger.warning(
+                "kv-canary: %s, but the previous forward's before had no after: if its forward ran, its new "
+                "tokens were not fingerprinted, and each verify that reads them reports them (CHAIN_HASH, "
+                "POSITION, REAL_KV_HASH)", starting)
+
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         if not self.enabled:
@@ -753,12 +761,7 @@ class Canary:
         geometry, prepared = self._lookup(self._prepared_plans, batch, self._plan_fields)
         plans = None if prepared is not None else self._batch_plans(batch)
         stream = self._stream(stream)
-        if self._planned is not None:  # told once the call is accepted: a refused one changes nothing
-            # a forward may be dropped after before_forward; one that ran left its tokens unfingerprinted
-            self.logger.warning(
-                "kv-canary: before_forward, but the previous before_forward had no after_forward: if "
-                "its forward ran, its new tokens were not fingerprinted, and each verify that reads them "
-                "reports them (CHAIN_HASH, POSITION, REAL_KV_HASH)")
+        self._warn_if_unfinished("before_forward")  # told once the call is accepted: a refused one changes nothing
         with on_device(self.device, stream):
             self._order_after_torch(geometry)
             self._prepare_checks()
@@ -1123,6 +1126,7 @@ class StaticForward:
             self._before_skipped = True
             return
         with self._launching(stream) as stream:  # the stream checked before anything changes
+            canary._warn_if_unfinished("StaticForward.before")
             self._before_skipped = False
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):

@@ -1462,13 +1462,38 @@ def test_a_forward_left_without_after_forward_is_logged(caplog):
         assert not caplog.records
         eng.canary.before_forward(batch)
     (record,) = caplog.records
-    assert record.getMessage().startswith("kv-canary: before_forward, but the previous before_forward had no "
-                                          "after_forward: if its forward ran, its new tokens were not fingerprinted")
+    assert record.getMessage().startswith("kv-canary: before_forward, but the previous forward's before had no "
+                                          "after: if its forward ran, its new tokens were not fingerprinted")
     eng.canary.after_forward(batch)
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         eng.canary.before_forward(batch)
     assert not caplog.records
+
+
+def test_a_static_forward_left_without_after_is_logged(caplog):
+    """A static forward's before() after a forward whose before had no after (its own, or an eager
+    one) says so, as before_forward does; one after a finished forward says nothing."""
+    eng = Tiny("cpu")
+    eng.step({"a": 3, "b": 2})
+    i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([3]), extend_seq_lens=i64([1]),
+                            input_ids=i64([9]), positions=i64([3]), out_cache_loc=i64([9]))
+    forward = eng.canary.static_forward(batch)
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        forward.before()
+        forward.after()
+        forward.before()
+        assert not caplog.records
+        with pytest.raises(TypeError, match=r"^kv-canary: stream"):
+            forward.before(stream="the default one")
+        assert not caplog.records
+        forward.before()
+        forward.after()
+        eng.canary.before_forward(batch)
+        forward.before()
+    said = "kv-canary: StaticForward.before, but the previous forward's before had no after: if its forward ran"
+    assert [record.getMessage()[:len(said)] for record in caplog.records] == [said] * 2
 
 
 def test_mla_buffers_take_their_page_size_from_their_shape():
