@@ -187,8 +187,8 @@ class CanaryContext:
     def kv_read_lengths(self) -> tuple[int, ...]:
         """The bytes of each slot that each hashed source folds into its real-KV hash (empty when
         nothing is hashed): two canaries whose lengths agree hash the same KV bytes alike."""
-        return tuple(source.read_length(self.hash_mode) for source in self.real_kv_sources
-                     if source.read_length(self.hash_mode))
+        lengths = (source.read_length(self.hash_mode) for source in self.real_kv_sources)
+        return tuple(length for length in lengths if length)
 
     @property
     def num_slots(self) -> int:

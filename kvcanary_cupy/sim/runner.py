@@ -176,13 +176,14 @@ class SimResult:
             "",
             f"  {'fault class':<18}{'injected':>9}{'detected':>9}{'rate':>8}{'median steps':>14}",
         ]
-        for cls, row in self.per_class().items():
+        per_class = self.per_class()
+        for cls, row in per_class.items():
             median = "-" if row["median_steps_to_detection"] is None else f"{row['median_steps_to_detection']:g}"
             lines.append(f"  {cls:<18}{row['injected']:>9}{row['detected']:>9}{row['detection_rate']:>8.0%}"
                          f"{median:>14}")
         if not self.faults:
             lines.append(f"  {'(none injected)':<18}")
-        in_flight = sum(row["in_flight"] for row in self.per_class().values())
+        in_flight = sum(row["in_flight"] for row in per_class.values())
         if in_flight:
             lines.append(f"  {in_flight} undetected fault{'s' if in_flight != 1 else ''} still in flight at the end "
                          f"(their requests still ran, so a later verify may yet see them)")
