@@ -103,6 +103,24 @@ def test_strided_rows_of_pool(device):
     assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("row_stride", [0, 4, 20])
+def test_pool_rows_that_overlap_are_refused(device, row_stride):
+    """Rows sharing memory (a broadcast view's zero stride, or one shorter than a row) would be
+    written by several GPU blocks in no fixed order: refused on both backends, nothing written."""
+    rng = np.random.default_rng(row_stride)
+    xp = np if device == "cpu" else pytest.importorskip("cupy")
+    base = xp.asarray(rng.integers(-100, 100, size=24).astype(np.int32))
+    before = to_numpy(base).copy()
+    pool = xp.lib.stride_tricks.as_strided(base, shape=(3, 6), strides=(row_stride, 4))
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^kv-canary: scatter_req_token_ids pool_out rows must not overlap "
+                                         rf"\(row stride >= width \* itemsize = 24 bytes\), got row stride {row_stride}$"):
+        kc.scatter_req_token_ids(flat_in=put(rng.integers(1, 1000, 8)), offsets=put([0, 4, 8]),
+                                 req_pool_indices=put([0, 2]), pool_out=pool)
+    assert to_numpy(base).tolist() == before.tolist()
+
+
 _FORMS = {"decode-form": (True, False), "general-form": (False, False), "long-rows-form": (False, True)}
 
 

@@ -164,6 +164,7 @@ class ScatterBatch:
                      "batch size + 1, one more than req_pool_indices")
         check.table("scatter_req_token_ids pool_out", self.pool_out, np.int32)
         check.writable("scatter_req_token_ids pool_out", self.pool_out)
+        check.rows_apart("scatter_req_token_ids pool_out", self.pool_out)
 
     @property
     def batch_size(self) -> int:

@@ -29,6 +29,7 @@ from .rules import (  # noqa: F401
     positive,
     positive_multiple,
     row_bytes,
+    rows_apart,
     rows_contiguous,
     source_read_bytes,
     source_rows,

@@ -190,6 +190,16 @@ def non_negative_row_stride(name: str, array) -> None:
         raise ValueError(f"{PREFIX}{name} must have a non-negative row stride, got {array.strides[0]}")
 
 
+def rows_apart(name: str, array) -> None:
+    """The rows of a 2-D array an op writes do not overlap: each starts past the previous one's
+    end. Rows sharing memory (a zero or short row stride, as a broadcast view has) would be
+    written by several GPU blocks in no fixed order."""
+    rows, width = array.shape[0], array.shape[1]
+    if rows > 1 and width > 0 and array.strides[0] < width * array.itemsize:
+        raise ValueError(f"{PREFIX}{name} rows must not overlap (row stride >= width * itemsize = "
+                         f"{width * array.itemsize} bytes), got row stride {array.strides[0]}")
+
+
 def aligned(name: str, array, alignment: int) -> None:
     address = data_pointer(array)
     if array.size and address % alignment:
