@@ -29,7 +29,7 @@ RAWKERNEL_DIR = pathlib.Path(__file__).resolve().parent
 class KernelSpec:
     """One compilation unit: a ``.cu`` file and the kernels taken from it."""
 
-    name: str                              # "verify", "write", "write_decode", "plan", "scatter", "step"
+    name: str                              # its SPECS key: "verify", "write", ..., "session", "records"
     filename: str                          # the .cu file in RAWKERNEL_DIR
     name_expressions: tuple[str, ...]      # templates to instantiate (empty: extern "C" kernels)
     kernels: tuple[str, ...]               # names passed to get_function
@@ -86,7 +86,7 @@ _SPECS = (
     KernelSpec("scatter", "scatter.cu", _SCATTER_KERNELS, _SCATTER_KERNELS,
                (("KVC_SCATTER_THREADS", 256), ("KVC_SCATTER_DECODE_THREADS", 128),
                 ("KVC_SCATTER_BLOCKS_PER_SM", 8))),
-    # the one-launch step writes a request per lane of one warp: at most 32 requests
+    # the step's tail write (kTailWrite) writes a request per lane of one warp: at most 32 requests
     KernelSpec("step", "step.cu", _STEP_KERNELS, _STEP_KERNELS,
                (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),
     KernelSpec("session", "session.cu", (), _SESSION_KERNELS, (("KVC_SESSION_THREADS", 256),)),

@@ -189,7 +189,8 @@ __device__ __forceinline__ kvc_i64 kvc_verify_total(const KvcPlanIn& in, kvc_i64
 }
 
 // One tile of requests [tile, tile + kThreads) staged for entry lookup: each request's first
-// entry index (s_start), pool row and first position. Returns the tile's entry count.
+// entry index (s_start), pool row and first position. kvc_stage_tile stages it and returns the
+// tile's entry count.
 struct KvcEntryTile {
     kvc_i64* s_start;
     kvc_i64* s_rp;
@@ -288,9 +289,10 @@ __device__ __forceinline__ void kvc_for_tile_entries(const KvcEntryTile& entries
 // Every verify entry of the batch, shared by the entry blocks: requests in tiles of kThreads, each
 // tile staged in shared memory, then each warp takes 32 consecutive entries of the tile and hands
 // them, their requests found (kvc_warp_entry), to on_entries(e, base) on every lane. on_tile(tile)
-// runs on every thread once a tile is staged (the step scans its write plan there). Entries are
-// visited only when the batch's total fits `capacity`, and only below `limit` (the plan's int32
-// count). Every thread of the block calls it; returns the total (saturating).
+// runs on every thread once a tile is staged (the step, in a grid of one block, scans its write
+// plan there; in a grid of several, block 0 stores it apart). Entries are visited only when the
+// batch's total fits `capacity`, and only below `limit` (the plan's int32 count). Every thread of
+// the block calls it; returns the total (saturating).
 template <int kThreads, class OnTile, class OnEntries>
 __device__ __forceinline__ kvc_i64 kvc_for_verify_entries(const KvcPlanIn& in,
                                                           const KvcEntryTile& entries,

@@ -306,7 +306,8 @@ __device__ __forceinline__ void kvc_divmod(kvc_i64 slot, kvc_i64 page, kvc_i64& 
 }
 
 // Loads issued where they are written: the compiler may not sink them towards their first use,
-// so a load placed before a long computation overlaps it.
+// so a load placed before a long computation overlaps it. They take the non-coherent path
+// (ld.global.nc), so they are only for data that no thread writes during the launch.
 __device__ __forceinline__ kvc_i64 kvc_ld_early(const kvc_i64* p) {
     kvc_i64 v;
     asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(p));

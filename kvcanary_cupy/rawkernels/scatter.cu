@@ -56,7 +56,7 @@ __device__ __forceinline__ const kvc_i64* kvc_scatter_source(const kvc_i64* flat
 // A token id as the int32 pool stores it: its low 32 bits.
 __device__ __forceinline__ int kvc_pool_token(kvc_i64 v) { return (int)(unsigned)(kvc_u64)v; }
 
-// The same for request r.
+// kvc_scatter_span of request r's offsets.
 __device__ __forceinline__ bool kvc_scatter_cols(const kvc_i64* offsets, kvc_i64 r, kvc_i64 n,
                                                  kvc_i64 width, kvc_u64& j_lo, kvc_u64& j_hi) {
     return kvc_scatter_span(offsets[r], offsets[r + 1], n, width, j_lo, j_hi);

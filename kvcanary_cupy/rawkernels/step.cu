@@ -43,7 +43,8 @@ constexpr int kTailMaxRequests = KVC_STEP_TAIL_MAX_REQUESTS;  // the host's tail
 constexpr unsigned long long kWaitLimitNs = 1000000000ull;
 static_assert(kTailMaxRequests <= 32, "the tail write takes a request per lane of one warp");
 // The new tokens whose real-KV hash block 0 computes ahead: the host's plan_block_write sends at
-// most two a request, a request a thread.
+// most kThreads requests and at most two new tokens a request on average (num_entries <= 2 * bs),
+// so every entry of the batch is below this bound.
 constexpr int kAheadEntries = 2 * kThreads;
 }
 

@@ -17,12 +17,15 @@ struct KvcVerifyOut {
     bool check_token;
 };
 
-// The checks of an entry whose slot is in range and was read (s). prev: the predecessor slot;
-// link: the chain hash it gives (used only when the chain is checked, see kvc_chain_checked).
+// Whether an entry's chain is checked against its predecessor prev: not for the padding slot, nor
+// for a prev past the buffer (which sets OUT_OF_RANGE instead); a negative prev checks against the
+// anchor's link.
 __device__ __forceinline__ bool kvc_chain_checked(const KvcCanary& c, kvc_i64 prev) {
     return prev != KVC_PADDING_SLOT && prev < c.num_slots;
 }
 
+// The checks of an entry whose slot is in range and was read (s). prev: the predecessor slot;
+// link: the chain hash it gives (used only when the chain is checked, see kvc_chain_checked).
 __device__ __forceinline__ void kvc_check_slot(const KvcCanary& c, const KvcVerifyOut& out,
                                                kvc_i64 slot, const KvcSlot& s,
                                                kvc_i64 expected_token, kvc_i64 expected_position,

@@ -54,7 +54,8 @@ __device__ __forceinline__ void kvc_team_sync(int team) {
 }
 
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
-// the request is skipped or stops at once (begin >= end or begin < 0).
+// the request is skipped (begin >= end) or stops at once on a negative begin; a begin at or past n
+// returns true with hi <= lo, which the callers' hi - lo > kInlineMax tests read as no entry.
 __device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n, kvc_i64& lo,
                                                 kvc_i64& hi) {
     if (b >= e || b < 0) return false;

@@ -3,15 +3,15 @@
 // process that writes only decode batches compiles only this one.
 #include "write_request.cuh"
 
-// A decode-shaped write (the host's decode_form: at most two new tokens a request on average),
-// walking each request's entries in the reference's order (kvc_write_request). Without real-KV
-// sources a thread walks a request: its chains are a token or two, so kvc_write's warp a request
-// leaves most lanes idle, and its code is a small part of kvc_write's, which a decode write fetches
-// with cold instruction caches (bs 1 to 1024 measured 0.5-0.7 us faster). With sources a group of
-// KVC_WRITE_DECODE_LANES lanes walks a request, each lane reading a share of its sources, so they
-// are read at once by as many lanes instead of one thread reading them all. kShortReads (with
-// sources only): the host found at most KVC_WRITE_DECODE_LANES sources, each read in at most 32
-// bytes (kvc_hash_in_group).
+// A decode-shaped write (the host's decode_form: at most two new tokens a request on average, one
+// with real-KV sources), walking each request's entries in the reference's order
+// (kvc_write_request). Without real-KV sources a thread walks a request: its chains are a token or
+// two, so kvc_write's warp a request leaves most lanes idle, and its code is a small part of
+// kvc_write's, which a decode write fetches with cold instruction caches (bs 1 to 1024 measured
+// 0.5-0.7 us faster). With sources a group of KVC_WRITE_DECODE_LANES lanes walks a request, each
+// lane reading a share of its sources, so they are read at once by as many lanes instead of one
+// thread reading them all. kShortReads (with sources only): the host found at most
+// KVC_WRITE_DECODE_LANES sources, each read in at most 32 bytes (kvc_hash_in_group).
 template <bool kVec16, bool kRealKv, bool kShortReads>
 __global__ void __launch_bounds__(KVC_WRITE_DECODE_THREADS, kRealKv ? 1 : 0) kvc_write_decode(
     KVC_WRITE_PARAMS) {

@@ -49,7 +49,8 @@ def sm_count(device_id: int) -> int:
 
 def decode_shaped(batch_size: int, num_tokens: int) -> bool:
     """At most two new tokens a request on average: the shape for which the launchers pick the
-    kernels' decode forms (the write's one warp a request, the one-launch step, scatter's kDecode)."""
+    kernels' decode forms (the write's kvc_write_decode, and one warp a request instead of two in
+    kvc_write; the one-launch step; scatter's kDecode)."""
     return num_tokens <= 2 * batch_size
 
 

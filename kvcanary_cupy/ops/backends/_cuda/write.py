@@ -1,4 +1,6 @@
-"""write on a CUDA device (SPEC §3.1): a warp per request chain, hashing spread over the grid."""
+"""write on a CUDA device (SPEC §3.1): kvc_write (a warp, or a pair of warps, per request chain, long
+requests' hashing spread over the grid), or kvc_write_decode for decode-shaped batches (a thread, or
+with real-KV sources a group of lanes, per request)."""
 
 from __future__ import annotations
 
