@@ -7,7 +7,7 @@ import pytest
 
 import kvcanary_cupy as kc
 import _fuzzcases as F
-from _builders import slot_words
+from _builders import fields, link_of, ring_rows, slot_words
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 
@@ -43,10 +43,11 @@ def test_step_relaunch_accumulates(device):
                          write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=rpi, prefix_lens=prefix,
                          extend_seq_lens=extend, req_to_token=rtt, input_ids=ids, positions=pos, out_cache_loc=loc)
     steps = 12
+    tokens = rng.integers(1, 150_000, size=(steps, bs)).astype(np.int64)  # tokens[t, r]: request r's at position t
     for t in range(steps):  # a decode of `steps` tokens, metadata refilled in place
         prefix[...] = t
         pos[...] = t
-        ids[...] = to_device(rng.integers(0, 150_000, size=bs).astype(np.int64), device)
+        ids[...] = to_device(tokens[t], device)
         loc[...] = to_device(table[1:, t].astype(np.int64), device)
         step.launch()
     report = ctx.violations()
@@ -62,9 +63,13 @@ def test_step_relaunch_accumulates(device):
     pos[...] = steps
     loc[...] = to_device(table[1:, steps].astype(np.int64), device)
     step.launch()
-    report = ctx.violations()
-    assert report.total >= 1 and all(v.slot_idx == victim or v.fail_reason & kc.FailReason.CHAIN_HASH
-                                      for v in report)
+    # the token word is not in the slot's own check (no expected tokens): the chain link of the
+    # next position's record, which hashes it, no longer matches
+    after = int(table[3, 5])
+    assert ring_rows(ctx) == [(int(kc.LaunchTag.HEAD_K_FULL), after, 5, int(tokens[5, 2]), -1,
+                               fields(buf, after)[2], link_of(buf, victim), int(kc.FailReason.CHAIN_HASH))]
+    assert ctx.counters() == {"slot_run_counter": verified + bs * steps + bs * steps + bs,
+                              "kernel_run_counter": 2 * steps + 2, "violations": 1}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -245,16 +250,6 @@ def _decode_step(ctx, table, new_slots, input_ids) -> kc.CanaryStep:
                          out_cache_loc=new_slots)
 
 
-def _finish_within(stream, seconds: float) -> None:
-    """Waits for what is queued on ``stream``, failing (rather than hanging) past ``seconds``."""
-    import time
-
-    done, deadline = stream.record(), time.monotonic() + seconds
-    while not done.done:
-        assert time.monotonic() < deadline, f"a step launch did not finish within {seconds} s"
-        time.sleep(0.01)
-
-
 @requires_gpu
 def test_step_built_while_the_current_stream_is_busy_writes_on_another_stream():
     """A one-launch step built while the current stream is busy (the zeroing of its done counter
@@ -305,15 +300,20 @@ def test_steps_on_concurrent_streams_write_at_every_launch():
         assert step.num_launches == 1
         runs.append((ctx, step, input_ids, cupy.cuda.Stream(non_blocking=True)))
     cupy.cuda.Device().synchronize()  # the batches' arrays, filled on the current stream, which those do not wait for
+    # each step's block 0 waits on a done counter of its own, which the other's blocks never touch
+    counters = [step._launches[0].args[-2] for _, step, _, _ in runs]
+    assert all(counter.dtype == cupy.uint32 and counter.size == 1 for counter in counters)
+    assert counters[0].data.ptr != counters[1].data.ptr
     for _ in range(launches):
         for _, step, _, stream in runs:
             step.launch(stream=stream)
     for _, _, _, stream in runs:
-        _finish_within(stream, 30)
-    for ctx, _, input_ids, _ in runs:
+        stream.synchronize()
+    for (ctx, _, input_ids, _), counter in zip(runs, counters):
         assert ctx.counters()["kernel_run_counter"] == 2 * launches
         written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
         assert np.array_equal(written[:, 0], to_numpy(input_ids))
+        assert int(counter[0]) == 0  # every launch's block 0 counted its verify blocks and reset it
 
 
 @requires_gpu
@@ -362,52 +362,80 @@ def test_step_launches_on_the_given_stream(form):
     assert int(ctx.kernel_run_counter[0]) == 4
 
 
+# Zeroes a step launch's done counter over and over (a stray write into the canary's memory),
+# eating each count the verify blocks add, from before the launch until the launch has written
+# (its kernel run counter reaches `until`). out[0]: the counts eaten; out[1]: the most eaten at once
+# (the most the counter ever held); out[2]: 1 when the wiper stopped at its own bound of `limit_ns`
+# instead, having set the counter past any target so that an unbounded wait would still end.
+_WIPER = r'''
+extern "C" __global__ void wipe(unsigned int* counter, const unsigned long long* runs, unsigned long long until,
+                                unsigned long long limit_ns, unsigned long long* out) {
+    unsigned long long t0, t, eaten = 0ull, most = 0ull, stopped = 0ull;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        const unsigned int got = atomicExch(counter, 0u);
+        eaten += got;
+        if (got > most) most = got;
+        if (*(volatile const unsigned long long*)runs >= until) break;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 >= limit_ns) {
+            stopped = 1ull;
+            atomicExch(counter, 0xFFFFFFFFu);
+            break;
+        }
+    }
+    out[0] = eaten;
+    out[1] = most;
+    out[2] = stopped;
+}'''
+
+
 @requires_gpu
 def test_step_whose_done_counter_is_wiped_while_it_runs_ends_and_writes():
     """Block 0 of a one-launch step past 32 requests waits for the verify blocks' count before it
     writes. Zeroed over and over from another stream while the launch runs (a stray write into the
     canary's memory), the count never arrives: the wait is bounded, so the launch still ends, writes
-    the new tokens and counts its runs, and the next launch finds its counter at zero again."""
-    import time
-
+    the new tokens and counts its runs, and the next launch finds its counter at zero again.
+    The wiper eats every count the verify blocks add, fewer at once than block 0 waits for, so the
+    counter never holds that many: the launch could end only through its bound."""
     import cupy
 
-    wiper = cupy.RawKernel(r'''
-    extern "C" __global__ void wipe(unsigned int* counter, unsigned long long ns) {
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        do {
-            *(volatile unsigned int*)counter = 0u;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        } while (t - t0 < ns);
-    }''', "wipe")
+    wiper = cupy.RawKernel(_WIPER, "wipe")
     bs, prefix = 256, 64
     table, new_slots = _decode_batch(bs, prefix)
     ctx = kc.CanaryContext.allocate(int(table.size) - prefix, device="cuda", ring_capacity=16)
     input_ids = cupy.arange(11, 11 + bs, dtype=cupy.int64)
     step = _decode_step(ctx, table, new_slots, input_ids)
-    assert step.num_launches == 1 and step._launches[0].grid[0] > 2
+    grid = step._launches[0].grid[0]
+    assert step.num_launches == 1 and grid > 2
     counter = step._launches[0].args[-2]  # the launch's done counter (its last argument but one)
     assert counter.dtype == cupy.uint32 and counter.size == 1
+    out = cupy.zeros(3, cupy.uint64)
     step.launch()
-    wiper((1,), (1,), (counter, cupy.uint64(0)))
+    wiper((1,), (1,), (counter, ctx.kernel_run_counter, cupy.uint64(0), cupy.uint64(0), out))  # loads it
     cupy.cuda.Device().synchronize()
+    assert int(counter[0]) == 0 and ctx.counters()["kernel_run_counter"] == 2
 
     wiping, stepping = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    with wiping:
-        wiper((1,), (1,), (counter, cupy.uint64(1_500_000_000)))
-    start = time.monotonic()
+    with wiping:  # until the launch's write is counted; a 30 s bound only if the launch never ends
+        wiper((1,), (1,), (counter, ctx.kernel_run_counter, cupy.uint64(4), cupy.uint64(30_000_000_000), out))
     step.launch(stream=stepping)
-    _finish_within(stepping, 20)
-    waited = time.monotonic() - start
+    stepping.synchronize()
     cupy.cuda.Device().synchronize()
-    assert waited > 0.5, f"the launch ended after {waited:.3f} s, before its bounded wait"
+    eaten, most, stopped = (int(v) for v in out.get())
+    assert stopped == 0, "the launch did not end while its done counter was wiped"
+    assert eaten == grid - 1, "every verify block's count was eaten by the wiper"
+    assert most < grid - 1, "the counter held the whole count once: the wait was not cut short by its bound"
     assert ctx.counters()["kernel_run_counter"] == 4
     written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
     assert np.array_equal(written[:, 0], to_numpy(input_ids))
 
-    start = time.monotonic()
+    assert int(counter[0]) == 0  # what the next launch finds
+    input_ids[...] = cupy.arange(5000, 5000 + bs, dtype=cupy.int64)  # read in place by the packed launch
+    cupy.cuda.Device().synchronize()
     step.launch(stream=stepping)
     stepping.synchronize()
-    assert time.monotonic() - start < 0.5, "the next launch waited out its bound too"
     assert ctx.counters()["kernel_run_counter"] == 6
+    written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
+    assert np.array_equal(written[:, 0], np.arange(5000, 5000 + bs))
+    assert int(counter[0]) == 0  # reset by block 0 once it had counted every verify block
