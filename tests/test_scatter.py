@@ -41,14 +41,14 @@ def test_basic(device):
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_truncated_to_width(device):
-    got = _scatter(device, list(range(10, 20)), [0, 10], [1], np.zeros((2, 3), np.int32))
-    assert got.tolist() == [[0, 0, 0], [10, 11, 12]]
+    got = _scatter(device, list(range(10, 20)), [0, 10], [1], np.full((2, 3), -7, np.int32))
+    assert got.tolist() == [[-7, -7, -7], [10, 11, 12]]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_rows_outside_pool_skipped(device):
-    got = _scatter(device, [1, 2, 3, 4], [0, 1, 2, 3, 4], [-1, 2, 5, 0], np.zeros((3, 2), np.int32))
-    assert got.tolist() == [[4, 0], [0, 0], [2, 0]]
+    got = _scatter(device, [1, 2, 3, 4], [0, 1, 2, 3, 4], [-1, 2, 5, 0], np.full((3, 2), -7, np.int32))
+    assert got.tolist() == [[4, -7], [-7, -7], [2, -7]]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -96,11 +96,11 @@ def test_random_against_model(device, seed):
 def test_strided_rows_of_pool(device):
     if device != "cpu":
         pytest.skip("host-only layout check")
-    parent = np.zeros((3, 8), np.int32)
+    parent = np.full((3, 8), -7, np.int32)
     view = parent[:, :4]
     kc.scatter_req_token_ids(flat_in=np.arange(1, 5, dtype=np.int64), offsets=np.array([0, 4], np.int64),
                              req_pool_indices=np.array([2], np.int64), pool_out=view)
-    assert parent[2].tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
+    assert parent.tolist() == [[-7] * 8, [-7] * 8, [1, 2, 3, 4, -7, -7, -7, -7]]
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -66,11 +66,16 @@ def test_chain_values_through_write(device):
                                            (kc.HashMode.PARTIAL, ref.sm(0x447F1B95028CE131)),
                                            (kc.HashMode.ALL, ref.sm(0xFAB780417B7BE8AD))])
 def test_fold_values_through_write(device, mode, expected):
-    data = np.tile(np.arange(32, dtype=np.uint8), (4, 1))
+    """The SPEC's fold values, from the bytes 0..31 of the written slot's row; the other rows hold
+    random bytes, so a hash of another row than the slot's gives another value."""
+    data = np.random.default_rng(2).integers(1, 256, size=(4, 32), dtype=np.uint8)
+    data[2] = np.arange(32, dtype=np.uint8)
     src = SourceSpec(data, page_size=1, num_bytes_per_token=32, read_bytes=32)
     ctx = _ctx(device, 4, real_kv_sources=(src.build(device),), hash_mode=mode)
     _write(ctx, [0, 1], [-1], [5], [0], [2], device=device)
     assert fields(ctx.canary_buf, 2)[3] == signed(expected)
+    if mode != kc.HashMode.NONE:  # every other row hashes to another value
+        assert all(expected_kv_hash([src], mode, row) != signed(expected) for row in (0, 1, 3))
 
 
 # --- clean runs ---------------------------------------------------------------------------------
@@ -164,8 +169,14 @@ def test_many_sources_accepted(device):
     rng = np.random.default_rng(5)
     specs = [random_source(rng, 6, num_bytes_per_token=16) for _ in range(6)]
     ctx = _ctx(device, 6, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=kc.HashMode.ALL)
-    _write(ctx, [0, 2], [-1], [9, 9], [0, 1], [2, 4], device=device)
-    assert fields(ctx.canary_buf, 4)[3] == expected_kv_hash(specs, kc.HashMode.ALL, 4)
+    ids = _tokens(rng, 2)
+    _write(ctx, [0, 2], [-1], ids, [0, 1], [2, 4], device=device)
+    assert fields(ctx.canary_buf, 2) == (ids[0], 0, signed(ANCHOR_LINK), expected_kv_hash(specs, kc.HashMode.ALL, 2))
+    assert fields(ctx.canary_buf, 4) == (ids[1], 1, link_of(ctx.canary_buf, 2),
+                                         expected_kv_hash(specs, kc.HashMode.ALL, 4))
+    # every source counts: the hash of the first five alone is another value
+    assert fields(ctx.canary_buf, 4)[3] != expected_kv_hash(specs[:5], kc.HashMode.ALL, 4)
+    assert ctx.violations().total == 0
 
 
 @pytest.mark.parametrize("device", BACKENDS)
