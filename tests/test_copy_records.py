@@ -100,8 +100,13 @@ def test_a_request_offloaded_and_loaded_back_verifies_clean_and_catches_what_cha
     swapped[[8, 9]] = loaded[[9, 8]]
     gpu.put(swapped, host.rows(offloaded))
     kc.copy_records(src=host.ctx, dst=gpu.ctx, src_slots=_i64(offloaded, tier), dst_slots=_i64(swapped, device))
-    found = {slot: reasons for slot, _, reasons in gpu.verify_chain(loaded)}
-    assert found[int(loaded[8])] & kc.FailReason.POSITION and found[int(loaded[9])] & kc.FailReason.POSITION
+    # each of the two slots holds the other position's record (its position and the link it holds
+    # are the other's) and the other's K bytes (which match that record); position 10 links to the
+    # record in the slot of position 9; position 5's host bytes are still the flipped ones
+    chain, position = kc.FailReason.CHAIN_HASH, kc.FailReason.POSITION
+    assert sorted(gpu.verify_chain(loaded)) == sorted([
+        (int(loaded[5]), 5, kc.FailReason.REAL_KV_HASH), (int(loaded[8]), 9, chain | position),
+        (int(loaded[9]), 8, chain | position), (int(loaded[10]), 10, chain)])
 
 
 def _random_records(device: str, slots: int, seed: int, stride: int = 32) -> kc.CanaryContext:

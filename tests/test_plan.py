@@ -79,12 +79,18 @@ def test_stale_entries_past_batch_cleared(device):
     big = random_batch(rng, bs=5)
     p = pipeline(big, device)
     p.plan()
+    stale = to_numpy(p.wplan.offsets).copy()
+    assert stale[3:6].any(), "the big batch's plan fills the cells past the small one's"
     small = random_batch(rng, bs=2)
     p.batch = small
     p.plan()
     offsets = to_numpy(p.wplan.offsets)
     assert offsets[3:].tolist() == [0] * (len(offsets) - 3)
     assert int(to_numpy(p.wplan.num_valid_reqs)[0]) == 2
+    want_offsets, want_seeds = _expected_write_plan(small, small.prefix_lens, small.extend_lens)
+    assert offsets[:3].tolist() == want_offsets
+    assert to_numpy(p.wplan.seed_slot_indices)[:2].tolist() == want_seeds
+    assert _plan_entries(p.vplan) == _expected_entries(small, small.prefix_lens)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -71,9 +71,22 @@ def test_documented_detection(scenario, mode):
     assert result.false_positives == []
 
 
+# What each fault class breaks: the reasons its first event must give exactly (a KV byte, a write's
+# position or token), or must include (a record read where another belongs: chain and token).
+REASONS = {"kv_bitflip": ("==", {"REAL_KV_HASH"}), "offload_bitflip": ("==", {"REAL_KV_HASH"}),
+           "stale_position": ("==", {"WRITE_POSITION"}), "token_swap": ("==", {"WRITE_TOKEN"}),
+           "slot_alias": ("<=", {"CHAIN_HASH", "VERIFY_TOKEN"}), "use_after_free": ("<=", {"CHAIN_HASH", "VERIFY_TOKEN"}),
+           "canary_overwrite": ("<=", {"CHAIN_HASH"})}
+
+
+def test_reasons_cover_every_class():
+    assert set(REASONS) == set(FAULT_CLASSES)
+
+
 @pytest.mark.parametrize("cls", FAULT_CLASSES)
 def test_report_names_request_and_position(cls):
     result = run(SimConfig(steps=110, seed=2, hash_mode=kc.HashMode.ALL), [cls], fault_every=10)
+    how, reasons = REASONS[cls]
     detected = [f for f in result.faults if f.detected]
     assert detected
     for fault in detected:
@@ -83,7 +96,8 @@ def test_report_names_request_and_position(cls):
             assert fault.detail["position"] <= event.position < fault.detail["position"] + 16
         else:
             assert event.position == fault.detail["position"]
-        assert event.reasons
+        got = set(event.reasons)
+        assert (got == reasons if how == "==" else reasons <= got), (cls, event.reasons)
 
 
 def test_demo_cli_writes_json(tmp_path, capsys):
@@ -93,9 +107,18 @@ def test_demo_cli_writes_json(tmp_path, capsys):
     assert data["steps"] == 60
     assert data["false_positives"] == 0
     assert data["kernels_s"] >= 0
+    assert len(data["violations_per_step"]) == 60 and sum(data["violations_per_step"]) > 0
+    # a fault every 10 steps from step 10, each counted under its class; the run hashes ALL bytes, so
+    # each is reported, at its step or later
+    log = data["fault_log"]
+    assert [fault["step"] for fault in log] == [10, 20, 30, 40, 50]
+    assert all(fault["detected_step"] is not None and fault["detected_step"] >= fault["step"] for fault in log)
+    assert data["hash_mode"] == "ALL"
+    assert set(data["faults"]) <= set(FAULT_CLASSES)
     for cls, row in data["faults"].items():
-        assert cls in FAULT_CLASSES
-        assert {"injected", "detected"} <= set(row)
+        injected = sum(fault["class"] == cls for fault in log)
+        assert (row["injected"], row["detected"], row["in_flight"]) == (injected, injected, 0), cls
+    assert set(data["not_injectable"]) == set(FAULT_CLASSES) - set(data["faults"])
     out = capsys.readouterr().out
     assert "false positives" in out and "fault class" in out
 
