@@ -13,6 +13,7 @@ from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_ha
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
+L_INT64_MAX = (1 << 63) - 1
 UNRESOLVED = kc.UNRESOLVED_SLOT
 
 
@@ -622,6 +623,33 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
         results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
     cpu, gpu = results["cpu"], results["cuda"]
     assert cpu[2], "the case records violations"
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["thread", "one", "two"])
+@pytest.mark.parametrize("begin", [L_INT64_MAX - 32, L_INT64_MAX - 1, 1 << 62])
+def test_cuda_write_forms_take_begins_near_int64_max(team, begin, monkeypatch):
+    """A request whose entries begin far past the arrays (a hostile or wrapped write plan) records
+    its one row and stops (SPEC §4) in every CUDA form: a begin plus a chunk must not wrap past
+    2^63, where the pair of warps walking one request would walk different chunk counts."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
+
+    monkeypatch.setattr(cuda_write, "decode_form", lambda *_: team == "thread")
+    monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
+    rng = np.random.default_rng(begin % 1000)
+    n = 100
+    ids, positions = _tokens(rng, n), list(range(n))
+    slots = [int(s) for s in rng.permutation(np.arange(10, 210))[:n]]  # not the seed, 7: requests run concurrently
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, 256, ring_capacity=16)
+        _write(ctx, [0, 1], [-1], [12345], [3], [7], device=device)  # the second request's seed
+        _write(ctx, [0, begin, L_INT64_MAX], [-1, 7], ids, positions, slots, device=device)
+        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert [row[1] for row in cpu[2]] == [-1, -1] and cpu[1]["slot_run_counter"] == 1 + n
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]
 

@@ -203,9 +203,12 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
         if (b >= e) continue;
         kvc_i64 seed = first ? first_seed : seed_slots[r];
         const kvc_i64 hi = e < n ? e : n;
+        // A begin past the entries walks none: started at hi, so that a begin near 2^63 plus a
+        // chunk cannot wrap (the pair's warps would then walk different chunk counts, and hang).
+        const kvc_i64 start = b < hi ? b : hi;
         // The first chunk's entry loads go out before the seed's slot is read (both in flight).
         KvcWriteEntry next = {-1, 0, 0, 0, 0};
-        const kvc_i64 first_entry = b + turn * kChunk + lane;
+        const kvc_i64 first_entry = start + turn * kChunk + lane;
         if (b >= 0 && first_entry < hi) {
             next = first && b == first_request ? guess : kvc_request_write_entry(w, first_entry);
         }
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
             running = seed >= 0 ? kvc_slot_link(seed_words) : kvc_anchor_link();
             prev_pos = seed >= 0 ? seed_words.w[KVC_FIELD_POSITION] : 0;
         };
-        const kvc_i64 first_base = b + turn * kChunk;
+        const kvc_i64 first_base = start + turn * kChunk;
         if (kPaired || b < 0 || first_base >= hi) start_chain();
         const bool pos_assert = seed >= 0 && w.chain_position_assert;
         if (b < 0) {
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
             const bool last_of_slot = lane == 31 || (peers >> (lane + 1)) == 0u;
 
             if (!kPaired && base == first_base) start_chain();
-            if (kPaired && base != b) {
+            if (kPaired && base != start) {
                 // the chain up to this chunk, from the partner that walked the chunk before it
                 kvc_team_sync(team);
                 running = s_handoff_chain[warp];
