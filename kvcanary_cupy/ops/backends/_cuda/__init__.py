@@ -15,7 +15,8 @@ import numpy as np
 
 from ....rawkernels import _loader
 
-__all__ = ["Launch", "ptr", "i64", "i32", "decode_shaped", "kernel", "resident_grid", "sm_count", "vec16"]
+__all__ = ["Launch", "ptr", "i64", "i32", "context_args", "table_args", "decode_shaped", "kernel",
+           "resident_grid", "sm_count", "vec16"]
 
 
 _NULL = np.uint64(0)
@@ -33,6 +34,23 @@ def i64(value: int) -> np.int64:
 
 def i32(value: int) -> np.int32:
     return np.int32(value)
+
+
+def context_args(ctx) -> tuple:
+    """The canary context's ring, counters and sources, in the order every kernel that records
+    violations takes them."""
+    table = ctx.source_table
+    return (ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
+            ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter), ptr(table), i64(int(table.shape[0])))
+
+
+def table_args(array):
+    """(pointer, rows, width, row stride in elements) of an int32 table, or zeros for None."""
+    if array is None:
+        return ptr(None), 0, 0, 0
+    rows, width = int(array.shape[0]), int(array.shape[1])
+    stride = int(array.strides[0]) // int(array.itemsize) if rows > 1 else width
+    return ptr(array), rows, width, stride
 
 
 def kernel(source: str, name: str, device_id: int):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import Launch, i64, kernel, ptr, resident_grid
+from . import Launch, i64, kernel, ptr, resident_grid, table_args
 
 SMALL_TILE, TILE = _loader.PLAN_TILES
 # Verify entries up to which a batch that fits the small tile takes it.
@@ -29,15 +29,6 @@ def plan_tile(batch_size: int, most_entries: int) -> int:
     a barrier a tile) twice as slow at bs 4096 x 512."""
     small = batch_size <= SMALL_TILE and most_entries <= SMALL_TILE_MAX_ENTRIES
     return SMALL_TILE if small else TILE
-
-
-def table_args(array):
-    """(pointer, rows, width, row stride in elements) of an int32 table, or zeros for None."""
-    if array is None:
-        return ptr(None), 0, 0, 0
-    rows, width = int(array.shape[0]), int(array.shape[1])
-    stride = int(array.strides[0]) // int(array.itemsize) if rows > 1 else width
-    return ptr(array), rows, width, stride
 
 
 def batch_args(batch) -> tuple:

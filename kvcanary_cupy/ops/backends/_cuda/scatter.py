@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import decode_shaped, i64, kernel, launch, ptr, sm_count
-from .plan import table_args
+from . import decode_shaped, i64, kernel, launch, ptr, sm_count, table_args
 
 _BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_THREADS")
 _DECODE_BLOCK = _loader.SPECS["scatter"].constant("KVC_SCATTER_DECODE_THREADS")

@@ -9,9 +9,9 @@ import numpy as np
 
 from ...._dlpack import filled, settle
 from ....rawkernels import _loader
-from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
+from . import Launch, context_args, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 from .plan import batch_args, most_verify_entries, write_plan_args
-from .write import context_args, entry_args, has_real_kv, prepare as prepare_write
+from .write import entry_args, has_real_kv, prepare as prepare_write
 
 _BLOCK = _loader.SPECS["step"].constant("KVC_STEP_THREADS")
 # The kTailWrite kernel's last block writes a request per lane of its first warp, with the small

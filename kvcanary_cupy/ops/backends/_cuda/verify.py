@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import Launch, i64, kernel, ptr, resident_grid, vec16
-from .write import context_args
+from . import Launch, context_args, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = _loader.SPECS["verify"].constant("KVC_VERIFY_THREADS")
 

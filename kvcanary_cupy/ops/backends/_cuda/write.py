@@ -5,7 +5,7 @@ with real-KV sources a group of lanes, per request)."""
 from __future__ import annotations
 
 from ....rawkernels import _loader
-from . import Launch, decode_shaped, i64, kernel, ptr, resident_grid, vec16
+from . import Launch, context_args, decode_shaped, i64, kernel, ptr, resident_grid, vec16
 
 _BLOCK = 32 * _loader.SPECS["write"].constant("KVC_WRITE_WARPS")
 _CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
@@ -50,14 +50,6 @@ def paired(num_entries: int, max_requests: int) -> bool:
     tokens a request on average, counted over the plan's capacity) or no request can reach a second
     chunk: while one warp walks a chunk's chain, the other checks, stages and stores another."""
     return num_entries > _CHUNK and not decode_shaped(max(max_requests, 1), num_entries)
-
-
-def context_args(ctx) -> tuple:
-    """The canary context's ring, counters and sources, in the order every kernel that records
-    violations takes them."""
-    table = ctx.source_table
-    return (ptr(ctx.violation_ring), i64(ctx.ring_capacity), ptr(ctx.violation_write_index),
-            ptr(ctx.slot_run_counter), ptr(ctx.kernel_run_counter), ptr(table), i64(int(table.shape[0])))
 
 
 def has_real_kv(ctx) -> bool:
