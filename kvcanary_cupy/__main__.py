@@ -65,11 +65,14 @@ def _compile(args: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
     from ._dlpack import cuda_device_count  # noqa: PLC0415
 
-    gpus = [] if args.device is not None else [f"cuda:{i}" for i in range(cuda_device_count())]
+    if args.device is None:
+        gpus = [f"cuda:{i}" for i in range(cuda_device_count())]
+    else:  # a GPU named is treated as one seen, so --source-counts beside it is not dropped
+        gpus = [] if args.device == "cpu" else [args.device]
     # the CPU's builds, one for each number of hashed sources (CUDA kernels take any count)
     cpu_kernels = ("cpu", {} if args.source_counts is None else {"source_counts": args.source_counts}, "kernels")
     if not gpus:
-        jobs = [cpu_kernels if args.device in (None, "cpu") else (args.device, {}, "kernels")]
+        jobs = [cpu_kernels]
     elif args.source_counts is None:  # beside GPUs, the host side of kc.copy_records that a host tier runs
         jobs = [(gpu, {}, "kernels") for gpu in gpus] + [("cpu", {"source_counts": []}, "copy_records")]
     else:  # and the CPU backend's kernels asked for (copy_records among them)
