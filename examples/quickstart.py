@@ -10,7 +10,7 @@ import numpy as np
 import kvcanary_cupy as kc
 
 parser = argparse.ArgumentParser(description=__doc__)
-parser.add_argument("--device", default="cpu")
+parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 device = parser.parse_args().device
 xp = np
 if device != "cpu":
@@ -18,6 +18,7 @@ if device != "cpu":
         import cupy as xp
     except ImportError:
         parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
+    xp.cuda.Device(int(device.partition(":")[2] or 0)).use()  # the arrays below on that GPU
 
 rng = np.random.default_rng(0)
 num_slots, prompt = 1024, 12

@@ -18,6 +18,7 @@ if device != "cpu":
         import cupy as xp
     except ImportError:
         parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
+    xp.cuda.Device(int(device.partition(":")[2] or 0)).use()  # the arrays below on that GPU
 
 # --- the engine's memory: a paged KV pool of one layer, K and V [pages, page_size, heads, head_dim] --
 pages, page_size, heads, head_dim = 64, 4, 2, 8
