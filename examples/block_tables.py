@@ -126,6 +126,7 @@ try:
 except kc.CanaryViolation as caught:                    # an engine would abort or recompute request a
     report = caught.report
     print(f"after the bug: {report.total} violation(s), requests {sorted(report.requests)}")
+    print("HEAD's rows, before the forward (TAIL's, after it, repeat them):")
     for event in report:
         if event.phase == "head":
             print(event.describe())
