@@ -121,8 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     compile_.add_argument("--source-counts", type=_counts, default=None, metavar="N,N,...",
                           help="the CPU backend's kernels for canaries hashing these numbers of real-KV sources "
                                "(numba builds the hashing kernels once for each; 0 for hash mode NONE), e.g. 0,4 for "
-                               "a host canary hashing K and V of two layers (default 0,1; beside GPUs, given, it "
-                               "readies them too)")
+                               "a host canary hashing K and V of two layers (default 0,1 where no GPU is compiled for; "
+                               "beside GPUs the CPU builds are compiled only when this is given)")
     compile_.set_defaults(handler=_compile)
     from .sim import cli  # noqa: PLC0415
 
