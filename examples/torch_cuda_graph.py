@@ -13,6 +13,7 @@ Needs a CUDA GPU, CuPy and PyTorch: ``python examples/torch_cuda_graph.py [--dev
 """
 
 import argparse
+import importlib.util
 
 import numpy as np
 try:
@@ -29,6 +30,8 @@ args = parser.parse_args()
 if not torch.cuda.is_available():
     parser.exit(2, "torch_cuda_graph.py needs a CUDA GPU and PyTorch built with CUDA; "
                    "examples/torch_static_forward.py runs the same kind of loop on the CPU\n")
+if importlib.util.find_spec("cupy") is None:  # else a traceback at the first allocation
+    parser.exit(2, "torch_cuda_graph.py needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
 device = torch.device(args.device)
 device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 torch.cuda.set_device(device)

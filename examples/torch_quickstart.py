@@ -6,6 +6,7 @@ every op on PyTorch's current stream. The tensors are used in place through DLPa
 """
 
 import argparse
+import importlib.util
 
 import numpy as np
 try:
@@ -20,6 +21,8 @@ parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (defaul
 device = parser.parse_args().device
 if device != "cpu" and not torch.cuda.is_available():
     parser.exit(2, f"--device {device} needs a CUDA GPU and PyTorch built with CUDA\n")
+if device != "cpu" and importlib.util.find_spec("cupy") is None:  # else a traceback at the first allocation
+    parser.exit(2, f"--device {device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
 # Ops on CUDA arrays take stream= (a CuPy stream, a raw handle, torch.cuda.Stream or any object with
 # __cuda_stream__); host arrays run synchronously and ignore it.
 stream = torch.cuda.current_stream(device) if device != "cpu" else None

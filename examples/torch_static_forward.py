@@ -14,6 +14,7 @@ first is a graph replay.
 """
 
 import argparse
+import importlib.util
 
 import numpy as np
 try:
@@ -25,13 +26,15 @@ import kvcanary_cupy as kc
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-parser.add_argument("--steps", type=int, default=6, choices=range(1, 20),
+parser.add_argument("--steps", type=int, default=6, choices=range(1, 20), metavar="N",
                     help="clean decode steps before the bit flip, 1 to 19 (default 6)")
 args = parser.parse_args()
 device = torch.device(args.device)
 on_gpu = device.type == "cuda"
 if on_gpu and not torch.cuda.is_available():
     parser.exit(2, f"--device {args.device} needs a CUDA GPU and PyTorch built with CUDA\n")
+if on_gpu and importlib.util.find_spec("cupy") is None:  # else a traceback at the first allocation
+    parser.exit(2, f"--device {args.device} needs CuPy: pip install -e '.[cuda12]' (or cuda13)\n")
 if on_gpu:
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.set_device(device)
