@@ -1,4 +1,5 @@
-"""The README and the design notes cite committed results files for their figures: each cited file exists."""
+"""The README and the design notes cite committed results files for their figures: each cited file exists; and
+the package names they write as ``kc.<name>`` exist."""
 
 from __future__ import annotations
 
@@ -46,3 +47,20 @@ def test_the_readme_cites_results():
     cited = _cited(ROOT / "README.md")
     assert len(cited) > 10
     assert "tests/results/2026-12-01-h200-demo-swa-550d273.json" in cited  # a short form, resolved
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
+def test_the_kc_names_a_document_uses_exist(document):
+    """Every ``kc.<name>`` (and ``kc.<name>.<attribute>``) a document writes is in the package: a name
+    renamed or dropped in the code would otherwise leave the docs pointing at nothing."""
+    import kvcanary_cupy as kc
+
+    missing = set()
+    for dotted in re.findall(r"\bkc\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", document.read_text(encoding="utf-8")):
+        target = kc
+        for part in dotted.split("."):
+            if not hasattr(target, part):
+                missing.add(f"kc.{dotted}")
+                break
+            target = getattr(target, part)
+    assert not missing, f"{document.name} names what kvcanary_cupy does not have: {sorted(missing)}"
