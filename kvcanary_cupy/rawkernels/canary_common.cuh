@@ -71,6 +71,9 @@
 #ifndef KVC_UNRESOLVED_SLOT
 #error "kv-canary: KVC_UNRESOLVED_SLOT is not defined (pass _layout.nvrtc_defines())"
 #endif
+#ifndef KVC_INT32_MAX
+#error "kv-canary: KVC_INT32_MAX is not defined (pass _layout.nvrtc_defines())"
+#endif
 #ifndef KVC_BIT_CHAIN_HASH
 #error "kv-canary: KVC_BIT_CHAIN_HASH is not defined (pass _layout.nvrtc_defines())"
 #endif

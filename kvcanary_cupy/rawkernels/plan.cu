@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kTile, 1024 / kTile) kvc_plan(
         }
         if (blockIdx.x == 1 && threadIdx.x == 0) {
             const kvc_i64 nv = kvc_min64(total, v_capacity);
-            *v_num_valid = (int)kvc_min64(nv, 0x7FFFFFFFLL);
+            *v_num_valid = (int)kvc_min64(nv, KVC_INT32_MAX);
             *v_enable = total <= v_capacity ? 1 : 0;
         }
     }

@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     kvc_i64 total = 0;
     if (kTailWrite) {
         total = kvc_for_small_batch_verify_entries<kThreads>(
-            in, entries, first_meta.rp, first_meta.prefix, v_capacity, 0x7FFFFFFFLL,
+            in, entries, first_meta.rp, first_meta.prefix, v_capacity, KVC_INT32_MAX,
             kvc_whole_grid(), verify);
     } else if (plan_block_apart && blockIdx.x == 0) {
         for (kvc_i64 tile = 0; tile < bs; tile += kThreads) write_plan_tile(tile);
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
             plan_block_apart ? KvcEntryBlocks{(kvc_i64)blockIdx.x - 1, (kvc_i64)gridDim.x - 1}
                              : kvc_whole_grid();
         total = kvc_for_verify_entries<kThreads>(
-            in, entries, s_warp, v_capacity, 0x7FFFFFFFLL, blocks,
+            in, entries, s_warp, v_capacity, KVC_INT32_MAX, blocks,
             [&](kvc_i64 tile) {
                 if (!plan_block_apart) write_plan_tile(tile);
             },
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
     }
     // slots the verify counts as checked (none when the plan would overflow)
     const unsigned long long verified =
-        total <= v_capacity ? (unsigned long long)kvc_min64(total, 0x7FFFFFFFLL) : 0ull;
+        total <= v_capacity ? (unsigned long long)kvc_min64(total, KVC_INT32_MAX) : 0ull;
 
     if (!kTailWrite) {
         if (blockIdx.x == (plan_block_apart ? 1u : 0u) && tid == 0) {
