@@ -53,6 +53,10 @@ __device__ __forceinline__ void kvc_team_sync(int team) {
     asm volatile("barrier.sync %0, 64;" ::"r"(1 + team) : "memory");
 }
 
+// Where the walk of a request that ends at offset e stops: there, or at the end of the n entries
+// (the entries past them are one out-of-range row).
+__device__ __forceinline__ kvc_i64 kvc_write_end(kvc_i64 e, kvc_i64 n) { return e < n ? e : n; }
+
 // The entries [lo, hi) that request r processes, as the reference walks them. Returns false when
 // the request is skipped (begin >= end) or stops at once on a negative begin; a begin at or past n
 // returns true with hi <= lo, which the callers' hi - lo > kInlineMax tests read as no entry.
@@ -60,12 +64,21 @@ __device__ __forceinline__ bool kvc_write_range(kvc_i64 b, kvc_i64 e, kvc_i64 n,
                                                 kvc_i64& hi) {
     if (b >= e || b < 0) return false;
     lo = b;
-    hi = e < n ? e : n;
+    hi = kvc_write_end(e, n);
     return true;
 }
 
-// The real_kv_hash words of the long requests' chunks handed to this block (chunk j of request r
-// goes to block (r + 1 + j) mod gridDim), stored here. Out of line: a decode write has no long
+// The first chunk of long request r that this block hashes: chunk j goes to block
+// (r + 1 + j) mod gridDim, so the block takes j0, j0 + gridDim, ... (none when j0 is past the
+// request's chunks).
+__device__ __forceinline__ kvc_i64 kvc_first_offloaded_chunk(kvc_i64 r) {
+    const kvc_i64 grid = gridDim.x;
+    const kvc_i64 block = blockIdx.x;
+    return ((block - (r + 1) % grid) % grid + grid) % grid;
+}
+
+// The real_kv_hash words of the long requests' chunks handed to this block
+// (kvc_first_offloaded_chunk), stored here. Out of line: a decode write has no long
 // request and skips it, and with it inline a launch whose code was cold fetched its way past it
 // (e2e_decode_steady_hash write with code cold: 12.2 us inline, 9.2 out of line).
 __device__ __noinline__ void kvc_write_offloaded_hashes(unsigned char* canary, kvc_i64 num_slots,
@@ -81,7 +94,6 @@ __device__ __noinline__ void kvc_write_offloaded_hashes(unsigned char* canary, k
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const kvc_i64 grid = gridDim.x;
-    const kvc_i64 block = blockIdx.x;
     for (kvc_i64 window = 0; window < nreq; window += kThreads) {
         if (threadIdx.x == 0) s_count = 0;
         __syncthreads();
@@ -90,7 +102,7 @@ __device__ __noinline__ void kvc_write_offloaded_hashes(unsigned char* canary, k
         if (r < nreq && kvc_write_range(offsets[r], offsets[r + 1], n, lo, hi) &&
             hi - lo > kInlineMax) {
             const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
-            const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
+            const kvc_i64 j0 = kvc_first_offloaded_chunk(r);
             if (j0 < nch) {
                 const int d = atomicAdd(&s_count, 1);
                 s_lo[d] = lo;
@@ -181,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
             kvc_i64 lo, hi;
             if (!kvc_write_range(row_b, row_e, n, lo, hi) || hi - lo <= kInlineMax) continue;
             const kvc_i64 nch = (hi - lo + kChunk - 1) / kChunk;
-            const kvc_i64 j0 = ((block - (r + 1) % grid) % grid + grid) % grid;
+            const kvc_i64 j0 = kvc_first_offloaded_chunk(r);
             if (j0 < nch) mine = 1;
         }
         if (__syncthreads_or(mine)) {
@@ -202,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
         const kvc_i64 e = first ? first_e : offsets[r + 1];
         if (b >= e) continue;
         kvc_i64 seed = first ? first_seed : seed_slots[r];
-        const kvc_i64 hi = e < n ? e : n;
+        const kvc_i64 hi = kvc_write_end(e, n);
         // A begin past the entries walks none: started at hi, so that a begin near 2^63 plus a
         // chunk cannot wrap (the pair's warps would then walk different chunk counts, and hang).
         const kvc_i64 start = b < hi ? b : hi;
