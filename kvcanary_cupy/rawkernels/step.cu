@@ -93,13 +93,8 @@ __device__ __forceinline__ void kvc_verify_warp_entry(const KvcPlanIn& in, const
         kvc_record_out_of_range(out, slot, expected, e.pos);
         return;
     }
-    kvc_u64 link = 0;
-    if (kvc_chain_checked(c, prev)) {
-        // from_left with prev in range: the left lane read prev and computed its link
-        if (prev < 0) link = kvc_anchor_link();
-        else if (from_left) link = left_link;
-        else link = kvc_slot_link(kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, prev));
-    }
+    // from_left with prev in range: the left lane read prev and computed its link
+    const kvc_u64 link = kvc_predecessor_link<kVec16>(c, prev, from_left, left_link);
     kvc_check_slot(c, out, slot, s, expected, e.pos, prev, link);
 }
 

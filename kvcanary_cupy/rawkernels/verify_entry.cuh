@@ -24,8 +24,21 @@ __device__ __forceinline__ bool kvc_chain_checked(const KvcCanary& c, kvc_i64 pr
     return prev != KVC_PADDING_SLOT && prev < c.num_slots;
 }
 
+// The chain hash that predecessor prev gives, where the chain is checked (kvc_chain_checked; 0
+// elsewhere): the anchor's link for a negative prev, else the link of prev's slot, read through the
+// read-only path unless the caller has it already (known, with have_known).
+template <bool kVec16>
+__device__ __forceinline__ kvc_u64 kvc_predecessor_link(const KvcCanary& c, kvc_i64 prev,
+                                                        bool have_known = false,
+                                                        kvc_u64 known = 0) {
+    if (!kvc_chain_checked(c, prev)) return 0;
+    if (prev < 0) return kvc_anchor_link();
+    if (have_known) return known;
+    return kvc_slot_link(kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, prev));
+}
+
 // The checks of an entry whose slot is in range and was read (s). prev: the predecessor slot;
-// link: the chain hash it gives (used only when the chain is checked, see kvc_chain_checked).
+// link: the chain hash it gives (kvc_predecessor_link; used only when the chain is checked).
 __device__ __forceinline__ void kvc_check_slot(const KvcCanary& c, const KvcVerifyOut& out,
                                                kvc_i64 slot, const KvcSlot& s,
                                                kvc_i64 expected_token, kvc_i64 expected_position,
@@ -81,10 +94,6 @@ __device__ __forceinline__ void kvc_verify_entry(const KvcCanary& c, const KvcVe
         return;
     }
     const KvcSlot s = kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, slot);
-    kvc_u64 link = 0;
-    if (kvc_chain_checked(c, prev)) {
-        link = prev < 0 ? kvc_anchor_link()
-                        : kvc_slot_link(kvc_load_slot<kVec16, true>(c.buf, c.slot_stride, prev));
-    }
+    const kvc_u64 link = kvc_predecessor_link<kVec16>(c, prev);
     kvc_check_slot(c, out, slot, s, expected_token, expected_position, prev, link);
 }
