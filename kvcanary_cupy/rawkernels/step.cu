@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, kTailWrite ? 1 : KVC_STEP_MIN_BLOCKS
                 const kvc_i64 slot = i < num_entries ? out_cache_loc[i] : -1;
                 bool out_of_range = false;
                 kvc_u64 hash = 0;
-                if (slot >= 0 && slot < num_slots) {
+                if (kvc_slot_in_range(c, slot)) {
                     hash = kvc_real_kv_hash<1>(src, slot, &out_of_range);
                 }
                 s_kv_hash[i] = hash;
