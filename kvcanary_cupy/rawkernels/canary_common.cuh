@@ -516,6 +516,18 @@ __device__ __forceinline__ const unsigned char* kvc_source_bytes(const KvcSource
     return kvc_source_row_bytes(d, slot);
 }
 
+// Source k's fold of slot (>= 0) into f; false, with f 0, when the slot maps past its rows.
+template <int kBatch>
+__device__ __forceinline__ bool kvc_fold_source(const KvcSources& src, int k, kvc_i64 slot,
+                                                kvc_u64& f) {
+    kvc_i64 nread;
+    const unsigned char* p = kvc_source_bytes(src, k, slot, &nread);
+    f = 0;
+    if (p == nullptr) return false;
+    f = kvc_fold<kBatch>(p, nread);
+    return true;
+}
+
 // The first 32 bytes of a source's read (read bytes are a positive multiple of 16; the second half
 // only when it is read), requested where this is written, and the fold of the whole read from them.
 struct KvcSourceHead {
@@ -556,14 +568,8 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash(const KvcSources& src, kvc_i
     kvc_u64 acc = 0;
     bool out = false;
     for (int k = 0; k < src.count; ++k) {
-        kvc_i64 nread;
-        const unsigned char* p = kvc_source_bytes(src, k, slot, &nread);
-        kvc_u64 f = 0;
-        if (p == nullptr) {
-            out = true;
-        } else {
-            f = kvc_fold<kBatch>(p, nread);
-        }
+        kvc_u64 f;
+        if (!kvc_fold_source<kBatch>(src, k, slot, f)) out = true;
         acc = kvc_sm(acc ^ f);
     }
     *oor = out;
@@ -586,12 +592,7 @@ __device__ __forceinline__ kvc_u64 kvc_real_kv_hash_across_lanes(const KvcSource
     const bool fold = __shfl_sync(KVC_FULL_MASK, (int)in_range, entry) != 0 && entry < entries;
     kvc_u64 f = 0;
     int source_oor = 0;
-    if (fold) {
-        kvc_i64 nread;
-        const unsigned char* p = kvc_source_bytes(src, k, entry_slot, &nread);
-        if (p == nullptr) source_oor = 1;
-        else f = kvc_fold<1>(p, nread);
-    }
+    if (fold && !kvc_fold_source<1>(src, k, entry_slot, f)) source_oor = 1;
     kvc_u64 acc = 0;
     int any_oor = 0;
     for (int kk = 0; kk < nsrc; ++kk) {
