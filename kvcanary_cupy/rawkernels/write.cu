@@ -238,10 +238,7 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
         if (seed >= 0) seed_words = kvc_load_slot<kVec16, false>(canary, slot_stride, seed);
         kvc_u64 running = 0;
         kvc_i64 prev_pos = 0;
-        const auto start_chain = [&]() {
-            running = seed >= 0 ? kvc_slot_link(seed_words) : kvc_anchor_link();
-            prev_pos = seed >= 0 ? seed_words.w[KVC_FIELD_POSITION] : 0;
-        };
+        const auto start_chain = [&]() { kvc_start_chain(seed, seed_words, running, prev_pos); };
         const kvc_i64 first_base = start + turn * kChunk;
         if (kPaired || b < 0 || first_base >= hi) start_chain();
         const bool pos_assert = seed >= 0 && w.chain_position_assert;

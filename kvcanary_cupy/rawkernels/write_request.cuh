@@ -86,6 +86,14 @@ __device__ __forceinline__ KvcWriteEntry kvc_request_write_entry(const KvcWriteI
     return e;
 }
 
+// The chain before a request's first entry: its seed slot's link and position (seed_words, as the
+// caller read it), or for a request without a seed (seed < 0) the anchor's link and position 0.
+__device__ __forceinline__ void kvc_start_chain(kvc_i64 seed, const KvcSlot& seed_words,
+                                                kvc_u64& running, kvc_i64& prev_pos) {
+    running = seed >= 0 ? kvc_slot_link(seed_words) : kvc_anchor_link();
+    prev_pos = seed >= 0 ? seed_words.w[KVC_FIELD_POSITION] : 0;
+}
+
 // The real_kv_hash of the write's entries 0 .. count - 1, computed ahead by a caller that has time
 // to spare before it may store (the step's block 0, while the other blocks verify): the hash of
 // entry i and its out-of-range flag, bit i % 32 of out_of_range[i / 32]. Entries past count have
@@ -137,10 +145,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
     }
     kvc_u64 running = 0;
     kvc_i64 prev_pos = 0;
-    const auto start_chain = [&]() {
-        running = seed >= 0 ? kvc_slot_link(seed_slot) : kvc_anchor_link();
-        prev_pos = seed >= 0 ? seed_slot.w[KVC_FIELD_POSITION] : 0;
-    };
+    const auto start_chain = [&]() { kvc_start_chain(seed, seed_slot, running, prev_pos); };
     const bool link_after_sources = w.src.count > 0;
     if (!link_after_sources) start_chain();
     const bool position_assert = seed >= 0 && w.chain_position_assert;
