@@ -133,6 +133,7 @@ def nvrtc_defines() -> tuple[str, ...]:
         "KVC_NO_EXPECTED_TOKEN": f"({NO_EXPECTED_TOKEN}LL)",
         "KVC_UNRESOLVED_SLOT": f"0x{UNRESOLVED_SLOT:X}LL",
         "KVC_INT32_MAX": f"0x{INT32_MAX:X}LL",
+        "KVC_I64_MAX": f"0x{INT64_MAX:X}LL",
         "KVC_BIT_CHAIN_HASH": str(int(FailReason.CHAIN_HASH)),
         "KVC_BIT_POSITION": str(int(FailReason.POSITION)),
         "KVC_BIT_REAL_KV_HASH": str(int(FailReason.REAL_KV_HASH)),

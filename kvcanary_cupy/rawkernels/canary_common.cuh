@@ -74,6 +74,9 @@
 #ifndef KVC_INT32_MAX
 #error "kv-canary: KVC_INT32_MAX is not defined (pass _layout.nvrtc_defines())"
 #endif
+#ifndef KVC_I64_MAX
+#error "kv-canary: KVC_I64_MAX is not defined (pass _layout.nvrtc_defines())"
+#endif
 #ifndef KVC_BIT_CHAIN_HASH
 #error "kv-canary: KVC_BIT_CHAIN_HASH is not defined (pass _layout.nvrtc_defines())"
 #endif
@@ -110,7 +113,6 @@
 typedef long long kvc_i64;
 typedef unsigned long long kvc_u64;
 
-#define KVC_I64_MAX 0x7FFFFFFFFFFFFFFFLL
 #define KVC_FULL_MASK 0xFFFFFFFFu
 
 // ------------------------------------------------------------------------------------------------
