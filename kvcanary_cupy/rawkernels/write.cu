@@ -164,6 +164,10 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
     const KvcSources src = {source_table, kRealKv ? (int)num_sources : 0};
     const KvcWriteIn w = KVC_WRITE_IN_FROM_PARAMS;
     const bool has_expected = kvc_checks_expected(w);
+    const auto record = [&](kvc_i64 slot, kvc_i64 pos, kvc_i64 tok, kvc_i64 etok, kvc_i64 chain,
+                            kvc_i64 aux, kvc_i64 bits) {
+        kvc_record(ring, tag, slot, pos, tok, etok, chain, aux, bits);
+    };
     const KvcWriteEntry guess =
         kvc_request_write_entry(w, first_request + turn * kChunk + lane);
     const kvc_i64 nreq = kvc_clamp_count(*num_valid_reqs, capacity);
@@ -349,26 +353,8 @@ __global__ void __launch_bounds__(kThreads, kRealKv ? 0 : 1) kvc_write(
                            KVC_BIT_OUT_OF_RANGE);
             }
             if (in_range) {
-                if (kv_oor) {
-                    kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, pos,
-                               KVC_BIT_OUT_OF_RANGE);
-                }
-                if (has_expected) {
-                    kvc_i64 bits = 0;
-                    if (tok != etok) bits |= KVC_BIT_WRITE_TOKEN;
-                    if (pos != epos) bits |= KVC_BIT_WRITE_POSITION;
-                    if (bits) {
-                        kvc_record(ring, tag, slot, pos, tok, etok, (kvc_i64)my_running, epos,
-                                   bits);
-                    }
-                }
-                if (pos_assert) {
-                    const kvc_i64 want = kvc_wrap_add(my_prev, 1);
-                    if (pos != want) {
-                        kvc_record(ring, tag, slot, pos, tok, tok, (kvc_i64)my_running, want,
-                                   KVC_BIT_WRITE_POSITION);
-                    }
-                }
+                kvc_record_entry_checks(record, {slot, tok, pos, etok, epos}, my_running, my_prev,
+                                        kv_oor, has_expected, pos_assert);
             }
             if (!hand_over && in_range && last_of_slot) {
                 kvc_store_slot<kVec16>(canary, slot_stride, slot, tok, pos, my_running, h,

@@ -94,6 +94,33 @@ __device__ __forceinline__ void kvc_start_chain(kvc_i64 seed, const KvcSlot& see
     prev_pos = seed >= 0 ? seed_words.w[KVC_FIELD_POSITION] : 0;
 }
 
+// The rows of an entry whose slot is in range (SPEC 3.1): its real-KV sources out of range, its
+// token and position unlike the expected ones, its position not one past the previous one
+// (prev_pos). chain: the chain value before the entry. record(slot, position, stored token,
+// expected token, stored chain, expected aux, bits) records a row.
+template <class Record>
+__device__ __forceinline__ void kvc_record_entry_checks(const Record& record, const KvcWriteEntry& e,
+                                                        kvc_u64 chain, kvc_i64& prev_pos,
+                                                        bool kv_oor, bool has_expected,
+                                                        bool position_assert) {
+    if (kv_oor) {
+        record(e.slot, e.pos, e.tok, e.tok, (kvc_i64)chain, e.pos, KVC_BIT_OUT_OF_RANGE);
+    }
+    if (has_expected) {
+        kvc_i64 bits = 0;
+        if (e.tok != e.etok) bits |= KVC_BIT_WRITE_TOKEN;
+        if (e.pos != e.epos) bits |= KVC_BIT_WRITE_POSITION;
+        if (bits) record(e.slot, e.pos, e.tok, e.etok, (kvc_i64)chain, e.epos, bits);
+    }
+    if (position_assert) {
+        const kvc_i64 want = kvc_wrap_add(prev_pos, 1);
+        if (e.pos != want) {
+            record(e.slot, e.pos, e.tok, e.tok, (kvc_i64)chain, want, KVC_BIT_WRITE_POSITION);
+        }
+        prev_pos = e.pos;
+    }
+}
+
 // The real_kv_hash of the write's entries 0 .. count - 1, computed ahead by a caller that has time
 // to spare before it may store (the step's block 0, while the other blocks verify): the hash of
 // entry i and its out-of-range flag, bit i % 32 of out_of_range[i / 32]. Entries past count have
@@ -193,24 +220,7 @@ __device__ __forceinline__ unsigned long long kvc_write_request(
             record(slot, pos, tok, tok, (kvc_i64)running, pos, KVC_BIT_OUT_OF_RANGE);
             continue;
         }
-        if (kv_oor) {
-            record(slot, pos, tok, tok, (kvc_i64)running, pos, KVC_BIT_OUT_OF_RANGE);
-        }
-        if (has_expected) {
-            kvc_i64 bits = 0;
-            if (tok != e.etok) bits |= KVC_BIT_WRITE_TOKEN;
-            if (pos != e.epos) bits |= KVC_BIT_WRITE_POSITION;
-            if (bits) {
-                record(slot, pos, tok, e.etok, (kvc_i64)running, e.epos, bits);
-            }
-        }
-        if (position_assert) {
-            const kvc_i64 want = kvc_wrap_add(prev_pos, 1);
-            if (pos != want) {
-                record(slot, pos, tok, tok, (kvc_i64)running, want, KVC_BIT_WRITE_POSITION);
-            }
-            prev_pos = pos;
-        }
+        kvc_record_entry_checks(record, e, running, prev_pos, kv_oor, has_expected, position_assert);
         if (leader) kvc_store_slot<kVec16>(c.buf, c.slot_stride, slot, tok, pos, running, h, true);
         running = kvc_mix3(running, (kvc_u64)tok, (kvc_u64)pos);
         if (leader) ++stored;
