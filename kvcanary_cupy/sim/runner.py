@@ -157,13 +157,13 @@ class SimResult:
         ]
         if self.host_tier is not None:
             tier = self.host_tier
-            lines.extend([f"  host tier of {tier['slots']} slots: {tier['offloads']} requests offloaded, {tier['reloads']} "
+            lines.extend([f"  host tier of {tier['slots']} slots: {_counted(tier['offloads'], 'request')} offloaded, {tier['reloads']} "
                          f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back",
                          f"    copies {tier['kv_copy_ms']:.1f} ms of KV bytes, {tier['records_copy_ms']:.1f} ms of their records "
                          f"(kc.copy_records)"])
         if self.speculative is not None:
             spec = self.speculative
-            lines.append(f"  speculative decoding, {spec['drafts']} draft{'s' if spec['drafts'] != 1 else ''} a decoding request: {spec['accepted']} of "
+            lines.append(f"  speculative decoding, {_counted(spec['drafts'], 'draft')} a decoding request: {spec['accepted']} of "
                          f"{spec['verified']} drafts accepted; each forward fingerprints the tokens it keeps")
         if c.splits_batches:
             sd = self.static_decode
@@ -182,15 +182,19 @@ class SimResult:
             lines.append(f"  {cls:<18}{row['injected']:>9}{row['detected']:>9}{row['detection_rate']:>8.0%}"
                          f"{median:>14}")
         if not self.faults:
-            lines.append(f"  {'(none injected)':<18}")
+            lines.append("  (none injected)")
         in_flight = sum(row["in_flight"] for row in per_class.values())
         if in_flight:
-            lines.append(f"  {in_flight} undetected fault{'s' if in_flight != 1 else ''} still in flight at the end "
+            lines.append(f"  {_counted(in_flight, 'undetected fault')} still in flight at the end "
                          f"(their requests still ran, so a later verify may yet see them)")
         for cls, why in self.not_injectable.items():
             lines.append(f"  {cls:<18} not injected: {why}")
         lines.append(f"  {'false positives':<18}{len(self.false_positives):>9}")
         return "\n".join(lines)
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _attribute(events: Sequence[CanaryEvent], faults: Sequence[Fault], step: int):
