@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Any, ClassVar, Iterator, Optional, Sequence
 
@@ -55,8 +56,11 @@ def reason_names(fail_reason: L.FailReason) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ViolationReport:
-    """What the ring holds: the kept rows, every violation ever counted, and how many were dropped."""
+class ViolationReport(collections.abc.Sequence):
+    """What the ring holds: the kept rows, every violation ever counted, and how many were dropped.
+
+    A read-only sequence of its rows (the SPEC's list of ``kc.Violation``: ``len``, indexing, ``in``,
+    ``index``); true when any violation was counted, kept or dropped."""
 
     rows: tuple[Violation, ...]
     total: int

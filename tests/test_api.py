@@ -3,6 +3,7 @@ test suites rely on."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import inspect
@@ -140,3 +141,5 @@ def test_violations_decode_rows_with_named_fields():
     assert (row.kernel_kind, row.slot_idx, row.position, row.stored_token, row.expected_token,
             row.stored_chain_hash, row.expected_aux) == (kc.LaunchTag.SWEEP_V_SWA, 9, 2, 0, 5, 0, 0)
     assert row.fail_reason == kc.FailReason.OUT_OF_RANGE and isinstance(row.fail_reason, kc.FailReason)
+    assert isinstance(report, collections.abc.Sequence)
+    assert list(report) == [row] and row in report and report.index(row) == 0 and report[-1:] == (row,)
