@@ -370,7 +370,7 @@ def tier_group(pool: KvPool, hash_mode: kc.HashMode, slots: int, rng: np.random.
                                                hash_mode=hash_mode), views)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself, whatever another holds
 class Request:
     rid: int
     row: int
@@ -403,7 +403,7 @@ class Request:
         return int(self.tokens[position]) if position < self.total else self.bonus
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one kept copy is not another with the same tokens (and arrays)
 class CachedPrefix:
     """A finished request's prefix kept by the prefix cache: its slots, each held by a reference,
     and its tokens, one more than its slots (a draft model's KV of the last slot holds that one)."""
