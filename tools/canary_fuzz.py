@@ -1212,7 +1212,11 @@ class FuzzEngine:
     def check_steps(self, watch: Watch, report: kc.CanaryReport) -> None:
         """Every event's step, where told, is a forward run since the previous poll (a sweep's, the
         forward before it, which may be the last one that poll saw): so, polled after each forward,
-        that forward's number (`CanaryEvent.step`)."""
+        that forward's number (`CanaryEvent.step`). A poll while the canary is off returns at once and
+        maps nothing: the launches logged before it was switched off wait for the first poll once it
+        is on again (integration.md §5), so the window runs from the previous poll made while on."""
+        if not watch.canary.enabled:
+            return
         now, since = watch.ledger.forwards, watch.polled_forwards
         watch.polled_forwards = now
         wrong = [event for event in report.events if event.step is not None
