@@ -992,9 +992,8 @@ class Canary:
     def _drop_closed_static_forwards(self) -> None:
         """Forget the closed static forwards, their runs counted and mapped by this poll; a count
         array none of whose forwards is left is read by no later poll."""
-        closed = {record.run_count_at for record in self.groups[0].static_log if record.closed}
-        for group in self.groups:
-            group.static_log[:] = [record for record in group.static_log if record.run_count_at not in closed]
+        closed = {record.run_count_at for record in self._closed_static_records()}
+        self._forget_static_forwards(closed)
         for array, _ in closed:
             self._live_run_counts[array] -= 1
         for array, cells in self._let_go.items():
@@ -1010,7 +1009,7 @@ class Canary:
         as forwards; its logged runs keep their steps and names (the log holds their batches), but
         a row only its unlogged runs explain (a graph's replays) names no request (said once a
         poll)."""
-        closed = [record for record in self.groups[0].static_log if record.closed]
+        closed = self._closed_static_records()
         excess = len(closed) - self._max_logged_forwards
         if excess <= 0:
             return
@@ -1022,8 +1021,17 @@ class Canary:
         let_go = {record.run_count_at for record in closed[:excess]}
         for array, index in let_go:
             self._let_go[array] = self._let_go.get(array, 0) | 1 << index
+        self._forget_static_forwards(let_go)
+
+    def _closed_static_records(self) -> list:
+        """The closed static forwards still held, oldest first (one record each in every group)."""
+        return [record for record in self.groups[0].static_log if record.closed]
+
+    def _forget_static_forwards(self, run_counts_at: set) -> None:
+        """Drop the records, in every group, of the static forwards whose run counts lie there."""
         for group in self.groups:
-            group.static_log[:] = [record for record in group.static_log if record.run_count_at not in let_go]
+            group.static_log[:] = [record for record in group.static_log
+                                   if record.run_count_at not in run_counts_at]
 
     def _static_forwards_ran(self) -> tuple[set, int, int]:
         """The static forwards (by where their run counts lie) that ran since the previous poll,
