@@ -431,7 +431,8 @@ class Canary:
     place), the ``device``, the real-KV sources (see :mod:`kvcanary_cupy.layouts`) and hash mode, the
     ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32 [rows, ctx]``, the
     token id of every position, referenced in place) turns on expected-token checks in verify.
-    ``mode`` is ``"off"`` (every call returns at once), ``"log"`` (poll logs and returns the report)
+    ``mode`` is ``"off"`` (every call returns at once, but for the first poll after switching it
+    off, which decodes what came before), ``"log"`` (poll logs and returns the report)
     or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
     polls the canary keeps the batches of at most ``max_logged_forwards`` forwards and sweeps, to
     name the requests and steps of their rows; later ones are checked all the same, but that poll's
@@ -477,6 +478,9 @@ class Canary:
             swa_sources = _sources("SwaGroup.real_kv_sources", swa.real_kv_sources, device, swa_slots)
 
         self._mode = mode
+        # The mode the canary had when it was last switched off, until a poll decodes what the
+        # launches made before the switch left (None: no such poll owed).
+        self._owed_poll_mode: Optional[str] = None
         self.device = device
         self._capacities = capacities
         self.pool_slot_count = pool_slot_count
@@ -545,14 +549,20 @@ class Canary:
         """``"off"``, ``"log"`` or ``"raise"``; it may change between calls. Tokens written while it
         is off get no record: once it is on again, each verify that reads them reports them
         (POSITION or CHAIN_HASH, and REAL_KV_HASH when KV is hashed), so switch it back on only
-        when no request or cached prefix holds such tokens, or expect those reports. It governs
-        calls, not CUDA graphs: a graph that captured a static forward runs its kernels at every
-        replay whatever the mode, and one captured while it was off runs none."""
+        when no request or cached prefix holds such tokens, or expect those reports. While it is
+        off, polls return at once, except the first one after the switch: it reports what the
+        launches made before the switch found, and logs or raises as the mode it was switched off
+        from would. It governs calls, not CUDA graphs: a graph that captured a static forward runs
+        its kernels at every replay whatever the mode, and one captured while it was off runs
+        none."""
         return self._mode
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        self._mode = check.choice("mode", mode, MODES)
+        mode = check.choice("mode", mode, MODES)
+        if mode == "off" and self.enabled:
+            self._owed_poll_mode = self._mode
+        self._mode = mode
 
     @property
     def enabled(self) -> bool:
@@ -922,9 +932,13 @@ class Canary:
     def poll(self) -> CanaryReport:
         """Synchronise, decode every group's ring, map violations to requests, clear the rings.
 
-        ``log`` mode logs a non-empty report; ``raise`` mode raises :class:`CanaryViolation`."""
-        if not self.enabled:
+        ``log`` mode logs a non-empty report; ``raise`` mode raises :class:`CanaryViolation`. While
+        the canary is off it returns at once, once the first poll after the switch has decoded
+        (in the mode switched off from) what the launches before it left."""
+        acting_mode = self._mode if self.enabled else self._owed_poll_mode
+        if acting_mode is None:
             return CanaryReport(forwards=self._numbered)
+        self._owed_poll_mode = None
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
         ran, runs, stray = self._static_forwards_ran()
@@ -961,7 +975,7 @@ class Canary:
         self._polled_at, self._sweeps, self._unlogged = self._numbered, 0, 0
         report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
         if report.total or report.capacity_overflows:
-            if self.mode == "raise" and report.total:
+            if acting_mode == "raise" and report.total:
                 raise CanaryViolation(report)
             self.logger.warning("%s", report.describe())
         return report
@@ -1004,8 +1018,8 @@ class Canary:
         """When a static forward is built or closed: keep at most ``max_logged_forwards`` closed
         ones (each holds its arrays) for the next poll, as the log keeps forwards, letting go of
         the oldest. Polls let go of them all, but not while the canary is off (they return at
-        once), nor when they are rare: an engine that rebuilds its forwards meanwhile would pile
-        them up. A forward let go of keeps its run count cell, so the next poll still counts its runs
+        once, bar the first), nor when they are rare: an engine that rebuilds its forwards
+        meanwhile would pile them up. A forward let go of keeps its run count cell, so the next poll still counts its runs
         as forwards; its logged runs keep their steps and names (the log holds their batches), but
         a row only its unlogged runs explain (a graph's replays) names no request (said once a
         poll)."""

@@ -631,6 +631,39 @@ def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_bat
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_the_first_poll_after_switching_off_reports_the_forwards_before_it(device, mode, caplog):
+    """Switched off with forwards not yet polled, the canary owes them one poll: the first poll
+    while it is off reports their rows, named and numbered from their batches, and logs or raises
+    as the mode it was switched off from (an engine that never switches it on again still hears of
+    them); later polls while off return at once."""
+    eng = Tiny(device, mode=mode)
+    eng.step({"a": 4})
+    eng.step({"b": 4})
+    assert not eng.canary.poll()
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    eng.canary.mode = "off"
+    eng.lens["a"] += 1
+    eng.step({"b": 1})
+    expected = [("head", 3, "a", 1), ("tail", 3, "a", 1)]
+    with caplog.at_level(logging.WARNING):
+        if mode == "raise":
+            with pytest.raises(kc.CanaryViolation) as info:
+                eng.canary.poll()
+            report = info.value.report
+        else:
+            report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == expected
+    assert report.forwards == 3
+    assert ("REAL_KV_HASH" in caplog.text) == (mode == "log")
+    later = eng.canary.poll()
+    assert not later and later.total == 0 and later.forwards == 3
+    eng.canary.mode = mode
+    assert not eng.canary.poll()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_static_forward_let_go_without_close_is_closed(device):
     """A static forward the engine drops without ``close()`` is closed once collected: the next
     poll still counts and maps its run (a bit flipped in a record of the prefix it read is
@@ -996,14 +1029,16 @@ def test_static_forwards_captured_in_cuda_graphs_match_eager_forwards(framework,
 def test_graph_replays_run_the_canary_while_it_is_off():
     """``mode="off"`` makes the canary's calls return at once, but a graph that captured a static
     forward's ``before()``/``after()`` runs its kernels at every replay: the replays' tokens are
-    fingerprinted as if it were on, and the rows they record are reported at the first poll once it
-    is on again (without steps: that poll covers three forwards)."""
+    fingerprinted as if it were on. The first poll after the switch still decodes (the one replay
+    since the poll before, named and numbered as on the CPU); the rows of the next replay wait for
+    the first poll once it is on again (without steps: that poll covers two forwards)."""
     expected, expected_buffers, _, _ = _graph_run("cpu")
     events, buffers, graphs, canary = _graph_run("cupy", "cupy", off=frozenset({3, 4}))
     assert len(graphs) == 2
-    assert [total for total, _, _ in events] == [0, 0, 0, 0, 0, 6]
+    assert [total for total, _, _ in events] == [0, 0, 0, 2, 0, 4]
+    assert events[3] == expected[3]
     unstepped = lambda keys: sorted((key[:6] + key[7:] for key in keys), key=repr)  # noqa: E731
-    assert unstepped(events[5][2]) == unstepped(sum((keys for _, _, keys in expected[3:]), []))
+    assert unstepped(events[5][2]) == unstepped(sum((keys for _, _, keys in expected[4:]), []))
     assert all(key[6] is None for key in events[5][2])
     for ours, theirs in zip(buffers, expected_buffers):
         assert np.array_equal(ours, theirs)

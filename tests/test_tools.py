@@ -85,8 +85,8 @@ def test_canary_fuzz_on_the_cpu_loads_back_a_tier_prefix_whose_tokens_another_ke
 
 
 def test_canary_fuzz_on_the_cpu_places_rows_logged_before_the_canary_went_off_in_the_poll_after(tmp_path, capsys):
-    """Seed 62560 switches its canary off 12 forwards in, with launches not yet polled; polls
-    while off return at once, so the first poll once it is on again still maps them, and an event
-    naming a forward run before the switch is within that poll's window."""
+    """Seed 62560 switches its canary off 12 forwards in, with launches not yet polled: the first
+    poll after the switch maps them, and an event naming a forward run before the switch is within
+    that poll's window; the later polls while off return at once and move no window."""
     _, rows, _ = run_fuzz(tmp_path, capsys, start=62560, seeds=1, forwards=60)
     assert rows[0]["config"]["pause_at"] and rows[0]["detected"]

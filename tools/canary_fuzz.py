@@ -562,6 +562,7 @@ class FuzzEngine:
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
+        self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
         # forwards and sweeps since the previous poll made while the canaries were on, and the first
         # forward's index: a span of more than max_logged is not all logged
         self.span_calls, self.span_start = 0, 0
@@ -669,7 +670,7 @@ class FuzzEngine:
         if not c.pause_at or self.resumed:
             return
         if self.index == c.pause_at:
-            self.paused = True
+            self.paused = self.poll_owed = True
             for watch in self.watches:
                 watch.canary.mode = "off"
             for request in self.requests:
@@ -1182,7 +1183,10 @@ class FuzzEngine:
 
     def poll(self) -> None:
         fault = self.fault
-        if not self.paused:  # a poll while off returns at once: the canaries' span goes on
+        # a poll while off returns at once, but for the first one after the switch (integration.md §5):
+        # the canaries' span goes on
+        decodes, self.poll_owed = not self.paused or self.poll_owed, False
+        if decodes:
             if self.span_calls > self.c.max_logged and fault is not None and fault.injected_at is not None \
                     and fault.injected_at >= self.span_start:
                 fault.unlogged = True
@@ -1199,7 +1203,7 @@ class FuzzEngine:
                 self.report_errors.append(f"{watch.label}forward {self.index}: {len(report.events)} events + "
                                           f"{report.dropped} dropped != total {report.total}, or a group's events "
                                           f"{dict(per_group)} past the ring's {self.c.ring_capacity}")
-            self.check_steps(watch, report)
+            self.check_steps(watch, report, decodes)
             watch.overflows_seen += report.capacity_overflows
             self.found += report.total
             if self.fault is not None and self.fault.injected_at is not None:
@@ -1209,13 +1213,13 @@ class FuzzEngine:
                 self.first_found = self.index
                 self.examples = [watch.label + event.describe() for event in report.events[:3]]
 
-    def check_steps(self, watch: Watch, report: kc.CanaryReport) -> None:
+    def check_steps(self, watch: Watch, report: kc.CanaryReport, decodes: bool) -> None:
         """Every event's step, where told, is a forward run since the previous poll (a sweep's, the
         forward before it, which may be the last one that poll saw): so, polled after each forward,
         that forward's number (`CanaryEvent.step`). A poll while the canary is off returns at once and
-        maps nothing: the launches logged before it was switched off wait for the first poll once it
-        is on again (integration.md §5), so the window runs from the previous poll made while on."""
-        if not watch.canary.enabled:
+        maps nothing, but for the first one after the switch (integration.md §5), so the window runs
+        from the previous poll that ``decodes``."""
+        if not decodes:
             return
         now, since = watch.ledger.forwards, watch.polled_forwards
         watch.polled_forwards = now
