@@ -1019,10 +1019,10 @@ class Canary:
         ones (each holds its arrays) for the next poll, as the log keeps forwards, letting go of
         the oldest. Polls let go of them all, but not while the canary is off (they return at
         once, bar the first), nor when they are rare: an engine that rebuilds its forwards
-        meanwhile would pile them up. A forward let go of keeps its run count cell, so the next poll still counts its runs
-        as forwards; its logged runs keep their steps and names (the log holds their batches), but
-        a row only its unlogged runs explain (a graph's replays) names no request (said once a
-        poll)."""
+        meanwhile would pile them up. A forward let go of keeps its run count cell, so the next
+        poll still counts its runs as forwards; its logged runs keep their steps and names (the log
+        holds their batches), but a row only its unlogged runs explain (a graph's replays) names no
+        request (said once a poll)."""
         closed = self._closed_static_records()
         excess = len(closed) - self._max_logged_forwards
         if excess <= 0:

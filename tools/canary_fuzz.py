@@ -563,8 +563,9 @@ class FuzzEngine:
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
         self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
-        # forwards and sweeps since the previous poll made while the canaries were on, and the first
-        # forward's index: a span of more than max_logged is not all logged
+        # forwards and sweeps since the previous poll that decoded (made while the canaries were on,
+        # or the first after they were switched off), and the first forward's index: a span of more
+        # than max_logged is not all logged
         self.span_calls, self.span_start = 0, 0
 
     def build_canary(self) -> kc.Canary:
@@ -1183,8 +1184,8 @@ class FuzzEngine:
 
     def poll(self) -> None:
         fault = self.fault
-        # a poll while off returns at once, but for the first one after the switch (integration.md §5):
-        # the canaries' span goes on
+        # a poll while off returns at once, but for the first one after the switch (integration.md §5),
+        # and the canaries' span goes on
         decodes, self.poll_owed = not self.paused or self.poll_owed, False
         if decodes:
             if self.span_calls > self.c.max_logged and fault is not None and fault.injected_at is not None \
