@@ -75,7 +75,6 @@ def test_canary_fuzz_on_the_cpu_switches_the_canary_off_and_on_again(tmp_path, c
         assert row["injected"] and row["detected"] and row["fault_at"] >= work["resumed_at"]
 
 
-
 def test_canary_fuzz_on_the_cpu_loads_back_a_tier_prefix_whose_tokens_another_kept_prefix_shares(tmp_path, capsys):
     """Seed 12369 keeps two prefixes with the same tokens in the host tier and loads one back: the
     fuzz takes that very one out of the tier, not one equal to it (a comparison of their arrays
