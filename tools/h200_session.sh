@@ -4,7 +4,8 @@
 # concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
 # tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them in CANARY_PARTS
-# processes).
+# processes). FUZZ_SEED and CANARY_START move the fuzzes to cases no earlier run made (the defaults
+# repeat the usual ones); the summary records both.
 set -uo pipefail
 OUT=${OUT:-out}
 LOGS="$OUT/logs"
@@ -14,12 +15,15 @@ FUZZ_CASES=${FUZZ_CASES:-10000}
 SANITIZE_CASES=${SANITIZE_CASES:-40}
 CANARY_SEEDS=${CANARY_SEEDS:-900}
 CANARY_PARTS=${CANARY_PARTS:-3}
+FUZZ_SEED=${FUZZ_SEED:-1}
+CANARY_START=${CANARY_START:-0}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300}
 stages=${*:-tests fuzz sanitize demo}
 summary="$OUT/summary.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: ${KVCANARY_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+  echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
 } > "$summary" 2>&1
@@ -32,19 +36,19 @@ if has tests; then
 fi
 if has fuzz; then
   for op in verify write plan scatter step records; do
-    timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed 1 --json "$LOGS/fuzz-$op.json" \
+    timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed "$FUZZ_SEED" --json "$LOGS/fuzz-$op.json" \
       > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
   done
   # the write's three forms on every shape, not only on the shapes the host gives each
   for team in thread one two; do
-    timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops write --write-team "$team" --cases $((FUZZ_CASES / 2)) --seed 7 \
+    timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops write --write-team "$team" --cases $((FUZZ_CASES / 2)) --seed $((FUZZ_SEED + 6)) \
       --json "$LOGS/fuzz-write-$team.json" > "$LOGS/fuzz-write-$team.log" 2>&1 & pids+=($!)
   done
 fi
 if has sanitize; then
   for tool in memcheck racecheck initcheck; do
     timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all \
-      python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed 2 \
+      python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
       > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
   done
 fi
@@ -56,7 +60,7 @@ if has canary; then
   # several processes: the fuzz's own work is host-side Python
   for ((part = 0; part < CANARY_PARTS; part++)); do
     timeout "$STAGE_TIMEOUT" python3 tools/canary_fuzz.py --device cuda --seeds $((CANARY_SEEDS / CANARY_PARTS)) \
-      --start $((part * CANARY_SEEDS / CANARY_PARTS)) --forwards 60 --json "$LOGS/canary-fuzz-$part.json" \
+      --start $((CANARY_START + part * CANARY_SEEDS / CANARY_PARTS)) --forwards 60 --json "$LOGS/canary-fuzz-$part.json" \
       > "$LOGS/canary-fuzz-$part.log" 2>&1 & pids+=($!)
   done
 fi
