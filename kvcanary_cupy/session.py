@@ -765,6 +765,7 @@ class Canary:
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         if not self.enabled:
+            self._planned = None  # a forward of its own: an after_forward once on again plans it
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
@@ -844,6 +845,7 @@ class Canary:
         reports); an ``after_forward`` with no ``before_forward`` before it counts a forward of its
         own."""
         if not self.enabled:
+            self._planned = None  # the forward is over, whether or not its before was planned
             return
         check.instance("batch", batch, ForwardBatch)
         _req_ids(batch.req_ids, batch.req_pool_indices)
@@ -1146,6 +1148,7 @@ class StaticForward:
         canary = self._canary
         if not canary.enabled:
             self._before_skipped = True
+            canary._planned = None
             return
         with self._launching(stream) as stream:  # the stream checked before anything changes
             canary._warn_if_unfinished("StaticForward.before")
@@ -1164,6 +1167,7 @@ class StaticForward:
         again (TAIL)."""
         canary = self._canary
         if not canary.enabled:
+            canary._planned = None
             return
         with self._launching(stream) as stream:
             if self._before_skipped and not stream_capturing(stream):

@@ -631,6 +631,49 @@ def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_bat
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("static", [False, True])
+def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, static, caplog):
+    """A forward planned while on whose ``after_forward`` (or ``after()``) came while off is over:
+    the next forward's ``before_forward`` while on warns of nothing, and an ``after_forward`` whose
+    ``before_forward`` came while off, once switched on, is a forward of its own (its events take
+    its own step), not the tail of the forward switched off in the middle."""
+    eng, forward = _decode_of_a(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    if static:
+        forward.before()
+        eng.canary.mode = "off"
+        forward.after()
+    else:
+        eng.canary.before_forward(forward.batch)
+        eng.canary.mode = "off"
+        eng.canary.after_forward(forward.batch)
+    assert not eng.canary.poll() and eng.canary.poll().forwards == 2  # the one owed, then none
+    table = to_numpy(eng.table).copy()
+    table[1, 5] = 61
+    eng.table[...] = to_device(table, device)
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([5]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1005]), positions=i64([5]), out_cache_loc=i64([61]), req_ids=["a"])
+    eng.canary.before_forward(batch)
+    eng.canary.mode = "log"
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0  # during that forward, after its HEAD verify was skipped
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert report.forwards == 3
+    # position 4 was written while off: no record (as the mode's docs say), which its reader and
+    # the chain-position assert of its successor's write report
+    assert {(e.phase, e.step, e.request, e.position) for e in report} == {
+        ("tail", 3, "a", 1), ("tail", 3, "a", 4), ("write", 3, "a", 5)}
+    eng.canary.mode = "off"
+    eng.canary.before_forward(batch)
+    eng.canary.mode = "log"
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.canary.before_forward(batch)
+        eng.canary.after_forward(batch)
+    assert "had no after" not in caplog.text
+    assert eng.canary.poll().forwards == 4
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("mode", ["log", "raise"])
 def test_the_first_poll_after_switching_off_reports_the_forwards_before_it(device, mode, caplog):
     """Switched off with forwards not yet polled, the canary owes them one poll: the first poll
