@@ -1,0 +1,54 @@
+"""The CPU backend's kernels under numba's bounds checking. numba does not check indices unless
+asked, so an unguarded index there would read or write past an array as silently as a CUDA kernel
+would. A child process with ``NUMBA_BOUNDSCHECK=1`` and a cache of its own (so that no build made
+without the checks is loaded) runs the differential fuzz's hostile cases of every op: slots past
+the pool and negative, pool rows past the table, lengths and offsets near int64's ends, corrupted
+records, SWA tables, capacities that overflow. Any index out of range raises IndexError there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+CASES_PER_OP = 40
+
+_CHILD = """
+import sys
+import numba
+import numpy as np
+
+@numba.njit
+def past_the_end(values):
+    return values[values.size]
+
+try:
+    past_the_end(np.zeros(3))
+except IndexError:
+    pass
+else:
+    sys.exit("numba's bounds checking is not on in this process")
+
+import _fuzzcases as cases
+
+for op, make in cases.MAKERS.items():
+    for seed in range({count}):
+        cases.RUNNERS[op](make(np.random.default_rng(seed), 2000), "cpu")
+    print(op, {count}, "cases in bounds", flush=True)
+"""
+
+
+def test_every_op_stays_in_bounds_on_hostile_cases(tmp_path):
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=path,
+               CUDA_VISIBLE_DEVICES="")  # the CPU backend only, even on a GPU machine
+    child = subprocess.run([sys.executable, "-c", _CHILD.format(count=CASES_PER_OP)], env=env,
+                           capture_output=True, text=True, timeout=1800)
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
+    assert child.stdout.count("cases in bounds") == 6, child.stdout
