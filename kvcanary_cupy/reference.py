@@ -1,4 +1,5 @@
-"""A plain-Python model of the four ops, written straight from the specification.
+"""A plain-Python model of the ops (plan, verify, write, scatter and copy_records), written straight
+from the specification.
 
 It is slow on purpose: Python integers, one entry at a time, no NumPy in the loops. It serves as the
 independent second opinion in the tests (the numba backend must agree with it) and as the naive
