@@ -25,7 +25,8 @@ import kvcanary_cupy as kc
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
-parser.add_argument("--steps", type=int, default=16, help="decode steps replayed before the bit flip (default 16)")
+parser.add_argument("--steps", type=int, default=16,
+                    help="decode steps before the bit flip, the first eager and the rest graph replays (default 16)")
 args = parser.parse_args()
 if not torch.cuda.is_available():
     parser.exit(2, "torch_cuda_graph.py needs a CUDA GPU and PyTorch built with CUDA; "
