@@ -4,7 +4,8 @@
 sliding-window pool). An engine calls :meth:`Canary.before_forward` once the batch's slots are known,
 :meth:`Canary.after_forward` once the forward has written its KV, :meth:`Canary.sweep` now and then,
 and :meth:`Canary.poll` whenever it can afford a host synchronisation. Nothing but ``poll`` (and
-``stats``) ever waits for the device.
+``stats``) waits for the device, but for one wait for CuPy's current stream when the canary, a
+static forward or the first sweep's plans are built.
 
 ``poll`` maps each violation back to the request and position it concerns, from a host-side log of
 the launches since the previous poll (references to the batch metadata, nothing copied; at most
