@@ -3,7 +3,9 @@ asked, so an unguarded index there would read or write past an array as silently
 would. A child process with ``NUMBA_BOUNDSCHECK=1`` and a cache of its own (so that no build made
 without the checks is loaded) runs the differential fuzz's hostile cases of every op: slots past
 the pool and negative, pool rows past the table, lengths and offsets near int64's ends, corrupted
-records, SWA tables, capacities that overflow. Any index out of range raises IndexError there."""
+records, SWA tables, capacities that overflow; then seeds of the kc.Canary fuzz (tools/canary_fuzz.py),
+whose engines also reach the session's own CPU kernels (SWA slot translation, run counts). Any
+index out of range raises IndexError there."""
 
 from __future__ import annotations
 
@@ -40,15 +42,23 @@ for op, make in cases.MAKERS.items():
     for seed in range({count}):
         cases.RUNNERS[op](make(np.random.default_rng(seed), 2000), "cpu")
     print(op, {count}, "cases in bounds", flush=True)
+
+import canary_fuzz
+
+status = canary_fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16"])
+print("canary fuzz status", status, flush=True)
+sys.exit(status)
 """
 
 
-def test_every_op_stays_in_bounds_on_hostile_cases(tmp_path):
+def test_every_op_and_the_session_stay_in_bounds_on_hostile_cases(tmp_path):
     tests = Path(__file__).resolve().parent
-    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(tests), str(tests.parent), str(tests.parent / "tools"),
+                            os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=path,
                CUDA_VISIBLE_DEVICES="")  # the CPU backend only, even on a GPU machine
     child = subprocess.run([sys.executable, "-c", _CHILD.format(count=CASES_PER_OP)], env=env,
                            capture_output=True, text=True, timeout=1800)
     assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
     assert child.stdout.count("cases in bounds") == 6, child.stdout
+    assert "canary fuzz status 0" in child.stdout, child.stdout[-2000:]
