@@ -20,6 +20,7 @@ def verify(ctx: CanaryContext, vplan: VerifyPlan, *, tag: int, check_expected_to
     check.instance("ctx", ctx, CanaryContext)
     check.instance("vplan", vplan, VerifyPlan)
     require_intact(ctx, CanaryContext.VERIFY_WRITES)
+    require_intact(vplan, writes=())  # read only, but its capacity bounds the entries checked
     tag = launch_tag(tag)
     check_expected_token = check.boolean("check_expected_token", check_expected_token)
     with launch_scope({"ctx": ctx.device, "vplan": vplan.device}, stream) as (device, resolved):

@@ -21,6 +21,7 @@ def write(ctx: CanaryContext, wplan: WritePlan, *, tag: int, input_ids: Any, pos
     check.instance("ctx", ctx, CanaryContext)
     check.instance("wplan", wplan, WritePlan)
     require_intact(ctx, CanaryContext.WRITE_WRITES)
+    require_intact(wplan, writes=())  # read only, but its capacity bounds the requests written
     batch = WriteBatch(tag=tag, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
                        expected_input_tokens=expected_input_tokens,
                        expected_input_positions=expected_input_positions)
