@@ -142,6 +142,7 @@ class CanaryContext:
         check.scalar_cell("chain_position_assert", self.chain_position_assert, np.int32)
         for name in names:
             check.writable(name, getattr(self, name))
+        check.apart({name: getattr(self, name) for name in names})
 
         hashed = sources if mode != L.HashMode.NONE else ()
         descriptors = np.array([s.descriptor(mode) for s in hashed], dtype=np.int64).reshape(
@@ -315,6 +316,7 @@ class VerifyPlan:
                          "the plan's capacity, as slot_indices")
         check.scalar_cell("VerifyPlan.num_valid", self.num_valid, np.int32)
         check.scalar_cell("VerifyPlan.enable", self.enable, np.int32)
+        check.apart({f"VerifyPlan.{name}": getattr(self, name) for name in names})
         _remember_forms(self)
 
     @classmethod
@@ -353,6 +355,7 @@ class WritePlan:
         check.vector("WritePlan.offsets", self.offsets, np.int64, capacity + 1,
                      "capacity + 1, one more than seed_slot_indices")
         check.scalar_cell("WritePlan.num_valid_reqs", self.num_valid_reqs, np.int32)
+        check.apart({f"WritePlan.{name}": getattr(self, name) for name in names})
         _remember_forms(self)
 
     @classmethod

@@ -92,6 +92,9 @@ def _wplan_arrays(**kw):
     return lambda: kc.WritePlan(**args)
 
 
+# memory two arrays of one bundle would share
+_CELL64, _CELL32, _VEC, _BUF = np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros(8, np.int64), np.zeros((16, 32), np.uint8)
+
 CONSTRUCTION = [
     ("source page_size negative", _source(page_size=-2), ValueError, r"RealKvSource\.page_size must be >= 1, got -2"),
     ("source page_size float", _source(page_size=1.0), TypeError, r"RealKvSource\.page_size must be an int"),
@@ -252,6 +255,18 @@ CONSTRUCTION = [
      r"kc.layouts.from_buffer with page_size=\)$"),
     ("layouts read_bytes", lambda: kc.layouts.per_layer([np.zeros((4, 16), np.uint8)], read_bytes=8), ValueError,
      r"read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=16\], got 8"),
+    ("ctx counters share a cell", _ctx_arrays(slot_run_counter=_CELL64, kernel_run_counter=_CELL64), ValueError,
+     r"slot_run_counter and kernel_run_counter must not share memory \(each is stored into on its own\), got bytes "),
+    ("ctx ring over the canary buffer", _ctx_arrays(canary_buf=_BUF[:12], violation_ring=_BUF[8:].view(np.int64).reshape(4, 8)),
+     ValueError, r"canary_buf and violation_ring must not share memory"),
+    ("ctx write index is the assert flag", _ctx_arrays(violation_write_index=_CELL32, chain_position_assert=_CELL32),
+     ValueError, r"violation_write_index and chain_position_assert must not share memory"),
+    ("vplan num_valid is enable", _vplan_arrays(num_valid=_CELL32, enable=_CELL32), ValueError,
+     r"VerifyPlan\.num_valid and VerifyPlan\.enable must not share memory"),
+    ("vplan fields overlap", _vplan_arrays(expected_tokens=_VEC[0:4], expected_positions=_VEC[3:7]), ValueError,
+     r"VerifyPlan\.expected_tokens and VerifyPlan\.expected_positions must not share memory"),
+    ("wplan offsets over seeds", _wplan_arrays(offsets=_VEC[0:5], seed_slot_indices=_VEC[4:8]), ValueError,
+     r"WritePlan\.offsets and WritePlan\.seed_slot_indices must not share memory"),
     ("session logger", lambda: kc.Canary(pool_slot_count=16, req_to_token=np.zeros((4, 8), np.int32), logger="x",
                                          capacities=kc.Capacities.from_args(
                                              req_to_token_pool_size=4, max_seq_len_per_req=8, pool_slot_count=16,
@@ -266,6 +281,24 @@ def test_construction_rules(name, make, exc, pattern):
     assert type(info.value) is exc
     assert str(info.value).startswith("kv-canary: ")
     assert len(re.findall(pattern, str(info.value))) == 1, str(info.value)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_bundle_arrays_may_be_adjacent_slices_of_one_buffer(device):
+    """Arrays of one context or plan must not share memory, but slices of one buffer that only
+    touch are apart, and the ops store into each of them."""
+    cells = to_device(np.zeros(4, np.int64), device)
+    ints = to_device(np.array([0, 0, 1], np.int32), device)
+    ctx = kc.CanaryContext(canary_buf=to_device(np.zeros((8, 32), np.uint8), device),
+                           violation_ring=to_device(np.zeros((4, 8), np.int64), device),
+                           violation_write_index=ints[0:1], slot_run_counter=cells[0:1], kernel_run_counter=cells[1:2],
+                           chain_position_assert=ints[1:2])
+    plan_words = to_device(np.array([0, 1, -1, 99]), device)
+    wplan = kc.WritePlan(offsets=plan_words[0:2], seed_slot_indices=plan_words[2:3], num_valid_reqs=ints[2:3])
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=i64([7]), positions=i64([0]), out_cache_loc=i64([3]))
+    assert to_numpy(cells).tolist() == [1, 1, 0, 0] and to_numpy(ints).tolist() == [0, 0, 1]
+    assert to_numpy(plan_words).tolist() == [0, 1, -1, 99]
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -7,6 +7,7 @@ from .rules import (  # noqa: F401
     PREFIX,
     adopt_views,
     aligned,
+    apart,
     at_least,
     boolean,
     both_or_neither,

@@ -200,6 +200,19 @@ def rows_apart(name: str, array) -> None:
                          f"{width * array.itemsize} bytes), got row stride {array.strides[0]}")
 
 
+def apart(arrays: Mapping[str, Any]) -> None:
+    """The arrays of one bundle (C-contiguous, so each holds the bytes ``[address, address + nbytes)``)
+    share no byte: an op stores into each on its own, and one cell passed twice (``num_valid`` as
+    ``enable``, one counter as another) would have one value overwrite the other."""
+    spans = [(name, data_pointer(array), data_pointer(array) + int(array.nbytes))
+             for name, array in arrays.items() if array.size]
+    for index, (name, start, end) in enumerate(spans):
+        for other, other_start, other_end in spans[index + 1:]:
+            if start < other_end and other_start < end:
+                raise ValueError(f"{PREFIX}{name} and {other} must not share memory (each is stored into on its "
+                                 f"own), got bytes [0x{start:x}, 0x{end:x}) and [0x{other_start:x}, 0x{other_end:x})")
+
+
 def aligned(name: str, array, alignment: int) -> None:
     address = data_pointer(array)
     if array.size and address % alignment:
