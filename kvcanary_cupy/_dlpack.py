@@ -165,7 +165,10 @@ def native_view(obj: Any, name: str, device: Device | None = None):
     device = device_of(obj, name) if device is None else device
     if not device.is_cuda:
         if isinstance(obj, np.ndarray):
-            return obj
+            # a subclass (a masked array, a matrix, a memmap) as the plain array of its memory, as
+            # DLPack would export it: the backend compiles for plain arrays, and a matrix indexes
+            # as no other array does
+            return obj if type(obj) is np.ndarray else obj.view(np.ndarray)
         try:
             return np.from_dlpack(obj)
         except (BufferError, TypeError, ValueError, RuntimeError):

@@ -161,6 +161,24 @@ def test_numpy_in_place():
     assert ring[0].tolist() == [3, 9, 4, 0, -1, 0, 0, 64]
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # NumPy's word on its matrix class
+def test_numpy_subclasses_in_place(tmp_path):
+    """A masked array, a matrix and a memmap are taken as the plain arrays of their memory (as DLPack
+    exports them): ops run on them and write into them, where the backend would otherwise refuse
+    the subclass's type and a matrix canary would index its slots as no other array does."""
+    buf = np.asmatrix(np.zeros((4, 32), np.uint8))
+    ring = np.memmap(tmp_path / "ring", dtype=np.int64, mode="w+", shape=(2, 8))
+    ctx = kc.CanaryContext(canary_buf=buf, violation_ring=ring, violation_write_index=np.zeros(1, np.int32),
+                           slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64),
+                           chain_position_assert=np.zeros(1, np.int32))
+    masked = lambda values: np.ma.array(np.array(values, np.int64), mask=[False] * len(values))  # noqa: E731
+    kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1), tag=0,
+             input_ids=masked([5, 6]), positions=masked([0, 1]), out_cache_loc=masked([2, 9]))
+    assert np.asarray(buf).view(np.int64)[2, 0] == 5 and ctx.slot_fields(2)["token"] == 5
+    row = ring[0].tolist()  # slot 9, past the canary's 4, recorded in the memmap
+    assert row[:5] == [0, 9, 1, 6, 6] and row[6:] == [1, 64] and int(ctx.violation_write_index[0]) == 1
+
+
 # --- devices ---------------------------------------------------------------------------------------
 
 MIXED = [
