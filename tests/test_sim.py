@@ -162,6 +162,8 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--fault-every", "0"], "argument --fault-every: must be >= 1, got 0"),
     (["--max-running", "x"], "argument --max-running: must be an integer, got 'x'"),
     (["--pool-slots", "10"], "kv-canary: --pool-slots must be >= 528"),
+    # past the canary's int32 capacities: refused before the engine allocates a pool of that size
+    (["--pool-slots", "1000000000"], "kv-canary: pool_slot_count must be <= 715827882, as verify_capacity"),
     (["--faults", ""], "argument --faults: a fault class name is empty in ''"),
     (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
     (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),

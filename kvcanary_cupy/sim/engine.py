@@ -204,10 +204,17 @@ class Engine:
         self.page_size = ps = c.page_size
         self.num_pages = max(2, c.pool_slots // ps)
         self.num_slots = self.num_pages * ps
+        rows = c.max_running + 1
+        # a forward's writes: a prefill chunk beside every row's decode, its drafts included; built
+        # first, so that a pool or batch too large for the canary's int32 capacities is refused
+        # before anything of its size is allocated
+        caps = Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=c.max_len,
+                                    pool_slot_count=self.num_slots,
+                                    max_prefill_tokens=c.chunk_tokens + rows * (1 + c.speculative),
+                                    speculative_num_draft_tokens=c.speculative + 1 if c.speculative else 0)
         self.free_pages = collections.deque(range(1, self.num_pages))  # page 0 holds the padding slot
         self.page_ref = np.zeros(self.num_pages, np.int64)
         self.reserved_pages = 0
-        rows = c.max_running + 1
         self.free_rows = collections.deque(range(1, rows))
         self.table_host = np.zeros((rows, c.max_len), np.int32)
         self.expected_host = np.zeros((rows, c.max_len), np.int32)
@@ -235,11 +242,6 @@ class Engine:
             self.swa_targets = swa_kv.targets
             swa = SwaGroup(window=c.swa_window, lut=self.lut, num_slots=self.num_slots,
                            real_kv_sources=swa_kv.sources)
-        # a forward's writes: a prefill chunk beside every row's decode, its drafts included
-        caps = Capacities.from_args(req_to_token_pool_size=rows, max_seq_len_per_req=c.max_len,
-                                    pool_slot_count=self.num_slots,
-                                    max_prefill_tokens=c.chunk_tokens + rows * (1 + c.speculative),
-                                    speculative_num_draft_tokens=c.speculative + 1 if c.speculative else 0)
         self.canary = Canary(pool_slot_count=self.num_slots, capacities=caps, req_to_token=self.table,
                              device=self.device, real_kv_sources=self.sources, hash_mode=c.hash_mode,
                              ring_capacity=c.ring_capacity, mode=canary_mode, swa=swa,
