@@ -168,6 +168,9 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
     (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),
     (["--json", "/nonexistent-folder/run.json"], "argument --json: no folder '/nonexistent-folder'"),
+    # a trailing separator names a file in a folder of that name: refused before the run, not after it
+    (["--json", "/nonexistent-folder/"], "argument --json: no folder '/nonexistent-folder' to write"),
+    (["--json", "/nonexistent-folder/."], "argument --json: no folder '/nonexistent-folder' to write"),
     (["--chart", "."], "argument --chart: cannot write '.'"),
     (["--host-slots", "-1"], "argument --host-slots: must be >= 0, got -1"),
     (["--offload-prob", "2"], "argument --offload-prob: must be within [0, 1], got 2"),

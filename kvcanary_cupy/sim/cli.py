@@ -67,7 +67,9 @@ def _output_path(text: str) -> str:
     """An argparse type: a file the run can write, checked before it runs rather than after."""
     if not text:
         raise argparse.ArgumentTypeError("must name a file, got ''")
-    folder = os.path.dirname(os.path.abspath(text))
+    # the folder as open() will look for it: "x/" and "x/." name a file in folder x, and "a/../f"
+    # needs folder a (abspath would normalise both away)
+    folder = os.path.dirname(text) or os.curdir
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {text!r} in")
     if os.path.isdir(text) or not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
