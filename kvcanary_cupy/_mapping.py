@@ -90,7 +90,7 @@ class RowMapper:
         for first in range(0, live.shape[0], block):
             owners = live[first:first + block]
             ends = np.minimum(lens[owners], width)
-            starts = _window_starts(ends, group.window)
+            starts = _window_starts(lens[owners], group.window)  # from the length, as the plan counts them
             slots = self._through_lut(group, table[rows[owners]].astype(np.int64))
             columns = np.arange(width)
             hit = (columns >= starts[:, None]) & (columns < ends[:, None]) & np.isin(slots, wanted)

@@ -1115,6 +1115,43 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_swa_window_of_a_length_past_the_table_starts_where_the_plan_starts(device):
+    """A request whose length reaches past its req_to_token row has its SWA window counted from that
+    length, as the plan counts it: its last cells inside the row, the rest unresolved. The positions
+    before the window are not among what that launch checked, so a row another launch recorded
+    there keeps that launch's step."""
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    slots, width, window = 128, 16, 4
+    caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=width, pool_slot_count=slots,
+                                   max_prefill_tokens=width)
+    table = np.zeros((ROWS, width), np.int32)
+    table[1, :] = np.arange(1, width + 1)
+    swa_k = to_device(np.zeros((slots, 2, 8), np.float32), device)
+    canary = kc.Canary(pool_slot_count=slots, capacities=caps, req_to_token=to_device(table, device), device=device,
+                       swa=kc.SwaGroup(window=window, lut=i64(np.arange(slots + 1)), num_slots=slots,
+                                       real_kv_sources=kc.layouts.per_layer([swa_k])), hash_mode=kc.HashMode.ALL)
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([width]),
+                            input_ids=i64(range(100, 100 + width)), positions=i64(range(width)),
+                            out_cache_loc=i64(range(1, width + 1)),
+                            req_ids=["a"])
+    canary.before_forward(batch)
+    canary.after_forward(batch)
+    assert canary.poll().total == 0
+    swa_k[14, 0, 0] += 1.0  # position 13's SWA slot
+    canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([width]), req_ids=["a"]))  # step 1: finds it
+    follow = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([width]), extend_seq_lens=i64([0]),
+                             input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]), req_ids=["a"])
+    canary.before_forward(follow)  # step 2
+    canary.after_forward(follow)
+    # a length past the row's 16 cells: the window is positions 16..19, none of them in the row (not 12..15)
+    canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([20]), req_ids=["a"]))
+    report = canary.poll()
+    swept = [(e.step, e.request, e.position) for e in report if e.group == "swa" and e.phase == "sweep"]
+    assert (1, "a", 13) in swept and (2, "a", 13) not in swept
+    assert sorted(p for _, _, p in swept if p != 13) == [16, 17, 18, 19]  # unresolved, named by position
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_swa_write_rows_map_to_the_slots_of_their_forward(device):
     """``poll`` maps an SWA write row through the slots its forward translated, even after the
     engine's LUT has changed (a freed slot's entry zeroed); on a GPU the forward's launches are the
