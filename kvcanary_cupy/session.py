@@ -42,8 +42,6 @@ __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardB
 MODES = ("off", "log", "raise")
 _LOG = logging.getLogger("kvcanary_cupy")
 _RUN_COUNTS_PER_ARRAY = 64
-# Canary._planned after a static forward's logged before(): a forward is open, planned by no batch
-_STATIC_RUN = object()
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -500,7 +498,7 @@ class Canary:
         self._run_counts: list = []  # the StaticForwards' run counts, _RUN_COUNTS_PER_ARRAY an array
         self._static_forward_count = 0
         self._live_run_counts: list = []  # by count array: how many of its forwards a poll still reads
-        self._planned: Any = None
+        self._planned: Any = None  # whose plans: a before_forward's batch, an eager before()'s StaticForward
         # The launches of at most max_logged_forwards forwards between two polls are logged (each
         # keeps its batch's arrays until the poll, and the poll's mapping walks them all); later
         # ones are only counted.
@@ -1123,7 +1121,6 @@ class StaticForward:
             if translates:
                 self._translate = functools.partial(_run_translate, canary, writes)
         self.closed = False
-        self._before_skipped = False  # its latest before() came while the canary was off
         self._logged_step: Optional[int] = None  # the step of the logged before() of the current run
         self._logged = [(group, [_Launch("head", group.head_tag, 0, batch),
                                  _Launch("write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
@@ -1148,33 +1145,34 @@ class StaticForward:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
         canary = self._canary
         if not canary.enabled:
-            self._before_skipped = True
             canary._planned = None
             return
         with self._launching(stream) as stream:  # the stream checked before anything changes
             canary._warn_if_unfinished("StaticForward.before")
-            self._before_skipped = False
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
                 canary._forward_check(group, group.head_tag, stream)
             self._log(stream, 0, 1, new_forward=True)
-        # the plans are this batch's now: an eager after_forward plans its own, in the same forward
+        # the plans are this batch's now (an eager after_forward plans its own, in the same forward),
         # unless this run is captured (a replay's place among the forwards is told at the poll)
-        canary._planned = None if stream_capturing(stream) else _STATIC_RUN
+        canary._planned = None if stream_capturing(stream) else self
 
     def after(self, *, stream: Any = None) -> None:
         """Fingerprint the batch's new tokens (their KV written by now), then verify the prefix
-        again (TAIL)."""
+        again (TAIL). Run eagerly with no ``before()`` of its own last (none, or one made while the
+        canary was off), it plans the batch first, a forward of its own, as an ``after_forward``
+        with no ``before_forward`` does; a captured one writes with the plans the replay finds, so
+        capture ``before()`` with it."""
         canary = self._canary
         if not canary.enabled:
             canary._planned = None
             return
         with self._launching(stream) as stream:
-            if self._before_skipped and not stream_capturing(stream):
-                # the canary was switched on since: the plans are another forward's, so this batch is
-                # planned here, a forward of its own, as an after_forward with no before_forward is
-                self._before_skipped = False
+            if canary._planned is not self and not stream_capturing(stream):
+                # its before() did not run eagerly last (it came while off, or not at all): the plans
+                # are another forward's, so this batch is planned here, a forward of its own, as an
+                # after_forward with no before_forward is
                 self._count(stream)
                 for plan in self._plans:
                     plan(stream)

@@ -236,14 +236,36 @@ def _decode_after_a_fault(device, **driven) -> tuple[_Engine, _StaticForwards]:
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_an_after_without_its_before_belongs_to_no_forward(device):
-    """A static forward's after() whose before() did not run (or ran with the canary off) is no
-    counted forward: its rows have no step, not the last forward's."""
+def test_an_after_without_its_before_is_a_forward_of_its_own(device):
+    """A static forward's after() run eagerly whose before() did not run (or ran with the canary
+    off) plans its batch itself, a counted forward, as an after_forward with no before_forward:
+    its rows take its own step, not the last forward's."""
     eng, driven = _decode_after_a_fault(device, befores=False)
     eng.forward({"a": 1})
     report = driven.poll()
-    assert report.forwards == 2
-    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", None, "a", 2)]
+    assert report.forwards == 3
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", 3, "a", 2)]
+
+
+def test_an_after_without_its_before_writes_its_own_batch_not_the_last_plans():
+    """After an eager forward of request 1, a static forward of request 2's decode runs only its
+    after(): it fingerprints request 2's token from request 2's own chain, not from the plans the
+    eager forward left (which chained it to request 1's last slot), so the forward that reads it
+    next finds nothing."""
+    canary = _small_canary()
+    prompts = _batch([1, 2], [0, 0], [5, 3], [11, 12, 13, 14, 15, 21, 22, 23], [0, 1, 2, 3, 4, 0, 1, 2],
+                     [1, 2, 3, 4, 5, 9, 10, 11])
+    canary.before_forward(prompts)
+    canary.after_forward(prompts)
+    decode_1 = _batch([1], [5], [1], [16], [5], [6])
+    canary.before_forward(decode_1)
+    canary.after_forward(decode_1)
+    canary.static_forward(_batch([2], [3], [1], [24], [3], [12])).after()
+    decode_2 = _batch([2], [4], [1], [25], [4], [13])
+    canary.before_forward(decode_2)
+    canary.after_forward(decode_2)
+    report = canary.poll()
+    assert report.total == 0 and report.forwards == 4
 
 
 @pytest.mark.parametrize("device", BACKENDS)
