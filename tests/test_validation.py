@@ -613,7 +613,8 @@ def test_arrays_reshaped_in_place_after_building_change_nothing(device):
 def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device):
     """A bundle's own arrays are reachable through its attributes; one reshaped or re-typed there
     (a ring of 4 columns would be written past its last row, a write plan re-typed to twice its
-    capacity past its offsets, a canary buffer of half-width rows past its last slot) is refused by
+    capacity past its offsets, a canary buffer of half-width rows past its last slot, a verify
+    plan's slots re-typed to twice its capacity past its other fields) is refused by
     every op that takes the bundle, before anything is written, and the same op runs once it has
     its form back."""
     ctx = kc.CanaryContext.allocate(8, ring_capacity=2, device=device)
@@ -623,11 +624,16 @@ def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device
                  req_to_token=to_device(np.arange(1, 9, dtype=np.int32).reshape(2, 4), device))
     state = lambda: [a.tobytes() for a in snapshot(*context_arrays(ctx), *plan_arrays(vplan, wplan))]  # noqa: E731
     other, slots = kc.CanaryContext.allocate(8, device=device), to_device(np.array([7]), device)
+    entries = {name: to_device(np.array(values), device) for name, values in
+               (("input_ids", [5, 6]), ("positions", [0, 0]), ("out_cache_loc", [1, 2]))}
     cases = [(ctx, "violation_ring", (4, 4), None, lambda: kc.verify(ctx, vplan, tag=1)),
              (ctx, "canary_buf", (16, 16), None,  # slot 15 of 16-byte rows: past a buffer of 8 slots
               lambda: kc.copy_records(src=other, dst=ctx, src_slots=slots, dst_slots=slots * 2 + 1)),
              (wplan, "seed_slot_indices", None, np.int32, lambda: kc.plan(vplan, wplan, **batch)),
-             (vplan, "expected_positions", (2, 2), None, lambda: kc.plan(vplan, wplan, **batch))]
+             (vplan, "expected_positions", (2, 2), None, lambda: kc.plan(vplan, wplan, **batch)),
+             # slot indices read as twice the plan's capacity: every other field read past its end
+             (vplan, "slot_indices", None, np.int32, lambda: kc.verify(ctx, vplan, tag=1)),
+             (wplan, "offsets", (3, 1), None, lambda: kc.write(ctx, wplan, tag=1, **entries))]
     for owner, field, shape, dtype, call in cases:
         array = getattr(owner, field)
         attribute, changed = ("shape", shape) if shape is not None else ("dtype", dtype)

@@ -476,37 +476,3 @@ def test_padding_slot_entry_is_skipped_whole(device, check_token):
     kc.verify(ctx, plan, tag=TAG, check_expected_token=check_token)
     assert ring_rows(ctx) == []
     assert ctx.counters()["slot_run_counter"] - before["slot_run_counter"] == 3
-
-
-@pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("field,attribute,changed", [("slot_indices", "dtype", np.int32),
-                                                     ("expected_positions", "shape", (2, 2)),
-                                                     ("num_valid", "dtype", np.int16)])
-def test_verify_refuses_a_plan_changed_in_place_through_its_attributes(device, field, attribute, changed):
-    """A verify plan's own arrays re-typed or reshaped through its attributes (slot indices re-typed
-    to twice the plan's capacity would have verify read every other field past its end) are
-    refused before anything is written, and verify runs once the array has its form back."""
-    ctx = kc.CanaryContext.allocate(8, ring_capacity=4, device=device)
-    vplan = kc.VerifyPlan(slot_indices=to_device(np.array([1, 2, 3, 4]), device),
-                          expected_tokens=to_device(np.full(4, -1, np.int64), device),
-                          expected_positions=to_device(np.zeros(4, np.int64), device),
-                          prev_slot_indices=to_device(np.full(4, -1, np.int64), device),
-                          num_valid=to_device(np.array([8], np.int32), device),
-                          enable=to_device(np.array([1], np.int32), device))
-    array = getattr(vplan, field)
-    kept = getattr(array, attribute)
-    try:
-        setattr(array, attribute, changed)
-    except AttributeError:  # CuPy arrays cannot be re-typed in place
-        pytest.skip("this array cannot be re-typed in place")
-    before = [to_numpy(a).copy() for a in (ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter,
-                                           ctx.kernel_run_counter)]
-    with pytest.raises(ValueError, match=rf"^kv-canary: VerifyPlan\.{field} must keep the shape, strides and dtype "
-                                         r"it was validated with .*: changed in place$"):
-        kc.verify(ctx, vplan, tag=TAG)
-    after = [to_numpy(a) for a in (ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter,
-                                   ctx.kernel_run_counter)]
-    assert all(np.array_equal(old, new) for old, new in zip(before, after))
-    setattr(array, attribute, kept)
-    kc.verify(ctx, vplan, tag=TAG)
-    assert ctx.counters()["slot_run_counter"] == 4  # the plan's capacity bounds the entries checked

@@ -756,33 +756,3 @@ def test_context_from_own_arrays_built_while_the_current_stream_is_busy_hashes_o
     kc.write(ctx, plan, tag=TAG, stream=stream, **inputs)
     cupy.cuda.Device().synchronize()
     assert np.array_equal(slot_words(ctx.canary_buf), slot_words(expected.canary_buf))
-
-
-@pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("field,attribute,changed", [("seed_slot_indices", "dtype", np.int32),
-                                                     ("offsets", "shape", (3, 1)),
-                                                     ("num_valid_reqs", "dtype", np.int16)])
-def test_write_refuses_a_plan_changed_in_place_through_its_attributes(device, field, attribute, changed):
-    """A write plan's own arrays re-typed or reshaped through its attributes (seeds re-typed to
-    twice the plan's capacity would have write read its offsets past their end) are refused before
-    anything is written, and write runs once the array has its form back."""
-    ctx = kc.CanaryContext.allocate(8, ring_capacity=4, device=device)
-    wplan = kc.WritePlan.from_host(offsets=[0, 1, 2], seed_slot_indices=[-1, -1], num_valid_reqs=4, device=device)
-    array = getattr(wplan, field)
-    kept = getattr(array, attribute)
-    try:
-        setattr(array, attribute, changed)
-    except AttributeError:  # CuPy arrays cannot be re-typed in place
-        pytest.skip("this array cannot be re-typed in place")
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    entries = dict(input_ids=i64([5, 6]), positions=i64([0, 0]), out_cache_loc=i64([1, 2]))
-    state = lambda: [to_numpy(a).copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,  # noqa: E731
-                                                  ctx.slot_run_counter, ctx.kernel_run_counter)]
-    before = state()
-    with pytest.raises(ValueError, match=rf"^kv-canary: WritePlan\.{field} must keep the shape, strides and dtype "
-                                         r"it was validated with .*: changed in place$"):
-        kc.write(ctx, wplan, tag=TAG, **entries)
-    assert all(np.array_equal(old, new) for old, new in zip(before, state()))
-    setattr(array, attribute, kept)
-    kc.write(ctx, wplan, tag=TAG, **entries)
-    assert ctx.counters()["slot_run_counter"] == 2 and ctx.violations().total == 0
