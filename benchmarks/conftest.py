@@ -91,9 +91,12 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
     verify: per entry 24 B of plan (slot, position, predecessor), the 32-B canary slot and the source
     bytes hashed. write: per token 24 B of input (id, position, slot), the 32-B slot stored and the
     source bytes; 16 B of plan per request. plan: per verify entry 4 B of ``req_to_token`` read and
-    32 B of plan written; 56 B per request. scatter: per token 8 B read and 4 B written. step (and
-    step_ops, the same work as three ops): plan + verify + write. copy_records: per cached slot (a
-    verify entry) its two slot indices, its 32-B record read and 32 B stored.
+    32 B of plan written; 56 B per request. scatter: per token 8 B read and 4 B written. step_ops
+    (three ops): plan + verify + write. step (``kc.CanaryStep``, which derives each verify entry from
+    ``req_to_token`` where it checks it and never stores or reads a verify plan): the same less the
+    plan's 32-B row stored and its 24 B read back per verify entry, so per verify entry 4 B of
+    ``req_to_token``, the 32-B slot and the source bytes. copy_records: per cached slot (a verify
+    entry) its two slot indices, its 32-B record read and 32 B stored.
     """
     src = case.source_read_bytes
     if op == "verify":
@@ -108,7 +111,10 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
         return case.n_verify, case.n_verify * (16 + 32 + 32)
     if op in ("step", "step_ops"):
         parts = [work_of(case, o) for o in ("plan", "verify", "write")]
-        return case.n_verify + case.n_write, sum(p[1] for p in parts)
+        nbytes = sum(p[1] for p in parts)
+        if op == "step":  # no plan row stored (32 B) nor read back (24 B)
+            nbytes -= case.n_verify * (32 + 24)
+        return case.n_verify + case.n_write, nbytes
     raise ValueError(op)
 
 
