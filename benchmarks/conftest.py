@@ -119,9 +119,13 @@ def work_of(case: S.Case, op: str) -> tuple[int, int]:
 
 
 def _verify_sectors(case: S.Case) -> int:
-    """Random 32-byte sectors a verify entry reads: its canary slot and one a source hashed (the
-    predecessor's slot is, nearly always, the entry before it, read beside it)."""
-    return 1 + (case.sources.count if case.hash_mode != S.kc.HashMode.NONE else 0)
+    """Random 32-byte sectors a verify entry reads: its canary slot and, for each source hashed, the
+    sectors its read spans (the cases' source rows are 16 bytes or a multiple of 32, so a read of n
+    bytes spans ceil(n / 32) of them: two for a 64-byte read). The predecessor's slot is, nearly
+    always, the entry before it, read beside it."""
+    if case.hash_mode == S.kc.HashMode.NONE:
+        return 1
+    return 1 + case.sources.count * max(1, -(-case.sources.read_length(case.hash_mode) // 32))
 
 
 # --- session fixtures -----------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
     if readers and ceilings:
         lines.append("")
         lines.append("**Random reads.** The random 32-byte sectors that a verify or step row's verify entries "
-                     "read (each its slot, and a sector a source hashed) a second, against the bare kernels:")
+                     "read (each its slot, and the sectors each source hashed spans) a second, against the bare kernels:")
         lines.append("")
         lines.append("| case | op | sectors an entry | G sectors/s | % random read | % random gather |")
         lines.append("|---|---|---|---|---|---|")
