@@ -79,7 +79,10 @@ def test_copy_records_through_host(benchmark, harness, direction, count):
             cupy.asnumpy(staged)
     else:
         def ours() -> None:
+            # the store is only queued on the GPU's stream (cupy.asarray stages the records through
+            # pinned memory without waiting): wait for it, as the naive version and the bare transfer do
             kc.copy_records(src=host, dst=gpu, src_slots=host_slots, dst_slots=gpu_slots)
+            cupy.cuda.get_current_stream().synchronize()
 
         def naive() -> None:
             rows = cupy.asarray(host.canary_buf.view(np.int64)[host_slots])
