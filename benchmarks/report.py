@@ -91,11 +91,13 @@ def _met(row: dict) -> str:
 
 
 def cross_targets(rows: list[dict]) -> list[dict]:
-    """Targets spanning two rows: ALL-hash write against its no-hash twin."""
+    """Targets spanning two rows: ALL-hash write against its no-hash twin, where the hashed row does
+    not carry that check itself (the suite's rows do: counted there, once)."""
     writes = {r["case"]: r for r in rows if r["op"] == "write" and r.get("mode") == "eager"}
     out = []
     for hashed, plain in ALL_HASH_TWINS.items():
-        if hashed in writes and plain in writes:
+        carried = any(t["name"].startswith("ALL-hash write") for t in writes.get(hashed, {}).get("targets") or [])
+        if hashed in writes and plain in writes and not carried:
             ratio = writes[hashed]["time_us"] / writes[plain]["time_us"]
             out.append(dict(name=f"write {hashed} / {plain}", achieved=ratio, target="<= 1.2", met=ratio <= 1.2))
     return out
@@ -114,7 +116,10 @@ def index(paths: list) -> str:
     lines = ["# Benchmark runs on H200 cards", "",
              "Made by `python benchmarks/report.py --index benchmarks/results` from the JSON of each run in",
              "this folder (older ones gzipped); each run's table is the `.md` of the same name. H200 cards",
-             "differ (random reads 37 to 41 G/s): compare a run with the ceilings measured in it.", "",
+             "differ (random reads 37 to 41 G/s): compare a run with the ceilings measured in it. Each target",
+             "check counts once; the prose written beside the runs up to 2026-12-02 counted each ALL-hash",
+             "write check twice (on its row and again across rows): 168 checks for 165, and each of those",
+             "three as two met or two missed.", "",
              "| run | commit | taken (UTC) | rows | copy GB/s | random reads G/s | random gather G/s | "
              "empty kernel µs | targets met |",
              "|---|---|---|---|---|---|---|---|---|"]

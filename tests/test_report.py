@@ -24,7 +24,7 @@ def test_table_counts_the_targets_of_the_committed_run():
     report = _report()
     ceilings, rows, data = report.load(str(RESULTS))
     text = report.markdown(ceilings, rows, data)
-    assert "**Targets:** 160 of 168 met" in text
+    assert "**Targets:** 157 of 165 met" in text
     assert "| verify_16m plan | x faster than peer plan | 1.74 | >= 2 | **no** |" in text
 
 
