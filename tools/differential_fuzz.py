@@ -3,8 +3,10 @@
     python tools/differential_fuzz.py --cases 10000 --json out.json
 
 Each op gets ``--cases`` random cases (sizes from 1 entry to ``--max-entries``, a few percent of
-them large). Outputs are compared byte for byte; violation rows as a multiset. Exit status 1 on any
-mismatch. ``--device cpu`` runs the oracle against itself (a smoke test of the generator).
+them large). Outputs are compared byte for byte; violation rows as a multiset. A case whose ring
+overflows (it keeps the rows recorded first) runs again with a ring that keeps every row, compared
+too. Exit status 1 on any mismatch. ``--device cpu`` runs the oracle against itself (a smoke test
+of the generator).
 ``--write-team thread|one|two`` forces the CUDA write's form for every batch: kvc_write_decode (a
 thread a request, or with real-KV sources a group of lanes a request), or kvc_write with one or two
 warps a request (by default the host picks from the batch's shape and sources: decode-shaped cases
@@ -19,6 +21,7 @@ import json
 import pathlib
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -55,12 +58,20 @@ def main(argv=None) -> int:
             cap = args.max_entries if i % args.large_every == args.large_every - 1 else args.small_entries
             case = F.MAKERS[op](rng, cap)
             oracle = F.RUNNERS[op](case, "cpu")
+            whole = None
             if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
-                case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
+                # The ring keeps only the rows recorded first (on a GPU, mostly the first blocks'):
+                # the case runs again with a ring that keeps every row, and those are compared too.
+                whole = F.with_ring(case, oracle["write_index"])
+                whole_oracle = F.RUNNERS[op](whole, "cpu")
+                case["_full_rows"] = Counter(map(tuple, whole_oracle["ring"].tolist()))
             other = F.RUNNERS[op](case, args.device)
             size = _size(op, case)
             largest, entries = max(largest, size), entries + size
             problems = F.compare(op, case, oracle, other)
+            if whole is not None:
+                problems += [f"{problem} (every row kept)" for problem in
+                             F.compare(op, whole, whole_oracle, F.RUNNERS[op](whole, args.device))]
             if problems:
                 mismatches += 1
                 if len(examples) < 5:
