@@ -224,7 +224,7 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     # Now and then (in large cases, half the time) more requests than the write kernels' grids have
     # blocks: requests share a block's warps, and a warp (or pair of warps) chains several.
     if rng.random() < (0.5 if max_entries >= LARGE_CASE else 0.1):
-        num_requests = int(rng.choice([40, 300, 1500, 4000]))
+        num_requests = int(rng.choice([40, 300, 1500, 6000]))
     num_slots = max(4, int(entries * rng.uniform(1.2, 3.0)) + 8) + num_requests
     pool = make_pool(rng, num_slots)
     # Seeds come from a prefix written earlier; new entries never write a seed slot, and no slot is
