@@ -5,7 +5,8 @@ kernel gives the host a head start (so the events measure device time, not Pytho
 write of a buffer larger than L2 evicts the previous repetition's data (the canary runs beside a model
 forward that streams gigabytes of KV through L2, so its data is cold). Inputs are also rotated among
 several copies of the batch that live at different slots. Warm-up repetitions run first; the statistic
-reported is the median. Small launches are timed a second way, as CUDA-graph replays. Host-side costs
+reported is the median. The canary step (``step``, ``step_ops``) is timed a second way, as CUDA-graph
+replays. Host-side costs
 are measured separately: the Python call overhead per launch (no synchronisation) and the
 back-to-back wall time per call (throughput of a loop of calls), each the median of several loops.
 

@@ -248,6 +248,12 @@ class Harness:
             reps = T.reps_for(estimate, budget_s=min(2.0, 4 * self.budget), lo=2, hi=30)
             nt = self.timer.eager(naive, copies, warmup=0, reps=reps)
             info.update(naive_us=nt.median_s * 1e6, naive_reps=reps, x_naive=nt.median_s / seconds)
+            # Wall against wall too: the device basis above hides our host time (Python, checks,
+            # launch) under the lead spin, while the naive version's reads back to the host put
+            # much of its own in the bracket. An eager caller pays the larger of host and device.
+            naive_wall = self.timer.wall_per_call(naive, copies, reps, loops=1)
+            ours_wall = max(seconds, info.get("wall_us_per_call", 0.0) * 1e-6)
+            info.update(naive_wall_us=naive_wall * 1e6, x_naive_wall=naive_wall / ours_wall)
         self.results[(case.name, op + ("_graph" if graph else ""))] = seconds
         self._targets(state, op, graph, info)
         violations = state.violations()
@@ -324,7 +330,9 @@ class Harness:
             info.update(peer_us=case.peer_plan_us, x_peer=case.peer_plan_us / us)
             add("x faster than peer plan", case.peer_plan_us / us, ">= 2", case.peer_plan_us / us >= 2)
         if gpu and "x_naive" in info:
-            add("x faster than naive", info["x_naive"], ">= 5", info["x_naive"] >= 5)
+            # both ways of timing it: device time, and wall time of back-to-back eager calls
+            slower = min(info["x_naive"], info["x_naive_wall"])
+            add("x faster than naive (device and wall)", slower, ">= 5", slower >= 5)
         if not gpu and op == "verify" and info["entries"] >= 65536:
             add("cpu verify entries/s", info["entries_per_s"], ">= 2e7", info["entries_per_s"] >= 2e7)
         info["targets"] = targets

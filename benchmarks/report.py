@@ -79,6 +79,12 @@ def _si(value: Optional[float]) -> str:
     return f"{value:.0f}"
 
 
+def _naive_ratios(row: dict) -> str:
+    """× naive: on device time, and (runs that timed it) on back-to-back wall time, ``device / wall``."""
+    device = _num(row.get("x_naive"), "{:.1f}")
+    return device if row.get("x_naive_wall") is None else f"{device} / {row['x_naive_wall']:.1f}"
+
+
 def _met(row: dict) -> str:
     targets = row.get("targets") or []
     if not targets:
@@ -181,7 +187,7 @@ def markdown(ceilings: Optional[dict], rows: list[dict], data: dict) -> str:
             r["case"], r.get("shape", ""), op, _num(r["time_us"]),
             _num(r.get("graph_wall_us") if r.get("mode") == "graph" else r.get("wall_us_per_call"), "{:.1f}"), _si(r.get("entries_per_s")) if r.get("entries") else "–",
             _num(r.get("gbps"), "{:.1f}"), _num(r.get("pct_copy_ceiling"), "{:.1f}"),
-            _num(r.get("x_naive"), "{:.1f}"), _num(r.get("x_peer"), "{:.2f}"), _met(r),
+            _naive_ratios(r), _num(r.get("x_peer"), "{:.2f}"), _met(r),
         ]) + " |")
     readers = [r for r in _order(rows) if r.get("pct_random_read") is not None and r.get("mode") != "graph"]
     if readers and ceilings:
