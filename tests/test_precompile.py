@@ -38,6 +38,29 @@ def test_cpu_compiles_take_the_cache_directory_lock(tmp_path, monkeypatch):
     assert hashing._COMPILE_LOCK.depth == 0 and hashing._COMPILE_LOCK.handle is None
 
 
+def test_cpu_backend_without_a_writable_cache_directory_compiles_with_a_warning(tmp_path, monkeypatch):
+    """A read-only install with no writable user cache directory (and no NUMBA_CACHE_DIR): numba
+    finds nowhere to store its cache, so the functions are compiled in each process instead, and
+    the backend says so once rather than failing at import."""
+    from kvcanary_cupy.ops.backends._cpu import hashing
+
+    def no_locator(py_func):
+        raise RuntimeError(f"cannot cache function {py_func.__name__!r}: no locator available for file 'x.py'")
+
+    monkeypatch.setattr(hashing, "_SourcesKeyedCache", no_locator)
+    monkeypatch.setattr(hashing, "_NO_CACHE_WARNED", False)
+    (tmp_path / "kvc_no_cache_probe.py").write_text(
+        "from kvcanary_cupy.ops.backends._cpu.hashing import JIT, njit\n\n"
+        "@njit(**JIT)\ndef inner(x):\n    return x * 2\n\n"
+        "@njit(**JIT)\ndef outer(x):\n    return inner(x) + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="NUMBA_CACHE_DIR") as caught:
+        import kvc_no_cache_probe as probe
+    assert len(caught) == 1
+    assert probe.outer(3) == 7
+    assert not (tmp_path / "__pycache__").exists() or not any((tmp_path / "__pycache__").glob("*.nbi"))
+
+
 def test_cpu_ops_compile_nothing_more_after_it():
     """On the CPU it compiles each numba op for the source counts asked for (serial and parallel
     builds), so that an op of a context with that many sources compiles nothing at its first call."""

@@ -12,6 +12,7 @@ import os
 import pathlib
 import threading
 import types
+import warnings
 
 import numba
 import numpy as np
@@ -120,16 +121,45 @@ def _compile_one_process_at_a_time(dispatcher) -> None:
     dispatcher.compile = compile
 
 
+_NO_CACHE_WARNED = False
+
+
+def _warn_no_cache_directory(error: RuntimeError) -> None:
+    """Say once per process that the CPU backend compiles without numba's on-disk cache."""
+    global _NO_CACHE_WARNED
+    if _NO_CACHE_WARNED:
+        return
+    _NO_CACHE_WARNED = True
+    warnings.warn(
+        "kvcanary_cupy: numba has no writable cache directory for the CPU backend's kernels (neither "
+        "the installed package's __pycache__ nor numba's user cache directory); they are compiled "
+        "again in every process. Set NUMBA_CACHE_DIR to a writable directory to keep them. "
+        f"(numba: {error})", RuntimeWarning, stacklevel=3)
+
+
 def njit(**flags):
     """``numba.njit(**flags)``, with its cache (when ``cache=True``) keyed by :data:`SOURCES_DIGEST`
-    and filled by one process at a time (:class:`_CompileLock`)."""
+    and filled by one process at a time (:class:`_CompileLock`). Where numba finds no directory it
+    can store its cache in (a read-only install with no writable user cache directory and no
+    ``NUMBA_CACHE_DIR``), the functions are compiled in each process instead, with a warning."""
     def build(fn):
         if not flags.get("cache") or FunctionCache is None:
-            return numba.njit(**flags)(fn)
+            try:
+                return numba.njit(**flags)(fn)
+            except RuntimeError as error:  # numba: "cannot cache function ...: no locator available"
+                if not flags.get("cache"):
+                    raise
+                _warn_no_cache_directory(error)
+                return numba.njit(**dict(flags, cache=False))(fn)
         # numba's own cache is not set up (it would probe its cache directory only to be replaced)
         dispatcher = numba.njit(**dict(flags, cache=False))(fn)
         if hasattr(dispatcher, "enable_caching"):  # a Dispatcher (not the plain function NUMBA_DISABLE_JIT gives)
-            dispatcher._cache = _SourcesKeyedCache(dispatcher.py_func)
+            try:
+                cache = _SourcesKeyedCache(dispatcher.py_func)
+            except RuntimeError as error:  # numba: "cannot cache function ...: no locator available"
+                _warn_no_cache_directory(error)
+                return dispatcher
+            dispatcher._cache = cache
             _compile_one_process_at_a_time(dispatcher)
         return dispatcher
     return build
