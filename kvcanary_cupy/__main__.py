@@ -43,8 +43,21 @@ def _info(_: argparse.Namespace) -> int:
     cupy = cupy_module()
     count = cuda_device_count()
     if cupy is None:
-        print("  cuda backend: unavailable (CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x, "
-              "this package's cuda12 or cuda13 extra)")
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("cupy") is None:
+            print("  cuda backend: unavailable (CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x, "
+                  "this package's cuda12 or cuda13 extra)")
+        else:
+            print("  cuda backend: unavailable (CuPy is installed but fails to import: python -c 'import cupy' "
+                  "tells why)")
+    elif count == 0:
+        try:
+            cupy.cuda.runtime.getDeviceCount()
+            why = "no CUDA device is visible"
+        except Exception as error:  # noqa: BLE001 - no driver, no device: CuPy's own words
+            why = str(error).strip() or type(error).__name__
+        print(f"  cuda backend: CuPy {cupy.__version__}, 0 devices ({why}); arrays run on the CPU backend")
     else:
         print(f"  cuda backend: CuPy {cupy.__version__}, {count} device(s)")
     print("  devices     : cpu" + "".join(f", cuda:{i}" for i in range(count)))

@@ -286,3 +286,32 @@ def test_without_numba_the_cpu_backend_says_so():
     message = "kv-canary: arrays on the CPU run on the numba backend, and numba is not installed: pip install numba"
     assert done.stdout.startswith(message) and done.stderr.strip() == message
     assert "cpu backend : unavailable (numba is not installed" in done.stdout and done.stdout.strip().endswith("2 0")
+
+
+def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
+    """CuPy installed on a machine without a driver or device (its getDeviceCount raises): the
+    package imports and runs on the CPU, ``info`` tells why no CUDA device is listed, and a demo
+    asked for ``cuda`` is refused in one line rather than with CuPy's traceback."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "cupy"
+    (fake / "cuda").mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '13.6.0'\nfrom . import cuda\nclass ndarray:\n    pass\n")
+    (fake / "cuda" / "__init__.py").write_text("from . import runtime\n")
+    (fake / "cuda" / "runtime.py").write_text(
+        "class CUDARuntimeError(RuntimeError):\n    pass\n"
+        "def getDeviceCount(*args):\n"
+        "    raise CUDARuntimeError('cudaErrorNoDevice: no CUDA-capable device is detected')\n"
+        "getDevice = getDeviceProperties = getDeviceCount\n")
+    code = ("from kvcanary_cupy.__main__ import main\n"
+            "print(main(['info']))\n"
+            "print(main(['demo', '--device', 'cuda', '--steps', '2', '--no-progress']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert "cuda backend: CuPy 13.6.0, 0 devices (cudaErrorNoDevice: no CUDA-capable device is detected)" \
+        in done.stdout
+    assert "devices     : cpu\n" in done.stdout and done.stdout.strip().endswith("0\n2")
+    assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
