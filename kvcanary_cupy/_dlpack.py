@@ -458,6 +458,18 @@ def filled(shape, dtype, device: Device, fill: int = 0):
     return np.full(shape, fill, dtype=dtype)
 
 
+def assign(array, value: int, device: Device) -> None:
+    """``array[...] = value`` for an array on ``device``, queued on CuPy's current stream of that
+    device (the one :func:`settle` waits for). CuPy queues a fill on the current device's stream
+    whatever device the array lives on, so on a GPU that device is made current for it."""
+    if device.is_cuda:
+        cupy = require_cupy("device")
+        with cupy.cuda.Device(device.index):
+            array[...] = value
+    else:
+        array[...] = value
+
+
 def settle(device: Device) -> None:
     """Waits for what is queued on CuPy's current stream of ``device`` (nothing to do on the CPU).
     Called once where arrays a canary keeps are allocated or uploaded (a context's source table

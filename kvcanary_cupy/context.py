@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, filled, from_host, parse_device, require_cupy, settle, to_host
+from ._dlpack import CPU, Device, assign, filled, from_host, parse_device, require_cupy, settle, to_host
 from .sources import RealKvSource, source_list
 
 
@@ -237,8 +237,8 @@ class CanaryContext:
         """Empty the ring (rows and write index); counters are kept. Done when this returns, for an
         op launched next on any stream."""
         require_intact(self, ("violation_ring", "violation_write_index"))
-        self.violation_ring[...] = 0
-        self.violation_write_index[...] = 0
+        assign(self.violation_ring, 0, self.device)
+        assign(self.violation_write_index, 0, self.device)
         settle(self.device)
 
     def set_chain_position_assert(self, enabled: bool) -> None:
@@ -246,7 +246,7 @@ class CanaryContext:
         returns, for an op launched next on any stream."""
         flag = 1 if check.boolean("enabled", enabled) else 0
         require_intact(self, ("chain_position_assert",))
-        self.chain_position_assert[...] = flag
+        assign(self.chain_position_assert, flag, self.device)
         settle(self.device)
 
     def slot_fields(self, slot: int) -> dict[str, int]:

@@ -27,8 +27,8 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import (Device, cupy_module, device_of, filled, launch_geometry, native_view, order_after_torch,
-                      own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
+from ._dlpack import (Device, assign, cupy_module, device_of, filled, launch_geometry, native_view,
+                      order_after_torch, own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, tag_name
@@ -957,7 +957,7 @@ class Canary:
             group_overflows = int(to_host(group.overflows)[0])
             if group_overflows:
                 overflows += group_overflows
-                group.overflows[...] = 0
+                assign(group.overflows, 0, group.device)
                 settle(group.device)
             if raw.total:
                 # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
@@ -1058,7 +1058,7 @@ class Canary:
         self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
         counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed next
         for index in live:
-            self._run_counts[index][...] = 0
+            assign(self._run_counts[index], 0, self.device)
         settle(self.device)
         ran, runs = set(), 0
         for group in self.groups:

@@ -225,6 +225,31 @@ def test_streams_resolve_on_the_arrays_device():
     assert canary.context.counters()["slot_run_counter"] == 3
 
 
+def test_host_side_fills_run_on_the_arrays_device():
+    """clear_violations, set_chain_position_assert and a poll's zeroing fill cells of a canary on
+    cuda:1 with device 0 current: each is done when it returns, however busy device 0 is (CuPy
+    queues a fill on the current device's stream unless the arrays' device is made current)."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    from _devices import spin_kernel
+
+    with cupy.cuda.Device(1):
+        ctx = kc.CanaryContext.allocate(64, device="cuda:1")
+        ctx.violation_write_index[...] = 3
+        ctx.violation_ring[...] = 7
+        cupy.cuda.Device(1).synchronize()
+    with cupy.cuda.Device(0):
+        spin = spin_kernel()
+        spin((1,), (1,), (cupy.uint64(300_000_000),))  # device 0's current stream busy for 0.3 s
+        ctx.clear_violations()
+        ctx.set_chain_position_assert(True)
+        assert ctx.counters()["violations"] == 0  # waits for device 1 only
+        with cupy.cuda.Device(1):
+            assert int(ctx.violation_ring.sum()) == 0
+            assert int(ctx.chain_position_assert[0]) == 1
+        cupy.cuda.Device(0).synchronize()
+
+
 def _dlpack_write_roundtrip(make, read):
     """Ops on arrays from another framework write into that framework's memory."""
     rng = np.random.default_rng(5)
