@@ -133,7 +133,7 @@ class RowMapper:
         """The slot's record as the canary holds it now, read once a poll."""
         key = ("fields", group.name, slot)
         if key not in self._cache:
-            self._cache[key] = group.ctx.slot_fields(slot)
+            self._cache[key] = group.ctx._slot_fields(slot)  # the poll has waited for the device
         return self._cache[key]
 
     def cell_slot(self, group, row: int, position: int) -> int:

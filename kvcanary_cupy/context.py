@@ -250,13 +250,24 @@ class CanaryContext:
         settle(self.device)
 
     def slot_fields(self, slot: int) -> dict[str, int]:
-        """The four stored fields of one slot, read on the host."""
-        slot = check.integer("slot", slot)
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"{check.PREFIX}slot must be in [0, {self.num_slots}), got {slot}")
+        """The four stored fields of one slot, read on the host once the work queued on every stream
+        of the context's device is done (as :meth:`violations` waits)."""
+        slot = self._slot_in_range(slot)
+        self._wait_for_device()
+        return self._slot_fields(slot)
+
+    def _slot_fields(self, slot: int) -> dict[str, int]:
+        """:meth:`slot_fields` without the wait, for a caller that has waited for the device (a poll)."""
+        slot = self._slot_in_range(slot)
         words = to_host(self.canary_buf[slot, :L.MIN_SLOT_STRIDE_BYTES]).view(np.int64)
         return {"token": int(words[L.FIELD_TOKEN]), "position": int(words[L.FIELD_POSITION]),
                 "prev_hash": int(words[L.FIELD_PREV_HASH]), "real_kv_hash": int(words[L.FIELD_REAL_KV_HASH])}
+
+    def _slot_in_range(self, slot: Any) -> int:
+        slot = check.integer("slot", slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"{check.PREFIX}slot must be in [0, {self.num_slots}), got {slot}")
+        return slot
 
 
 def _form(array: Any) -> tuple:

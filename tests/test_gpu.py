@@ -250,6 +250,20 @@ def test_host_side_fills_run_on_the_arrays_device():
         cupy.cuda.Device(0).synchronize()
 
 
+def test_slot_fields_waits_for_every_stream():
+    """slot_fields reads a slot once a write on a busy non-blocking stream is done."""
+    from _devices import spin_kernel
+
+    ctx = kc.CanaryContext.allocate(64, device="cuda")
+    wplan = kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=1, device="cuda")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        spin_kernel()((1,), (1,), (cupy.uint64(300_000_000),))
+    kc.write(ctx, wplan, tag=0, input_ids=cupy.asarray([41]), positions=cupy.asarray([0]),
+             out_cache_loc=cupy.asarray([5]), stream=stream)
+    assert ctx.slot_fields(5)["token"] == 41
+
+
 def _dlpack_write_roundtrip(make, read):
     """Ops on arrays from another framework write into that framework's memory."""
     rng = np.random.default_rng(5)
