@@ -191,6 +191,20 @@ def test_every_source_is_loaded_and_ops_compile_nothing_more():
     assert len(_loader._modules) == modules
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
+def test_each_device_loads_the_modules():
+    """Devices of one architecture share the compiled modules, and each loads them itself."""
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    for device in range(count):
+        kc.compile_kernels(device=f"cuda:{device}")
+        assert {key[0] for key, on in _loader._loaded if on == device} == set(_loader.SPECS)
+
+
 def test_cpu_cache_follows_what_a_cached_op_calls_and_freezes(tmp_path):
     """numba checks a cached function against its own file alone. The CPU backend keys its cache by
     all of its sources and the layout constants too, so that a change to the hash's constants in

@@ -146,10 +146,15 @@ def compile_specs() -> tuple[CompileSpec, ...]:
 _lock = threading.Lock()  # guards _key_locks
 _key_locks: dict = {}  # a lock a module: one source compiles once, different sources at once
 _modules: dict = {}
+# (module key, device id) of each module loaded on a device: CuPy loads a module on each device
+# apart (its kernels are per device), so devices of one architecture share the compiled module but
+# each loads it itself
+_loaded: set = set()
 
 
 def _module(name: str, device_id: int):
-    """The compiled RawModule of source ``name`` for the device's architecture (cached)."""
+    """The compiled RawModule of source ``name`` for the device's architecture (cached), its kernels
+    loaded on device ``device_id``."""
     import cupy
 
     arch = cupy.cuda.Device(device_id).compute_capability
@@ -158,20 +163,22 @@ def _module(name: str, device_id: int):
     options = nvrtc_options() + spec.defines()
     key = (name, code, options, arch)
     module = _modules.get(key)
-    if module is None:
+    if module is None or (key, device_id) not in _loaded:
         with _lock:
             key_lock = _key_locks.setdefault(key, threading.Lock())
         with key_lock:
             module = _modules.get(key)
-            if module is None:
+            if module is None or (key, device_id) not in _loaded:
                 with cupy.cuda.Device(device_id):
-                    kwargs = {"code": code, "options": options}
-                    if spec.name_expressions:
-                        kwargs["name_expressions"] = spec.name_expressions
-                    module = cupy.RawModule(**kwargs)
+                    if module is None:
+                        kwargs = {"code": code, "options": options}
+                        if spec.name_expressions:
+                            kwargs["name_expressions"] = spec.name_expressions
+                        module = cupy.RawModule(**kwargs)
                     for kernel in spec.kernels:
                         module.get_function(kernel)  # compile and load now, not at first launch
                 _modules[key] = module
+                _loaded.add((key, device_id))
     return module
 
 
