@@ -162,13 +162,12 @@ def _module(name: str, device_id: int):
     code = _read(spec.filename)
     options = nvrtc_options() + spec.defines()
     key = (name, code, options, arch)
-    module = _modules.get(key)
-    if module is None or (key, device_id) not in _loaded:
+    if (key, device_id) not in _loaded:  # a module is cached only once some device has loaded it
         with _lock:
             key_lock = _key_locks.setdefault(key, threading.Lock())
         with key_lock:
             module = _modules.get(key)
-            if module is None or (key, device_id) not in _loaded:
+            if (key, device_id) not in _loaded:
                 with cupy.cuda.Device(device_id):
                     if module is None:
                         kwargs = {"code": code, "options": options}
@@ -179,7 +178,7 @@ def _module(name: str, device_id: int):
                         module.get_function(kernel)  # compile and load now, not at first launch
                 _modules[key] = module
                 _loaded.add((key, device_id))
-    return module
+    return _modules[key]
 
 
 def load_all(device_id: int) -> None:
