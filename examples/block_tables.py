@@ -2,8 +2,9 @@
 
 Each request owns a row of a block table (block ids of its KV, ``block_size`` tokens a block) and
 the engine computes each new token's slot as ``block * block_size + offset``. The canary reads a
-per-position slot table, so the engine mirrors each block it hands a request into that table: one
-slice assignment per block, when the block is given, not per forward. The KV cache is one tensor a
+per-position slot table, so the engine mirrors each block it hands a request into that table
+(``kc.block_tables.mirror``), when the block is given, not per forward, and describes each forward
+by cumulative token offsets and total lengths, int32 (``kc.ForwardBatch.from_offsets``). The KV cache is one tensor a
 layer with K and V stacked, ``[2, blocks, block_size, heads, head_dim]``. A prefix cache shares
 whole blocks between requests. Then an allocator bug frees a block that request "a" still uses and
 hands it to a new request: the next forward that reads a's prefix reports it.
@@ -43,8 +44,8 @@ def give_blocks(row: int, new_blocks: list) -> None:
     """The engine appends ``new_blocks`` to a request's block table; the canary's table follows."""
     first = int(np.count_nonzero(block_table[row]))
     block_table[row, first:first + len(new_blocks)] = new_blocks
-    slots = (np.asarray(new_blocks)[:, None] * block_size + np.arange(block_size)).ravel()
-    req_to_token[row + 1, first * block_size:(first + len(new_blocks)) * block_size] = xp.asarray(slots, dtype=xp.int32)
+    kc.block_tables.mirror(req_to_token, block_table=xp.asarray(block_table[row:row + 1, first:first + len(new_blocks)]),
+                           block_size=block_size, rows=[row + 1], first_block=first)
 
 
 canary = kc.Canary(
@@ -86,11 +87,12 @@ def forward(new_tokens: dict) -> None:
         ids.append(np.asarray(request["tokens"][start:start + count]))
         slots.append(row_blocks[pos // block_size].astype(np.int64) * block_size + pos % block_size)
     put = lambda parts: xp.asarray(np.concatenate(parts).astype(np.int64))  # noqa: E731
-    batch = kc.ForwardBatch(
-        req_pool_indices=xp.asarray([requests[n]["row"] + 1 for n in names], dtype=xp.int64),
-        prefix_lens=xp.asarray([requests[n]["cached"] for n in names], dtype=xp.int64),  # computed tokens
-        extend_seq_lens=xp.asarray([new_tokens[n] for n in names], dtype=xp.int64),    # scheduled tokens
-        input_ids=put(ids), positions=put(positions), out_cache_loc=put(slots),        # the slot mapping
+    counts = [new_tokens[n] for n in names]
+    batch = kc.ForwardBatch.from_offsets(
+        req_pool_indices=xp.asarray([requests[n]["row"] + 1 for n in names], dtype=xp.int32),
+        query_start_loc=xp.asarray(np.cumsum([0] + counts), dtype=xp.int32),  # request r's tokens [qsl[r], qsl[r + 1])
+        seq_lens=xp.asarray([requests[n]["cached"] + new_tokens[n] for n in names], dtype=xp.int32),  # cached + new
+        input_ids=put(ids), positions=put(positions), out_cache_loc=put(slots),  # the slot mapping
         req_ids=names)
     canary.before_forward(batch)
     slot = put(slots)  # the "model": new K and V bytes for each computed token

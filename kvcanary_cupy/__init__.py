@@ -12,7 +12,7 @@ from .context import CanaryContext, Violation, ViolationReport, VerifyPlan, Writ
 from .ops import CanaryStep, copy_records, plan, scatter_req_token_ids, verify, write
 from .sources import RealKvSource
 from .precompile import compile_kernels
-from . import layouts
+from . import block_tables, layouts
 from .session import (Canary, CanaryEvent, CanaryReport, CanaryViolation, ForwardBatch, LiveRequests,
                       StaticForward, SwaGroup)
 
@@ -29,6 +29,7 @@ __all__ = [
     "LiveRequests",
     "StaticForward",
     "SwaGroup",
+    "block_tables",
     "layouts",
     "CanaryContext",
     "FailReason",

@@ -30,6 +30,7 @@ from . import validate as check
 from ._dlpack import (Device, assign, cupy_module, device_of, filled, launch_geometry, native_view,
                       order_after_torch, own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
+from .block_tables import forward_batch
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, tag_name
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
@@ -69,6 +70,9 @@ class ForwardBatch:
     expected_input_positions: Optional[Any] = None
     expected_valid_lens: Optional[Any] = None
     swa_out_cache_loc: Optional[Any] = None
+
+    # a batch from cumulative token offsets and total lengths, int32 or int64 (vLLM-style metadata)
+    from_offsets = staticmethod(forward_batch)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .rules import (  # noqa: F401
     one_device,
     member,
     positive,
+    request_rows,
     positive_multiple,
     row_bytes,
     rows_apart,

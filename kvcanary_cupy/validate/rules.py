@@ -112,13 +112,16 @@ def boolean(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def dtype(name: str, array, expected: np.dtype) -> None:
+def dtype(name: str, array, expected) -> None:
+    """``array``'s dtype is ``expected`` (a dtype, or a tuple of the dtypes allowed)."""
+    allowed = tuple(np.dtype(each) for each in (expected if isinstance(expected, tuple) else (expected,)))
     got = np.dtype(array.dtype)
     foreign = byte_view_dtype(array)  # a bfloat16 tensor is viewed as bytes: it is no uint8 array
-    if got != np.dtype(expected) or foreign is not None:
+    if got not in allowed or foreign is not None:
         # A byte-swapped int64 is named int64 too: show its byte order.
         shown = got.name if got.isnative else f"{got.name} in non-native byte order ({got.str!r})"
-        raise TypeError(f"{PREFIX}{name} must have dtype {np.dtype(expected).name}, got {foreign or shown}")
+        raise TypeError(f"{PREFIX}{name} must have dtype {' or '.join(each.name for each in allowed)}, "
+                        f"got {foreign or shown}")
 
 
 def shape_text(array) -> str:
@@ -260,6 +263,20 @@ def table(name: str, array, dtype_: np.dtype) -> None:
     elements_aligned(name, array)
     if array.shape[0] > 1 and array.strides[0] % array.itemsize:
         raise ValueError(f"{PREFIX}{name} row stride must be a whole number of elements, got {array.strides[0]} bytes")
+
+
+def request_rows(name: str, rows: np.ndarray, table_rows: int) -> None:
+    """Host row numbers of a table of ``table_rows`` rows that requests own: row 0 is the padding
+    row (a block-table row ``r`` is canary row ``r + 1``), and no row is given twice."""
+    bad = np.flatnonzero((rows < 1) | (rows >= table_rows))
+    if bad.size:
+        index = int(bad[0])
+        raise ValueError(f"{PREFIX}{name} must be request rows in [1, {table_rows}) (row 0 is the padding row: "
+                         f"block-table row r is canary row r + 1), got {name}[{index}] = {int(rows[index])}")
+    unique, counts = np.unique(rows, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{PREFIX}{name} must not name a row twice, got row {int(unique[counts > 1][0])} "
+                         f"{int(counts[counts > 1][0])} times")
 
 
 def one_device(devices: Mapping[str, Device]) -> Device:

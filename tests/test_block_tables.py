@@ -1,0 +1,271 @@
+"""kc.block_tables: a block table mirrored into the canary's slot table, and ForwardBatch from
+cumulative offsets, on both backends; a vLLM-style engine whose batch rows move between forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from _devices import BACKENDS, requires_gpu, to_device, to_numpy
+
+
+def _expected_rows(table: np.ndarray, block_size: int, rows, first_block: int, target: np.ndarray) -> np.ndarray:
+    """The slot table after the mirror, cell by cell."""
+    want = target.copy()
+    for index, row in enumerate(rows):
+        for column, block in enumerate(table[index]):
+            for offset in range(block_size):
+                want[row, (first_block + column) * block_size + offset] = int(block) * block_size + offset
+    return want
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64])
+def test_mirror_writes_each_blocks_slots_into_its_canary_row(device, table_dtype):
+    rng = np.random.default_rng(11)
+    block_size, blocks = 16, 9
+    start = rng.integers(-9, 2**20, size=(12, 40 * block_size), dtype=np.int32)  # never all zeros
+    table = rng.integers(0, 4096, size=(7, 30), dtype=table_dtype)
+    for rows, first_block, columns in [(None, 0, slice(None)), ([5, 2, 11, 1, 3, 8, 4], 7, slice(3, 3 + blocks))]:
+        target = to_device(start, device)
+        part = table[:, columns]
+        kc.block_tables.mirror(target, block_table=to_device(part, device), block_size=block_size, rows=rows,
+                               first_block=first_block)
+        given_rows = range(1, 8) if rows is None else rows
+        assert (to_numpy(target) == _expected_rows(part, block_size, given_rows, first_block, start)).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_reads_a_strided_window_of_the_engines_table(device):
+    rng = np.random.default_rng(12)
+    engine_table = to_device(rng.integers(1, 500, size=(6, 20), dtype=np.int32), device)
+    target = to_device(np.zeros((8, 64), np.int32), device)
+    window = engine_table[1:5, 2:6]  # rows 1-4 of the engine's table, blocks 2-5: not contiguous
+    kc.block_tables.mirror(target, block_table=window, block_size=4, rows=np.array([2, 3, 4, 5]), first_block=2)
+    want = _expected_rows(to_numpy(window), 4, [2, 3, 4, 5], 2, np.zeros((8, 64), np.int32))
+    assert (to_numpy(target) == want).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("bad, words", [
+    (dict(rows=[0, 1, 2]), "rows must be request rows in [1, 6) (row 0 is the padding row"),
+    (dict(rows=[1, 6, 2]), "got rows[1] = 6"),
+    (dict(rows=[2, 2, 3]), "rows must not name a row twice, got row 2 2 times"),
+    (dict(rows=[1, 2]), "rows must have length 3"),
+    (dict(rows=np.array([1.0, 2.0, 3.0])), "rows must hold integers"),
+    (dict(first_block=4), "req_to_token must be at least (first_block + blocks) * block_size = (4 + 2) * 4 = 24 wide"),
+    (dict(first_block=-1), "first_block must be non-negative"),
+    (dict(block_size=0), "block_size must be positive"),
+    (dict(block_size=2.0), "block_size must be an int"),
+    (dict(block_table="table"), "block_table"),
+    (dict(float_table=True), "block_table must have dtype int32 or int64, got float32"),
+    (dict(flat_table=True), "block_table must be 2-D"),
+    (dict(wide_target=True), "req_to_token must have dtype int32, got int64"),
+])
+def test_mirror_refuses_bad_arguments_and_changes_nothing(device, bad, words):
+    rng = np.random.default_rng(13)
+    start = rng.integers(1, 100, size=(6, 20), dtype=np.int32)
+    target = to_device(start.astype(np.int64) if bad.pop("wide_target", False) else start, device)
+    table = rng.integers(1, 50, size=(3, 2), dtype=np.int32)
+    if bad.pop("float_table", False):
+        table = table.astype(np.float32)
+    if bad.pop("flat_table", False):
+        table = table.ravel()
+    arguments = dict(block_table=to_device(table, device), block_size=4)
+    arguments.update(bad)
+    with pytest.raises((TypeError, ValueError)) as caught:
+        kc.block_tables.mirror(target, **arguments)
+    assert str(caught.value).startswith("kv-canary: ") and words in str(caught.value)
+    assert (to_numpy(target).astype(np.int32) == start).all()
+
+
+@requires_gpu
+def test_mirror_refuses_arrays_on_two_devices():
+    target = np.zeros((4, 8), np.int32)
+    with pytest.raises(ValueError, match="kv-canary: all arrays of one call must be on one device"):
+        kc.block_tables.mirror(target, block_table=to_device(np.ones((2, 2), np.int32), "cuda"), block_size=4)
+    assert not target.any()
+
+
+def _offsets_inputs(rng, dtype=np.int32):
+    counts = np.array([3, 1, 0, 5, 1])
+    cached = np.array([0, 17, 9, 4, 120])
+    tokens = int(counts.sum())
+    return dict(query_start_loc=np.concatenate([[0], np.cumsum(counts)]).astype(dtype),
+                seq_lens=(cached + counts).astype(dtype),
+                input_ids=rng.integers(1, 32000, size=tokens + 3).astype(dtype),  # a padded tail of 3
+                positions=rng.integers(0, 200, size=tokens + 3).astype(np.int64),
+                out_cache_loc=rng.integers(1, 4000, size=tokens + 3).astype(np.int64)), counts, cached
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_from_offsets_derives_the_lengths_and_widens_to_int64(device, dtype):
+    rng = np.random.default_rng(14)
+    inputs, counts, cached = _offsets_inputs(rng, dtype)
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    batch = kc.ForwardBatch.from_offsets(**given, req_ids=list("abcde"))
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+    assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
+    assert to_numpy(batch.req_pool_indices).tolist() == [1, 2, 3, 4, 5]
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        field = getattr(batch, name)
+        assert field.dtype == np.int64 and (to_numpy(field) == inputs[name]).all()
+    assert batch.req_ids == list("abcde")
+    # int64 arrays are the batch's own, not copies: the engine's later refills show, as for any batch
+    assert kc._dlpack.data_pointer(batch.out_cache_loc) == kc._dlpack.data_pointer(given["out_cache_loc"])
+    rows = to_device(np.array([4, 9, 2, 7, 3], dtype), device)
+    expected = to_device(inputs["input_ids"].astype(np.int64), device)
+    batch = kc.block_tables.forward_batch(**given, req_pool_indices=rows, expected_input_tokens=expected,
+                                          expected_input_positions=given["positions"])
+    assert to_numpy(batch.req_pool_indices).tolist() == [4, 9, 2, 7, 3]
+    assert batch.expected_input_tokens is expected
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("change, words, values", [
+    (dict(query_start_loc=np.array([0, 3, 4, 4, 9], np.int32)), "query_start_loc must have length 6", False),
+    (dict(query_start_loc=np.array([1, 4, 5, 5, 10, 11], np.int32)), "query_start_loc must start at 0", True),
+    (dict(query_start_loc=np.array([0, 4, 3, 3, 9, 10], np.int32)), "never decrease", True),
+    (dict(query_start_loc=np.array([0, 3, 4, 4, 9, 14], np.int32)), "end within the 13 tokens", True),
+    (dict(seq_lens=np.array([3, 18, 9, 4, 121], np.int32)), "seq_lens must be at least each request's new", True),
+    (dict(seq_lens=np.array([3.0, 18, 9, 9, 121])), "seq_lens must have dtype int32 or int64, got float64", False),
+    (dict(input_ids=np.ones((2, 7), np.int32)), "input_ids must be 1-D", False),
+    (dict(req_pool_indices=np.array([1, 2, 3], np.int64)), "req_pool_indices must have length 5", False),
+    (dict(flip=np.zeros(3)), "forward_batch takes ForwardBatch's optional fields", False),
+    (dict(prefix_lens=np.zeros(5, np.int64)), "got 'prefix_lens'", False),
+])
+def test_from_offsets_refuses_bad_arguments(device, change, words, values):
+    """Shapes, dtypes and keywords on both backends; values only where they are on the host (a GPU's
+    would cost a wait: they surface at the next poll)."""
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(15))
+    inputs.update(change)
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    if values and device != "cpu":
+        kc.ForwardBatch.from_offsets(**given)
+        return
+    with pytest.raises((TypeError, ValueError)) as caught:
+        kc.ForwardBatch.from_offsets(**given)
+    assert str(caught.value).startswith("kv-canary: ") and words in str(caught.value)
+
+
+# --- an engine with a persistent batch: block-table rows are batch rows, and they move ----------------
+class _PersistentBatchEngine:
+    """Requests in batch rows ``0 .. n-1`` of an int32 block table; a finished request's row is
+    filled by the last one (the table's rows move, as a condensing engine's do), and each forward is
+    described by int32 ``query_start_loc`` and ``seq_lens``. ``mirror`` is called for the rows a
+    forward changed; ``freed_early`` returns one block of a live request to the free list."""
+
+    def __init__(self, device: str, seed: int, block_size: int = 4, blocks: int = 96):
+        self.device, self.block_size = device, block_size
+        self.rng = np.random.default_rng(seed)
+        self.table = np.zeros((6, 16), np.int32)
+        self.free = list(range(1, blocks))
+        self.live: list = []  # per batch row: dict(name, tokens, cached, blocks)
+        self.req_to_token = to_device(np.zeros((7, 16 * block_size), np.int32), device)
+        self.canary = kc.Canary(pool_slot_count=blocks * block_size, req_to_token=self.req_to_token, device=device,
+                                capacities=kc.Capacities.from_args(req_to_token_pool_size=7,
+                                                                   max_seq_len_per_req=16 * block_size,
+                                                                   pool_slot_count=blocks * block_size,
+                                                                   max_prefill_tokens=64),
+                                chain_position_assert=True)
+        self.names = 0
+
+    def _mirror(self, rows: list) -> None:
+        if rows:
+            window = np.ascontiguousarray(self.table[rows])
+            kc.block_tables.mirror(self.req_to_token, block_table=to_device(window, self.device),
+                                   block_size=self.block_size, rows=[row + 1 for row in rows])
+
+    def admit(self, prompt_tokens: int) -> None:
+        self.names += 1
+        self.live.append(dict(name=f"r{self.names}", tokens=list(self.rng.integers(1, 32000, prompt_tokens)),
+                              cached=0, blocks=[]))
+
+    def finish(self, index: int) -> list:
+        """Frees batch row ``index``; the last row moves into it. The rows that changed."""
+        self.free.extend(self.live[index]["blocks"])
+        last = len(self.live) - 1
+        self.live[index] = self.live[last]
+        self.table[index] = self.table[last]
+        self.table[last] = 0
+        self.live.pop()
+        return [index] if index < last else []
+
+    def forward(self, changed: list, chunk: int = 5) -> None:
+        counts, ids, positions, slots = [], [], [], []
+        for row, request in enumerate(self.live):
+            count = min(chunk, len(request["tokens"]) - request["cached"]) or 1
+            start = request["cached"]
+            while len(request["blocks"]) * self.block_size < start + count:
+                request["blocks"].append(self.free.pop(0))
+                self.table[row, len(request["blocks"]) - 1] = request["blocks"][-1]
+                changed.append(row)
+            pos = np.arange(start, start + count)
+            counts.append(count)
+            ids.append(np.asarray(request["tokens"][start:start + count]))
+            positions.append(pos)
+            slots.append(self.table[row, pos // self.block_size].astype(np.int64) * self.block_size
+                         + pos % self.block_size)
+        self._mirror(sorted(set(changed)))
+        # a padded tail, as a captured graph's batch has: slots of live requests, which must not be written
+        ids.append(self.rng.integers(1, 32000, 3))
+        positions.append(np.arange(3))
+        slots.append(np.array([self.block_size * self.live[0]["blocks"][0] + offset for offset in range(3)]))
+        put = lambda parts, dtype: to_device(np.concatenate(parts).astype(dtype), self.device)  # noqa: E731
+        batch = kc.ForwardBatch.from_offsets(
+            query_start_loc=to_device(np.cumsum([0] + counts).astype(np.int32), self.device),
+            seq_lens=to_device(np.array([r["cached"] + c for r, c in zip(self.live, counts)], np.int32), self.device),
+            input_ids=put(ids, np.int32), positions=put(positions, np.int64), out_cache_loc=put(slots, np.int64),
+            req_ids=[request["name"] for request in self.live])
+        self.canary.before_forward(batch)
+        self.canary.after_forward(batch)
+        for request, count in zip(self.live, counts):
+            request["cached"] += count
+            if request["cached"] >= len(request["tokens"]):
+                request["tokens"].append(int(self.rng.integers(1, 32000)))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_condensing_engine_runs_clean_and_a_block_freed_early_is_named(device):
+    engine = _PersistentBatchEngine(device, seed=16)
+    for tokens in (13, 6, 9, 21):
+        engine.admit(tokens)
+    changed: list = []
+    for forward in range(14):
+        if forward in (4, 9):
+            changed += engine.finish(1)  # the last request moves into row 1
+        if forward in (5, 10):
+            engine.admit(int(engine.rng.integers(3, 20)))
+        engine.forward(changed)
+        changed = []
+    report = engine.canary.poll()
+    assert report.total == 0 and report.forwards == 14
+
+    # A block of a live request goes back on the free list and a new request's prompt takes it.
+    victim = engine.live[0]
+    engine.admit(engine.block_size)
+    engine.live[-1]["blocks"] = [victim["blocks"][0]]
+    engine.table[len(engine.live) - 1, 0] = victim["blocks"][0]
+    engine.forward([len(engine.live) - 1])
+    engine.forward([])
+    report = engine.canary.poll()
+    assert report.total > 0 and victim["name"] in report.requests
+    named = {event.request for event in report}
+    assert named <= {victim["name"]}, named
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_torch_tensors_are_mirrored_into_and_batched_in_place(device):
+    torch = pytest.importorskip("torch")
+    where = "cuda" if device == "cuda" else "cpu"
+    rng = np.random.default_rng(17)
+    table = rng.integers(1, 300, size=(3, 5), dtype=np.int32)
+    target = torch.zeros((4, 24), dtype=torch.int32, device=where)
+    kc.block_tables.mirror(target, block_table=torch.from_numpy(table).to(where), block_size=4, first_block=1)
+    assert (target.cpu().numpy() == _expected_rows(table, 4, [1, 2, 3], 1, np.zeros((4, 24), np.int32))).all()
+    inputs, counts, cached = _offsets_inputs(rng)
+    batch = kc.ForwardBatch.from_offsets(**{name: torch.from_numpy(array).to(where) for name, array in inputs.items()})
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+    assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
