@@ -5,11 +5,13 @@ An engine that keeps a block table per request (block ids, ``block_size`` tokens
 slot ``block * block_size + offset``) mirrors the rows it changes into that table with
 :func:`mirror`; one that describes a batch by cumulative token offsets (``query_start_loc``) and
 total lengths (``seq_lens``), often int32, builds its :class:`~kvcanary_cupy.ForwardBatch` with
-:func:`forward_batch` (also ``ForwardBatch.from_offsets``).
+:func:`forward_batch` (also ``ForwardBatch.from_offsets``), or refills a bound one in place with
+:func:`refill`.
 
-Both run on the arrays' own device (NumPy on the host, CuPy on a GPU, other frameworks' arrays
-through DLPack, zero-copy) and queue their work on ``stream`` (CuPy's current stream of that device
-when None), so pass the forward's stream to them and to the canary alike. Neither waits for the
+Each runs on the arrays' own device (NumPy on the host, RawKernels of ``block_tables.cu`` on a GPU:
+one launch each, where array expressions would be several a forward; other frameworks' arrays
+through DLPack, zero-copy) and queues its work on ``stream`` (CuPy's current stream of that device
+when None), so pass the forward's stream to them and to the canary alike. None waits for the
 device, so values that live on a GPU are not checked: a block id past the pool gives slots the
 canary reports as ``OUT_OF_RANGE`` where it reads them, offsets that do not fit the tokens surface
 at the next poll.
@@ -22,17 +24,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import validate as check
-from ._dlpack import cupy_module, device_of, native_view
-from .ops._dispatch import check_stream_form, on_device, resolve_stream
+from ._dlpack import data_pointer, device_of, from_host, native_view
+from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
-__all__ = ["forward_batch", "mirror"]
+__all__ = ["forward_batch", "mirror", "refill"]
 
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _PASSED_THROUGH = ("expected_input_tokens", "expected_input_positions", "expected_valid_lens", "swa_out_cache_loc")
-
-
-def _xp(device):
-    return cupy_module() if device.is_cuda else np
+_REQUEST_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens")  # a ForwardBatch's, [bs] each
+_TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")  # a ForwardBatch's, [n] each
 
 
 def _views(arrays: dict, stream: Any):
@@ -48,22 +48,37 @@ def _views(arrays: dict, stream: Any):
     return device, views, stream
 
 
+def _whole_elements(name: str, view) -> None:
+    """Strides the kernels can step in elements (any sign: a view read backwards is read so)."""
+    if view.size and any(stride % view.itemsize for stride in view.strides):
+        raise ValueError(f"{check.PREFIX}{name} must have strides that are whole elements ({view.itemsize} bytes), "
+                         f"got {tuple(view.strides)}")
+
+
+def _index_array(name: str, view, ndim: int) -> None:
+    check.dtype(name, view, _INDEX_DTYPES)
+    check.ndim(name, view, ndim)
+    _whole_elements(name, view)
+    check.elements_aligned(name, view)
+
+
 def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Optional[Sequence[int]] = None,
            first_block: int = 0, stream: Any = None) -> None:
     """Write the slots of ``block_table``'s rows into ``req_to_token``.
 
     ``block_table``: ``int32`` or ``int64 [n, blocks]``, the block ids of ``n`` requests (or a
-    window of their columns, starting at block ``first_block``). ``req_to_token``: the canary's
-    ``int32`` slot table, each row at least ``(first_block + blocks) * block_size`` wide. Block-table
-    row ``i`` goes to canary row ``rows[i]`` (host integers; ``1 .. n`` by default, row 0 being the
-    padding row): ``req_to_token[rows[i], (first_block + b) * block_size + o] = block_table[i, b] *
-    block_size + o``. Cells past a request's tokens are written too and never read.
+    window of their columns, starting at block ``first_block``; any strides). ``req_to_token``: the
+    canary's ``int32`` slot table, each row at least ``(first_block + blocks) * block_size`` wide.
+    Block-table row ``i`` goes to canary row ``rows[i]`` (host integers; ``1 .. n`` by default, row 0
+    being the padding row): ``req_to_token[rows[i], (first_block + b) * block_size + o] =
+    block_table[i, b] * block_size + o``, the slot's low 32 bits. Cells past a request's tokens are
+    written too and never read.
 
     Call it once the engine's table holds a request's blocks (a new request's, prefix-cache hits
     included; appended blocks, or a row that moved) and before the ``before_forward`` of the forward
-    that reads them. It writes ``n * blocks * block_size`` cells: mirror the rows (and columns)
-    that changed, not the whole table each forward. Eager only: it allocates temporaries, so do not
-    capture it in a CUDA graph.
+    that reads them. It writes ``n * blocks * block_size`` cells in one launch on a GPU (and copies
+    ``rows`` to the device when they are given): mirror the rows (and columns) that changed, not
+    the whole table each forward.
     """
     block_size = check.positive("block_size", block_size)
     first_block = check.non_negative("first_block", first_block)
@@ -71,25 +86,23 @@ def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Option
     target, table = views["req_to_token"], views["block_table"]
     check.table("req_to_token", target, np.int32)
     check.writable("req_to_token", target)
-    check.dtype("block_table", table, _INDEX_DTYPES)
-    check.ndim("block_table", table, 2)
+    _index_array("block_table", table, 2)
     count, blocks = table.shape
-    canary_rows = (np.arange(1, count + 1, dtype=np.int64) if rows is None
-                   else check.host_int64("rows", rows))
-    check.length("rows", canary_rows, count, "one canary row for each block-table row")
-    check.request_rows("rows", canary_rows, target.shape[0])
-    start, stop = first_block * block_size, (first_block + blocks) * block_size
+    canary_rows = None if rows is None else check.host_int64("rows", rows)
+    if canary_rows is not None:
+        check.length("rows", canary_rows, count, "one canary row for each block-table row")
+    check.request_rows("rows", np.arange(1, count + 1) if canary_rows is None else canary_rows, target.shape[0])
+    stop = (first_block + blocks) * block_size
     if stop > target.shape[1]:
         raise ValueError(f"{check.PREFIX}req_to_token must be at least (first_block + blocks) * block_size = "
                          f"({first_block} + {blocks}) * {block_size} = {stop} wide (a cell for each slot of "
                          f"the block table's columns), got width {target.shape[1]}")
     if count == 0 or blocks == 0:
         return
-    xp = _xp(device)
     with on_device(device, stream):
-        offsets = xp.arange(block_size, dtype=np.int64)
-        slots = table.astype(np.int64)[:, :, None] * block_size + offsets
-        target[xp.asarray(canary_rows), start:stop] = slots.reshape(count, stop - start).astype(np.int32)
+        device_rows = None if canary_rows is None else from_host(canary_rows, device)
+        backend_module(device, "block_tables").mirror(target, table, device_rows, block_size, first_block,
+                                                      stream=stream)
 
 
 def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positions: Any, out_cache_loc: Any,
@@ -102,8 +115,9 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     mapping); ``seq_lens``: ``[bs]``, each request's tokens once this forward has written its own
     (cached plus new); ``req_pool_indices``: ``[bs]`` canary rows (``1 .. bs`` when None: batch row
     ``r`` in canary row ``r + 1``, as :func:`mirror` puts block-table row ``r``). Each may be
-    ``int32`` or ``int64``; ``extend_seq_lens`` and ``prefix_lens`` are derived, and every array is
-    given to the batch as ``int64`` (a copy only where it is not already). Tokens past
+    ``int32`` or ``int64``, with any stride; ``extend_seq_lens`` and ``prefix_lens`` are derived, and
+    every array is given to the batch as ``int64`` (contiguous ``int64`` token arrays as they are,
+    others copied: one launch for the lengths and one for each copy). Tokens past
     ``query_start_loc[bs]`` (a padded tail) are not read. ``optional``: the other fields of
     ``ForwardBatch`` (``expected_input_tokens``...), passed through as given.
     """
@@ -113,28 +127,99 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     if unknown:
         raise TypeError(f"{check.PREFIX}forward_batch takes ForwardBatch's optional fields {_PASSED_THROUGH} as "
                         f"keywords besides its own, got {unknown[0]!r}")
-    device, views, stream = _views({"query_start_loc": query_start_loc, "seq_lens": seq_lens,
-                                    "input_ids": input_ids, "positions": positions,
-                                    "out_cache_loc": out_cache_loc, "req_pool_indices": req_pool_indices}, stream)
-    for name, view in views.items():
-        check.dtype(name, view, _INDEX_DTYPES)
-        check.ndim(name, view, 1)
+    device, views, stream = _views(_sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
+                                            req_pool_indices), stream)
+    size = _check_sources(views, device)
+    xp = _xp(device)
+    with on_device(device, stream):
+        fields = {name: xp.empty(size, dtype=np.int64) for name in _REQUEST_FIELDS}
+        for name in _TOKEN_FIELDS:
+            view = views[name]
+            kept = view.dtype == np.int64 and view.flags.c_contiguous
+            fields[name] = view if kept else xp.empty(view.shape[0], dtype=np.int64)
+        _fill(device, views, fields, stream)
+    return ForwardBatch(**fields, req_ids=req_ids, **optional)
+
+
+def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, positions: Any, out_cache_loc: Any,
+           req_pool_indices: Any = None, stream: Any = None) -> None:
+    """:func:`forward_batch` into ``batch``'s own arrays, in place: for a batch bound once (a static
+    forward's, whose arrays a CUDA graph reads) refilled each step. Its three request fields must
+    be ``int64 [bs]``, its token fields ``int64`` and at least as long as the arrays given (a token
+    array that is the batch's own is left as it is); nothing is allocated, so on a GPU it is
+    one launch for the lengths and one for each token array copied, capturable in a CUDA graph
+    when the arrays given share one dtype (``query_start_loc`` and ``seq_lens`` of different
+    dtypes cost a temporary)."""
+    from .session import ForwardBatch
+
+    check.instance("batch", batch, ForwardBatch)
+    given = _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices)
+    targets = {f"batch.{name}": getattr(batch, name) for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
+    device, views, stream = _views({**given, **targets}, stream)
+    size = _check_sources(views, device)
+    fields = {name: views.pop(f"batch.{name}") for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
+    for name in _REQUEST_FIELDS:
+        check.vector(f"batch.{name}", fields[name], np.int64, size, "one for each request of seq_lens")
+    for name in _TOKEN_FIELDS:
+        check.vector(f"batch.{name}", fields[name], np.int64)
+        if fields[name].shape[0] < views[name].shape[0]:
+            raise ValueError(f"{check.PREFIX}batch.{name} must be at least as long as the {name} given "
+                             f"({views[name].shape[0]}), got {fields[name].shape[0]}")
+    for name, field in fields.items():
+        check.writable(f"batch.{name}", field)
+    stored = {f"batch.{name}": field for name, field in fields.items()
+              if not (name in _TOKEN_FIELDS and _same_array(views[name], field))}
+    check.apart(stored)
+    check.apart({**{name: view for name, view in views.items() if view.flags.c_contiguous
+                    and not (name == "req_pool_indices" and _same_array(view, fields[name]))},
+                 **{label: field for label, field in stored.items() if label != "batch.req_pool_indices"}})
+    with on_device(device, stream):
+        _fill(device, views, fields, stream)
+
+
+def _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices) -> dict:
+    return {"query_start_loc": query_start_loc, "seq_lens": seq_lens, "input_ids": input_ids,
+            "positions": positions, "out_cache_loc": out_cache_loc, "req_pool_indices": req_pool_indices}
+
+
+def _check_sources(views: dict, device) -> int:
+    """The given arrays' rules; the batch's size."""
+    for name in _sources(*[None] * 6):
+        if name in views:
+            _index_array(name, views[name], 1)
     size = views["seq_lens"].shape[0]
     check.length("query_start_loc", views["query_start_loc"], size + 1, "one more than seq_lens has requests")
-    if req_pool_indices is not None:
+    if "req_pool_indices" in views:
         check.length("req_pool_indices", views["req_pool_indices"], size, "one canary row for each request")
     if not device.is_cuda:
         _host_offsets(views)
-    xp = _xp(device)
-    with on_device(device, stream):
-        wide = {name: xp.ascontiguousarray(view.astype(np.int64, copy=False)) for name, view in views.items()}
-        starts = wide.pop("query_start_loc")
-        extend = starts[1:] - starts[:-1]
-        rows = wide.pop("req_pool_indices", None)
-        if rows is None:
-            rows = xp.arange(1, size + 1, dtype=np.int64)
-        return ForwardBatch(req_pool_indices=rows, prefix_lens=wide.pop("seq_lens") - extend, extend_seq_lens=extend,
-                            req_ids=req_ids, **wide, **optional)
+    return size
+
+
+def _same_array(view, field) -> bool:
+    """``view`` is ``field`` itself: the same int64 elements at the same address."""
+    return (view.dtype == np.int64 and view.flags.c_contiguous and view.shape[0] <= field.shape[0]
+            and data_pointer(view) == data_pointer(field))
+
+
+def _fill(device, views: dict, fields: dict, stream) -> None:
+    """The batch's fields from the given arrays (their rules checked), on the current device and stream."""
+    backend = backend_module(device, "block_tables")
+    starts, lens = views["query_start_loc"], views["seq_lens"]
+    if starts.dtype != lens.dtype:  # the kernel takes both of one type
+        starts, lens = (view.astype(np.int64) for view in (starts, lens))
+    backend.lengths(starts, lens, views.get("req_pool_indices"), fields["req_pool_indices"], fields["prefix_lens"],
+                    fields["extend_seq_lens"], stream=stream)
+    for name in _TOKEN_FIELDS:
+        if views[name].size and not _same_array(views[name], fields[name]):
+            backend.widen(views[name], fields[name], stream=stream)
+
+
+def _xp(device):
+    if device.is_cuda:
+        from ._dlpack import cupy_module
+        return cupy_module()
+    return np
 
 
 def _host_offsets(views: dict) -> None:

@@ -3,6 +3,8 @@ cumulative offsets, on both backends; a vLLM-style engine whose batch rows move 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -269,3 +271,141 @@ def test_torch_tensors_are_mirrored_into_and_batched_in_place(device):
     batch = kc.ForwardBatch.from_offsets(**{name: torch.from_numpy(array).to(where) for name, array in inputs.items()})
     assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
     assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
+
+
+# --- refill: a bound batch's arrays, in place --------------------------------------------------------
+def _bound_batch(device, bs: int, tokens: int):
+    """A batch of int64 arrays an engine binds once (filled with junk, never zeros)."""
+    junk = lambda size: to_device(np.full(size, -77, np.int64), device)  # noqa: E731
+    return kc.ForwardBatch(req_pool_indices=junk(bs), prefix_lens=junk(bs), extend_seq_lens=junk(bs),
+                           input_ids=junk(tokens), positions=junk(tokens), out_cache_loc=junk(tokens))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_fills_a_bound_batch_in_place(device):
+    rng = np.random.default_rng(18)
+    inputs, counts, cached = _offsets_inputs(rng)
+    batch = _bound_batch(device, 5, 20)
+    addresses = {name: kc._dlpack.data_pointer(getattr(batch, name)) for name in ("prefix_lens", "input_ids")}
+    rows = to_device(np.array([3, 1, 4, 6, 2], np.int32), device)
+    kc.block_tables.refill(batch, **{name: to_device(array, device) for name, array in inputs.items()},
+                           req_pool_indices=rows)
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+    assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
+    assert to_numpy(batch.req_pool_indices).tolist() == [3, 1, 4, 6, 2]
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        held = to_numpy(getattr(batch, name))
+        assert (held[:13] == inputs[name]).all() and (held[13:] == -77).all()  # the rest as it was
+    assert {name: kc._dlpack.data_pointer(getattr(batch, name)) for name in addresses} == addresses
+    # the batch's own arrays given back to it (an engine that fills them itself) stay as they are
+    ids = to_numpy(batch.input_ids).copy()
+    kc.block_tables.refill(batch, query_start_loc=to_device(inputs["query_start_loc"], device),
+                           seq_lens=to_device(inputs["seq_lens"], device), input_ids=batch.input_ids,
+                           positions=batch.positions, out_cache_loc=batch.out_cache_loc,
+                           req_pool_indices=batch.req_pool_indices)
+    assert (to_numpy(batch.input_ids) == ids).all()
+    assert to_numpy(batch.req_pool_indices).tolist() == [3, 1, 4, 6, 2]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_offsets_of_mixed_dtypes_and_strides_give_the_same_batch(device):
+    rng = np.random.default_rng(19)
+    inputs, counts, cached = _offsets_inputs(rng)
+    spread = np.zeros(2 * 6, np.int64)
+    spread[::2] = inputs["query_start_loc"]  # every other element: a strided view
+    given = dict(inputs, query_start_loc=to_device(spread, device)[::2],
+                 seq_lens=to_device(inputs["seq_lens"].astype(np.int64), device),
+                 input_ids=to_device(np.repeat(inputs["input_ids"], 2), device)[::2],
+                 positions=to_device(inputs["positions"].astype(np.int32), device),
+                 out_cache_loc=to_device(inputs["out_cache_loc"], device),
+                 req_pool_indices=to_device(np.array([5, 4, 3, 2, 1], np.int32), device))
+    batch = kc.ForwardBatch.from_offsets(**given)
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+    assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
+    assert to_numpy(batch.req_pool_indices).tolist() == [5, 4, 3, 2, 1]
+    for name in ("input_ids", "positions", "out_cache_loc"):
+        assert (to_numpy(getattr(batch, name)) == inputs[name]).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("spoil, words", [
+    (lambda batch, given: (batch, dict(given, req_pool_indices=batch.prefix_lens)),
+     "req_pool_indices and batch.prefix_lens must not share memory"),
+    (lambda batch, given: (dataclasses.replace(batch, prefix_lens=batch.extend_seq_lens), given),
+     "batch.prefix_lens and batch.extend_seq_lens must not share memory"),
+    (lambda batch, given: (dataclasses.replace(batch, input_ids=batch.input_ids[:12]), given),
+     "batch.input_ids must be at least as long as the input_ids given (13), got 12"),
+    (lambda batch, given: (dataclasses.replace(batch, prefix_lens=batch.prefix_lens[:4]), given),
+     "batch.prefix_lens must have length 5"),
+    (lambda batch, given: (dataclasses.replace(batch, positions=batch.positions.astype(np.int32)), given),
+     "batch.positions must have dtype int64, got int32"),
+    (lambda batch, given: ("batch", given), "batch must be a ForwardBatch"),
+])
+def test_refill_refuses_a_batch_it_cannot_fill_and_changes_nothing(device, spoil, words):
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(20))
+    batch, given = spoil(_bound_batch(device, 5, 20), {name: to_device(array, device) for name, array in inputs.items()})
+    with pytest.raises((TypeError, ValueError)) as caught:
+        kc.block_tables.refill(batch, **given)
+    assert str(caught.value).startswith("kv-canary: ") and words in str(caught.value)
+    if not isinstance(batch, str):
+        for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids"):
+            assert (to_numpy(getattr(batch, name)) == -77).all()
+
+
+@requires_gpu
+def test_the_gpu_gives_the_cpus_bits_whatever_the_values():
+    """Block ids past the pool and negative, offsets that fall and lengths near int64's ends (the
+    host checks only host values): the kernels wrap as NumPy does."""
+    from kvcanary_cupy._dlpack import parse_device
+    from kvcanary_cupy.ops._dispatch import backend_module
+    cpu, cuda = (backend_module(parse_device(name), "block_tables") for name in ("cpu", "cuda"))
+    rng = np.random.default_rng(21)
+    edges = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, -1, 0, 2**31, -2**31 - 1], np.int64)
+    for dtype in (np.int32, np.int64):
+        table = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, size=(9, 7), dtype=dtype, endpoint=True)
+        table.ravel()[:6] = edges.astype(dtype)
+        rows = rng.permutation(np.arange(1, 12))[:9].astype(np.int64)
+        start = rng.integers(-5, 5, size=(12, 64), dtype=np.int32)
+        want = start.copy()
+        cpu.mirror(want, table, rows, 8, 1)
+        got = to_device(start, "cuda")
+        cuda.mirror(got, to_device(table, "cuda"), to_device(rows, "cuda"), 8, 1,
+                    stream=kc._dlpack.cupy_module().cuda.get_current_stream())
+        assert (to_numpy(got) == want).all()
+        for row_dtype in (np.int32, np.int64):
+            starts = np.concatenate([edges, rng.integers(-2**40, 2**40, 30)]).astype(dtype)
+            lens = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, size=starts.size - 1, dtype=dtype)
+            given_rows = rng.integers(-2**31, 2**31 - 1, size=lens.size).astype(row_dtype)
+            for rows_given in (given_rows, None):
+                want = [np.zeros(lens.size, np.int64) for _ in range(3)]
+                cpu.lengths(starts, lens, rows_given, *want)
+                got = [to_device(np.zeros(lens.size, np.int64), "cuda") for _ in range(3)]
+                cuda.lengths(to_device(starts, "cuda"), to_device(lens, "cuda"),
+                             None if rows_given is None else to_device(rows_given, "cuda"), *got,
+                             stream=kc._dlpack.cupy_module().cuda.get_current_stream())
+                for mine, theirs in zip(got, want):
+                    assert (to_numpy(mine) == theirs).all()
+
+
+@requires_gpu
+def test_refill_is_captured_in_a_cuda_graph_and_replays_new_values():
+    cupy = kc._dlpack.cupy_module()
+    rng = np.random.default_rng(22)
+    inputs, _, _ = _offsets_inputs(rng)
+    given = {name: to_device(array, "cuda") for name, array in inputs.items()}
+    batch = _bound_batch("cuda", 5, 20)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kc.block_tables.refill(batch, **given, stream=stream)  # kernels loaded before the capture, as for any op
+    with stream:
+        stream.begin_capture()
+        kc.block_tables.refill(batch, **given, stream=stream)
+        graph = stream.end_capture()
+    for seed in range(3):
+        fresh, counts, cached = _offsets_inputs(np.random.default_rng(100 + seed))
+        fresh["seq_lens"] = fresh["seq_lens"] + seed  # other lengths each step
+        for name, array in fresh.items():
+            given[name][...] = to_device(array, "cuda")  # refilled in place, as the graph reads them
+        graph.launch(stream)
+        stream.synchronize()
+        assert to_numpy(batch.prefix_lens).tolist() == (cached + seed).tolist()
+        assert (to_numpy(batch.input_ids)[:13] == fresh["input_ids"][:13]).all()

@@ -1,0 +1,30 @@
+"""kc.block_tables on the CPU: NumPy, whose integers wrap as the CUDA kernels' unsigned arithmetic does."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stream=None) -> None:
+    """``rows``: the canary rows (int64), or None for ``1 .. n``."""
+    count, blocks = table.shape
+    if rows is None:
+        rows = np.arange(1, count + 1, dtype=np.int64)
+    start = first_block * block_size
+    with np.errstate(over="ignore"):
+        slots = table.astype(np.int64)[:, :, None] * np.int64(block_size) + np.arange(block_size, dtype=np.int64)
+    req_to_token[rows, start:start + blocks * block_size] = slots.reshape(count, blocks * block_size).astype(np.int32)
+
+
+def lengths(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, *, stream=None) -> None:
+    """``rows``: the batch's rows, or None for ``1 .. bs``."""
+    starts = query_start_loc.astype(np.int64)
+    with np.errstate(over="ignore"):
+        extend = starts[1:] - starts[:-1]
+        prefix_out[...] = seq_lens.astype(np.int64) - extend
+    extend_out[...] = extend
+    rows_out[...] = np.arange(1, seq_lens.shape[0] + 1) if rows is None else rows
+
+
+def widen(source, out, *, stream=None) -> None:
+    out[:source.shape[0]] = source
