@@ -526,3 +526,23 @@ def test_the_engine_keeps_its_books_through_offloads_reloads_and_aborts():
         assert len(engine.running) + len(engine.offloaded) <= engine.config.max_running
     assert engine.canary.poll().total == 0
     assert aborted_away > 3 and tier.reloads > 20 and tier.prefix_loads >= 1, (aborted_away, tier.to_json())
+
+
+def test_a_use_after_free_whose_page_is_not_handed_out_again_is_not_a_miss(capsys):
+    """With one request running, a page freed under it may not be handed out again before the request
+    is done: nothing it read changed, so the canary had nothing to catch. Such a fault is counted
+    apart (without effect), not as missed, and ``--strict`` does not fail on it; every fault that
+    did take effect is caught."""
+    result = run(SimConfig(steps=300, max_running=1, hash_mode=kc.HashMode.ALL), ["use_after_free"])
+    inert = [f for f in result.faults if not f.took_effect]
+    assert inert and all(not f.detected and f.closed for f in inert)
+    assert all(f.took_effect for f in result.faults if f.detected)
+    assert result.missed == [] and result.false_positives == []
+    assert all(f.detected for f in result.faults if f.took_effect and f.closed)
+    assert result.per_class()["use_after_free"]["no_effect"] == len(inert)
+    assert "without effect" in result.summary()
+    assert [entry["took_effect"] for entry in result.to_json()["fault_log"]] == [f.took_effect for f in result.faults]
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "300", "--max-running", "1", "--faults",
+                      "use_after_free", "--hash-mode", "all", "--strict"]) == 0
+    assert "missed" not in capsys.readouterr().err
+

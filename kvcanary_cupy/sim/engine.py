@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -236,6 +236,8 @@ class Engine:
         self.shared_tokens = 0
         self.reused_pages = 0
         self.ever_used = np.zeros(self.num_pages, np.bool_)
+        # pages freed while a request still reads them: called when the page is handed out again
+        self.on_retake: dict[int, Callable[[], None]] = {}
         self.template_tokens = [self.rng.integers(1, c.vocab, c.template_len) for _ in range(c.templates)]
         self.prefix_cache: dict[int, list[int]] = {}
         self._build_kv()
@@ -283,6 +285,9 @@ class Engine:
         if self.ever_used[page]:
             self.reused_pages += 1
         self.ever_used[page] = True
+        hook = self.on_retake.pop(page, None)
+        if hook is not None:
+            hook()
         if self.config.swa_window > 0:
             base = page * self.page_size
             for s in range(base, base + self.page_size):

@@ -34,6 +34,9 @@ class Fault:
     detected_step: Optional[int] = None
     first_event: Optional[object] = None
     closed: bool = False
+    # whether the fault changed what its victims read: a use_after_free does only once its page is
+    # handed out again while its request still holds it (until then the slots keep its own records)
+    took_effect: bool = True
 
     @property
     def detected(self) -> bool:
@@ -206,7 +209,13 @@ class FaultInjector:
         request.pages[k] = _FREED
         eng.release_page(page, front=True)  # the next page allocation reuses it
         slots = range(page * eng.page_size, (page + 1) * eng.page_size)
-        return self._record("use_after_free", step, [request.rid], slots, position=k * eng.page_size, page=page)
+        fault = self._record("use_after_free", step, [request.rid], slots, position=k * eng.page_size, page=page)
+        fault.took_effect = False
+
+        def retaken() -> None:  # a page handed out once its request is done harms nobody
+            fault.took_effect = any(r is request for r in eng.running)
+        eng.on_retake[page] = retaken
+        return fault
 
     def _canary_overwrite(self, step: int) -> Optional[Fault]:
         eng = self.engine

@@ -92,6 +92,7 @@ class SimResult:
                 "injected": len(faults),
                 "detected": len(detected),
                 "in_flight": sum(not f.detected and not f.closed for f in faults),
+                "no_effect": sum(not f.detected and f.closed and not f.took_effect for f in faults),
                 "detection_rate": len(detected) / len(faults),
                 "median_steps_to_detection": statistics.median(latencies) if latencies else None,
                 "max_steps_to_detection": max(latencies) if latencies else None,
@@ -102,8 +103,10 @@ class SimResult:
     def missed(self) -> list:
         """The faults not reported although their requests were done with (finished or aborted)
         before the run ended: not those still in flight, whose requests a later verify would read
-        (``closed`` is updated at each poll, and the run's last step polls)."""
-        return [f for f in self.faults if not f.detected and f.closed]
+        (``closed`` is updated at each poll, and the run's last step polls), nor those that changed
+        nothing their requests read (a use_after_free whose page was not handed out again before
+        its request was done)."""
+        return [f for f in self.faults if not f.detected and f.closed and f.took_effect]
 
     def to_json(self) -> dict:
         c = self.config
@@ -136,7 +139,7 @@ class SimResult:
             "speculative": self.speculative,
             "faults": self.per_class(),
             "fault_log": [{"class": f.cls, "step": f.step, "victims": sorted(f.victims),
-                           "detected_step": f.detected_step,
+                           "detected_step": f.detected_step, "took_effect": f.took_effect,
                            "detail": {k: (list(v) if isinstance(v, tuple) else v) for k, v in f.detail.items()}}
                           for f in self.faults],
             "violations_per_step": self.violations_per_step,
@@ -187,6 +190,10 @@ class SimResult:
         if in_flight:
             lines.append(f"  {_counted(in_flight, 'undetected fault')} still in flight at the end "
                          f"(their requests still ran, so a later verify may yet see them)")
+        for cls, row in per_class.items():
+            if row["no_effect"]:
+                lines.append(f"  {cls:<18} {_counted(row['no_effect'], 'fault')} without effect: the freed page was "
+                             f"not handed out again before its request was done (nothing to catch)")
         for cls, why in self.not_injectable.items():
             lines.append(f"  {cls:<18} not injected: {why}")
         lines.append(f"  {'false positives':<18}{len(self.false_positives):>9}")
