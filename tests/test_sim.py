@@ -546,3 +546,27 @@ def test_a_use_after_free_whose_page_is_not_handed_out_again_is_not_a_miss(capsy
                       "use_after_free", "--hash-mode", "all", "--strict"]) == 0
     assert "missed" not in capsys.readouterr().err
 
+
+def test_demo_cli_writes_an_existing_file_in_a_folder_it_cannot_create_files_in(tmp_path, monkeypatch, capsys):
+    """An existing writable file is written in place whatever its folder allows (``/dev/null`` or
+    ``/dev/stdout`` for a user who cannot create files in ``/dev``); a new file needs its folder
+    writable. The folder's permission is faked, as a root user may write anywhere."""
+    import os
+
+    from kvcanary_cupy.sim import cli
+
+    existing = tmp_path / "run.json"
+    existing.write_text("")
+    real_access = os.access
+
+    def access(path, mode):  # the folder read-only for this user, the file in it writable
+        if os.path.abspath(path) == str(tmp_path) and mode & os.W_OK:
+            return False
+        return real_access(path, mode)
+
+    monkeypatch.setattr(cli.os, "access", access)
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--json", str(existing)]) == 0
+    assert json.loads(existing.read_text())["steps"] == 3
+    with pytest.raises(SystemExit) as refused:
+        demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--json", str(tmp_path / "new.json")])
+    assert refused.value.code == 2 and f"argument --json: cannot write '{tmp_path / 'new.json'}'" in capsys.readouterr().err
