@@ -78,12 +78,17 @@ def _compile(args: argparse.Namespace) -> int:
     import time  # noqa: PLC0415
 
     import kvcanary_cupy as kc  # noqa: PLC0415
-    from ._dlpack import cuda_device_count  # noqa: PLC0415
+    from ._dlpack import cuda_device_count, parse_device  # noqa: PLC0415
 
     if args.device is None:
         gpus = [f"cuda:{i}" for i in range(cuda_device_count())]
     else:  # a GPU named is treated as one seen, so --source-counts beside it is not dropped
-        gpus = [] if args.device == "cpu" else [args.device]
+        try:  # the CPU however it is spelt (CPU, " cpu"): not a GPU
+            named = parse_device(args.device)
+        except (TypeError, ValueError) as error:
+            print(error, file=sys.stderr)
+            return 2
+        gpus = [args.device] if named.is_cuda else []
     # the CPU's builds, one for each number of hashed sources (CUDA kernels take any count)
     cpu_kernels = ("cpu", {} if args.source_counts is None else {"source_counts": args.source_counts}, "kernels")
     if not gpus:

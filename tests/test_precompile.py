@@ -268,6 +268,10 @@ def test_cli_compiles_the_source_counts_asked_for(capsys, monkeypatch):
     calls.clear()  # a GPU named with --device is one seen: the CPU's counts asked for are not dropped
     assert cli_main(["compile", "--device", "cuda:1", "--source-counts", "0,4"]) == 0
     assert calls == [{"device": "cuda:1"}, {"device": "cpu", "source_counts": [0, 4]}]
+    calls.clear()  # the CPU however it is spelt is the CPU, not a GPU beside which copy_records is readied
+    assert cli_main(["compile", "--device", "CPU", "--source-counts", "0,4"]) == 0
+    assert cli_main(["compile", "--device", " cpu"]) == 0
+    assert calls == [{"device": "cpu", "source_counts": [0, 4]}, {"device": "cpu"}]
     for bad in ("-1", "x", "1,,2"):
         with pytest.raises(SystemExit) as refused:
             cli_main(["compile", "--source-counts", bad])
