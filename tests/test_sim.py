@@ -570,3 +570,16 @@ def test_demo_cli_writes_an_existing_file_in_a_folder_it_cannot_create_files_in(
     with pytest.raises(SystemExit) as refused:
         demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--json", str(tmp_path / "new.json")])
     assert refused.value.code == 2 and f"argument --json: cannot write '{tmp_path / 'new.json'}'" in capsys.readouterr().err
+
+
+def test_demo_names_its_device_however_it_was_spelt(tmp_path, capsys):
+    """``--device CPU`` runs on the CPU and is named cpu in the summary and the JSON; a GPU spelt in
+    capitals is still a GPU whose kernels come from CuPy's cache."""
+    from kvcanary_cupy.sim.runner import SimResult
+
+    path = tmp_path / "demo.json"
+    assert demo_main(["--device", " CPU", "--no-progress", "--steps", "3", "--json", str(path)]) == 0
+    assert "device=cpu " in capsys.readouterr().out and json.loads(path.read_text())["device"] == "cpu"
+    for device, cache in (("CUDA:0", "CuPy"), ("cuda", "CuPy"), ("CPU", "numba")):
+        result = SimResult(SimConfig(device=device), 1, 0, 0, 0, 0, 0, 0, 1.0, 0.5, [], [], [0])
+        assert f"then loaded from {cache}'s cache" in result.summary(), device

@@ -60,7 +60,7 @@ def _device(text: str) -> str:
         parse_device(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}") from None
-    return text
+    return text.strip().lower()  # as the summary and the JSON name it, however it was spelt
 
 
 def _output_path(text: str) -> str:

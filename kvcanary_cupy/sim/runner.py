@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from .._dlpack import parse_device
 from ..precompile import compile_kernels
 from ..session import CanaryEvent
 from .engine import Engine, SimConfig
@@ -156,7 +157,7 @@ class SimResult:
             f"  wall {self.wall_s:.2f} s; canary {self.canary_ms_per_step:.3f} ms/step "
             f"({100 * self.canary_s / max(self.wall_s, 1e-9):.0f}% of the step loop)"
             + (f"; kernels ready in {self.kernels_s:.2f} s before it (compiled once a machine, then loaded "
-               f"from {'CuPy' if 'cuda' in str(c.device) else 'numba'}'s cache)"),
+               f"from {'CuPy' if parse_device(c.device).is_cuda else 'numba'}'s cache)"),
         ]
         if self.host_tier is not None:
             tier = self.host_tier
