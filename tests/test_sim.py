@@ -164,6 +164,11 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--pool-slots", "10"], "kv-canary: --pool-slots must be >= 528"),
     # past the canary's int32 capacities: refused before the engine allocates a pool of that size
     (["--pool-slots", "1000000000"], "kv-canary: pool_slot_count must be <= 715827882, as verify_capacity"),
+    # each said with the options that set it
+    (["--pool-slots", "1000000000"], "got 1000000000 (set by --pool-slots and --page-size)"),
+    (["--max-running", "1000000000000"], "got 1000000000001 (set by --max-running)"),
+    (["--max-running", "2147483640"], "got 2147483897 (set by --max-running and --speculative)"),
+    (["--speculative", "100000000000"], "got 100000000001 (set by --speculative)"),
     (["--faults", ""], "argument --faults: a fault class name is empty in ''"),
     (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
     (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),
@@ -583,3 +588,15 @@ def test_demo_names_its_device_however_it_was_spelt(tmp_path, capsys):
     for device, cache in (("CUDA:0", "CuPy"), ("cuda", "CuPy"), ("CPU", "numba")):
         result = SimResult(SimConfig(device=device), 1, 0, 0, 0, 0, 0, 0, 1.0, 0.5, [], [], [0])
         assert f"then loaded from {cache}'s cache" in result.summary(), device
+
+
+def test_demo_cli_out_of_memory_names_every_option_that_sizes_the_engine(monkeypatch, capsys):
+    from kvcanary_cupy.sim import runner
+
+    def too_large(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(runner, "run", too_large)
+    assert demo_main(["--device", "cpu", "--no-progress", "--host-slots", "10000000000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv-canary: the simulated engine does not fit") and "--host-slots" in err

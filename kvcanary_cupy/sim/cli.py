@@ -168,6 +168,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      offload_prob=args.offload_prob, speculative=args.speculative)
 
 
+# the canary's capacities the engine asks for, and the demo's options that set them
+_SET_BY = {"req_to_token_pool_size": "--max-running", "pool_slot_count": "--pool-slots and --page-size",
+           "max_prefill_tokens": "--max-running and --speculative", "speculative_num_draft_tokens": "--speculative"}
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     from .runner import run  # noqa: PLC0415
 
@@ -183,11 +188,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as error:
         if not str(error).startswith("kv-canary: "):
             raise
-        print(error, file=sys.stderr)  # e.g. --device cuda without CuPy: one line, not a traceback
+        # e.g. --device cuda without CuPy: one line, not a traceback; a capacity of the canary's
+        # said with the options that set it
+        name = str(error)[len("kv-canary: "):].split(" ", 1)[0]
+        print(str(error) + (f" (set by {_SET_BY[name]})" if name in _SET_BY else ""), file=sys.stderr)
         return 2
     except MemoryError:
         print("kv-canary: the simulated engine does not fit in this machine's memory: lower --pool-slots, "
-              "--max-running or --page-size", file=sys.stderr)
+              "--max-running, --host-slots or --page-size", file=sys.stderr)
         return 2
     failed = bool(result.false_positives) or (args.strict and bool(result.missed))
     summary_to = sys.stderr if args.json == "-" else sys.stdout  # standard output carries the JSON then
