@@ -213,7 +213,8 @@ class FaultInjector:
         fault.took_effect = False
 
         def retaken() -> None:  # a page handed out once its request is done harms nobody
-            fault.took_effect = any(r is request for r in eng.running)
+            if any(r is request for r in eng.running):
+                fault.took_effect = True
         eng.on_retake[page] = retaken
         return fault
 

@@ -221,6 +221,7 @@ def _attribute(events: Sequence[CanaryEvent], faults: Sequence[Fault], step: int
         if owner.detected_step is None:
             owner.detected_step = step
             owner.first_event = event
+            owner.took_effect = True  # e.g. a freed page's SWA slots handed out before the page itself
         hit |= owner.victims
     return unexplained, hit
 
