@@ -29,7 +29,12 @@ parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (defaul
 parser.add_argument("--steps", type=int, default=6, choices=range(1, 20), metavar="N",
                     help="clean decode steps before the bit flip, 1 to 19 (default 6)")
 args = parser.parse_args()
-device = torch.device(args.device)
+try:
+    device = torch.device(args.device)
+except RuntimeError:  # torch's own words name every device type it knows; these are the ones that run here
+    parser.error(f"argument --device: must be cpu, cuda or cuda:N, got {args.device!r}")
+if device.type not in ("cpu", "cuda"):
+    parser.error(f"argument --device: must be cpu, cuda or cuda:N, got {args.device!r}")
 on_gpu = device.type == "cuda"
 if on_gpu and not torch.cuda.is_available():
     parser.exit(2, f"--device {args.device} needs a CUDA GPU and PyTorch built with CUDA\n")

@@ -128,3 +128,15 @@ def test_torch_cuda_graph_without_a_gpu_says_why():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_cuda_graph.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])
+def test_torch_static_forward_refuses_a_device_it_cannot_run_on(device):
+    """A device torch cannot parse, or one that is neither the CPU nor a GPU, is refused by the
+    argument parser in one line (exit 2), not a traceback from torch.device or from the first op."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_static_forward.py"), "--device", device],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"argument --device: must be cpu, cuda or cuda:N, got '{device}'" in done.stderr
