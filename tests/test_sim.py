@@ -574,7 +574,8 @@ def test_demo_cli_writes_an_existing_file_in_a_folder_it_cannot_create_files_in(
     assert json.loads(existing.read_text())["steps"] == 3
     with pytest.raises(SystemExit) as refused:
         demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--json", str(tmp_path / "new.json")])
-    assert refused.value.code == 2 and f"argument --json: cannot write '{tmp_path / 'new.json'}'" in capsys.readouterr().err
+    assert refused.value.code == 2
+    assert f"argument --json: cannot write '{tmp_path / 'new.json'}'" in capsys.readouterr().err
 
 
 def test_demo_names_its_device_however_it_was_spelt(tmp_path, capsys):
