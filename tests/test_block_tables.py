@@ -56,6 +56,9 @@ def test_mirror_reads_a_strided_window_of_the_engines_table(device):
     (dict(rows=[2, 2, 3]), "rows must not name a row twice, got row 2 2 times"),
     (dict(rows=[1, 2]), "rows must have length 3"),
     (dict(rows=np.array([1.0, 2.0, 3.0])), "rows must hold integers"),
+    # a 2-D array whose first dimension matches was taken whole: a row wrote several canary rows
+    (dict(rows=np.array([[1, 4], [2, 5], [3, 0]])), "rows must be 1-D, got shape (3, 2)"),
+    (dict(rows=np.int64(2)), "rows must be 1-D, got shape ()"),
     (dict(first_block=4), "req_to_token must be at least (first_block + blocks) * block_size = (4 + 2) * 4 = 24 wide"),
     (dict(first_block=-1), "first_block must be non-negative"),
     (dict(block_size=0), "block_size must be positive"),

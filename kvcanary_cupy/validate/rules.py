@@ -75,12 +75,16 @@ def int32_scalar(name: str, value: Any) -> int:
 
 
 def host_int64(name: str, values: Any) -> np.ndarray:
-    """A host sequence of integers (a list, tuple or NumPy array of an integer dtype) as a contiguous
-    int64 array: floats and bools are refused rather than truncated, values past int64 rather than
-    wrapped."""
+    """A host sequence of integers (a list, tuple or 1-D NumPy array of an integer dtype) as a
+    contiguous int64 array: floats and bools are refused rather than truncated, values past int64
+    rather than wrapped, and arrays of another rank rather than flattened or widened (a 2-D array
+    whose first dimension has the expected length would pass a length check with more values than
+    it names)."""
     if isinstance(values, range) or (hasattr(values, "__array__") and not isinstance(values, np.ndarray)):
         values = np.asarray(values)  # a range, or a host array of another library
     if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {values.shape}")
         if values.dtype == np.bool_ or values.dtype.kind not in "iu":
             raise TypeError(f"{PREFIX}{name} must hold integers, got dtype {values.dtype}")
         if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
