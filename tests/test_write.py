@@ -756,3 +756,30 @@ def test_context_from_own_arrays_built_while_the_current_stream_is_busy_hashes_o
     kc.write(ctx, plan, tag=TAG, stream=stream, **inputs)
     cupy.cuda.Device().synchronize()
     assert np.array_equal(slot_words(ctx.canary_buf), slot_words(expected.canary_buf))
+
+
+# --- requests without entries, an empty ring, short sources with asserts, wrapped positions -----------
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("seed", [8, 1000, UNRESOLVED])
+def test_request_without_entries_does_not_read_its_seed(device, seed):
+    """README, "Choices where the specification is silent": a request with no entries
+    (``offsets[r] >= offsets[r+1]``, empty or reversed) is skipped whole, so its out-of-range seed
+    records nothing; a request with entries and the same seed records SPEC §4's row
+    ``(kind, seed, 0, 0, 0, 0, 0, 64)`` once, then chains from the anchor with no position assert."""
+    rng = np.random.default_rng(60 + seed % 97)
+    ids, pos = _tokens(rng, 3), [int(p) for p in rng.integers(1, 10**6, size=3)]
+    ctx = _ctx(device, 8, chain_position_assert=True)
+    # request 0: [0, 0) empty; request 1: [0, 3); request 2: [3, 1) reversed; request 3: [1, 1) empty
+    _write(ctx, [0, 0, 3, 1, 1], [seed] * 4, ids, pos, [5, 2, 7], device=device)
+    assert ring_rows(ctx) == [(TAG, seed, 0, 0, 0, 0, 0, 64)]
+    chain = ref.ANCHOR_LINK
+    for token, position, slot in zip(ids, pos, [5, 2, 7]):
+        assert fields(ctx.canary_buf, slot) == (token, position, signed(chain), 0)
+        chain = ref.mix3(chain, token, position)
+    assert ctx.counters() == {"slot_run_counter": 3, "kernel_run_counter": 1, "violations": 1}
+    # Only requests without entries: nothing is recorded at all.
+    ctx.clear_violations()
+    _write(ctx, [2, 2, 0], [seed] * 2, ids, pos, [5, 2, 7], device=device)
+    assert ctx.violations().total == 0
+    assert ctx.counters()["slot_run_counter"] == 3
