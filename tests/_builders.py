@@ -306,6 +306,42 @@ def host_verify_plan(slots, expected_tokens, expected_positions, prev_slots, *, 
                          enable=to_device(np.array([enable], np.int32), device))
 
 
+def guarded_context(device, rng, num_slots, guard_rows=2, **kwargs):
+    """A context over the caller's arrays whose ring has no row and whose every array is a view into
+    a larger buffer of random values: a store outside a view changes the buffer around it."""
+    put = lambda a: to_device(np.ascontiguousarray(a), device)  # noqa: E731
+    backings = dict(
+        canary_buf=put(rng.integers(0, 256, size=(num_slots + 2 * guard_rows, 32), dtype=np.uint8)),
+        violation_ring=put(rng.integers(-2**62, 2**62, size=(2 * guard_rows, 8), dtype=np.int64)),
+        violation_write_index=put(rng.integers(-2**30, 2**30, size=3, dtype=np.int32)),
+        slot_run_counter=put(rng.integers(-2**62, 2**62, size=3, dtype=np.int64)),
+        kernel_run_counter=put(rng.integers(-2**62, 2**62, size=3, dtype=np.int64)),
+        chain_position_assert=put(np.array([7, 1, 9], np.int32)))
+    before = {name: to_numpy(b).copy() for name, b in backings.items()}
+    views = dict(canary_buf=backings["canary_buf"][guard_rows:guard_rows + num_slots],
+                 violation_ring=backings["violation_ring"][guard_rows:guard_rows])
+    for name in ("violation_write_index", "slot_run_counter", "kernel_run_counter", "chain_position_assert"):
+        views[name] = backings[name][1:2]
+    views["violation_write_index"][...] = 0
+    views["slot_run_counter"][...] = 0
+    views["kernel_run_counter"][...] = 0
+    for name in ("violation_write_index", "slot_run_counter", "kernel_run_counter"):
+        before[name][1] = 0
+    ctx = kc.CanaryContext(**views, **kwargs)
+    return ctx, backings, before
+
+
+def assert_only_views_changed(backings, before, guard_rows=2):
+    """Every cell outside the context's views holds what it held before."""
+    buf = to_numpy(backings["canary_buf"])
+    assert np.array_equal(buf[:guard_rows], before["canary_buf"][:guard_rows])
+    assert np.array_equal(buf[-guard_rows:], before["canary_buf"][-guard_rows:])
+    assert np.array_equal(to_numpy(backings["violation_ring"]), before["violation_ring"])
+    for name in ("violation_write_index", "slot_run_counter", "kernel_run_counter", "chain_position_assert"):
+        got = to_numpy(backings[name])
+        assert (got[0], got[2]) == (before[name][0], before[name][2]), name
+
+
 def as_multiset(rows) -> dict:
     counts: dict = {}
     for row in rows:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import (ANCHOR_LINK, as_multiset, assert_rows, fields, host_verify_plan, link_of, pipeline, random_batch,
-                       random_source, ring_rows, signed, snapshot)
+from _builders import (ANCHOR_LINK, as_multiset, assert_only_views_changed, assert_rows, fields, guarded_context,
+                       host_verify_plan, link_of, pipeline, random_batch, random_source, ring_rows, signed, snapshot)
 from _devices import BACKENDS, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.TAIL_K_FULL)
@@ -476,3 +476,29 @@ def test_padding_slot_entry_is_skipped_whole(device, check_token):
     kc.verify(ctx, plan, tag=TAG, check_expected_token=check_token)
     assert ring_rows(ctx) == []
     assert ctx.counters()["slot_run_counter"] - before["slot_run_counter"] == 3
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_ring_capacity_zero_counts_every_verify_violation_and_stores_none(device):
+    """SPEC §2, fill-once with ``ring_capacity = 0`` (README: allowed): each entry that would record
+    a row (a position mismatch, a slot and a predecessor out of range, a broken chain) advances
+    ``write_index`` and stores nothing, and nothing is written outside the context's arrays; the
+    canary buffer is left as it was (verify is read-only)."""
+    rng = np.random.default_rng(71)
+    ctx, backings, before = guarded_context(device, rng, 10)
+    ids = [int(t) for t in rng.integers(1, 2**40, size=4)]
+    slots = [5, 2, 7, 3]
+    wplan = kc.WritePlan.from_host(offsets=[0, 4], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put([0, 1, 2, 3]), out_cache_loc=put(slots))
+    assert ctx.counters() == {"slot_run_counter": 4, "kernel_run_counter": 1, "violations": 0}
+    buf = snapshot(ctx.canary_buf)[0]
+    plan = host_verify_plan([5, 2, 7, 12, 3, 3, 0], [-1] * 7, [0, 1, 9, 4, 3, 3, 5], [-1, 5, 2, 7, 40, 2, 3],
+                            device=device)
+    kc.verify(ctx, plan, tag=TAG)
+    report = ctx.violations()
+    assert (report.total, report.dropped, len(report)) == (4, 4, 0)
+    assert ctx.counters() == {"slot_run_counter": 4 + 7, "kernel_run_counter": 2, "violations": 4}
+    assert np.array_equal(to_numpy(ctx.canary_buf), buf)
+    assert to_numpy(backings["violation_write_index"])[1] == 4  # the caller's own int32 cell
+    assert_only_views_changed(backings, before)

@@ -8,8 +8,9 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import reference as ref
-from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_rows, expected_kv_hash, fields, host_verify_plan, link_of,
-                       pipeline, random_batch, random_source, ring_rows, signed, slot_words)
+from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_only_views_changed, assert_rows, expected_kv_hash, fields,
+                       guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source, ring_rows,
+                       signed, slot_words)
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
@@ -783,3 +784,32 @@ def test_request_without_entries_does_not_read_its_seed(device, seed):
     _write(ctx, [2, 2, 0], [seed] * 2, ids, pos, [5, 2, 7], device=device)
     assert ctx.violations().total == 0
     assert ctx.counters()["slot_run_counter"] == 3
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_ring_capacity_zero_counts_every_write_violation_and_stores_none(device):
+    """SPEC §2, fill-once with ``ring_capacity = 0`` (README: allowed): every violation of a write
+    (an out-of-range seed, input-assert mismatches, an out-of-range slot, entries past the batch)
+    advances ``write_index`` and stores no row, nothing is written outside the context's arrays,
+    and the entries are stored exactly as with a ring that has room."""
+    rng = np.random.default_rng(61)
+    num_slots = 10
+    ctx, backings, before = guarded_context(device, rng, num_slots)
+    assert ctx.ring_capacity == 0
+    ids, pos = _tokens(rng, 4), [int(p) for p in rng.integers(0, 1000, size=4)]
+    expected = ([ids[0] + 1, ids[1], ids[2], ids[3] + 2], [pos[0], pos[1] + 1, pos[2], pos[3]])
+    # request 0: seed 50 (out of range), entries 0..3 with slot 40 (out of range) at entry 2;
+    # request 1: [4, 2), no entries (its seed is not read); request 2: [2, 9), past the 4 entries.
+    _write(ctx, [0, 4, 2, 9], [50, 50, -1], ids, pos, [3, 6, 40, 8], device=device, expected=expected)
+    # rows: the seed, entry 0's token, entry 1's position, entry 2's slot, entry 3's token (request
+    # 0); request 2's entries 2 (slot 40: its row) and 3 (token) and the entry past the batch.
+    report = ctx.violations()
+    assert (report.total, report.dropped, len(report)) == (8, 8, 0)
+    assert ctx.counters() == {"slot_run_counter": 3 + 1, "kernel_run_counter": 1, "violations": 8}
+    chain = ref.mix3(ref.ANCHOR_LINK, ids[0], pos[0])
+    assert fields(ctx.canary_buf, 3) == (ids[0], pos[0], signed(ref.ANCHOR_LINK), 0)
+    assert fields(ctx.canary_buf, 6) == (ids[1], pos[1], signed(chain), 0)
+    # request 2 wrote slot 8 last, from the anchor (its entry 2 was skipped)
+    assert fields(ctx.canary_buf, 8) == (ids[3], pos[3], signed(ref.ANCHOR_LINK), 0)
+    assert to_numpy(backings["violation_write_index"])[1] == 8  # the caller's own int32 cell
+    assert_only_views_changed(backings, before)
