@@ -502,3 +502,34 @@ def test_ring_capacity_zero_counts_every_verify_violation_and_stores_none(device
     assert np.array_equal(to_numpy(ctx.canary_buf), buf)
     assert to_numpy(backings["violation_write_index"])[1] == 4  # the caller's own int32 cell
     assert_only_views_changed(backings, before)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_short_source_bit_joins_every_other_bit(device, mode):
+    """SPEC §4: a slot past the source's rows folds it as 0 and sets bit 64, which joins whatever
+    else the entry finds, in one row: chain (1), position (2), real-KV (4) and token (32) together
+    give 103; an entry that is otherwise right records 64 alone."""
+    rng = np.random.default_rng(72)
+    spec = random_source(rng, 6, page_size=2, num_bytes_per_token=32)  # rows for slots 0..5
+    ctx = kc.CanaryContext.allocate(12, device=device, real_kv_sources=(spec.build(device),), hash_mode=mode)
+    ids = [int(t) for t in rng.integers(1, 2**40, size=3)]
+    first = int(rng.integers(0, 10**6))
+    pos = [first, first + 1, first + 2]
+    wplan = kc.WritePlan.from_host(offsets=[0, 3], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put(pos), out_cache_loc=put([4, 9, 11]))
+    assert [r[1] for r in ring_rows(ctx)] == [9, 11]  # the write's own rows for slots past the source
+    ctx.clear_violations()
+    buf = ctx.canary_buf
+    assert fields(buf, 9)[3] == 0  # sm(0 ^ 0): the source folded as 0
+    bad_hash = int(rng.integers(1, 2**62))
+    _set_field(ctx, 9, 3, bad_hash)
+    # slot 9 with a wrong expected token and position and a wrong predecessor (11); slot 11 right
+    plan = host_verify_plan([9, 11], [ids[1] + 1, ids[2]], [pos[1] + 4, pos[2]], [11, 9], device=device)
+    kc.verify(ctx, plan, tag=TAG, check_expected_token=True)
+    h9, h11 = fields(buf, 9)[2], fields(buf, 11)[2]
+    assert (h9, h11) == (link_of(buf, 4), link_of(buf, 9))  # the chain itself is intact
+    assert_rows(device, ring_rows(ctx), [
+        (TAG, 9, pos[1], ids[1], ids[1] + 1, h9, link_of(buf, 11), 1 | 2 | 4 | 32 | 64),
+        (TAG, 11, pos[2], ids[2], ids[2], h11, link_of(buf, 9), 64)])

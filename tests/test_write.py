@@ -813,3 +813,43 @@ def test_ring_capacity_zero_counts_every_write_violation_and_stores_none(device)
     assert fields(ctx.canary_buf, 8) == (ids[3], pos[3], signed(ref.ANCHOR_LINK), 0)
     assert to_numpy(backings["violation_write_index"])[1] == 8  # the caller's own int32 cell
     assert_only_views_changed(backings, before)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_short_source_with_both_asserts_records_its_rows_in_order(device, mode):
+    """SPEC §4 with §3.1 step 3: a slot past the source's rows records ``(kind, slot, pos, tok, tok,
+    running, pos, 64)`` beside the input assert's row (8/16) and the chain position assert's (16);
+    one entry records them in that order (README, "Choices where the specification is silent"):
+    the source's row, the input assert's, the chain position assert's. The slot is stored with the
+    source folded as 0, and the chain and the asserted position go on from the actual values."""
+    rng = np.random.default_rng(62)
+    spec = random_source(rng, 6, page_size=2, num_bytes_per_token=32)  # rows for slots 0..5
+    ctx = _ctx(device, 12, real_kv_sources=(spec.build(device),), hash_mode=mode, chain_position_assert=True)
+    ids = _tokens(rng, 5)
+    p = int(rng.integers(10, 10**6))
+    _write(ctx, [0, 1], [-1], ids[:1], [p], [3], device=device)  # the seed: slot 3 at position p
+    ctx.clear_violations()
+    slots = [9, 4, 10, 11]
+    pos = [p + 1, p + 2, p + 7, p + 8]
+    expected_ids = [ids[1] + 5, ids[2], ids[3] - 3, ids[4]]
+    expected_pos = [p + 1, p + 2, p + 5, p + 8]
+    _write(ctx, [0, 4], [3], ids[1:], pos, slots, device=device, expected=(expected_ids, expected_pos))
+    chain = [ref.mix3(fields(ctx.canary_buf, 3)[2], ids[0], p)]
+    for k in range(3):
+        chain.append(ref.mix3(chain[-1], ids[1 + k], pos[k]))
+    c = [signed(v) for v in chain]
+    want = [(TAG, 9, p + 1, ids[1], ids[1], c[0], p + 1, 64),
+            (TAG, 9, p + 1, ids[1], ids[1] + 5, c[0], p + 1, int(BIT.WRITE_TOKEN)),
+            (TAG, 10, p + 7, ids[3], ids[3], c[2], p + 7, 64),
+            (TAG, 10, p + 7, ids[3], ids[3] - 3, c[2], p + 5, int(BIT.WRITE_TOKEN | BIT.WRITE_POSITION)),
+            (TAG, 10, p + 7, ids[3], ids[3], c[2], p + 3, int(BIT.WRITE_POSITION)),
+            (TAG, 11, p + 8, ids[4], ids[4], c[3], p + 8, 64)]
+    rows = ring_rows(ctx)
+    assert_rows(device, rows, want)
+    for slot in slots:  # one entry's rows in order, on every backend
+        assert [r for r in rows if r[1] == slot] == [r for r in want if r[1] == slot]
+    for k, slot in enumerate(slots):
+        assert fields(ctx.canary_buf, slot) == (ids[1 + k], pos[k], c[k], expected_kv_hash([spec], mode, slot))
+    assert fields(ctx.canary_buf, 10)[3] == signed(ref.sm(0))
+    assert ctx.counters()["slot_run_counter"] == 1 + 4
