@@ -853,3 +853,30 @@ def test_short_source_with_both_asserts_records_its_rows_in_order(device, mode):
         assert fields(ctx.canary_buf, slot) == (ids[1 + k], pos[k], c[k], expected_kv_hash([spec], mode, slot))
     assert fields(ctx.canary_buf, 10)[3] == signed(ref.sm(0))
     assert ctx.counters()["slot_run_counter"] == 1 + 4
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_chain_position_assert_after_the_int64_maximum_wraps(device):
+    """SPEC §2 (arithmetic wraps modulo 2^64, stored as int64) and §3.1 step 3: after a predecessor
+    at position 2^63 - 1, ``prev_pos + 1`` is -2^63. An entry at -2^63 passes (and the next at
+    -2^63 + 1), any other records the chain position row with aux -2^63, the int64 maximum
+    itself included."""
+    rng = np.random.default_rng(63)
+    ids = _tokens(rng, 5)
+    low = -(1 << 63)
+    other = int(rng.integers(0, 10**9))
+    ctx = _ctx(device, 8, chain_position_assert=True)
+    _write(ctx, [0, 1], [-1], ids[:1], [L_INT64_MAX], [2], device=device)  # the seed: slot 2
+    assert fields(ctx.canary_buf, 2)[:2] == (ids[0], L_INT64_MAX)
+    seed_link = ref.mix3(ref.ANCHOR_LINK, ids[0], L_INT64_MAX)
+    # request 0 continues from slot 2 at -2^63 and -2^63 + 1; request 1 at a random position;
+    # request 2 at the maximum again
+    _write(ctx, [0, 2, 3, 4], [2, 2, 2], ids[1:], [low, low + 1, other, L_INT64_MAX], [3, 4, 5, 6],
+           device=device)
+    s = signed(seed_link)
+    assert_rows(device, ring_rows(ctx), [(TAG, 5, other, ids[3], ids[3], s, low, int(BIT.WRITE_POSITION)),
+                                         (TAG, 6, L_INT64_MAX, ids[4], ids[4], s, low, int(BIT.WRITE_POSITION))])
+    assert fields(ctx.canary_buf, 3) == (ids[1], low, s, 0)
+    assert fields(ctx.canary_buf, 4) == (ids[2], low + 1, signed(ref.mix3(seed_link, ids[1], low)), 0)
+    assert fields(ctx.canary_buf, 5) == (ids[3], other, s, 0)
+    assert fields(ctx.canary_buf, 6) == (ids[4], L_INT64_MAX, s, 0)
