@@ -402,3 +402,32 @@ def test_expected_token_gather_with_other_offsets(device, offset):
     assert _plan_entries(p.vplan) == want
     if offset < 0:
         assert sum(e[1] == -1 for e in want) == -offset * len(batch.live())
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("offset", [0, 1, -2])
+def test_expected_pool_narrower_and_shorter_than_valid_lens(device, offset):
+    """SPEC §3.3 with README's reading where the SPEC is silent: a column ``pos + token_offset``
+    inside ``valid_lens[r]`` but past the width of the expected pool, or a pool row past its rows,
+    gives -1, as a column past ``valid_lens`` does; the cells inside it are gathered."""
+    rng = np.random.default_rng(80 + offset)
+    table = rng.permutation(np.arange(1, 1 + 5 * 9)).reshape(5, 9).astype(np.int32)
+    pool = rng.integers(1, 2**31 - 1, size=(3, 5)).astype(np.int32)  # rows 0..2, columns 0..4 only
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    rpi, prefix, valid = [1, 3, 2, 4], [8, 3, 6, 2], [9, 9, 4, 9]
+    vplan, wplan = kc.VerifyPlan.allocate(32, device=device), kc.WritePlan.allocate(4, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put(rpi), prefix_lens=put(prefix), extend_seq_lens=put([1] * 4),
+            req_to_token=to_device(table, device), req_to_verify_expected_tokens=to_device(pool, device),
+            req_to_verify_expected_tokens_valid_lens=put(valid), kv_token_id_vs_position_offset=offset)
+    want = []
+    for rp, n, v in zip(rpi, prefix, valid):
+        for pos in range(n):
+            col = pos + offset
+            inside = 0 <= col < v and rp < pool.shape[0] and col < pool.shape[1]
+            want.append((int(table[rp, pos]), int(pool[rp, col]) if inside else -1, pos,
+                         int(table[rp, pos - 1]) if pos else -1))
+    assert _plan_entries(vplan) == want
+    # rows 3 and 4 are outside the expected pool: every one of their entries expects -1
+    assert [e[1] for e in want[8:11]] == [-1] * 3 and [e[1] for e in want[17:]] == [-1] * 2
+    # request 0 (valid 9) reads columns offset .. offset + 7, past the pool's 5: those expect -1 too
+    assert [e[1] for e in want[:8]].count(-1) == {0: 3, 1: 4, -2: 2 + 1}[offset]
