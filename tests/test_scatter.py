@@ -238,3 +238,23 @@ def test_span_past_int64(device):
     assert got.tolist() == want.tolist()
     got = _scatter(device, [7, 8, 9], [-2**63, 2**63 - 1], [1], pool)
     assert got.tolist() == pool.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_non_monotonic_offsets_and_rows_past_flat_in(device):
+    """SPEC §3.4 and §4: each row reads ``flat_in[offsets[r] : offsets[r] + L]`` on its own, whatever
+    the neighbouring offsets: a reversed range writes nothing, a later row may read cells an
+    earlier one read (or cells before them), a range that starts past ``flat_in`` writes nothing
+    and one that runs past it writes only its cells inside; every other cell keeps its value."""
+    rng = np.random.default_rng(90)
+    flat_in = [int(v) for v in rng.integers(-2**31, 2**31, size=6)]
+    pool = rng.integers(-2**31, 2**31, size=(5, 4)).astype(np.int32)
+    # r0 [4, 1) reversed; r1 [1, 3); r2 [3, 9) runs past the 6 ids, truncated to the width 4;
+    # r3 [9, 12) starts past them; r4 [12, 0) reversed; r5 [0, 3) reads again from the start.
+    got = _scatter(device, flat_in, [4, 1, 3, 9, 12, 0, 3], [1, 2, 3, 4, 1, 0], pool)
+    want = pool.copy()
+    want[2, :2] = flat_in[1:3]
+    want[3, :3] = flat_in[3:6]
+    want[0, :3] = flat_in[0:3]
+    assert got.tolist() == want.tolist()
+    assert got[1].tolist() == pool[1].tolist() and got[4].tolist() == pool[4].tolist()
