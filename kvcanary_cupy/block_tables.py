@@ -71,8 +71,10 @@ def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Option
     canary's ``int32`` slot table, each row at least ``(first_block + blocks) * block_size`` wide.
     Block-table row ``i`` goes to canary row ``rows[i]`` (host integers; ``1 .. n`` by default, row 0
     being the padding row): ``req_to_token[rows[i], (first_block + b) * block_size + o] =
-    block_table[i, b] * block_size + o``, the slot's low 32 bits. Cells past a request's tokens are
-    written too and never read.
+    block_table[i, b] * block_size + o``, or ``-1`` where int32 cannot hold that slot (a negative
+    block id, or one past ``2**31 / block_size``: its low 32 bits could name a real slot), which
+    verify reports as ``OUT_OF_RANGE`` where it reads it. Cells past a request's tokens are written
+    too and never read.
 
     Call it once the engine's table holds a request's blocks (a new request's, prefix-cache hits
     included; appended blocks, or a row that moved) and before the ``before_forward`` of the forward

@@ -18,7 +18,8 @@ def _expected_rows(table: np.ndarray, block_size: int, rows, first_block: int, t
     for index, row in enumerate(rows):
         for column, block in enumerate(table[index]):
             for offset in range(block_size):
-                want[row, (first_block + column) * block_size + offset] = int(block) * block_size + offset
+                slot = int(block) * block_size + offset
+                want[row, (first_block + column) * block_size + offset] = slot if 0 <= slot < 2**31 else -1
     return want
 
 
@@ -36,6 +37,38 @@ def test_mirror_writes_each_blocks_slots_into_its_canary_row(device, table_dtype
                                first_block=first_block)
         given_rows = range(1, 8) if rows is None else rows
         assert (to_numpy(target) == _expected_rows(part, block_size, given_rows, first_block, start)).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_block_whose_slots_int32_cannot_hold_is_read_as_out_of_range(device):
+    """Block ids from 2**31 / block_size on, and negative ones, are stored as -1: their low 32 bits
+    would name the padding slot (2**30 * 4 is 2**32) or another request's slot."""
+    block_size = 4
+    table = np.array([[3, 2**30, 7], [-1, 2**29 - 1, 2**29]], np.int64)
+    req_to_token = to_device(np.zeros((3, 12), np.int32), device)
+    kc.block_tables.mirror(req_to_token, block_table=to_device(table, device), block_size=block_size)
+    held = to_numpy(req_to_token)
+    assert held[1].tolist() == [12, 13, 14, 15, -1, -1, -1, -1, 28, 29, 30, 31]
+    assert held[2, :4].tolist() == [-1] * 4 and held[2, 4:8].tolist() == [2**31 - 4, 2**31 - 3, 2**31 - 2, 2**31 - 1]
+    assert (held[2, 8:] == -1).all()
+    canary = kc.Canary(pool_slot_count=64, req_to_token=req_to_token, device=device,
+                       capacities=kc.Capacities.from_args(req_to_token_pool_size=3, max_seq_len_per_req=12,
+                                                          pool_slot_count=64, max_prefill_tokens=16))
+    rng = np.random.default_rng(23)
+    put = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    first = kc.ForwardBatch(req_pool_indices=put([1]), prefix_lens=put([0]), extend_seq_lens=put([4]),
+                            input_ids=put(rng.integers(1, 1000, 4)), positions=put(range(4)),
+                            out_cache_loc=put(range(12, 16)))
+    canary.before_forward(first)
+    canary.after_forward(first)
+    assert canary.poll().total == 0
+    reads = kc.ForwardBatch(req_pool_indices=put([1]), prefix_lens=put([6]), extend_seq_lens=put([0]),
+                            input_ids=put([]), positions=put([]), out_cache_loc=put([]))
+    canary.before_forward(reads)
+    canary.after_forward(reads)
+    events = canary.poll().events
+    assert events and all("OUT_OF_RANGE" in event.reasons for event in events)
+    assert {event.position for event in events} <= {4, 5}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -358,7 +391,7 @@ def test_refill_refuses_a_batch_it_cannot_fill_and_changes_nothing(device, spoil
 @requires_gpu
 def test_the_gpu_gives_the_cpus_bits_whatever_the_values():
     """Block ids past the pool and negative, offsets that fall and lengths near int64's ends (the
-    host checks only host values): the kernels wrap as NumPy does."""
+    host checks only host values): the kernels' arithmetic gives NumPy's bits."""
     from kvcanary_cupy._dlpack import parse_device
     from kvcanary_cupy.ops._dispatch import backend_module
     cpu, cuda = (backend_module(parse_device(name), "block_tables") for name in ("cpu", "cuda"))

@@ -1,8 +1,8 @@
 """What kc.block_tables costs a forward on a GPU, against the array expressions a user would write.
 
 For vLLM-shaped batches (int32 ``query_start_loc``, ``seq_lens`` and ``input_ids``; int64 positions
-and slot mapping): ``kc.ForwardBatch.from_offsets``, ``kc.block_tables.refill`` into a bound batch,
-and the naive version (CuPy expressions: casts, a difference, an ``arange``); for block tables:
+and slot mapping): ``kc.ForwardBatch.from_offsets``, ``kc.block_tables.refill`` into a bound batch
+(eagerly, and replayed from a CUDA graph that captured it), and the naive version (CuPy expressions: casts, a difference, an ``arange``); for block tables:
 ``kc.block_tables.mirror`` of the rows that got a block and of whole rows, against the naive
 broadcast and scatter. Each is timed three ways (device time between CUDA events, host time a
 call with the device kept busy, back-to-back wall time a call), beside an empty CuPy kernel's launch
@@ -79,8 +79,13 @@ def _same_batch(ours, naive) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="", help="write the figures here as JSON")
+    parser.add_argument("--profile", action="store_true", help="only where the host time of each call goes (cProfile)")
     args = parser.parse_args()
     import cupy  # noqa: PLC0415
+
+    if args.profile:
+        _profile(cupy)
+        return
 
     stream = cupy.cuda.Stream(non_blocking=True)
     timer = T.GpuTimer(cupy, stream, l2_bytes=64 << 20)
@@ -100,6 +105,10 @@ def main() -> None:
         calls = {"from_offsets": lambda i: kc.ForwardBatch.from_offsets(**inputs[i], stream=stream),
                  "refill": lambda i: kc.block_tables.refill(bound[i], **inputs[i], stream=stream),
                  "naive": lambda i: _on(stream, lambda: _naive_batch(cupy, inputs[i]))}
+        # refill captured once a copy, as a static forward's graph holds it: each replay one graph launch
+        graphs = [timer.capture(lambda i=i: kc.block_tables.refill(bound[i], **inputs[i], stream=stream))
+                  for i in range(COPIES)]
+        calls["refill_graph"] = lambda i: graphs[i].launch(stream)
         rows[name] = {call: _timed(timer, fn) for call, fn in calls.items()}
         rows[name]["naive_agrees"] = agree
     for name, count, blocks, block_size in MIRRORS:
@@ -127,6 +136,40 @@ def main() -> None:
     if args.out:
         device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
         pathlib.Path(args.out).write_text(json.dumps(dict(device=device, cupy=cupy.__version__, rows=rows), indent=1))
+
+
+def _profile(cupy) -> None:
+    import cProfile  # noqa: PLC0415
+    import io  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    kc.compile_kernels(device="cuda")
+    with stream:
+        inputs = _batch_inputs(cupy, np.random.default_rng(1), 256, 4096, 1)
+        bound = kc.ForwardBatch.from_offsets(**inputs)
+        bound = kc.ForwardBatch(**{field: getattr(bound, field).copy() for field in bound.__dataclass_fields__
+                                   if getattr(bound, field) is not None})
+        table = cupy.asarray(np.random.default_rng(2).integers(1, 1 << 18, (16, 1), dtype=np.int32))
+        req_to_token = cupy.zeros((1025, 4096), dtype=cupy.int32)
+    rows = np.arange(1, 17)
+    calls = {"from_offsets": lambda: kc.ForwardBatch.from_offsets(**inputs, stream=stream),
+             "refill": lambda: kc.block_tables.refill(bound, **inputs, stream=stream),
+             "mirror": lambda: kc.block_tables.mirror(req_to_token, block_table=table, block_size=16, rows=rows,
+                                                      stream=stream)}
+    for name, call in calls.items():
+        for _ in range(200):
+            call()
+        stream.synchronize()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            call()
+        profile.disable()
+        stream.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+        print(f"== {name}: 2000 calls\n" + "\n".join(text.getvalue().splitlines()[:40]))
 
 
 def _on(stream, fn):

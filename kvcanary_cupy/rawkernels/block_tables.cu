@@ -2,14 +2,15 @@
 // (kc.block_tables). Each is one launch, where array expressions would be several on every forward
 // (a host cost a forward larger than the canary's own). Grid-stride loops; every index the host
 // checked (rows inside req_to_token, columns inside its width), so nothing is read or written
-// past the arrays whatever the values. Arithmetic on values is unsigned, as NumPy's wrapping
-// integers are, so garbage block ids or lengths give the CPU's bits, not undefined behaviour.
+// past the arrays whatever the values. Lengths are computed in unsigned arithmetic, as NumPy's
+// wrapping integers are, so garbage offsets give the CPU's bits, not undefined behaviour.
 #include "canary_common.cuh"
 
 // req_to_token[row(i), first_cell + c] = table[i, c / block_size] * block_size + c % block_size for
 // c < blocks * block_size, with row(i) = rows[i] (host-checked request rows) or i + 1 when rows is
-// null; the low 32 bits of the slot, as NumPy's astype(int32) keeps them. Table strides are in
-// elements.
+// null. A slot that int32 cannot hold (a negative block id, or one past 2^31 / block_size) is
+// stored as -1, which the plan passes on and verify reports OUT_OF_RANGE: its low 32 bits could
+// name a real slot, or the padding slot that is never checked. Table strides are in elements.
 template <typename Block>
 __global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_mirror_blocks(const Block* __restrict__ table, kvc_i64 table_count, kvc_i64 blocks,
                                   kvc_i64 table_row_stride, kvc_i64 table_col_stride,
@@ -23,9 +24,10 @@ __global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_mirror_blocks(co
         const kvc_i64 c = k - i * cells;
         const kvc_i64 b = c / block_size;
         const kvc_i64 block = (kvc_i64)table[i * table_row_stride + b * table_col_stride];
-        const kvc_u64 slot = (kvc_u64)block * (kvc_u64)block_size + (kvc_u64)(c - b * block_size);
+        const kvc_i64 offset = c - b * block_size;
+        const bool fits = block >= 0 && block <= (KVC_INT32_MAX - offset) / block_size;
         const kvc_i64 row = rows ? rows[i] : i + 1;
-        req_to_token[row * rtt_row_stride + first_cell + c] = (int)(unsigned)slot;
+        req_to_token[row * rtt_row_stride + first_cell + c] = fits ? (int)(block * block_size + offset) : -1;
     }
 }
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .... import _layout as L
+
+_INT32_MAX = np.int64(L.INT32_MAX)
+
 
 def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stream=None) -> None:
     """``rows``: the canary rows (int64), or None for ``1 .. n``."""
@@ -11,8 +15,11 @@ def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stre
     if rows is None:
         rows = np.arange(1, count + 1, dtype=np.int64)
     start = first_block * block_size
-    with np.errstate(over="ignore"):
-        slots = table.astype(np.int64)[:, :, None] * np.int64(block_size) + np.arange(block_size, dtype=np.int64)
+    offsets = np.arange(block_size, dtype=np.int64)
+    blocks_of = table.astype(np.int64)[:, :, None]
+    # a slot int32 cannot hold is stored as -1 (read as OUT_OF_RANGE), as block_tables.cu does
+    fits = (blocks_of >= 0) & (blocks_of <= (_INT32_MAX - offsets) // block_size)
+    slots = np.where(fits, np.where(fits, blocks_of, 0) * block_size + offsets, -1)
     req_to_token[rows, start:start + blocks * block_size] = slots.reshape(count, blocks * block_size).astype(np.int32)
 
 
