@@ -119,11 +119,13 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     ``r`` in canary row ``r + 1``, as :func:`mirror` puts block-table row ``r``). Each may be
     ``int32`` or ``int64``, with any stride; ``extend_seq_lens`` and ``prefix_lens`` are derived, and
     every array is given to the batch as ``int64`` (contiguous ``int64`` token arrays as they are,
-    others copied: one launch for the lengths and one for each copy). Tokens past
+    referenced as by any batch, so an engine that refills them before the next poll may have
+    reports name the wrong request; others copied: one launch for the lengths and one for each
+    copy). Tokens past
     ``query_start_loc[bs]`` (a padded tail) are not read. ``optional``: the other fields of
     ``ForwardBatch`` (``expected_input_tokens``...), passed through as given.
     """
-    from .session import ForwardBatch  # imported here: the session module takes this function as from_offsets
+    from .session import ForwardBatch, _req_ids  # imported here: the session module takes this as from_offsets
 
     unknown = sorted(set(optional) - set(_PASSED_THROUGH))
     if unknown:
@@ -132,6 +134,7 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     device, views, stream = _views(_sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
                                             req_pool_indices), stream)
     size = _check_sources(views, device)
+    _req_ids(req_ids, views["seq_lens"])
     xp = _xp(device)
     with on_device(device, stream):
         fields = {name: xp.empty(size, dtype=np.int64) for name in _REQUEST_FIELDS}

@@ -445,3 +445,9 @@ def test_refill_is_captured_in_a_cuda_graph_and_replays_new_values():
         stream.synchronize()
         assert to_numpy(batch.prefix_lens).tolist() == (cached + seed).tolist()
         assert (to_numpy(batch.input_ids)[:13] == fresh["input_ids"][:13]).all()
+
+
+def test_from_offsets_refuses_more_request_ids_than_requests():
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(24))
+    with pytest.raises(ValueError, match="kv-canary: req_ids must have at most one id per batch row"):
+        kc.ForwardBatch.from_offsets(**inputs, req_ids=list("abcdef"))
