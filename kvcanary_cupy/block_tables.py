@@ -120,8 +120,7 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     ``int32`` or ``int64``, with any stride; ``extend_seq_lens`` and ``prefix_lens`` are derived, and
     every array is given to the batch as ``int64`` (contiguous ``int64`` token arrays as they are,
     referenced as by any batch, so an engine that refills them before the next poll may have
-    reports name the wrong request; others copied: one launch for the lengths and one for each
-    copy). Tokens past
+    reports name the wrong request; others copied), in one launch on a GPU. Tokens past
     ``query_start_loc[bs]`` (a padded tail) are not read. ``optional``: the other fields of
     ``ForwardBatch`` (``expected_input_tokens``...), passed through as given.
     """
@@ -136,12 +135,15 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     size = _check_sources(views, device)
     _req_ids(req_ids, views["seq_lens"])
     xp = _xp(device)
+    widened = [name for name in _TOKEN_FIELDS if not (views[name].dtype == np.int64 and views[name].flags.c_contiguous)]
     with on_device(device, stream):
-        fields = {name: xp.empty(size, dtype=np.int64) for name in _REQUEST_FIELDS}
-        for name in _TOKEN_FIELDS:
-            view = views[name]
-            kept = view.dtype == np.int64 and view.flags.c_contiguous
-            fields[name] = view if kept else xp.empty(view.shape[0], dtype=np.int64)
+        # one allocation for every array the batch gets anew, cut into its fields
+        lengths = [size] * len(_REQUEST_FIELDS) + [views[name].shape[0] for name in widened]
+        memory = xp.empty(sum(lengths), dtype=np.int64)
+        ends = np.cumsum(lengths).tolist()
+        fields = {name: memory[end - length:end]
+                  for name, end, length in zip(_REQUEST_FIELDS + tuple(widened), ends, lengths)}
+        fields.update({name: views[name] for name in _TOKEN_FIELDS if name not in widened})
         _fill(device, views, fields, stream)
     return ForwardBatch(**fields, req_ids=req_ids, **optional)
 
@@ -151,10 +153,8 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     """:func:`forward_batch` into ``batch``'s own arrays, in place: for a batch bound once (a static
     forward's, whose arrays a CUDA graph reads) refilled each step. Its three request fields must
     be ``int64 [bs]``, its token fields ``int64`` and at least as long as the arrays given (a token
-    array that is the batch's own is left as it is); nothing is allocated, so on a GPU it is
-    one launch for the lengths and one for each token array copied, capturable in a CUDA graph
-    when the arrays given share one dtype (``query_start_loc`` and ``seq_lens`` of different
-    dtypes cost a temporary)."""
+    array that is the batch's own is left as it is); nothing is allocated, so on a GPU it is one
+    launch, capturable in a CUDA graph."""
     from .session import ForwardBatch
 
     check.instance("batch", batch, ForwardBatch)
@@ -209,15 +209,11 @@ def _same_array(view, field) -> bool:
 
 def _fill(device, views: dict, fields: dict, stream) -> None:
     """The batch's fields from the given arrays (their rules checked), on the current device and stream."""
-    backend = backend_module(device, "block_tables")
-    starts, lens = views["query_start_loc"], views["seq_lens"]
-    if starts.dtype != lens.dtype:  # the kernel takes both of one type
-        starts, lens = (view.astype(np.int64) for view in (starts, lens))
-    backend.lengths(starts, lens, views.get("req_pool_indices"), fields["req_pool_indices"], fields["prefix_lens"],
-                    fields["extend_seq_lens"], stream=stream)
-    for name in _TOKEN_FIELDS:
-        if views[name].size and not _same_array(views[name], fields[name]):
-            backend.widen(views[name], fields[name], stream=stream)
+    tokens = [(views[name], fields[name]) for name in _TOKEN_FIELDS
+              if views[name].size and not _same_array(views[name], fields[name])]
+    backend_module(device, "block_tables").fill(
+        views["query_start_loc"], views["seq_lens"], views.get("req_pool_indices"), fields["req_pool_indices"],
+        fields["prefix_lens"], fields["extend_seq_lens"], tokens, stream=stream)
 
 
 def _xp(device):

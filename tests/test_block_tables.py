@@ -4,6 +4,7 @@ cumulative offsets, on both backends; a vLLM-style engine whose batch rows move 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -408,19 +409,25 @@ def test_the_gpu_gives_the_cpus_bits_whatever_the_values():
         cuda.mirror(got, to_device(table, "cuda"), to_device(rows, "cuda"), 8, 1,
                     stream=kc._dlpack.cupy_module().cuda.get_current_stream())
         assert (to_numpy(got) == want).all()
-        for row_dtype in (np.int32, np.int64):
-            starts = np.concatenate([edges, rng.integers(-2**40, 2**40, 30)]).astype(dtype)
-            lens = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, size=starts.size - 1, dtype=dtype)
-            given_rows = rng.integers(-2**31, 2**31 - 1, size=lens.size).astype(row_dtype)
-            for rows_given in (given_rows, None):
-                want = [np.zeros(lens.size, np.int64) for _ in range(3)]
-                cpu.lengths(starts, lens, rows_given, *want)
-                got = [to_device(np.zeros(lens.size, np.int64), "cuda") for _ in range(3)]
-                cuda.lengths(to_device(starts, "cuda"), to_device(lens, "cuda"),
-                             None if rows_given is None else to_device(rows_given, "cuda"), *got,
-                             stream=kc._dlpack.cupy_module().cuda.get_current_stream())
-                for mine, theirs in zip(got, want):
-                    assert (to_numpy(mine) == theirs).all()
+    stream = kc._dlpack.cupy_module().cuda.get_current_stream()
+    for starts_dtype, lens_dtype, row_dtype, token_dtype in itertools.product((np.int32, np.int64), repeat=4):
+        starts = np.concatenate([edges, rng.integers(-2**40, 2**40, 30)]).astype(starts_dtype)
+        lens = rng.integers(np.iinfo(lens_dtype).min, np.iinfo(lens_dtype).max, size=starts.size - 1,
+                            dtype=lens_dtype, endpoint=True)
+        given_rows = rng.integers(-2**31, 2**31 - 1, size=lens.size).astype(row_dtype)
+        sources = [rng.integers(np.iinfo(token_dtype).min, np.iinfo(token_dtype).max, size=count, dtype=token_dtype,
+                                endpoint=True) for count in (5, 0, 300)]
+        for rows_given in (given_rows, None):
+            want = [np.zeros(lens.size, np.int64) for _ in range(3)]
+            want_tokens = [np.full(count + 2, 7, np.int64) for count in (5, 0, 300)]
+            cpu.fill(starts, lens, rows_given, *want, list(zip(sources, want_tokens)))
+            got = [to_device(np.zeros(lens.size, np.int64), "cuda") for _ in range(3)]
+            got_tokens = [to_device(np.full(count + 2, 7, np.int64), "cuda") for count in (5, 0, 300)]
+            cuda.fill(to_device(starts, "cuda"), to_device(lens, "cuda"),
+                      None if rows_given is None else to_device(rows_given, "cuda"), *got,
+                      [(to_device(source, "cuda"), out) for source, out in zip(sources, got_tokens)], stream=stream)
+            for mine, theirs in zip(got + got_tokens, want + want_tokens):
+                assert (to_numpy(mine) == theirs).all()
 
 
 @requires_gpu

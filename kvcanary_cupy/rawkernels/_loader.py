@@ -75,11 +75,10 @@ def plan_instance(tile: int, lut: bool) -> str:
 _PLAN_KERNELS = tuple(plan_instance(tile, lut) for tile in PLAN_TILES for lut in (True, False))
 _SESSION_KERNELS = ("kvc_count_disabled", "kvc_count_run", "kvc_translate_slots")  # extern "C"
 _RECORDS_KERNELS = ("kvc_gather_records", "kvc_scatter_records", "kvc_copy_records")  # extern "C"
-# kc.block_tables' kernels for int32 and int64 inputs (the lengths' for each dtype of offsets and of rows)
+# kc.block_tables' kernels: the mirror for int32 and int64 block tables, the batch (which takes
+# either dtype for each input) extern "C"
 BLOCK_TABLE_CTYPES = ("int", "long long")
-_BLOCK_TABLE_KERNELS = tuple(
-    [f"{kernel}<{ctype}>" for kernel in ("kvc_mirror_blocks", "kvc_widen") for ctype in BLOCK_TABLE_CTYPES]
-    + [f"kvc_batch_lengths<{lengths}, {rows}>" for lengths in BLOCK_TABLE_CTYPES for rows in BLOCK_TABLE_CTYPES])
+_MIRROR_KERNELS = tuple(f"kvc_mirror_blocks<{ctype}>" for ctype in BLOCK_TABLE_CTYPES)
 
 _SPECS = (
     KernelSpec("verify", "verify.cu", _VERIFY_KERNELS, _VERIFY_KERNELS, (("KVC_VERIFY_THREADS", 256),)),
@@ -96,7 +95,7 @@ _SPECS = (
                (("KVC_STEP_THREADS", 512), ("KVC_STEP_TAIL_MAX_REQUESTS", 32))),
     KernelSpec("session", "session.cu", (), _SESSION_KERNELS, (("KVC_SESSION_THREADS", 256),)),
     KernelSpec("records", "records.cu", (), _RECORDS_KERNELS, (("KVC_RECORDS_THREADS", 256),)),
-    KernelSpec("block_tables", "block_tables.cu", _BLOCK_TABLE_KERNELS, _BLOCK_TABLE_KERNELS,
+    KernelSpec("block_tables", "block_tables.cu", _MIRROR_KERNELS, _MIRROR_KERNELS + ("kvc_batch_from_offsets",),
                (("KVC_BLOCK_TABLES_THREADS", 256),)),
 )
 SPECS = {spec.name: spec for spec in _SPECS}

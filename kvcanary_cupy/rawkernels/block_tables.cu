@@ -1,6 +1,6 @@
 // block_tables: an engine's block tables and cumulative offsets in the canary's terms
 // (kc.block_tables). Each is one launch, where array expressions would be several on every forward
-// (a host cost a forward larger than the canary's own). Grid-stride loops; every index the host
+// (each a host cost of its own). Grid-stride loops; every index the host
 // checked (rows inside req_to_token, columns inside its width), so nothing is read or written
 // past the arrays whatever the values. Lengths are computed in unsigned arithmetic, as NumPy's
 // wrapping integers are, so garbage offsets give the CPU's bits, not undefined behaviour.
@@ -31,32 +31,43 @@ __global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_mirror_blocks(co
     }
 }
 
-// A batch's lengths from cumulative offsets: extend[r] = qsl[r + 1] - qsl[r], prefix[r] = seq_lens[r]
-// - extend[r], rows_out[r] = rows[r] (or r + 1 when rows is null), all int64. Strides in elements.
-// rows may be rows_out itself (a batch refilled from its own row array): each thread reads its
-// cell before it stores it.
-template <typename Length, typename Row>
-__global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_batch_lengths(const Length* __restrict__ query_start_loc, kvc_i64 qsl_stride,
-                                  const Length* __restrict__ seq_lens, kvc_i64 seq_stride,
-                                  const Row* rows, kvc_i64 rows_stride, kvc_i64 bs,
-                                  kvc_i64* rows_out, kvc_i64* __restrict__ prefix_out,
-                                  kvc_i64* __restrict__ extend_out) {
-    const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
-    for (kvc_i64 r = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; r < bs; r += step) {
-        const kvc_u64 start = (kvc_u64)(kvc_i64)query_start_loc[r * qsl_stride];
-        const kvc_u64 end = (kvc_u64)(kvc_i64)query_start_loc[(r + 1) * qsl_stride];
-        const kvc_u64 extend = end - start;
-        extend_out[r] = (kvc_i64)extend;
-        prefix_out[r] = (kvc_i64)((kvc_u64)(kvc_i64)seq_lens[r * seq_stride] - extend);
-        rows_out[r] = rows ? (kvc_i64)rows[r * rows_stride] : r + 1;
-    }
+// One element of an index array given as int32 or int64 (the caller's dtype, told by a flag).
+__device__ __forceinline__ kvc_i64 kvc_index_at(const void* array, bool is_int32, kvc_i64 i) {
+    return is_int32 ? (kvc_i64)((const int*)array)[i] : ((const kvc_i64*)array)[i];
 }
 
-// out[i] = src[i * stride] as int64, i < n: a token array widened (or copied) into the batch's own.
-template <typename Value>
-__global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_widen(const Value* __restrict__ src, kvc_i64 stride, kvc_i64 n, kvc_i64* __restrict__ out) {
+// A ForwardBatch's arrays from cumulative offsets, in one launch: for r < bs, extend[r] = qsl[r + 1]
+// - qsl[r], prefix[r] = seq_lens[r] - extend[r] (unsigned, as NumPy wraps), rows_out[r] = rows[r]
+// (r + 1 when rows is null); then for each token array t with n_t > 0, out_t[i] = tokens_t[i]
+// widened to int64. int32_mask says which inputs are int32 (bit 0 qsl, 1 seq_lens, 2 rows, 3 + t
+// token array t); strides are in elements. rows may be rows_out itself (a batch refilled from its
+// own row array): each thread reads its cell before it stores it; no other input is an output.
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_batch_from_offsets(
+        const void* query_start_loc, const void* seq_lens, const void* rows, kvc_i64 qsl_stride,
+        kvc_i64 seq_stride, kvc_i64 rows_stride, int int32_mask, kvc_i64 bs, kvc_i64* rows_out,
+        kvc_i64* __restrict__ prefix_out, kvc_i64* __restrict__ extend_out, const void* tokens0,
+        const void* tokens1, const void* tokens2, kvc_i64 stride0, kvc_i64 stride1, kvc_i64 stride2,
+        kvc_i64 n0, kvc_i64 n1, kvc_i64 n2, kvc_i64* out0, kvc_i64* out1, kvc_i64* out2) {
     const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
-    for (kvc_i64 i = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
-        out[i] = (kvc_i64)src[i * stride];
+    const kvc_i64 total = bs + n0 + n1 + n2;
+    for (kvc_i64 k = (kvc_i64)blockIdx.x * blockDim.x + threadIdx.x; k < total; k += step) {
+        if (k < bs) {
+            const kvc_u64 start = (kvc_u64)kvc_index_at(query_start_loc, int32_mask & 1, k * qsl_stride);
+            const kvc_u64 end = (kvc_u64)kvc_index_at(query_start_loc, int32_mask & 1, (k + 1) * qsl_stride);
+            const kvc_u64 extend = end - start;
+            extend_out[k] = (kvc_i64)extend;
+            prefix_out[k] = (kvc_i64)((kvc_u64)kvc_index_at(seq_lens, int32_mask & 2, k * seq_stride) - extend);
+            rows_out[k] = rows ? kvc_index_at(rows, int32_mask & 4, k * rows_stride) : k + 1;
+            continue;
+        }
+        kvc_i64 i = k - bs;
+        if (i < n0) {
+            out0[i] = kvc_index_at(tokens0, int32_mask & 8, i * stride0);
+        } else if ((i -= n0) < n1) {
+            out1[i] = kvc_index_at(tokens1, int32_mask & 16, i * stride1);
+        } else {
+            i -= n1;
+            out2[i] = kvc_index_at(tokens2, int32_mask & 32, i * stride2);
+        }
     }
 }

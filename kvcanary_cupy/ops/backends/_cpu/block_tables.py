@@ -23,15 +23,14 @@ def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stre
     req_to_token[rows, start:start + blocks * block_size] = slots.reshape(count, blocks * block_size).astype(np.int32)
 
 
-def lengths(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, *, stream=None) -> None:
-    """``rows``: the batch's rows, or None for ``1 .. bs``."""
+def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens, *, stream=None) -> None:
+    """A batch's fields from its offsets. ``rows``: the batch's rows, or None for ``1 .. bs``;
+    ``tokens``: ``(source, out)`` pairs, each source widened into its out."""
     starts = query_start_loc.astype(np.int64)
     with np.errstate(over="ignore"):
         extend = starts[1:] - starts[:-1]
         prefix_out[...] = seq_lens.astype(np.int64) - extend
     extend_out[...] = extend
     rows_out[...] = np.arange(1, seq_lens.shape[0] + 1) if rows is None else rows
-
-
-def widen(source, out, *, stream=None) -> None:
-    out[:source.shape[0]] = source
+    for source, out in tokens:
+        out[:source.shape[0]] = source
