@@ -33,6 +33,7 @@ _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _PASSED_THROUGH = ("expected_input_tokens", "expected_input_positions", "expected_valid_lens", "swa_out_cache_loc")
 _REQUEST_FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens")  # a ForwardBatch's, [bs] each
 _TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc")  # a ForwardBatch's, [n] each
+_SOURCE_NAMES = frozenset(("query_start_loc", "seq_lens", "req_pool_indices") + _TOKEN_FIELDS)  # the arrays given
 
 
 def _views(arrays: dict, stream: Any):
@@ -126,7 +127,7 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     """
     from .session import ForwardBatch, _req_ids  # imported here: the session module takes this as from_offsets
 
-    unknown = sorted(set(optional) - set(_PASSED_THROUGH))
+    unknown = sorted(set(optional) - set(_PASSED_THROUGH)) if optional else ()
     if unknown:
         raise TypeError(f"{check.PREFIX}forward_batch takes ForwardBatch's optional fields {_PASSED_THROUGH} as "
                         f"keywords besides its own, got {unknown[0]!r}")
@@ -136,13 +137,14 @@ def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positi
     _req_ids(req_ids, views["seq_lens"])
     xp = _xp(device)
     widened = [name for name in _TOKEN_FIELDS if not (views[name].dtype == np.int64 and views[name].flags.c_contiguous)]
+    lengths = [(name, size) for name in _REQUEST_FIELDS] + [(name, views[name].shape[0]) for name in widened]
     with on_device(device, stream):
         # one allocation for every array the batch gets anew, cut into its fields
-        lengths = [size] * len(_REQUEST_FIELDS) + [views[name].shape[0] for name in widened]
-        memory = xp.empty(sum(lengths), dtype=np.int64)
-        ends = np.cumsum(lengths).tolist()
-        fields = {name: memory[end - length:end]
-                  for name, end, length in zip(_REQUEST_FIELDS + tuple(widened), ends, lengths)}
+        memory = xp.empty(sum(length for _, length in lengths), dtype=np.int64)
+        fields, start = {}, 0
+        for name, length in lengths:
+            fields[name] = memory[start:start + length]
+            start += length
         fields.update({name: views[name] for name in _TOKEN_FIELDS if name not in widened})
         _fill(device, views, fields, stream)
     return ForwardBatch(**fields, req_ids=req_ids, **optional)
@@ -172,12 +174,9 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
                              f"({views[name].shape[0]}), got {fields[name].shape[0]}")
     for name, field in fields.items():
         check.writable(f"batch.{name}", field)
-    stored = {f"batch.{name}": field for name, field in fields.items()
-              if not (name in _TOKEN_FIELDS and _same_array(views[name], field))}
-    check.apart(stored)
-    check.apart({**{name: view for name, view in views.items() if view.flags.c_contiguous
-                    and not (name == "req_pool_indices" and _same_array(view, fields[name]))},
-                 **{label: field for label, field in stored.items() if label != "batch.req_pool_indices"}})
+    kept = {name for name in _TOKEN_FIELDS if _same_array(views[name], fields[name])}  # not copied onto itself
+    check.stored_apart({f"batch.{name}": field for name, field in fields.items() if name not in kept}, views,
+                       in_place=frozenset({("batch.req_pool_indices", "req_pool_indices")}))
     with on_device(device, stream):
         _fill(device, views, fields, stream)
 
@@ -189,9 +188,9 @@ def _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req
 
 def _check_sources(views: dict, device) -> int:
     """The given arrays' rules; the batch's size."""
-    for name in _sources(*[None] * 6):
-        if name in views:
-            _index_array(name, views[name], 1)
+    for name, view in views.items():
+        if name in _SOURCE_NAMES:
+            _index_array(name, view, 1)
     size = views["seq_lens"].shape[0]
     check.length("query_start_loc", views["query_start_loc"], size + 1, "one more than seq_lens has requests")
     if "req_pool_indices" in views:
@@ -203,7 +202,7 @@ def _check_sources(views: dict, device) -> int:
 
 def _same_array(view, field) -> bool:
     """``view`` is ``field`` itself: the same int64 elements at the same address."""
-    return (view.dtype == np.int64 and view.flags.c_contiguous and view.shape[0] <= field.shape[0]
+    return view is field or (view.dtype == np.int64 and view.flags.c_contiguous and view.shape[0] <= field.shape[0]
             and data_pointer(view) == data_pointer(field))
 
 

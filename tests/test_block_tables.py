@@ -367,7 +367,9 @@ def test_offsets_of_mixed_dtypes_and_strides_give_the_same_batch(device):
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("spoil, words", [
     (lambda batch, given: (batch, dict(given, req_pool_indices=batch.prefix_lens)),
-     "req_pool_indices and batch.prefix_lens must not share memory"),
+     "batch.prefix_lens and req_pool_indices must not share memory (batch.prefix_lens is stored into)"),
+    (lambda batch, given: (batch, dict(given, req_pool_indices=batch.extend_seq_lens[::-1])),
+     "batch.extend_seq_lens and req_pool_indices must not share memory"),
     (lambda batch, given: (dataclasses.replace(batch, prefix_lens=batch.extend_seq_lens), given),
      "batch.prefix_lens and batch.extend_seq_lens must not share memory"),
     (lambda batch, given: (dataclasses.replace(batch, input_ids=batch.input_ids[:12]), given),

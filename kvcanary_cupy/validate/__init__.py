@@ -38,6 +38,7 @@ from .rules import (  # noqa: F401
     scalar_cell,
     shape_text,
     slot_count,
+    stored_apart,
     table,
     vector,
     writable,

@@ -220,6 +220,31 @@ def apart(arrays: Mapping[str, Any]) -> None:
                                  f"own), got bytes [0x{start:x}, 0x{end:x}) and [0x{other_start:x}, 0x{other_end:x})")
 
 
+def _span(array) -> tuple[int, int]:
+    """The bytes ``[first, end)`` a 1-D array's elements lie in, whatever its stride's sign."""
+    start, reach = data_pointer(array), (int(array.shape[0]) - 1) * int(array.strides[0])
+    return start + min(reach, 0), start + max(reach, 0) + int(array.itemsize)
+
+
+def stored_apart(stored: Mapping[str, Any], read: Mapping[str, Any], in_place: frozenset = frozenset()) -> None:
+    """The 1-D arrays an op stores into share no byte with each other nor with the arrays it reads,
+    but the ``(stored, read)`` pairs of ``in_place``, the same cells, each read before it is
+    stored by the thread that stores it. Any other overlap has one thread read what another
+    stores, in no fixed order."""
+    spans = {name: _span(array) for name, array in {**stored, **read}.items() if array.size}
+    order = {name: index for index, name in enumerate(spans)}  # the stored ones first
+    for name in stored:
+        if name not in spans:
+            continue
+        start, end = spans[name]
+        for other, (other_start, other_end) in spans.items():
+            if order[other] <= order[name] and other in stored or (name, other) in in_place:
+                continue
+            if start < other_end and other_start < end:
+                raise ValueError(f"{PREFIX}{name} and {other} must not share memory ({name} is stored into), "
+                                 f"got bytes [0x{start:x}, 0x{end:x}) and [0x{other_start:x}, 0x{other_end:x})")
+
+
 def aligned(name: str, array, alignment: int) -> None:
     address = data_pointer(array)
     if array.size and address % alignment:
