@@ -69,7 +69,9 @@ def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Option
 
     ``block_table``: ``int32`` or ``int64 [n, blocks]``, the block ids of ``n`` requests (or a
     window of their columns, starting at block ``first_block``; any strides). ``req_to_token``: the
-    canary's ``int32`` slot table, each row at least ``(first_block + blocks) * block_size`` wide.
+    canary's ``int32`` slot table, each row at least ``(first_block + blocks) * block_size`` wide,
+    rows apart (no cell shared) and no byte shared with ``block_table``; ``block_size`` at most
+    ``2**31``.
     Block-table row ``i`` goes to canary row ``rows[i]`` (host integers; ``1 .. n`` by default, row 0
     being the padding row): ``req_to_token[rows[i], (first_block + b) * block_size + o] =
     block_table[i, b] * block_size + o``, or ``-1`` where int32 cannot hold that slot (a negative
@@ -83,13 +85,15 @@ def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Option
     ``rows`` to the device when they are given): mirror the rows (and columns) that changed, not
     the whole table each forward.
     """
-    block_size = check.positive("block_size", block_size)
+    block_size = check.slot_count("block_size", block_size)  # <= 2**31: a block's offsets fit in int32
     first_block = check.non_negative("first_block", first_block)
     device, views, stream = _views({"req_to_token": req_to_token, "block_table": block_table}, stream)
     target, table = views["req_to_token"], views["block_table"]
     check.table("req_to_token", target, np.int32)
     check.writable("req_to_token", target)
+    check.rows_apart("req_to_token", target)  # rows stored by threads of their own
     _index_array("block_table", table, 2)
+    check.stored_apart({"req_to_token": target}, {"block_table": table})
     count, blocks = table.shape
     canary_rows = None if rows is None else check.host_int64("rows", rows)
     if canary_rows is not None:
@@ -155,7 +159,9 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     """:func:`forward_batch` into ``batch``'s own arrays, in place: for a batch bound once (a static
     forward's, whose arrays a CUDA graph reads) refilled each step. Its three request fields must
     be ``int64 [bs]``, its token fields ``int64`` and at least as long as the arrays given (a token
-    array that is the batch's own is left as it is); nothing is allocated, so on a GPU it is one
+    array that is the batch's own is left as it is; ``req_pool_indices`` may be
+    ``batch.req_pool_indices`` itself, the same cells, but no other view of its memory); nothing
+    is allocated, so on a GPU it is one
     launch, capturable in a CUDA graph."""
     from .session import ForwardBatch
 

@@ -83,6 +83,16 @@ def test_mirror_reads_a_strided_window_of_the_engines_table(device):
     assert (to_numpy(target) == want).all()
 
 
+class _DeviceOnly:
+    """Rows NumPy cannot read, as a CuPy array or a CUDA tensor."""
+
+    def __len__(self):
+        return 3
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("bad, words", [
     (dict(rows=[0, 1, 2]), "rows must be request rows in [1, 6) (row 0 is the padding row"),
@@ -97,6 +107,10 @@ def test_mirror_reads_a_strided_window_of_the_engines_table(device):
     (dict(first_block=-1), "first_block must be non-negative"),
     (dict(block_size=0), "block_size must be positive"),
     (dict(block_size=2.0), "block_size must be an int"),
+    # past 2**31 a block's offsets do not fit in int32 (the kernel's bound then divides a negative)
+    (dict(block_size=2**31 + 1), "block_size must be <= 2**31"),
+    # a device array (CuPy's __array__ refuses): NumPy's own TypeError had no kv-canary: prefix
+    (dict(rows=_DeviceOnly()), "rows must be host integers (a list, tuple or NumPy array), got _DeviceOnly"),
     (dict(block_table="table"), "block_table"),
     (dict(float_table=True), "block_table must have dtype int32 or int64, got float32"),
     (dict(flat_table=True), "block_table must be 2-D"),
@@ -117,6 +131,49 @@ def test_mirror_refuses_bad_arguments_and_changes_nothing(device, bad, words):
         kc.block_tables.mirror(target, **arguments)
     assert str(caught.value).startswith("kv-canary: ") and words in str(caught.value)
     assert (to_numpy(target).astype(np.int32) == start).all()
+
+
+def _as_strided(array, shape, strides, device):
+    if device == "cpu":
+        return np.lib.stride_tricks.as_strided(array, shape=shape, strides=strides)
+    return kc._dlpack.cupy_module().lib.stride_tricks.as_strided(array, shape=shape, strides=strides)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_refuses_a_table_whose_rows_overlap_and_changes_nothing(device):
+    """Rows sharing cells (a short or zero row stride) would be stored by several GPU threads in no
+    fixed order, where NumPy's assignment keeps the last row's."""
+    memory = to_device(np.zeros(40, np.int32), device)
+    table = to_device(np.array([[1, 2], [3, 4], [5, 6]], np.int32), device)
+    for row_stride in (0, 4, 40):
+        target = _as_strided(memory, (6, 20), (row_stride, 4), device)
+        with pytest.raises(ValueError) as caught:
+            kc.block_tables.mirror(target, block_table=table, block_size=4)
+        assert str(caught.value).startswith("kv-canary: req_to_token rows must not overlap (row stride >= width "
+                                            f"* itemsize = 80 bytes), got row stride {row_stride}")
+        assert not to_numpy(memory).any()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_refuses_a_block_table_inside_the_slot_table_and_changes_nothing(device):
+    """A block table that is part of the slot table has threads read cells others store (NumPy
+    reads the whole table before it stores)."""
+    start = np.arange(6 * 20, dtype=np.int32).reshape(6, 20)
+    target = to_device(start, device)
+    with pytest.raises(ValueError) as caught:
+        kc.block_tables.mirror(target, block_table=target[2:5, 0:2], block_size=4, first_block=1)
+    assert str(caught.value).startswith("kv-canary: req_to_token and block_table must not share memory "
+                                        "(req_to_token is stored into)")
+    assert (to_numpy(target) == start).all()
+
+
+@requires_gpu
+def test_mirror_refuses_rows_on_the_device():
+    target = to_device(np.zeros((6, 20), np.int32), "cuda")
+    with pytest.raises(TypeError, match=r"^kv-canary: rows must be host integers .* got ndarray"):
+        kc.block_tables.mirror(target, block_table=to_device(np.ones((3, 2), np.int32), "cuda"), block_size=4,
+                               rows=to_device(np.array([1, 2, 3]), "cuda"))
+    assert not to_numpy(target).any()
 
 
 @requires_gpu
@@ -364,12 +421,30 @@ def test_offsets_of_mixed_dtypes_and_strides_give_the_same_batch(device):
         assert (to_numpy(getattr(batch, name)) == inputs[name]).all()
 
 
+def _rows_shifted_by_one(batch, given):
+    """The batch's rows in cells 0-4 of a buffer of 6, the rows given in cells 1-5."""
+    device = "cpu" if isinstance(batch.req_pool_indices, np.ndarray) else "cuda"
+    memory = to_device(np.full(6, -77, np.int64), device)
+    return dataclasses.replace(batch, req_pool_indices=memory[:5]), dict(given, req_pool_indices=memory[1:])
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("spoil, words", [
     (lambda batch, given: (batch, dict(given, req_pool_indices=batch.prefix_lens)),
      "batch.prefix_lens and req_pool_indices must not share memory (batch.prefix_lens is stored into)"),
     (lambda batch, given: (batch, dict(given, req_pool_indices=batch.extend_seq_lens[::-1])),
      "batch.extend_seq_lens and req_pool_indices must not share memory"),
+    # rows read and stored in place must be the same cells: a reversed, shifted or int32 view of
+    # the batch's rows has GPU threads store cells others have yet to read (NumPy copies first)
+    (lambda batch, given: (batch, dict(given, req_pool_indices=batch.req_pool_indices[::-1])),
+     "batch.req_pool_indices and req_pool_indices must be the same array (same dtype, address, length and stride"),
+    (lambda batch, given: (batch, dict(given, req_pool_indices=batch.req_pool_indices.view(np.int32)[:5])),
+     "batch.req_pool_indices and req_pool_indices must be the same array"),
+    (lambda batch, given: _rows_shifted_by_one(batch, given),
+     "batch.req_pool_indices and req_pool_indices must be the same array"),
+    (lambda batch, given: (batch, dict(given, req_pool_indices=_as_strided(
+        batch.req_pool_indices, (5,), (0,), "cpu" if isinstance(batch.req_pool_indices, np.ndarray) else "cuda"))),
+     "batch.req_pool_indices and req_pool_indices must be the same array"),
     (lambda batch, given: (dataclasses.replace(batch, prefix_lens=batch.extend_seq_lens), given),
      "batch.prefix_lens and batch.extend_seq_lens must not share memory"),
     (lambda batch, given: (dataclasses.replace(batch, input_ids=batch.input_ids[:12]), given),

@@ -81,7 +81,11 @@ def host_int64(name: str, values: Any) -> np.ndarray:
     whose first dimension has the expected length would pass a length check with more values than
     it names)."""
     if isinstance(values, range) or (hasattr(values, "__array__") and not isinstance(values, np.ndarray)):
-        values = np.asarray(values)  # a range, or a host array of another library
+        try:
+            values = np.asarray(values)  # a range, or a host array of another library
+        except (TypeError, ValueError, RuntimeError) as error:  # a device array (CuPy, a CUDA tensor)
+            raise TypeError(f"{PREFIX}{name} must be host integers (a list, tuple or NumPy array), got "
+                            f"{type(values).__name__}, which NumPy cannot read: {error}") from None
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise ValueError(f"{PREFIX}{name} must be 1-D, got shape {values.shape}")
@@ -221,28 +225,50 @@ def apart(arrays: Mapping[str, Any]) -> None:
 
 
 def _span(array) -> tuple[int, int]:
-    """The bytes ``[first, end)`` a 1-D array's elements lie in, whatever its stride's sign."""
-    start, reach = data_pointer(array), (int(array.shape[0]) - 1) * int(array.strides[0])
-    return start + min(reach, 0), start + max(reach, 0) + int(array.itemsize)
+    """The bytes ``[first, end)`` an array's elements lie in, whatever its strides' signs."""
+    start, low, high = data_pointer(array), 0, 0
+    for size, stride in zip(array.shape, array.strides):
+        reach = (int(size) - 1) * int(stride)
+        low, high = low + min(reach, 0), high + max(reach, 0)
+    return start + low, start + high + int(array.itemsize)
+
+
+def _same_cells(first, second) -> bool:
+    """Two 1-D arrays of the same elements: one dtype, address, length and stride."""
+    return (np.dtype(first.dtype) == np.dtype(second.dtype) and first.shape == second.shape
+            and data_pointer(first) == data_pointer(second)
+            and (first.shape[0] <= 1 or first.strides == second.strides))
 
 
 def stored_apart(stored: Mapping[str, Any], read: Mapping[str, Any], in_place: frozenset = frozenset()) -> None:
-    """The 1-D arrays an op stores into share no byte with each other nor with the arrays it reads,
-    but the ``(stored, read)`` pairs of ``in_place``, the same cells, each read before it is
-    stored by the thread that stores it. Any other overlap has one thread read what another
-    stores, in no fixed order."""
-    spans = {name: _span(array) for name, array in {**stored, **read}.items() if array.size}
+    """The arrays an op stores into share no byte with each other nor with the arrays it reads
+    (each taken as the bytes from its first element to its last), but the ``(stored, read)`` 1-D
+    pairs of ``in_place``, which may be the same cells (one dtype, address, length and stride),
+    each read before it is stored by the thread that stores it; overlapping otherwise (a reversed,
+    shifted or retyped view of the same memory), they are refused too. Any other overlap has one
+    thread read what another stores, in no fixed order."""
+    arrays = {**stored, **read}
+    spans = {name: _span(array) for name, array in arrays.items() if array.size}
     order = {name: index for index, name in enumerate(spans)}  # the stored ones first
     for name in stored:
         if name not in spans:
             continue
         start, end = spans[name]
         for other, (other_start, other_end) in spans.items():
-            if order[other] <= order[name] and other in stored or (name, other) in in_place:
+            if order[other] <= order[name] and other in stored:
                 continue
-            if start < other_end and other_start < end:
-                raise ValueError(f"{PREFIX}{name} and {other} must not share memory ({name} is stored into), "
-                                 f"got bytes [0x{start:x}, 0x{end:x}) and [0x{other_start:x}, 0x{other_end:x})")
+            if not (start < other_end and other_start < end):
+                continue
+            if (name, other) in in_place:
+                if _same_cells(arrays[name], arrays[other]):
+                    continue
+                raise ValueError(f"{PREFIX}{name} and {other} must be the same array (same dtype, address, length "
+                                 f"and stride: each cell read and stored by one thread) or share no memory, got "
+                                 f"{arrays[other].dtype} at bytes [0x{other_start:x}, 0x{other_end:x}) stride "
+                                 f"{tuple(arrays[other].strides)} over {arrays[name].dtype} at bytes "
+                                 f"[0x{start:x}, 0x{end:x}) stride {tuple(arrays[name].strides)}")
+            raise ValueError(f"{PREFIX}{name} and {other} must not share memory ({name} is stored into), "
+                             f"got bytes [0x{start:x}, 0x{end:x}) and [0x{other_start:x}, 0x{other_end:x})")
 
 
 def aligned(name: str, array, alignment: int) -> None:
