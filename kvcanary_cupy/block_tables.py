@@ -161,8 +161,9 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     be ``int64 [bs]``, its token fields ``int64`` and at least as long as the arrays given (a token
     array that is the batch's own is left as it is; ``req_pool_indices`` may be
     ``batch.req_pool_indices`` itself, the same cells, but no other view of its memory); nothing
-    is allocated, so on a GPU it is one
-    launch, capturable in a CUDA graph."""
+    is allocated, so on a GPU it is one launch, capturable in a CUDA graph. It stores into every
+    field it fills: a batch made by :func:`forward_batch` may hold the engine's own ``int64``
+    arrays (it keeps them rather than copy them), so bind arrays of the batch's own to refill."""
     from .session import ForwardBatch
 
     check.instance("batch", batch, ForwardBatch)
