@@ -19,15 +19,16 @@ at the next poll.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from . import validate as check
-from ._dlpack import data_pointer, device_of, from_host, native_view
+from ._dlpack import data_pointer, device_of, from_host, native_view, parse_device, to_host
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
-__all__ = ["forward_batch", "mirror", "refill"]
+__all__ = ["forward_batch", "mirror", "refill", "unmirrored"]
 
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _PASSED_THROUGH = ("expected_input_tokens", "expected_input_positions", "expected_valid_lens", "swa_out_cache_loc")
@@ -85,31 +86,93 @@ def mirror(req_to_token: Any, *, block_table: Any, block_size: int, rows: Option
     ``rows`` to the device when they are given): mirror the rows (and columns) that changed, not
     the whole table each forward.
     """
-    block_size = check.slot_count("block_size", block_size)  # <= 2**31: a block's offsets fit in int32
-    first_block = check.non_negative("first_block", first_block)
-    device, views, stream = _views({"req_to_token": req_to_token, "block_table": block_table}, stream)
-    target, table = views["req_to_token"], views["block_table"]
-    check.table("req_to_token", target, np.int32)
-    check.writable("req_to_token", target)
-    check.rows_apart("req_to_token", target)  # rows stored by threads of their own
-    _index_array("block_table", table, 2)
-    check.stored_apart({"req_to_token": target}, {"block_table": table})
-    count, blocks = table.shape
-    canary_rows = None if rows is None else check.host_int64("rows", rows)
-    if canary_rows is not None:
-        check.length("rows", canary_rows, count, "one canary row for each block-table row")
-    check.request_rows("rows", np.arange(1, count + 1) if canary_rows is None else canary_rows, target.shape[0])
-    stop = (first_block + blocks) * block_size
-    if stop > target.shape[1]:
-        raise ValueError(f"{check.PREFIX}req_to_token must be at least (first_block + blocks) * block_size = "
-                         f"({first_block} + {blocks}) * {block_size} = {stop} wide (a cell for each slot of "
-                         f"the block table's columns), got width {target.shape[1]}")
-    if count == 0 or blocks == 0:
+    table = _MirrorArguments.checked(req_to_token, block_table, block_size, rows, first_block, stream)
+    if table.count == 0 or table.blocks == 0:
         return
-    with on_device(device, stream):
-        device_rows = None if canary_rows is None else from_host(canary_rows, device)
-        backend_module(device, "block_tables").mirror(target, table, device_rows, block_size, first_block,
-                                                      stream=stream)
+    with on_device(table.device, table.stream):
+        device_rows = None if table.rows is None else from_host(table.rows, table.device)
+        backend_module(table.device, "block_tables").mirror(table.target, table.table, device_rows, table.block_size,
+                                                            table.first_block, stream=table.stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MirrorArguments:
+    """A mirror's arguments, checked: native views, the canary rows on the host (None: ``1 .. n``)."""
+
+    device: Any
+    stream: Any
+    target: Any
+    table: Any
+    rows: Optional[np.ndarray]
+    block_size: int
+    first_block: int
+
+    @property
+    def count(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def blocks(self) -> int:
+        return int(self.table.shape[1])
+
+    @classmethod
+    def checked(cls, req_to_token, block_table, block_size, rows, first_block, stream) -> "_MirrorArguments":
+        block_size = check.slot_count("block_size", block_size)  # <= 2**31: a block's offsets fit in int32
+        first_block = check.non_negative("first_block", first_block)
+        device, views, stream = _views({"req_to_token": req_to_token, "block_table": block_table}, stream)
+        target, table = views["req_to_token"], views["block_table"]
+        check.table("req_to_token", target, np.int32)
+        check.writable("req_to_token", target)
+        check.rows_apart("req_to_token", target)  # rows stored by threads of their own
+        _index_array("block_table", table, 2)
+        check.stored_apart({"req_to_token": target}, {"block_table": table})
+        count, blocks = table.shape
+        canary_rows = None if rows is None else check.host_int64("rows", rows)
+        if canary_rows is not None:
+            check.length("rows", canary_rows, count, "one canary row for each block-table row")
+        check.request_rows("rows", np.arange(1, count + 1) if canary_rows is None else canary_rows, target.shape[0])
+        stop = (first_block + blocks) * block_size
+        if stop > target.shape[1]:
+            raise ValueError(f"{check.PREFIX}req_to_token must be at least (first_block + blocks) * block_size = "
+                             f"({first_block} + {blocks}) * {block_size} = {stop} wide (a cell for each slot of "
+                             f"the block table's columns), got width {target.shape[1]}")
+        return cls(device, stream, target, table, canary_rows, block_size, first_block)
+
+
+def unmirrored(req_to_token: Any, *, block_table: Any, block_size: int, seq_lens: Any,
+               rows: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+    """The requests whose canary row does not hold what their block-table row gives: ``(canary row,
+    first position that differs)`` for each, within its first ``seq_lens[i]`` tokens (host or
+    device integers, one a block-table row); ``[]`` when every row is mirrored.
+
+    A check for an engine's tests, or now and then in serving: it waits for the device and copies
+    the rows to the host. A row left unmirrored (a request admitted, a block appended or a row
+    moved without :func:`mirror`) is read by the canary as the slots it names, and it is reported
+    only where those slots' records disagree with the request: a stale row that still holds
+    another request's slots of the same prefix goes unseen. Arguments as for :func:`mirror`, whose
+    rules they follow (``req_to_token`` is only read)."""
+    table = _MirrorArguments.checked(req_to_token, block_table, block_size, rows, 0, None)
+    lens = native_view(seq_lens, "seq_lens")
+    _index_array("seq_lens", lens, 1)
+    check.length("seq_lens", lens, table.count, "one length for each block-table row")
+    canary_rows = np.arange(1, table.count + 1) if table.rows is None else table.rows
+    lens = np.asarray(to_host(lens), dtype=np.int64)
+    width = table.blocks * table.block_size
+    too_long = np.flatnonzero((lens < 0) | (lens > width))
+    if too_long.size:
+        index = int(too_long[0])
+        raise ValueError(f"{check.PREFIX}seq_lens must be in [0, blocks * block_size = {width}] (the tokens the "
+                         f"block table's row can hold), got seq_lens[{index}] = {int(lens[index])}")
+    held = np.asarray(to_host(table.target[from_host(canary_rows, table.device), :width]))
+    expected = np.zeros((table.count, width), np.int32)  # the rows as mirror gives them, on the host
+    backend_module(parse_device("cpu"), "block_tables").mirror(
+        expected, np.asarray(to_host(table.table)), np.arange(table.count), table.block_size, 0)
+    wrong = []
+    for index, row in enumerate(canary_rows.tolist()):
+        differ = np.flatnonzero(held[index, :lens[index]] != expected[index, :lens[index]])
+        if differ.size:
+            wrong.append((row, int(differ[0])))
+    return wrong
 
 
 def forward_batch(*, query_start_loc: Any, seq_lens: Any, input_ids: Any, positions: Any, out_cache_loc: Any,

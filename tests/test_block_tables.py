@@ -535,3 +535,27 @@ def test_from_offsets_refuses_more_request_ids_than_requests():
     inputs, _, _ = _offsets_inputs(np.random.default_rng(24))
     with pytest.raises(ValueError, match="kv-canary: req_ids must have at most one id per batch row"):
         kc.ForwardBatch.from_offsets(**inputs, req_ids=list("abcdef"))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_unmirrored_names_each_row_the_engine_forgot_and_its_first_position(device):
+    rng = np.random.default_rng(25)
+    block_size = 4
+    table = rng.integers(1, 500, size=(4, 6), dtype=np.int32)
+    req_to_token = to_device(np.zeros((6, 6 * block_size), np.int32), device)
+    engine_table = to_device(table, device)
+    kc.block_tables.mirror(req_to_token, block_table=engine_table, block_size=block_size, rows=[2, 5, 1, 3])
+    lens = np.array([24, 9, 0, 17])
+    arguments = dict(block_table=engine_table, block_size=block_size, rows=[2, 5, 1, 3])
+    assert kc.block_tables.unmirrored(req_to_token, seq_lens=lens, **arguments) == []
+    table[1, 1] += 1        # a block appended or swapped, never mirrored: positions 4-7 of canary row 5
+    table[2, 0] += 1        # row 1 holds no tokens yet: nothing read, nothing to say
+    table[3, 5] += 1        # past row 3's 17 tokens: never read
+    changed = to_device(table, device)
+    found = kc.block_tables.unmirrored(req_to_token, seq_lens=to_device(lens, device), block_table=changed,
+                                       block_size=block_size, rows=[2, 5, 1, 3])
+    assert found == [(5, 4)]
+    with pytest.raises(ValueError, match=r"kv-canary: seq_lens must be in \[0, blocks \* block_size = 24\]"):
+        kc.block_tables.unmirrored(req_to_token, seq_lens=np.array([25, 0, 0, 0]), **arguments)
+    with pytest.raises(ValueError, match="kv-canary: seq_lens must have length 4"):
+        kc.block_tables.unmirrored(req_to_token, seq_lens=np.array([1, 2, 3]), **arguments)
