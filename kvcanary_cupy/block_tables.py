@@ -28,7 +28,7 @@ from . import validate as check
 from ._dlpack import data_pointer, device_of, from_host, native_view, parse_device, to_host
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
-__all__ = ["forward_batch", "mirror", "refill", "unmirrored"]
+__all__ = ["Refill", "forward_batch", "mirror", "refill", "unmirrored"]
 
 _INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _PASSED_THROUGH = ("expected_input_tokens", "expected_input_positions", "expected_valid_lens", "swa_out_cache_loc")
@@ -226,11 +226,60 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     ``batch.req_pool_indices`` itself, the same cells, but no other view of its memory); nothing
     is allocated, so on a GPU it is one launch, capturable in a CUDA graph. It stores into every
     field it fills: a batch made by :func:`forward_batch` may hold the engine's own ``int64``
-    arrays (it keeps them rather than copy them), so bind arrays of the batch's own to refill."""
+    arrays (it keeps them rather than copy them), so bind arrays of the batch's own to refill.
+    Each call checks every array again; :class:`Refill` checks them once, for arrays the engine
+    refills in place."""
+    bound = _bound_refill(batch, _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
+                                          req_pool_indices), stream)
+    with on_device(bound.device, bound.stream):
+        _fill(bound.device, bound.views, bound.fields, bound.stream)
+
+
+class Refill:
+    """:func:`refill` bound once to its arrays, checked once: :meth:`launch` fills the batch from
+    what the given arrays hold then (the engine refills them in place), one launch of parameters
+    packed once on a GPU, a few microseconds of host time. On the CPU each launch checks the
+    offsets' values, which the engine may have changed. Shapes are fixed when it is bound: bind one
+    for each padded batch size, as a CUDA graph is captured for each."""
+
+    def __init__(self, batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, positions: Any,
+                 out_cache_loc: Any, req_pool_indices: Any = None) -> None:
+        bound = _bound_refill(batch, _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
+                                              req_pool_indices), None)
+        self.batch, self.device = batch, bound.device
+        self._views = bound.views  # kept alive for the packed launch's addresses
+        tokens = [(bound.views[name], bound.fields[name]) for name in _TOKEN_FIELDS
+                  if bound.views[name].size and not _same_array(bound.views[name], bound.fields[name])]
+        with on_device(bound.device, None):
+            self._launch = backend_module(bound.device, "block_tables").prepare_fill(
+                bound.views["query_start_loc"], bound.views["seq_lens"], bound.views.get("req_pool_indices"),
+                bound.fields["req_pool_indices"], bound.fields["prefix_lens"], bound.fields["extend_seq_lens"],
+                tokens)
+
+    def launch(self, *, stream: Any = None) -> None:
+        """Fill the batch from the bound arrays, on ``stream`` (CuPy's current stream of the arrays'
+        device when None)."""
+        if self.device.is_cuda:
+            self._launch(resolve_stream(stream, self.device))
+        else:
+            check_stream_form(stream)
+            _host_offsets(self._views)
+            self._launch()
+
+
+@dataclasses.dataclass(frozen=True)
+class _BoundRefill:
+    device: Any
+    stream: Any
+    views: dict   # the arrays given, by name
+    fields: dict  # the batch's arrays, by field
+
+
+def _bound_refill(batch, given: dict, stream) -> _BoundRefill:
+    """A refill's arguments, checked."""
     from .session import ForwardBatch
 
     check.instance("batch", batch, ForwardBatch)
-    given = _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices)
     targets = {f"batch.{name}": getattr(batch, name) for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
     device, views, stream = _views({**given, **targets}, stream)
     size = _check_sources(views, device)
@@ -247,8 +296,7 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     kept = {name for name in _TOKEN_FIELDS if _same_array(views[name], fields[name])}  # not copied onto itself
     check.stored_apart({f"batch.{name}": field for name, field in fields.items() if name not in kept}, views,
                        in_place=frozenset({("batch.req_pool_indices", "req_pool_indices")}))
-    with on_device(device, stream):
-        _fill(device, views, fields, stream)
+    return _BoundRefill(device, stream, views, fields)
 
 
 def _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices) -> dict:

@@ -559,3 +559,53 @@ def test_unmirrored_names_each_row_the_engine_forgot_and_its_first_position(devi
         kc.block_tables.unmirrored(req_to_token, seq_lens=np.array([25, 0, 0, 0]), **arguments)
     with pytest.raises(ValueError, match="kv-canary: seq_lens must have length 4"):
         kc.block_tables.unmirrored(req_to_token, seq_lens=np.array([1, 2, 3]), **arguments)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_bound_refill_fills_from_what_the_arrays_hold_at_each_launch(device):
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(26))
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    rows = to_device(np.array([2, 4, 1, 5, 3], np.int64), device)
+    batch = _bound_batch(device, 5, 20)
+    bound = kc.block_tables.Refill(batch, **given, req_pool_indices=rows)
+    for seed in range(3):
+        fresh, counts, cached = _offsets_inputs(np.random.default_rng(200 + seed))
+        fresh["seq_lens"] = fresh["seq_lens"] + seed
+        for name, array in fresh.items():
+            given[name][...] = to_device(array, device)  # the engine refills its arrays in place
+        rows[...] = to_device(np.roll([2, 4, 1, 5, 3], seed), device)
+        bound.launch()
+        assert to_numpy(batch.prefix_lens).tolist() == (cached + seed).tolist()
+        assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+        assert to_numpy(batch.req_pool_indices).tolist() == np.roll([2, 4, 1, 5, 3], seed).tolist()
+        for name in ("input_ids", "positions", "out_cache_loc"):
+            assert (to_numpy(getattr(batch, name))[:13] == fresh[name]).all()
+    with pytest.raises(ValueError, match="kv-canary: batch.prefix_lens must have length 5"):
+        kc.block_tables.Refill(dataclasses.replace(batch, prefix_lens=batch.prefix_lens[:4]), **given)
+    if device == "cpu":  # host values are checked at every launch, before anything is stored
+        held = batch.prefix_lens.copy()
+        given["query_start_loc"][2] = 0
+        with pytest.raises(ValueError, match="kv-canary: query_start_loc must start at 0, never decrease"):
+            bound.launch()
+        assert (batch.prefix_lens == held).all()
+
+
+@requires_gpu
+def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
+    cupy = kc._dlpack.cupy_module()
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(27))
+    given = {name: to_device(array, "cuda") for name, array in inputs.items()}
+    batch = _bound_batch("cuda", 5, 20)
+    bound = kc.block_tables.Refill(batch, **given)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        bound.launch(stream=stream)
+        graph = stream.end_capture()
+    fresh, counts, cached = _offsets_inputs(np.random.default_rng(300))
+    for name, array in fresh.items():
+        given[name][...] = to_device(array, "cuda")
+    graph.launch(stream)
+    stream.synchronize()
+    assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
+    assert to_numpy(batch.req_pool_indices).tolist() == [1, 2, 3, 4, 5]

@@ -2,7 +2,8 @@
 
 For vLLM-shaped batches (int32 ``query_start_loc``, ``seq_lens`` and ``input_ids``; int64 positions
 and slot mapping): ``kc.ForwardBatch.from_offsets``, ``kc.block_tables.refill`` into a bound batch
-(eagerly, and replayed from a CUDA graph that captured it), and the naive version (CuPy expressions: casts, a difference, an ``arange``); for block tables:
+(eagerly, bound once as ``kc.block_tables.Refill``, and replayed from a CUDA graph that captured
+it), and the naive version (CuPy expressions: casts, a difference, an ``arange``); for block tables:
 ``kc.block_tables.mirror`` of the rows that got a block and of whole rows, against the naive
 broadcast and scatter. Each is timed three ways (device time between CUDA events, host time a
 call with the device kept busy, back-to-back wall time a call), beside an empty CuPy kernel's launch
@@ -102,8 +103,10 @@ def main() -> None:
                                          "positions", "out_cache_loc")}) for batch in bound]
             agree = all(_same_batch(kc.ForwardBatch.from_offsets(**given), _naive_batch(cupy, given))
                         for given in inputs)
+        prepared = [kc.block_tables.Refill(bound[i], **inputs[i]) for i in range(COPIES)]
         calls = {"from_offsets": lambda i: kc.ForwardBatch.from_offsets(**inputs[i], stream=stream),
                  "refill": lambda i: kc.block_tables.refill(bound[i], **inputs[i], stream=stream),
+                 "Refill.launch": lambda i: prepared[i].launch(stream=stream),
                  "naive": lambda i: _on(stream, lambda: _naive_batch(cupy, inputs[i]))}
         # refill captured once a copy, as a static forward's graph holds it: each replay one graph launch
         graphs = [timer.capture(lambda i=i: kc.block_tables.refill(bound[i], **inputs[i], stream=stream))

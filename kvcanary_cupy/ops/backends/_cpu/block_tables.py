@@ -34,3 +34,8 @@ def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, toke
     rows_out[...] = np.arange(1, seq_lens.shape[0] + 1) if rows is None else rows
     for source, out in tokens:
         out[:source.shape[0]] = source
+
+
+def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens):
+    """:func:`fill` bound to its arrays, called with a stream (ignored), as the CUDA backend's."""
+    return lambda stream=None: fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....rawkernels import _loader
-from . import i32, i64, kernel, launch, ptr, sm_count
+from . import Launch, i32, i64, kernel, launch, ptr, sm_count
 
 _BLOCK = _loader.SPECS["block_tables"].constant("KVC_BLOCK_TABLES_THREADS")
 _BLOCKS_PER_SM = 8  # enough resident threads to cover a copy's latency; the loops stride past them
@@ -16,9 +16,8 @@ def _element_stride(array, axis: int = 0) -> int:
     return int(array.strides[axis]) // int(array.itemsize) if array.shape[axis] > 1 else 0
 
 
-def _launch(fn, count: int, args: tuple, device_id: int, stream) -> None:
-    grid = max(1, min(-(-count // _BLOCK), _BLOCKS_PER_SM * sm_count(device_id)))
-    launch(fn, grid, _BLOCK, args, stream)
+def _grid(count: int, device_id: int) -> int:
+    return max(1, min(-(-count // _BLOCK), _BLOCKS_PER_SM * sm_count(device_id)))
 
 
 def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stream) -> None:
@@ -29,12 +28,13 @@ def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stre
     fn = kernel("block_tables", f"kvc_mirror_blocks<{_CTYPES[table.dtype]}>", device_id)
     args = (table, i64(count), i64(blocks), i64(_element_stride(table, 0)), i64(_element_stride(table, 1)),
             ptr(rows), i64(block_size), i64(first_block * block_size), req_to_token, i64(row_stride))
-    _launch(fn, count * blocks * block_size, args, device_id, stream)
+    launch(fn, _grid(count * blocks * block_size, device_id), _BLOCK, args, stream)
 
 
-def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens, *, stream) -> None:
-    """A batch's fields from its offsets in one launch. ``rows``: the batch's rows, or None for
-    ``1 .. bs``; ``tokens``: up to three ``(source, out)`` pairs, each source widened into its out."""
+def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens) -> Launch:
+    """A batch's fields from its offsets, one launch, its parameters packed once (the current device
+    the arrays'): call it with a stream. ``rows``: the batch's rows, or None for ``1 .. bs``;
+    ``tokens``: up to three ``(source, out)`` pairs, each source widened into its out."""
     bs = int(seq_lens.shape[0])
     pairs = list(tokens) + [(None, None)] * (3 - len(tokens))
     inputs = (query_start_loc, seq_lens, rows) + tuple(source for source, _ in pairs)
@@ -46,4 +46,10 @@ def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, toke
             *(i64(0 if source is None else _element_stride(source)) for source, _ in pairs),
             *(i64(count) for count in counts), *(ptr(out) for _, out in pairs))
     device_id = seq_lens.device.id
-    _launch(kernel("block_tables", "kvc_batch_from_offsets", device_id), bs + sum(counts), args, device_id, stream)
+    fn = kernel("block_tables", "kvc_batch_from_offsets", device_id)
+    return Launch(fn, _grid(bs + sum(counts), device_id), _BLOCK, args, packed=True)
+
+
+def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens, *, stream) -> None:
+    """:func:`prepare_fill`'s launch, once."""
+    prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)(stream)
