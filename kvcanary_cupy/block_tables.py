@@ -250,7 +250,7 @@ class Refill:
         self._views = bound.views  # kept alive for the packed launch's addresses
         tokens = [(bound.views[name], bound.fields[name]) for name in _TOKEN_FIELDS
                   if bound.views[name].size and not _same_array(bound.views[name], bound.fields[name])]
-        with on_device(bound.device, None):
+        with on_device(bound.device, bound.stream):  # the arrays' device current for the packing
             self._launch = backend_module(bound.device, "block_tables").prepare_fill(
                 bound.views["query_start_loc"], bound.views["seq_lens"], bound.views.get("req_pool_indices"),
                 bound.fields["req_pool_indices"], bound.fields["prefix_lens"], bound.fields["extend_seq_lens"],

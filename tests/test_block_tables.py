@@ -523,8 +523,9 @@ def test_refill_is_captured_in_a_cuda_graph_and_replays_new_values():
     for seed in range(3):
         fresh, counts, cached = _offsets_inputs(np.random.default_rng(100 + seed))
         fresh["seq_lens"] = fresh["seq_lens"] + seed  # other lengths each step
-        for name, array in fresh.items():
-            given[name][...] = to_device(array, "cuda")  # refilled in place, as the graph reads them
+        with stream:  # refilled in place on the graph's stream, before it reads them
+            for name, array in fresh.items():
+                given[name][...] = to_device(array, "cuda")
         graph.launch(stream)
         stream.synchronize()
         assert to_numpy(batch.prefix_lens).tolist() == (cached + seed).tolist()
@@ -603,8 +604,9 @@ def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
         bound.launch(stream=stream)
         graph = stream.end_capture()
     fresh, counts, cached = _offsets_inputs(np.random.default_rng(300))
-    for name, array in fresh.items():
-        given[name][...] = to_device(array, "cuda")
+    with stream:  # refilled in place on the graph's stream, before it reads them
+        for name, array in fresh.items():
+            given[name][...] = to_device(array, "cuda")
     graph.launch(stream)
     stream.synchronize()
     assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
