@@ -11,10 +11,10 @@ total lengths (``seq_lens``), often int32, builds its :class:`~kvcanary_cupy.For
 Each runs on the arrays' own device (NumPy on the host, RawKernels of ``block_tables.cu`` on a GPU:
 one launch each, where array expressions would be several a forward; other frameworks' arrays
 through DLPack, zero-copy) and queues its work on ``stream`` (CuPy's current stream of that device
-when None), so pass the forward's stream to them and to the canary alike. None waits for the
-device, so values that live on a GPU are not checked: a block id past the pool gives slots the
+when None), so pass the forward's stream to them and to the canary alike. None of them waits for
+the device, so values that live on a GPU are not checked: a block id past the pool gives slots the
 canary reports as ``OUT_OF_RANGE`` where it reads them, offsets that do not fit the tokens surface
-at the next poll.
+at the next poll. :func:`unmirrored`, a check for an engine's tests, waits and reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import validate as check
-from ._dlpack import data_pointer, device_of, from_host, native_view, parse_device, to_host
+from ._dlpack import cupy_module, data_pointer, device_of, from_host, native_view, parse_device, to_host
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
 __all__ = ["Refill", "forward_batch", "mirror", "refill", "unmirrored"]
@@ -248,13 +248,9 @@ class Refill:
                                               req_pool_indices), None)
         self.batch, self.device = batch, bound.device
         self._views = bound.views  # kept alive for the packed launch's addresses
-        tokens = [(bound.views[name], bound.fields[name]) for name in _TOKEN_FIELDS
-                  if bound.views[name].size and not _same_array(bound.views[name], bound.fields[name])]
         with on_device(bound.device, bound.stream):  # the arrays' device current for the packing
             self._launch = backend_module(bound.device, "block_tables").prepare_fill(
-                bound.views["query_start_loc"], bound.views["seq_lens"], bound.views.get("req_pool_indices"),
-                bound.fields["req_pool_indices"], bound.fields["prefix_lens"], bound.fields["extend_seq_lens"],
-                tokens)
+                *_fill_arguments(bound.views, bound.fields))
 
     def launch(self, *, stream: Any = None) -> None:
         """Fill the batch from the bound arrays, on ``stream`` (CuPy's current stream of the arrays'
@@ -324,20 +320,22 @@ def _same_array(view, field) -> bool:
             and data_pointer(view) == data_pointer(field))
 
 
-def _fill(device, views: dict, fields: dict, stream) -> None:
-    """The batch's fields from the given arrays (their rules checked), on the current device and stream."""
+def _fill_arguments(views: dict, fields: dict) -> tuple:
+    """The backends' fill arguments: the given offsets, lengths and rows, the batch's request fields,
+    and the token arrays to copy (those that are not the batch's own)."""
     tokens = [(views[name], fields[name]) for name in _TOKEN_FIELDS
               if views[name].size and not _same_array(views[name], fields[name])]
-    backend_module(device, "block_tables").fill(
-        views["query_start_loc"], views["seq_lens"], views.get("req_pool_indices"), fields["req_pool_indices"],
-        fields["prefix_lens"], fields["extend_seq_lens"], tokens, stream=stream)
+    return (views["query_start_loc"], views["seq_lens"], views.get("req_pool_indices"), fields["req_pool_indices"],
+            fields["prefix_lens"], fields["extend_seq_lens"], tokens)
+
+
+def _fill(device, views: dict, fields: dict, stream) -> None:
+    """The batch's fields from the given arrays (their rules checked), on the current device and stream."""
+    backend_module(device, "block_tables").fill(*_fill_arguments(views, fields), stream=stream)
 
 
 def _xp(device):
-    if device.is_cuda:
-        from ._dlpack import cupy_module
-        return cupy_module()
-    return np
+    return cupy_module() if device.is_cuda else np
 
 
 def _host_offsets(views: dict) -> None:
