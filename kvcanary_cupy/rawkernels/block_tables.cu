@@ -1,9 +1,10 @@
 // block_tables: an engine's block tables and cumulative offsets in the canary's terms
-// (kc.block_tables). Each is one launch, where array expressions would be several on every forward
-// (each a host cost of its own). Grid-stride loops; every index the host
-// checked (rows inside req_to_token, columns inside its width), so nothing is read or written
-// past the arrays whatever the values. Lengths are computed in unsigned arithmetic, as NumPy's
-// wrapping integers are, so garbage offsets give the CPU's bits, not undefined behaviour.
+// (kc.block_tables). Each is one launch, where array expressions would be several on every
+// forward, and one a CUDA graph can capture. Grid-stride loops over indices the host checked (rows
+// inside req_to_token, columns inside its width, outputs as long as their inputs), so nothing is
+// read or written past the arrays whatever the values. Lengths are computed in unsigned
+// arithmetic, as NumPy's wrapping integers are, so garbage offsets give the CPU's bits, not
+// undefined behaviour.
 #include "canary_common.cuh"
 
 // req_to_token[row(i), first_cell + c] = table[i, c / block_size] * block_size + c % block_size for
@@ -12,10 +13,10 @@
 // stored as -1, which the plan passes on and verify reports OUT_OF_RANGE: its low 32 bits could
 // name a real slot, or the padding slot that is never checked. Table strides are in elements.
 template <typename Block>
-__global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_mirror_blocks(const Block* __restrict__ table, kvc_i64 table_count, kvc_i64 blocks,
-                                  kvc_i64 table_row_stride, kvc_i64 table_col_stride,
-                                  const kvc_i64* __restrict__ rows, kvc_i64 block_size, kvc_i64 first_cell,
-                                  int* __restrict__ req_to_token, kvc_i64 rtt_row_stride) {
+__global__ void __launch_bounds__(KVC_BLOCK_TABLES_THREADS) kvc_mirror_blocks(
+        const Block* __restrict__ table, kvc_i64 table_count, kvc_i64 blocks, kvc_i64 table_row_stride,
+        kvc_i64 table_col_stride, const kvc_i64* __restrict__ rows, kvc_i64 block_size, kvc_i64 first_cell,
+        int* __restrict__ req_to_token, kvc_i64 rtt_row_stride) {
     const kvc_i64 cells = blocks * block_size;
     const kvc_i64 total = table_count * cells;
     const kvc_i64 step = (kvc_i64)gridDim.x * blockDim.x;
