@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 
@@ -601,3 +602,36 @@ def test_demo_cli_out_of_memory_names_every_option_that_sizes_the_engine(monkeyp
     assert demo_main(["--device", "cpu", "--no-progress", "--host-slots", "10000000000000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kv-canary: the simulated engine does not fit") and "--host-slots" in err
+
+
+def test_demo_refuses_request_tables_larger_than_the_memory_it_may_have(tmp_path):
+    """``--max-running`` sizes two int32 tables of ``max_len`` a row: past the memory the process may
+    have (here an address-space limit) it is refused at once in one line naming the option, not after
+    seconds spent on the free-row list and a CPython SystemError when that list cannot grow."""
+    import subprocess
+    import sys
+    import time
+
+    limit = 6 * 2**30
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+            "from kvcanary_cupy.sim.cli import main; sys.exit(main(sys.argv[1:]))").format(limit)
+    started = time.perf_counter()
+    argv = ["--device", "cpu", "--no-progress", "--max-running", "200000000"]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"kv-canary: req_to_token_pool_size must be <= {limit // (2 * 512 * 4)}, ")
+    assert "(ulimit -v), got 200000001 (set by --max-running)" in done.stderr
+    assert time.perf_counter() - started < 60
+
+
+def test_the_request_tables_bound_is_the_memory_they_take(monkeypatch):
+    """The bound is what the tables take, not a size picked to be small: rows that fit exactly are built."""
+    from kvcanary_cupy.sim import engine as sim_engine
+
+    monkeypatch.setattr(sim_engine, "memory_limit", lambda: (17 * 2 * 512 * 4, "a machine of 17 rows"))
+    assert sim_engine.Engine(SimConfig(max_running=16, host_slots=0)).table_host.shape == (17, 512)
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token_pool_size must be <= 17, .* must fit in a machine "
+                                         r"of 17 rows, got 18$"):
+        sim_engine.Engine(SimConfig(max_running=17, host_slots=0))

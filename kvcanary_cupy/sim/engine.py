@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 from typing import Callable, Optional
 
 import numpy as np
@@ -33,6 +34,28 @@ LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
 SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 1, "swa_window": 0,
             "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1, "speculative": 0}
 _FREED = -1
+
+
+def memory_limit() -> Optional[tuple[int, str]]:
+    """The most memory this process may have, and what sets it: the machine's physical memory or,
+    when lower, the process's address-space limit (``ulimit -v``); None where neither is known."""
+    limits = []
+    try:
+        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's {} of memory"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import resource  # noqa: PLC0415 (not on Windows)
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft, "this process's address-space limit of {} (ulimit -v)"))
+    except (ImportError, ValueError, OSError):
+        pass
+    if not limits:
+        return None
+    size, whose = min(limits)
+    return size, whose.format(f"{size / 2**30:.1f} GiB")
 
 
 @dataclasses.dataclass
@@ -218,12 +241,23 @@ class Engine:
                                     pool_slot_count=self.num_slots,
                                     max_prefill_tokens=c.chunk_tokens + rows * (1 + c.speculative),
                                     speculative_num_draft_tokens=c.speculative + 1 if c.speculative else 0)
+        # the request tables, req_to_token and the expected tokens: refused at once when they cannot fit
+        # in the memory this process may have, rather than after seconds (and gigabytes) spent on the
+        # free-row list before their allocation fails
+        row_bytes = 2 * c.max_len * np.dtype(np.int32).itemsize
+        memory = memory_limit()
+        if memory is not None and rows * row_bytes > memory[0]:
+            raise ValueError(f"kv-canary: req_to_token_pool_size must be <= {memory[0] // row_bytes}, as the request "
+                             f"tables (req_to_token and the expected tokens, {c.max_len} int32 a row each: "
+                             f"{rows * row_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, got {rows}")
+        # the tables before the lists: near that bound, the allocation that fails is NumPy's, which
+        # raises MemoryError (a deque that cannot grow raises SystemError)
+        self.table_host = np.zeros((rows, c.max_len), np.int32)
+        self.expected_host = np.zeros((rows, c.max_len), np.int32)
         self.free_pages = collections.deque(range(1, self.num_pages))  # page 0 holds the padding slot
         self.page_ref = np.zeros(self.num_pages, np.int64)
         self.reserved_pages = 0
         self.free_rows = collections.deque(range(1, rows))
-        self.table_host = np.zeros((rows, c.max_len), np.int32)
-        self.expected_host = np.zeros((rows, c.max_len), np.int32)
         self.table = self._mirror(self.table_host)
         self.expected = self._mirror(self.expected_host)
         self.running: list[Request] = []
