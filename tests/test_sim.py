@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -635,3 +636,30 @@ def test_the_request_tables_bound_is_the_memory_they_take(monkeypatch):
     with pytest.raises(ValueError, match=r"^kv-canary: req_to_token_pool_size must be <= 17, .* must fit in a machine "
                                          r"of 17 rows, got 18$"):
         sim_engine.Engine(SimConfig(max_running=17, host_slots=0))
+
+
+def test_demo_cli_a_failed_run_whose_json_cannot_be_written_still_says_it_failed(tmp_path, capsys, monkeypatch):
+    """A write that fails after the run is said in a line of its own, and the run's failure still is:
+    status 1, as for any false positive (or, with --strict, missed fault), not the write's 2."""
+    from kvcanary_cupy.sim import cli, runner
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli.json, "dump", disk_full)
+    path = tmp_path / "run.json"
+    unseen = ["--device", "cpu", "--no-progress", "--steps", "40", "--hash-mode", "none", "--faults", "kv_bitflip",
+              "--json", str(path)]
+    assert demo_main(unseen) == 2  # a clean run: the write's failure is the only one
+    err = capsys.readouterr().err
+    assert f"kv-canary: cannot write {path}: No space left on device" in err and "demo failed" not in err
+    assert demo_main([*unseen, "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert f"kv-canary: cannot write {path}: " in err
+    assert re.search(r"kv-canary: demo failed: 0 false positive\(s\), [1-9]\d* missed fault\(s\)", err)
+    monkeypatch.setattr(runner, "_attribute", lambda events, faults, step: (list(events), set()))
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "30", "--faults", "kv_bitflip",
+                      "--hash-mode", "all", "--json", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"kv-canary: cannot write {path}: No space left on device" in err
+    assert re.search(r"kv-canary: demo failed: [1-9]\d* false positive\(s\)", err)

@@ -155,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when an injected fault went unreported although its requests were done "
                              "with before the run ended, as well as on a false positive (exit status: 0 all "
-                             "well, 1 a false positive or, with --strict, a missed fault, 2 a refused option)")
+                             "well, 1 a false positive or, with --strict, a missed fault, 2 a refused option or, after "
+                             "an otherwise clean run, an output that could not be written)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -205,12 +206,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted, the status still tells
         sys.stderr.close()
         return 1 if failed else 0
-    if not wrote:
-        return 2
-    if failed:
+    if failed:  # said, and told by the status, whether or not the outputs could be written
         print(f"kv-canary: demo failed: {len(result.false_positives)} false positive(s)"
               + (f", {len(result.missed)} missed fault(s)" if args.strict else ""), file=sys.stderr)
-    return 1 if failed else 0
+        return 1
+    return 0 if wrote else 2
 
 
 def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
