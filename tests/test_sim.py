@@ -663,3 +663,16 @@ def test_demo_cli_a_failed_run_whose_json_cannot_be_written_still_says_it_failed
     err = capsys.readouterr().err
     assert f"kv-canary: cannot write {path}: No space left on device" in err
     assert re.search(r"kv-canary: demo failed: [1-9]\d* false positive\(s\)", err)
+
+
+def test_demo_json_reports_the_pool_slots_the_engine_uses(tmp_path):
+    """``--pool-slots`` is rounded down to whole pages: the JSON's ``pool_slots`` is what the engine's
+    pool has (992 of the 1000 asked for, with pages of 16), ``pool_slots_asked`` the option's value."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    path = tmp_path / "demo.json"
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--pool-slots", "1000", "--faults", "none",
+                      "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert (data["pool_slots"], data["pool_slots_asked"], data["page_size"]) == (992, 1000, 16)
+    assert Engine(SimConfig(pool_slots=1000, host_slots=0)).num_slots == 992

@@ -117,8 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so a bit flipped past them goes unseen: see docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
     parser.add_argument("--pool-slots", type=_at_least(1), default=8192,
-                        help=f"KV slots in the pool (default 8192; at least one request of {SimConfig.max_len} tokens "
-                             f"in pages, beside the padding page: {SimConfig.max_len + 16} with pages of 16)")
+                        help=f"KV slots in the pool, rounded down to whole pages (default 8192; at least one "
+                             f"request of {SimConfig.max_len} tokens in pages, beside the padding page: "
+                             f"{SimConfig.max_len + 16} with pages of 16)")
     parser.add_argument("--page-size", type=_at_least(SMALLEST["page_size"]), default=16,
                         help="tokens per page (default 16)")
     parser.add_argument("--max-running", type=_at_least(SMALLEST["max_running"]), default=16,

@@ -128,6 +128,11 @@ class SimConfig:
                              f"speculative={self.speculative!r} with static_decode")
 
     @property
+    def pool_slot_count(self) -> int:
+        """The slots the engine's pool has: ``pool_slots`` rounded down to whole pages."""
+        return max(2, self.pool_slots // self.page_size) * self.page_size
+
+    @property
     def splits_batches(self) -> bool:
         """Whether prefill and decode forwards take turns: asked, or implied by static_decode."""
         return self.split_batches or self.static_decode
@@ -231,8 +236,8 @@ class Engine:
         self.draft_rng = np.random.default_rng(c.seed + 3)
         self.drafts_verified = self.drafts_accepted = 0
         self.page_size = ps = c.page_size
-        self.num_pages = max(2, c.pool_slots // ps)
-        self.num_slots = self.num_pages * ps
+        self.num_slots = c.pool_slot_count
+        self.num_pages = self.num_slots // ps
         rows = c.max_running + 1
         # a forward's writes: a prefill chunk beside every row's decode, its drafts included; built
         # first, so that a pool or batch too large for the canary's int32 capacities is refused

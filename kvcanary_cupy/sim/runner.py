@@ -117,7 +117,8 @@ class SimResult:
             "hash_mode": c.hash_mode.name,
             "layout": c.layout,
             "seed": c.seed,
-            "pool_slots": c.pool_slots,
+            "pool_slots": c.pool_slot_count,  # the slots the engine uses: whole pages
+            "pool_slots_asked": c.pool_slots,
             "page_size": c.page_size,
             "max_running": c.max_running,
             "swa_window": c.swa_window,
