@@ -10,7 +10,7 @@ for the reader whose expectations the row shows.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Container, Optional, Sequence
 
 import numpy as np
 
@@ -163,7 +163,7 @@ class RowMapper:
         return L.NO_EXPECTED_TOKEN
 
     # --- matching a row to an entry -----------------------------------------------------------------
-    def fits(self, group, launch, v, entry: tuple, loose: Optional[frozenset] = None) -> bool:
+    def fits(self, group, launch, v, entry: tuple, loose: Optional[Container] = None) -> bool:
         """Whether verify entry ``(batch row, position)`` of ``launch`` would record exactly row
         ``v`` (SPEC 3.2), judged from the row's own stored fields: its position, chain and token
         bits and the expected values it carries. The real-KV bit is not judged (the KV bytes are
@@ -171,7 +171,8 @@ class RowMapper:
         slots the launch's forward wrote after it, the chain is not judged where the predecessor
         may have changed since the launch: a predecessor among those slots (a page freed while in
         use and taken by another request), or in an SWA group a row that found its chain whole or
-        did not check it (the predecessor's LUT entry may have moved)."""
+        did not check it (the predecessor's LUT entry may have moved). With ``_EVERY_SLOT``, the
+        chain is not judged at all."""
         r, position = entry
         bits = int(v.fail_reason)
         reported = self.reported_token(launch, r, position)
@@ -298,7 +299,7 @@ class RowMapper:
             order = candidates[key]
             writes = [index for index in rewrites.get(key[1], ()) if order and index < order[-1]]
             if not writes:
-                self._assign(group, rows, key, pending, order, dropped, placed)
+                self._assign(group, rows, key, pending, order, order, dropped, placed)
                 continue
             now = self.fields(group, key[1])
             stale_kv = not self.kv_changed(group, key[1])
@@ -307,9 +308,10 @@ class RowMapper:
                      and not (stale_kv and int(rows[i].fail_reason) & _BIT_KV)]
             before = [i for i in pending if i not in after]
             earlier = [index for index in order if index < writes[-1]]
-            self._assign(group, rows, key, after, [index for index in order if index > writes[-1]], dropped, placed)
+            self._assign(group, rows, key, after, [index for index in order if index > writes[-1]], order, dropped,
+                         placed)
             if not earlier or not any(earlier[0] < index < writes[-1] for index in writes[:-1]):
-                self._assign(group, rows, key, before, earlier, dropped, placed)
+                self._assign(group, rows, key, before, earlier, order, dropped, placed)
             else:  # written more than once: which content a row shows is not told apart
                 for i in before:
                     names = _distinct((request_name(log[index].batch, r), position) for index in earlier
@@ -332,15 +334,26 @@ class RowMapper:
             self._cache[key] = frozenset(slots)
         return self._cache[key]
 
-    def _fitting(self, group, launch, key: tuple, v, loose: Optional[frozenset] = None) -> list[tuple]:
+    def _fitting(self, group, launch, key: tuple, v, loose: Optional[Container] = None) -> list[tuple]:
         return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose)]
 
-    def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, dropped: bool,
-                placed: dict) -> None:
+    def _one_forward(self, group, key: tuple, v, step: int, readers: list) -> bool:
+        """Whether every launch of ``readers`` (all those that checked the slot of ``key``) with an
+        entry that row ``v`` fits, its chain not judged, is of forward ``step``: only that forward
+        can have recorded the row, whatever its predecessor held then."""
+        log = group.log
+        return all(log[index].step == step or not self._fitting(group, log[index], key, v, _EVERY_SLOT)
+                   for index in readers)
+
+    def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, readers: list,
+                dropped: bool, placed: dict) -> None:
         """The rows ``pending`` of ``key`` given to the launches ``order`` (oldest first) that
         checked its slot while it held one content (see :meth:`place_verify_rows`): first to the
         entries they fit, then the rows left to entries they fit but for the chain, whose
-        predecessor may have changed since (an entry takes one row)."""
+        predecessor may have changed since (an entry takes one row). A row of the second kind has
+        its launch's step only where no launch of another forward among ``readers`` (every launch
+        that checked the slot) has an entry it fits but for the chain: the chain, which would
+        tell such launches apart, is what it cannot be judged by."""
         log = group.log
         if not order or not pending:
             return
@@ -366,7 +379,8 @@ class RowMapper:
                 for i, entry, fit in taken:
                     name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike and not loose \
                         else _one_name(launch, fit)
-                    placed[i] = (index, (launch.phase, launch.step if exact and not loose else None, name, position))
+                    known = self._one_forward(group, key, rows[i], launch.step, readers) if loose else exact
+                    placed[i] = (index, (launch.phase, launch.step if known else None, name, position))
                 if not pending:
                     return
 
@@ -449,6 +463,16 @@ class RowMapper:
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
                  else ("write" if write else "tail") if tag == group.tail_tag else "unknown")
         return phase, None, None, None
+
+
+class _EverySlot:
+    """A container of every slot: :meth:`RowMapper.fits` with it does not judge the chain."""
+
+    def __contains__(self, slot) -> bool:
+        return True
+
+
+_EVERY_SLOT = _EverySlot()
 
 
 class _HostRows:

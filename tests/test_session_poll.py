@@ -488,3 +488,59 @@ def test_a_slot_past_the_pool_written_then_read_is_reported_and_cleared(device):
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
         ("write", 1, "a", 1, *oor), ("head", 2, "a", 1, *oor), ("write", 2, "a", 1, *oor), ("tail", 2, "a", 1, *oor)]
     assert len(eng.canary.poll()) == 0
+
+
+def _stale_row_events(device, every_forward: bool, twice: bool) -> list:
+    """a (pool row 1) and b (row 2) prefill six tokens each; a finishes and b moves to row 1, whose
+    cells the engine leaves as a's (slots 1 to 6: a stale row). c takes a's freed slots 4, 5, 6 for
+    its positions 0 to 2, so b's stale row reads them at positions 3 to 5 (POSITION, and slot 4's
+    chain), then the forward that reads them writes c's position 3 to slot 3, the predecessor of
+    slot 4 in b's row: slot 4's HEAD row carries the link slot 3 had before the write, which fits
+    its entry only with the chain left unjudged. With ``twice``, b decodes once before that forward
+    too, reading the same slots."""
+    eng = _Engine(device)
+    found = []
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 6, "b": 6})
+    stale = eng.table[1].copy()
+    eng.finish("a")
+    eng.table[1], eng.table[2] = stale, 0
+    eng.sync()
+    eng.requests["b"]["row"] = 1
+    taken = [4, 5, 6] + [13] * twice + [14, 3]  # c's prefill, b's decodes, then c's decode takes slot 3
+    eng.free = taken + [slot for slot in eng.free if slot not in taken]
+    eng.add("c", 3)
+    forwards = [{"c": 3}] + [{"b": 1}] * twice + [{"b": 1, "c": 1}]
+    for extend in forwards:
+        if every_forward:
+            found.extend(eng.canary.poll())
+        eng.forward(extend)
+    found.extend(eng.canary.poll())
+    return [(e.phase, e.step, e.request, e.position, e.slot) for e in found]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_a_row_whose_predecessor_its_forward_wrote_keeps_the_step(device, every_forward):
+    """The HEAD row of slot 4 fits b's entry only but for the chain (slot 3 written after it, in
+    the same forward): the only launch of its tag that checked the slot, its forward is known, and
+    the row has its step as the others do, polled after every forward or once at the end."""
+    found = _stale_row_events(device, every_forward, twice=False)
+    assert found == [("head", 3, "b", position, position + 1) for position in (3, 4, 5)] + [
+        ("tail", 3, "b", position, position + 1) for position in (2, 3, 4, 5)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
+    """b reads its stale row in forwards 3 and 4, slot 3 written in forward 4 after its HEAD check.
+    Polled after each forward, every row has its step. Polled once, forward 4's HEAD row of slot 4
+    fits forward 3's entry as well once the chain is not judged: it names b at position 3 with no
+    step; forward 3's rows of slot 4 no longer fit any entry and keep their phase alone."""
+    rows = [(phase, step, "b", position, position + 1) for step in (3, 4) for phase in ("head", "tail")
+            for position in ((2, 3, 4, 5) if (step, phase) == (4, "tail") else (3, 4, 5))]
+    assert _stale_row_events(device, True, twice=True) == rows
+    late = [(phase, None, None, None, 4) if (step, position) == (3, 3) else
+            (phase, None, "b", 3, 4) if (phase, step, position) == ("head", 4, 3) else
+            (phase, step, request, position, slot) for phase, step, request, position, slot in rows]
+    assert _stale_row_events(device, False, twice=True) == late
