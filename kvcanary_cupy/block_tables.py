@@ -19,7 +19,9 @@ at the next poll. :func:`unmirrored`, a check for an engine's tests, waits and r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -227,8 +229,9 @@ def refill(batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, p
     is allocated, so on a GPU it is one launch, capturable in a CUDA graph. It stores into every
     field it fills: a batch made by :func:`forward_batch` may hold the engine's own ``int64``
     arrays (it keeps them rather than copy them), so bind arrays of the batch's own to refill.
-    Each call checks every array again; :class:`Refill` checks them once, for arrays the engine
-    refills in place."""
+    A call whose arrays are alike, in all the checks read (dtypes, shapes, strides, addresses), to
+    those of a call before skips the checks and reuses its packed launch; :class:`Refill`, bound
+    once to arrays the engine refills in place, also skips making the views."""
     bound = _bound_refill(batch, _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
                                           req_pool_indices), stream)
     with on_device(bound.device, bound.stream):
@@ -278,8 +281,20 @@ def _bound_refill(batch, given: dict, stream) -> _BoundRefill:
     check.instance("batch", batch, ForwardBatch)
     targets = {f"batch.{name}": getattr(batch, name) for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
     device, views, stream = _views({**given, **targets}, stream)
-    size = _check_sources(views, device)
+    key = (device, _geometry(views, addresses=True))
     fields = {name: views.pop(f"batch.{name}") for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
+    if key not in _PASSED:
+        _refill_rules(views, fields)
+        _PASSED.add(key)
+    if not device.is_cuda:
+        _host_offsets(views)
+    return _BoundRefill(device, stream, views, fields)
+
+
+def _refill_rules(views: dict, fields: dict) -> None:
+    """A refill's rules but the values': the given arrays' and the batch's fields'."""
+    _source_rules(views)
+    size = views["seq_lens"].shape[0]
     for name in _REQUEST_FIELDS:
         check.vector(f"batch.{name}", fields[name], np.int64, size, "one for each request of seq_lens")
     for name in _TOKEN_FIELDS:
@@ -292,7 +307,6 @@ def _bound_refill(batch, given: dict, stream) -> _BoundRefill:
     kept = {name for name in _TOKEN_FIELDS if _same_array(views[name], fields[name])}  # not copied onto itself
     check.stored_apart({f"batch.{name}": field for name, field in fields.items() if name not in kept}, views,
                        in_place=frozenset({("batch.req_pool_indices", "req_pool_indices")}))
-    return _BoundRefill(device, stream, views, fields)
 
 
 def _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices) -> dict:
@@ -301,7 +315,18 @@ def _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req
 
 
 def _check_sources(views: dict, device) -> int:
-    """The given arrays' rules; the batch's size."""
+    """The given arrays' rules (their geometry's once: see :class:`_PassedChecks`; on the host their
+    values' each call); the batch's size."""
+    key = (device, _geometry(views, addresses=False))
+    if key not in _PASSED:
+        _source_rules(views)
+        _PASSED.add(key)
+    if not device.is_cuda:
+        _host_offsets(views)
+    return views["seq_lens"].shape[0]
+
+
+def _source_rules(views: dict) -> None:
     for name, view in views.items():
         if name in _SOURCE_NAMES:
             _index_array(name, view, 1)
@@ -309,9 +334,49 @@ def _check_sources(views: dict, device) -> int:
     check.length("query_start_loc", views["query_start_loc"], size + 1, "one more than seq_lens has requests")
     if "req_pool_indices" in views:
         check.length("req_pool_indices", views["req_pool_indices"], size, "one canary row for each request")
-    if not device.is_cuda:
-        _host_offsets(views)
-    return size
+
+
+class _PassedChecks:
+    """Keys of calls whose checks passed (most recent last, a few dozen kept: an engine's batch sizes
+    and array forms). A key holds everything the checks read of the arrays (dtype, shape, strides,
+    the address or its alignment, NumPy's read-only flag), none of their values, so a call with a
+    key met before passes them again: it skips them, and an engine that calls each step with its
+    persistent buffers pays for them once."""
+
+    _KEPT = 64
+
+    def __init__(self) -> None:
+        self._keys: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            if key not in self._keys:
+                return False
+            self._keys.move_to_end(key)
+            return True
+
+    def add(self, key) -> None:
+        with self._lock:
+            self._keys[key] = None
+            if len(self._keys) > self._KEPT:
+                self._keys.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every key (what a call costs the first time: ``tools/block_tables_cost.py``)."""
+        with self._lock:
+            self._keys.clear()
+
+
+_PASSED = _PassedChecks()
+
+
+def _geometry(views: dict, *, addresses: bool) -> tuple:
+    """What the checks read of each array: with ``addresses``, where it lies (rules on overlaps and
+    on arrays that are the same cells), else only its address's alignment."""
+    return tuple((name, view.dtype.str, view.shape, view.strides,
+                  data_pointer(view) if addresses else data_pointer(view) % view.itemsize,
+                  not isinstance(view, np.ndarray) or view.flags.writeable) for name, view in views.items())
 
 
 def _same_array(view, field) -> bool:

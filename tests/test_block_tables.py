@@ -591,6 +591,64 @@ def test_a_bound_refill_fills_from_what_the_arrays_hold_at_each_launch(device):
         assert (batch.prefix_lens == held).all()
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_calls_of_one_geometry_each_fill_from_their_own_arrays(device):
+    """An engine calling each step with arrays of the same dtypes, shapes and strides: the checks
+    and the packed launch of the first call serve the later ones (kept by geometry, never by the
+    arrays), and each call still reads and stores its own arrays: fresh ones, the same buffers
+    refilled, the batch's rows read in place, or rows of 1 .. bs."""
+    batch = _bound_batch(device, 5, 20)
+    engine_rows = to_device(np.zeros(5, np.int64), device)
+    for step in range(8):
+        inputs, counts, cached = _offsets_inputs(np.random.default_rng(300 + step))
+        inputs["seq_lens"] = inputs["seq_lens"] + step
+        given = {name: to_device(array, device) for name, array in inputs.items()}
+        order = np.roll([3, 1, 4, 6, 2], step)
+        if step % 4 == 0:
+            rows, want_rows = None, [1, 2, 3, 4, 5]
+        elif step % 4 == 1:  # the batch's own rows, refilled by the engine, read in place
+            batch.req_pool_indices[...] = to_device(order, device)
+            rows, want_rows = batch.req_pool_indices, order.tolist()
+        else:  # the engine's own buffer, or a fresh array, of the same geometry
+            rows = engine_rows if step % 4 == 2 else to_device(np.zeros(5, np.int64), device)
+            rows[...] = to_device(order, device)
+            want_rows = order.tolist()
+        made = kc.ForwardBatch.from_offsets(**given, req_pool_indices=rows)
+        kc.block_tables.refill(batch, **given, req_pool_indices=rows)
+        for filled in (made, batch):
+            assert to_numpy(filled.prefix_lens).tolist() == (cached + step).tolist()
+            assert to_numpy(filled.extend_seq_lens).tolist() == counts.tolist()
+            assert to_numpy(filled.req_pool_indices).tolist() == want_rows
+            for name in ("input_ids", "positions", "out_cache_loc"):
+                assert (to_numpy(getattr(filled, name))[:inputs[name].size] == inputs[name]).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_call_like_a_checked_one_but_where_it_matters_is_refused(device):
+    """Checks passed once are skipped only for arrays alike in all they read: the same shapes over
+    memory that overlaps, or values the host can read, are refused as on a first call."""
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(28))
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    batch = _bound_batch(device, 5, 20)
+    for _ in range(2):
+        kc.block_tables.refill(batch, **given)
+        kc.ForwardBatch.from_offsets(**given)
+    held = to_numpy(batch.prefix_lens).copy()
+    spoiled = dataclasses.replace(batch, extend_seq_lens=batch.prefix_lens)  # same geometry, shared cells
+    with pytest.raises(ValueError, match="kv-canary: batch.prefix_lens and batch.extend_seq_lens must not share"):
+        kc.block_tables.refill(spoiled, **given)
+    with pytest.raises(ValueError, match="kv-canary: batch.prefix_lens and req_pool_indices must not share"):
+        kc.block_tables.refill(batch, **given, req_pool_indices=batch.prefix_lens)
+    assert (to_numpy(batch.prefix_lens) == held).all()
+    if device == "cpu":
+        batch.positions.flags.writeable = False
+        with pytest.raises(ValueError, match="kv-canary: batch.positions must be writable"):
+            kc.block_tables.refill(batch, **given)
+        given["query_start_loc"][1] = 9
+        with pytest.raises(ValueError, match="kv-canary: query_start_loc must start at 0, never decrease"):
+            kc.ForwardBatch.from_offsets(**given)
+
+
 @requires_gpu
 def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
     cupy = kc._dlpack.cupy_module()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import numpy as np
 
 from ....rawkernels import _loader
@@ -35,21 +38,70 @@ def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_o
     """A batch's fields from its offsets, one launch, its parameters packed once (the current device
     the arrays'): call it with a stream. ``rows``: the batch's rows, or None for ``1 .. bs``;
     ``tokens``: up to three ``(source, out)`` pairs, each source widened into its out."""
+    arrays = _fill_arrays(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)
     bs = int(seq_lens.shape[0])
-    pairs = list(tokens) + [(None, None)] * (3 - len(tokens))
-    inputs = (query_start_loc, seq_lens, rows) + tuple(source for source, _ in pairs)
-    mask = sum(1 << bit for bit, array in enumerate(inputs) if array is not None and array.dtype == np.int32)
-    counts = [0 if source is None else int(source.shape[0]) for source, _ in pairs]
+    sources = arrays[6:9]
+    mask = sum(1 << bit for bit, array in enumerate(arrays[:3] + sources)
+               if array is not None and array.dtype == np.int32)
+    counts = [0 if source is None else int(source.shape[0]) for source in sources]
     args = (query_start_loc, seq_lens, ptr(rows), i64(_element_stride(query_start_loc)),
             i64(_element_stride(seq_lens)), i64(0 if rows is None else _element_stride(rows)), i32(mask), i64(bs),
-            rows_out, prefix_out, extend_out, *(ptr(source) for source, _ in pairs),
-            *(i64(0 if source is None else _element_stride(source)) for source, _ in pairs),
-            *(i64(count) for count in counts), *(ptr(out) for _, out in pairs))
+            rows_out, prefix_out, extend_out, *(ptr(source) for source in sources),
+            *(i64(0 if source is None else _element_stride(source)) for source in sources),
+            *(i64(count) for count in counts), *(ptr(out) for out in arrays[9:]))
     device_id = seq_lens.device.id
     fn = kernel("block_tables", "kvc_batch_from_offsets", device_id)
     return Launch(fn, _grid(bs + sum(counts), device_id), _BLOCK, args, packed=True)
 
 
+# The parameter of kvc_batch_from_offsets that takes each of _fill_arrays' addresses, in their order.
+_FILL_POINTERS = (0, 1, 2, 8, 9, 10, 11, 12, 13, 20, 21, 22)
+_FILL_BINDINGS = tuple((parameter, slot) for slot, parameter in enumerate(_FILL_POINTERS))
+_PREPARED_FILLS_KEPT = 64  # geometries: an engine's batch sizes, each with its few array forms
+
+
+class _PreparedFills:
+    """Packed fill launches by the geometry of their arrays (device, dtypes, shapes, strides: every
+    parameter but the addresses), without references to any array: a call of a geometry met before
+    sets the addresses and launches, instead of converting 23 parameters again. A lock keeps one
+    thread's addresses from another's launch."""
+
+    def __init__(self) -> None:
+        self._launches: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def launch(self, arrays: tuple, stream, prepare) -> None:
+        key = (arrays[1].device.id,) + tuple(None if array is None else (array.dtype.num, array.shape, array.strides)
+                                              for array in arrays)
+        addresses = [0 if array is None else array.data.ptr for array in arrays]
+        with self._lock:
+            prepared = self._launches.get(key)
+            if prepared is None:
+                prepared = self._launches[key] = prepare().detach()
+                if len(self._launches) > _PREPARED_FILLS_KEPT:
+                    self._launches.popitem(last=False)
+            else:
+                self._launches.move_to_end(key)
+            prepared.rebind(_FILL_BINDINGS, addresses)
+            prepared(stream)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._launches.clear()
+
+
+_PREPARED_FILLS = _PreparedFills()
+
+
+def _fill_arrays(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens) -> tuple:
+    """The fill's twelve arrays (None where absent), in the order of ``_FILL_POINTERS``: offsets,
+    lengths, rows, the three request outputs, three token sources, their three outputs."""
+    pairs = list(tokens) + [(None, None)] * (3 - len(tokens))
+    return (query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out,
+            *(source for source, _ in pairs), *(out for _, out in pairs))
+
+
 def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens, *, stream) -> None:
-    """:func:`prepare_fill`'s launch, once."""
-    prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)(stream)
+    """:func:`prepare_fill`'s launch, once (prepared once a geometry)."""
+    arguments = (query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)
+    _PREPARED_FILLS.launch(_fill_arrays(*arguments), stream, lambda: prepare_fill(*arguments))
