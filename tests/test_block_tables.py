@@ -624,6 +624,30 @@ def test_calls_of_one_geometry_each_fill_from_their_own_arrays(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_mirrors_of_one_geometry_each_write_their_own_rows(device):
+    """Block tables of one shape mirrored call after call (the checks and the packed launch of the
+    first serving the others): each call's table, rows and window land where they say, and the
+    rows' values are checked at every call."""
+    rng = np.random.default_rng(29)
+    start = rng.integers(-9, 2**20, size=(10, 64), dtype=np.int32)
+    target = to_device(start, device)
+    want = start.copy()
+    for step in range(6):
+        table = rng.integers(0, 1 << 16, size=(3, 2), dtype=np.int32)
+        rows = None if step % 3 == 0 else rng.permutation(np.arange(1, 10))[:3].tolist()
+        first_block = step % 2
+        kc.block_tables.mirror(target, block_table=to_device(table, device), block_size=4, rows=rows,
+                               first_block=first_block)
+        want = _expected_rows(table, 4, range(1, 4) if rows is None else rows, first_block, want)
+        assert (to_numpy(target) == want).all()
+    with pytest.raises(ValueError, match="kv-canary: rows "):
+        kc.block_tables.mirror(target, block_table=to_device(table, device), block_size=4, rows=[1, 1, 2])
+    with pytest.raises(ValueError, match="kv-canary: rows "):
+        kc.block_tables.mirror(target, block_table=to_device(table, device), block_size=4, rows=[0, 1, 10])
+    assert (to_numpy(target) == want).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_call_like_a_checked_one_but_where_it_matters_is_refused(device):
     """Checks passed once are skipped only for arrays alike in all they read: the same shapes over
     memory that overlaps, or values the host can read, are refused as on a first call."""

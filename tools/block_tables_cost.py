@@ -4,8 +4,9 @@ For vLLM-shaped batches (int32 ``query_start_loc``, ``seq_lens`` and ``input_ids
 and slot mapping): ``kc.ForwardBatch.from_offsets``, ``kc.block_tables.refill`` into a bound batch
 (eagerly, bound once as ``kc.block_tables.Refill``, and replayed from a CUDA graph that captured
 it; the eager calls both as an engine makes them each step, with arrays alike in all the checks read
-as a call before, and as the first call of their kind, ``_new``), and the naive version (CuPy expressions: casts, a difference, an ``arange``); for block tables:
-``kc.block_tables.mirror`` of the rows that got a block and of whole rows, against the naive
+as a call before, and as the first call of their kind, ``_new``), and the naive version (CuPy
+expressions: casts, a difference, an ``arange``); for block tables:
+``kc.block_tables.mirror`` of the rows that got a block and of whole rows (also ``_new``), against the naive
 broadcast and scatter. Each is timed three ways (device time between CUDA events, host time a
 call with the device kept busy, back-to-back wall time a call), beside an empty CuPy kernel's launch
 in the same run. Outputs are compared with the naive version's before timing.
@@ -129,6 +130,8 @@ def main() -> None:
             agree = bool((ours == req_to_token).all())
         calls = {"mirror": lambda i: kc.block_tables.mirror(req_to_token, block_table=tables[i], block_size=block_size,
                                                              rows=picked[i], stream=stream),
+                 "mirror_new": lambda i: _first_time(kc.block_tables.mirror, req_to_token, block_table=tables[i],
+                                                     block_size=block_size, rows=picked[i], stream=stream),
                  "naive": lambda i: _on(stream, lambda: _naive_mirror(cupy, req_to_token, tables[i], picked[i],
                                                                       block_size))}
         rows[name] = {call: _timed(timer, fn) for call, fn in calls.items()}
@@ -185,6 +188,7 @@ def _first_time(call, *args, **kwargs):
 
     kc.block_tables._PASSED.clear()
     launchers._PREPARED_FILLS.clear()
+    launchers._PREPARED_MIRRORS.clear()
     return call(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 
 from ....rawkernels import _loader
-from . import Launch, i32, i64, kernel, launch, ptr, sm_count
+from . import Launch, i32, i64, kernel, ptr, sm_count
 
 _BLOCK = _loader.SPECS["block_tables"].constant("KVC_BLOCK_TABLES_THREADS")
 _BLOCKS_PER_SM = 8  # enough resident threads to cover a copy's latency; the loops stride past them
@@ -25,13 +25,20 @@ def _grid(count: int, device_id: int) -> int:
 
 def mirror(req_to_token, table, rows, block_size: int, first_block: int, *, stream) -> None:
     """``rows``: the canary rows on the device (int64), or None for ``1 .. n``."""
+    arrays = (table, rows, req_to_token)
+    key = (req_to_token.device.id, block_size, first_block) + _layout(arrays)
+    _PREPARED_MIRRORS.launch(key, arrays, stream, lambda: _prepare_mirror(req_to_token, table, rows, block_size,
+                                                                          first_block))
+
+
+def _prepare_mirror(req_to_token, table, rows, block_size: int, first_block: int) -> Launch:
     count, blocks = int(table.shape[0]), int(table.shape[1])
     device_id = req_to_token.device.id
     row_stride = int(req_to_token.strides[0]) // int(req_to_token.itemsize)
     fn = kernel("block_tables", f"kvc_mirror_blocks<{_CTYPES[table.dtype]}>", device_id)
     args = (table, i64(count), i64(blocks), i64(_element_stride(table, 0)), i64(_element_stride(table, 1)),
             ptr(rows), i64(block_size), i64(first_block * block_size), req_to_token, i64(row_stride))
-    launch(fn, _grid(count * blocks * block_size, device_id), _BLOCK, args, stream)
+    return Launch(fn, _grid(count * blocks * block_size, device_id), _BLOCK, args, packed=True)
 
 
 def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens) -> Launch:
@@ -54,35 +61,34 @@ def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_o
     return Launch(fn, _grid(bs + sum(counts), device_id), _BLOCK, args, packed=True)
 
 
-# The parameter of kvc_batch_from_offsets that takes each of _fill_arrays' addresses, in their order.
-_FILL_POINTERS = (0, 1, 2, 8, 9, 10, 11, 12, 13, 20, 21, 22)
-_FILL_BINDINGS = tuple((parameter, slot) for slot, parameter in enumerate(_FILL_POINTERS))
-_PREPARED_FILLS_KEPT = 64  # geometries: an engine's batch sizes, each with its few array forms
+class _PreparedLaunches:
+    """Packed launches of one kernel by the geometry of their arrays (dtypes, shapes, strides and the
+    scalars the key adds: every parameter but the addresses), on each device, without references to
+    any array: a call of a geometry met before sets its arrays' addresses (the parameters
+    ``pointers`` names, in the arrays' order) and launches, instead of converting every parameter
+    again. A lock keeps one thread's addresses from another's launch."""
 
+    _KEPT = 64  # geometries: an engine's batch sizes, each with its few array forms
 
-class _PreparedFills:
-    """Packed fill launches by the geometry of their arrays (device, dtypes, shapes, strides: every
-    parameter but the addresses), without references to any array: a call of a geometry met before
-    sets the addresses and launches, instead of converting 23 parameters again. A lock keeps one
-    thread's addresses from another's launch."""
-
-    def __init__(self) -> None:
+    def __init__(self, pointers: tuple) -> None:
+        self._bindings = tuple((parameter, slot) for slot, parameter in enumerate(pointers))
         self._launches: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def launch(self, arrays: tuple, stream, prepare) -> None:
-        key = (arrays[1].device.id,) + tuple(None if array is None else (array.dtype.num, array.shape, array.strides)
-                                              for array in arrays)
+    def launch(self, key: tuple, arrays: tuple, stream, prepare) -> None:
+        """Launch on ``stream`` with ``arrays`` (None for a null pointer); ``prepare()`` packs the
+        launch (the current device the arrays') the first time ``key`` is met: the arrays' device
+        and :func:`_layout`, with any scalar parameter the layout does not fix."""
         addresses = [0 if array is None else array.data.ptr for array in arrays]
         with self._lock:
             prepared = self._launches.get(key)
             if prepared is None:
                 prepared = self._launches[key] = prepare().detach()
-                if len(self._launches) > _PREPARED_FILLS_KEPT:
+                if len(self._launches) > self._KEPT:
                     self._launches.popitem(last=False)
             else:
                 self._launches.move_to_end(key)
-            prepared.rebind(_FILL_BINDINGS, addresses)
+            prepared.rebind(self._bindings, addresses)
             prepared(stream)
 
     def clear(self) -> None:
@@ -90,11 +96,18 @@ class _PreparedFills:
             self._launches.clear()
 
 
-_PREPARED_FILLS = _PreparedFills()
+# the parameters of kvc_mirror_blocks that take the block table's, the rows' and the slot table's addresses
+_PREPARED_MIRRORS = _PreparedLaunches((0, 5, 8))
+# those of kvc_batch_from_offsets that take each of _fill_arrays' addresses, in their order
+_PREPARED_FILLS = _PreparedLaunches((0, 1, 2, 8, 9, 10, 11, 12, 13, 20, 21, 22))
+
+
+def _layout(arrays: tuple) -> tuple:
+    return tuple(None if array is None else (array.dtype.num, array.shape, array.strides) for array in arrays)
 
 
 def _fill_arrays(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens) -> tuple:
-    """The fill's twelve arrays (None where absent), in the order of ``_FILL_POINTERS``: offsets,
+    """The fill's twelve arrays (None where absent), in the order of ``_PREPARED_FILLS``' pointers: offsets,
     lengths, rows, the three request outputs, three token sources, their three outputs."""
     pairs = list(tokens) + [(None, None)] * (3 - len(tokens))
     return (query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out,
@@ -104,4 +117,6 @@ def _fill_arrays(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_o
 def fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens, *, stream) -> None:
     """:func:`prepare_fill`'s launch, once (prepared once a geometry)."""
     arguments = (query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_out, tokens)
-    _PREPARED_FILLS.launch(_fill_arrays(*arguments), stream, lambda: prepare_fill(*arguments))
+    arrays = _fill_arrays(*arguments)
+    key = (seq_lens.device.id,) + _layout(arrays)
+    _PREPARED_FILLS.launch(key, arrays, stream, lambda: prepare_fill(*arguments))
