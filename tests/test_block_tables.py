@@ -3,8 +3,10 @@ cumulative offsets, on both backends; a vLLM-style engine whose batch rows move 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -645,6 +647,41 @@ def test_mirrors_of_one_geometry_each_write_their_own_rows(device):
     with pytest.raises(ValueError, match="kv-canary: rows "):
         kc.block_tables.mirror(target, block_table=to_device(table, device), block_size=4, rows=[0, 1, 10])
     assert (to_numpy(target) == want).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_threads_calling_with_arrays_of_one_geometry_each_get_their_own(device):
+    """Four threads (each with a stream of its own on a GPU) refill batches and build them from
+    arrays of one geometry at once: the checks and launches kept by geometry are shared, the
+    addresses each launch takes are the calling thread's own."""
+    failures = []
+
+    def engine(seed: int) -> None:
+        cupy = None if device == "cpu" else kc._dlpack.cupy_module()
+        stream = None if cupy is None else cupy.cuda.Stream(non_blocking=True)
+        batch = _bound_batch(device, 5, 20)
+        try:
+            for step in range(40):
+                inputs, counts, cached = _offsets_inputs(np.random.default_rng(1000 * seed + step))
+                inputs["seq_lens"] = inputs["seq_lens"] + seed * 100 + step
+                with (stream if stream is not None else contextlib.nullcontext()):
+                    given = {name: to_device(array, device) for name, array in inputs.items()}
+                    made = kc.ForwardBatch.from_offsets(**given, stream=stream)
+                    kc.block_tables.refill(batch, **given, stream=stream)
+                if stream is not None:
+                    stream.synchronize()
+                for filled in (made, batch):
+                    assert to_numpy(filled.prefix_lens).tolist() == (cached + seed * 100 + step).tolist()
+                    assert (to_numpy(filled.input_ids)[:inputs["input_ids"].size] == inputs["input_ids"]).all()
+        except Exception as error:  # noqa: BLE001 (reported by the main thread)
+            failures.append(error)
+
+    threads = [threading.Thread(target=engine, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
