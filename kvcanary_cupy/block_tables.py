@@ -378,9 +378,10 @@ _PASSED = _PassedChecks()
 
 def _geometry(views: dict, *, addresses: bool) -> tuple:
     """What the checks read of each array: with ``addresses``, where it lies (rules on overlaps and
-    on arrays that are the same cells), else only its address's alignment."""
+    on arrays that are the same cells), else only its address's alignment (a dtype of no bytes,
+    which the checks refuse, has none)."""
     return tuple((name, view.dtype.str, view.shape, view.strides,
-                  data_pointer(view) if addresses else data_pointer(view) % view.itemsize,
+                  data_pointer(view) if addresses else data_pointer(view) % max(view.itemsize, 1),
                   not isinstance(view, np.ndarray) or view.flags.writeable) for name, view in views.items())
 
 

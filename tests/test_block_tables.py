@@ -710,6 +710,16 @@ def test_a_call_like_a_checked_one_but_where_it_matters_is_refused(device):
             kc.ForwardBatch.from_offsets(**given)
 
 
+@pytest.mark.parametrize("dtype", ["V0", []])
+def test_from_offsets_refuses_an_array_of_a_dtype_of_no_bytes(dtype):
+    """A dtype of itemsize 0 has no alignment to read: the dtype rule refuses it, as for any other."""
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(31))
+    for name in ("query_start_loc", "input_ids"):
+        kc.block_tables._PASSED.clear()
+        with pytest.raises(TypeError, match=f"^kv-canary: {name} must have dtype int32 or int64, got void"):
+            kc.ForwardBatch.from_offsets(**{**inputs, name: np.zeros(6, dtype)})
+
+
 @requires_gpu
 def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
     cupy = kc._dlpack.cupy_module()
