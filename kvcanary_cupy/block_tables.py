@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import validate as check
-from ._dlpack import cupy_module, data_pointer, device_of, from_host, native_view, parse_device, to_host
+from ._dlpack import cupy_module, data_pointer, device_of, from_host, native_view, own_view, parse_device, to_host
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
 __all__ = ["Refill", "forward_batch", "mirror", "refill", "unmirrored"]
@@ -247,13 +247,17 @@ class Refill:
     """:func:`refill` bound once to its arrays, checked once: :meth:`launch` fills the batch from
     what the given arrays hold then (the engine refills them in place), one launch of parameters
     packed once on a GPU, a few microseconds of host time. On the CPU each launch checks the
-    offsets' values, which the engine may have changed. Shapes are fixed when it is bound: bind one
-    for each padded batch size, as a CUDA graph is captured for each."""
+    offsets' values, which the engine may have changed. Shapes are fixed when it is bound (it keeps
+    views of its own: an array object reshaped later is read as it was bound): bind one for each
+    padded batch size, as a CUDA graph is captured for each."""
 
     def __init__(self, batch: Any, *, query_start_loc: Any, seq_lens: Any, input_ids: Any, positions: Any,
                  out_cache_loc: Any, req_pool_indices: Any = None) -> None:
-        bound = _bound_refill(batch, _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc,
-                                              req_pool_indices), None)
+        # views of its own, as every bundle kept across calls: what was checked stays what each launch
+        # reads and stores, whatever is later done in place to the caller's array objects
+        given = _sources(query_start_loc, seq_lens, input_ids, positions, out_cache_loc, req_pool_indices)
+        given = {name: array if array is None else own_view(array) for name, array in given.items()}
+        bound = _bound_refill(batch, given, None, own=True)
         self.batch, self.device = batch, bound.device
         self._views = bound.views  # kept alive for the packed launch's addresses
         with on_device(bound.device, bound.stream):  # the arrays' device current for the packing
@@ -279,12 +283,17 @@ class _BoundRefill:
     fields: dict  # the batch's arrays, by field
 
 
-def _bound_refill(batch, given: dict, stream) -> _BoundRefill:
-    """A refill's arguments, checked."""
+def _bound_refill(batch, given: dict, stream, own: bool = False) -> _BoundRefill:
+    """A refill's arguments, checked (``own``: the batch's fields as views of their own)."""
     from .session import ForwardBatch
 
     check.instance("batch", batch, ForwardBatch)
     targets = {f"batch.{name}": getattr(batch, name) for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
+    for name, field in targets.items():
+        if field is None:
+            raise TypeError(f"{check.PREFIX}{name} must be an array (refill stores into it), got None")
+    if own:
+        targets = {name: own_view(field) for name, field in targets.items()}
     device, views, stream = _views({**given, **targets}, stream)
     key = (device, _geometry(views, addresses=True))
     fields = {name: views.pop(f"batch.{name}") for name in _REQUEST_FIELDS + _TOKEN_FIELDS}

@@ -720,6 +720,33 @@ def test_from_offsets_refuses_an_array_of_a_dtype_of_no_bytes(dtype):
             kc.ForwardBatch.from_offsets(**{**inputs, name: np.zeros(6, dtype)})
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_bound_refill_reads_and_stores_what_was_checked_whatever_is_done_to_the_arrays(device):
+    """The caller's array objects reshaped in place after binding (``a.shape = ...``) leave the
+    launches as bound: Refill keeps views of its own, as every bundle kept across calls."""
+    inputs, counts, cached = _offsets_inputs(np.random.default_rng(31))
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    batch = _bound_batch(device, 5, 20)
+    bound = kc.block_tables.Refill(batch, **given)
+    given["input_ids"].shape = (1, inputs["input_ids"].size)
+    batch.prefix_lens.shape = (5, 1)
+    bound.launch()
+    assert to_numpy(batch.prefix_lens).ravel().tolist() == cached.tolist()
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+    assert (to_numpy(batch.input_ids)[:inputs["input_ids"].size] == inputs["input_ids"]).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_refuses_a_batch_without_a_field_it_fills(device):
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(32))
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    batch = dataclasses.replace(_bound_batch(device, 5, 20), input_ids=None)
+    for call in (kc.block_tables.refill, kc.block_tables.Refill):
+        with pytest.raises(TypeError, match=r"kv-canary: batch.input_ids must be an array \(refill stores into it\), "
+                                            "got None"):
+            call(batch, **given)
+
+
 @requires_gpu
 def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
     cupy = kc._dlpack.cupy_module()
