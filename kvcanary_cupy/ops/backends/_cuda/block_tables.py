@@ -61,7 +61,7 @@ def prepare_fill(query_start_loc, seq_lens, rows, rows_out, prefix_out, extend_o
     return Launch(fn, _grid(bs + sum(counts), device_id), _BLOCK, args, packed=True)
 
 
-class _PreparedLaunches:
+class _PackedByGeometry:
     """Packed launches of one kernel by the geometry of their arrays (dtypes, shapes, strides and the
     scalars the key adds: every parameter but the addresses), on each device, without references to
     any array: a call of a geometry met before sets its arrays' addresses (the parameters
@@ -97,9 +97,9 @@ class _PreparedLaunches:
 
 
 # the parameters of kvc_mirror_blocks that take the block table's, the rows' and the slot table's addresses
-_PREPARED_MIRRORS = _PreparedLaunches((0, 5, 8))
+_PREPARED_MIRRORS = _PackedByGeometry((0, 5, 8))
 # those of kvc_batch_from_offsets that take each of _fill_arrays' addresses, in their order
-_PREPARED_FILLS = _PreparedLaunches((0, 1, 2, 8, 9, 10, 11, 12, 13, 20, 21, 22))
+_PREPARED_FILLS = _PackedByGeometry((0, 1, 2, 8, 9, 10, 11, 12, 13, 20, 21, 22))
 
 
 def _layout(arrays: tuple) -> tuple:
