@@ -85,9 +85,15 @@ def _source(name: str, view: Any, page_size: int, per_token: int, read_bytes: Op
 def _k_then_v(k_buffers: Sequence[Any], v_buffers: Sequence[Any], layers: Optional[Iterable[int]]) -> list:
     """The picked layers' named buffers in source order: each layer's K, then its V (when V is given)."""
     ks = _pick(k_buffers, layers, "k_buffers")
-    vs = [] if isinstance(v_buffers, (list, tuple)) and not v_buffers else _pick(v_buffers, layers, "v_buffers")
-    if vs and len(vs) != len(ks):
-        raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(vs)} for {len(ks)}")
+    if isinstance(v_buffers, (list, tuple)) and not v_buffers:
+        vs = []
+    else:
+        # the whole lists, before ``layers`` picks from them: a layer index (a negative one above
+        # all) names another layer in lists of other lengths
+        if isinstance(v_buffers, (list, tuple)) and len(v_buffers) != len(k_buffers):
+            raise ValueError(f"{check.PREFIX}v_buffers must have one buffer per K buffer, got {len(v_buffers)} "
+                             f"for {len(k_buffers)}")
+        vs = _pick(v_buffers, layers, "v_buffers")
     return [named for index, k in enumerate(ks) for named in ((k, vs[index]) if vs else (k,))]
 
 

@@ -1264,6 +1264,13 @@ def test_layout_builders_geometry():
 
     with pytest.raises(ValueError, match="kv-canary"):
         kc.layouts.per_layer(k, v[:1])
+    # with ``layers`` too: -1 would be K of layer 2 beside V of layer 1, layer 0 a V list cut short
+    for picked in ([-1], [0]):
+        with pytest.raises(ValueError, match=r"^kv-canary: v_buffers must have one buffer per K buffer, got 2 for 3"):
+            kc.layouts.per_layer(k, v[:2], layers=picked)
+        with pytest.raises(ValueError, match=r"^kv-canary: v_buffers must have one buffer per K buffer, got 2 for 3"):
+            kc.layouts.paged([np.zeros((4, 4, 2, 8), np.float16)] * 3, [np.zeros((4, 4, 2, 8), np.float16)] * 2,
+                             layers=picked)
     with pytest.raises(ValueError, match="kv-canary"):
         kc.layouts.paged([np.zeros((4, 16), np.float16)])
     with pytest.raises(TypeError, match=r"^kv-canary: k_buffers must be a list or tuple of arrays .*got NoneType"):
