@@ -146,6 +146,9 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
         if not head_major:
             out.append(from_buffer(view, page_size=tokens, read_bytes=read_bytes, name=name))
             continue
+        if int(view.shape[1]) == 0:  # no source at all: its slots' bytes would go unhashed, unsaid
+            raise ValueError(f"{check.PREFIX}{name} must have at least one head, shape[1] of {layout}, got shape "
+                             f"{check.shape_text(view)}")
         # a head's tokens of one page are one row of page_size tokens: a view of them a head
         for head in range(int(view.shape[1])):
             out.append(from_buffer(view[:, head:head + 1].transpose(0, 2, 1, 3), page_size=tokens,

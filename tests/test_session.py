@@ -1303,6 +1303,9 @@ def test_paged_head_major_hashes_each_heads_tokens(device, mode):
                                          r"shape\[1\] of \[pages, page_size, heads, head_dim\]: got 4 for shape "
                                          r"\(6, 3, 4, 16\) \(head_major=True takes"):
         kc.layouts.paged([k], [v], page_size=page_size)
+    with pytest.raises(ValueError, match=r"^kv-canary: v_buffers\[0\] must have at least one head, shape\[1\] of "
+                                         r"\[pages, heads, page_size, head_dim\], got shape \(6, 0, 4, 16\)"):
+        kc.layouts.paged([k], [v[:, :0]], head_major=True)  # a buffer with no head: none of its bytes hashed
     sources = kc.layouts.paged([k], [v], page_size=page_size, head_major=True)
     assert len(sources) == 2 * heads and all(s.page_size == page_size and s.num_bytes_per_token == 2 * dim
                                              for s in sources)
