@@ -631,11 +631,81 @@ def test_the_request_tables_bound_is_the_memory_they_take(monkeypatch):
     """The bound is what the tables take, not a size picked to be small: rows that fit exactly are built."""
     from kvcanary_cupy.sim import engine as sim_engine
 
-    monkeypatch.setattr(sim_engine, "memory_limit", lambda: (17 * 2 * 512 * 4, "a machine of 17 rows"))
-    assert sim_engine.Engine(SimConfig(max_running=16, host_slots=0)).table_host.shape == (17, 512)
-    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token_pool_size must be <= 17, .* must fit in a machine "
-                                         r"of 17 rows, got 18$"):
-        sim_engine.Engine(SimConfig(max_running=17, host_slots=0))
+    # a machine of 100 rows, whose smallest pool (528 slots of 544 bytes) fits in it too
+    monkeypatch.setattr(sim_engine, "memory_limit", lambda: (100 * 2 * 512 * 4, "a machine of 100 rows"))
+    assert sim_engine.Engine(SimConfig(max_running=99, pool_slots=528, host_slots=0)).table_host.shape == (100, 512)
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token_pool_size must be <= 100, .* must fit in a machine "
+                                         r"of 100 rows, got 101$"):
+        sim_engine.Engine(SimConfig(max_running=100, pool_slots=528, host_slots=0))
+
+
+@pytest.mark.parametrize("layout", ["paged", "per_layer", "interleaved", "mla"])
+@pytest.mark.parametrize("swa_window", [0, 64])
+def test_the_bytes_a_pool_slot_takes_are_those_the_pool_and_the_host_tier_allocate(layout, swa_window):
+    """``slot_bytes`` (what the memory bounds of ``--pool-slots`` and ``--host-slots`` count) is what a
+    slot of the engine's pool and of its host tier take: KV of every layout, the SWA group's beside it,
+    and each group's canary record."""
+    from kvcanary_cupy.sim.engine import Engine
+    from kvcanary_cupy.sim.pools import slot_bytes
+
+    config = SimConfig(layout=layout, swa_window=swa_window, pool_slots=1024, host_slots=1024)
+    engine = Engine(config)
+    contexts = [ctx for ctx in (engine.canary.context, engine.canary.swa_context) if ctx is not None]
+    pool = (sum(b.nbytes for b in engine.kv_buffers) + sum(t.nbytes for t in getattr(engine, "swa_targets", []))
+            + sum(ctx.canary_buf.nbytes for ctx in contexts))
+    tier = sum(sum(b.nbytes for b in group.kv.buffers) + group.context.canary_buf.nbytes
+               for group in engine.tier.groups.values())
+    expected = slot_bytes(config, with_swa=swa_window > 0)
+    assert pool == expected * engine.num_slots and tier == expected * engine.tier.num_slots
+    assert expected == (704 if swa_window else 544) + (128 if layout == "mla" else 0)
+
+
+def test_the_pool_and_host_tier_bounds_are_the_memory_they_take(monkeypatch):
+    """The pool's and the host tier's bounds are what their KV and canary records take, each on its
+    own: a size that fits exactly is built, a page more is refused before anything is allocated,
+    naming the bound, the memory and the value. The tier's bound is in whole pages (it rounds up)."""
+    from kvcanary_cupy.sim import engine as sim_engine
+
+    monkeypatch.setattr(sim_engine, "memory_limit", lambda: (992 * 544, "a machine of 992 slots"))
+    engine = sim_engine.Engine(SimConfig(pool_slots=1000, host_slots=992))
+    assert (engine.num_slots, engine.tier.num_slots) == (992, 992)
+    with pytest.raises(ValueError, match=r"^kv-canary: pool_slot_count must be <= 992, as the KV pool and its canary "
+                                         r"records \(544 bytes a slot: 0\.0 GiB\) must fit in a machine of 992 "
+                                         r"slots, got 1008$"):
+        sim_engine.Engine(SimConfig(pool_slots=1008, host_slots=0))
+    with pytest.raises(ValueError, match=r"^kv-canary: host_slots must be <= 992, as the host tier's KV and canary "
+                                         r"records \(544 bytes a slot, in whole pages of 16: 0\.0 GiB\) must fit in "
+                                         r"a machine of 992 slots, got 993$"):
+        sim_engine.Engine(SimConfig(pool_slots=528, host_slots=993))
+    # with a sliding-window group, each slot holds its KV and record too: 704 bytes
+    with pytest.raises(ValueError, match=r"^kv-canary: pool_slot_count must be <= 766, .*\(704 bytes a slot"):
+        sim_engine.Engine(SimConfig(pool_slots=1000, host_slots=0, swa_window=64))
+
+
+def test_demo_refuses_a_pool_or_host_tier_larger_than_the_memory_it_may_have(tmp_path):
+    """``--pool-slots`` and ``--host-slots`` past the memory the process may have (here an
+    address-space limit) are refused at once in one line naming the option, not after seconds spent
+    on the free-page list or gigabytes of KV filled before an allocation fails."""
+    import subprocess
+    import sys
+    import time
+
+    limit = 6 * 2**30
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, ({0}, {0})); "
+            "from kvcanary_cupy.sim.cli import main; sys.exit(main(sys.argv[1:]))").format(limit)
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    for option, value, start, end in (
+            ("--pool-slots", "200000000", f"kv-canary: pool_slot_count must be <= {limit // 544}, ",
+             "(ulimit -v), got 200000000 (set by --pool-slots and --page-size)"),
+            ("--host-slots", "200000000", f"kv-canary: host_slots must be <= {limit // (544 * 16) * 16}, ",
+             "(ulimit -v), got 200000000 (set by --host-slots)")):
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--no-progress", option, value],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+        assert done.stderr.startswith(start) and done.stderr.rstrip("\n").endswith(end), done.stderr
+        assert time.perf_counter() - started < 60
 
 
 def test_demo_cli_a_failed_run_whose_json_cannot_be_written_still_says_it_failed(tmp_path, capsys, monkeypatch):

@@ -170,9 +170,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                      offload_prob=args.offload_prob, speculative=args.speculative)
 
 
-# the canary's capacities the engine asks for, and the demo's options that set them
+# the canary's capacities the engine asks for (and the settings it refuses when they do not fit in
+# memory), and the demo's options that set them
 _SET_BY = {"req_to_token_pool_size": "--max-running", "pool_slot_count": "--pool-slots and --page-size",
-           "max_prefill_tokens": "--max-running and --speculative", "speculative_num_draft_tokens": "--speculative"}
+           "max_prefill_tokens": "--max-running and --speculative", "speculative_num_draft_tokens": "--speculative",
+           "host_slots": "--host-slots"}
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from .._dlpack import cuda_device_count, from_host, parse_device, require_cupy
 from ..capacities import Capacities
 from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
 from .host_tier import HostTier
-from .pools import kv_pool, swa_pool
+from .pools import kv_pool, slot_bytes, swa_pool
 
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
 # the smallest value of each integer setting (the demo's options take the same bounds)
@@ -255,6 +255,25 @@ class Engine:
             raise ValueError(f"kv-canary: req_to_token_pool_size must be <= {memory[0] // row_bytes}, as the request "
                              f"tables (req_to_token and the expected tokens, {c.max_len} int32 a row each: "
                              f"{rows * row_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, got {rows}")
+        # the pool and the host tier alike: the bytes of their KV and canary records, refused before anything
+        # of their size is allocated (the pool's free-page list, filled first, alone takes seconds for a
+        # pool of hundreds of millions of slots)
+        with_swa = c.swa_window > 0
+        pool_slot_bytes = slot_bytes(c, with_swa=with_swa)
+        # only where the pool is host memory: on a GPU it lives in device memory, whose size is not checked here
+        if memory is not None and not self.device.is_cuda and self.num_slots * pool_slot_bytes > memory[0]:
+            raise ValueError(f"kv-canary: pool_slot_count must be <= {memory[0] // pool_slot_bytes}, as the KV pool "
+                             f"and its canary records ({pool_slot_bytes} bytes a slot: "
+                             f"{self.num_slots * pool_slot_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, "
+                             f"got {self.num_slots}")
+        host_slot_count = -(-c.host_slots // ps) * ps  # the tier's: whole pages, rounded up
+        # the tier is host memory whatever the device; the bound is whole pages, so a host_slots within it
+        # stays within it once rounded up
+        if memory is not None and host_slot_count * pool_slot_bytes > memory[0]:
+            raise ValueError(f"kv-canary: host_slots must be <= {memory[0] // (pool_slot_bytes * ps) * ps}, as the "
+                             f"host tier's KV and canary records ({pool_slot_bytes} bytes a slot, in whole pages of "
+                             f"{ps}: {host_slot_count * pool_slot_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, "
+                             f"got {c.host_slots}")
         # the tables before the lists: near that bound, the allocation that fails is NumPy's, which
         # raises MemoryError (a deque that cannot grow raises SystemError)
         self.table_host = np.zeros((rows, c.max_len), np.int32)
@@ -299,7 +318,7 @@ class Engine:
         self.tier_rng = np.random.default_rng(c.seed + 2)
         self.tier = None
         if c.host_slots:
-            self.tier = HostTier(c, -(-c.host_slots // ps) * ps, with_swa=c.swa_window > 0)
+            self.tier = HostTier(c, host_slot_count, with_swa=with_swa)
 
     # --- memory -----------------------------------------------------------------------------------
     def _mirror(self, host: np.ndarray):

@@ -4,10 +4,12 @@ serving pool on the engine's device, the host tier's in host memory)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import _layout as L
 from .. import layouts
 from .._dlpack import filled
 
@@ -27,25 +29,53 @@ class KvPool:
     target_source_bytes: list
 
 
+KV_DTYPE = np.float16  # the element of every KV array of the simulated engine
+
+
+def kv_shapes(c: "SimConfig", num_slots: int) -> list[tuple[int, ...]]:
+    """The shapes of the KV arrays of ``num_slots`` slots (a whole number of pages) in ``c.layout``,
+    in the order of :attr:`KvPool.buffers` (each layer's K, then its V where they are apart)."""
+    n, pages = num_slots, num_slots // c.page_size
+    if c.layout == "paged":
+        return [(pages, c.page_size, c.heads, c.head_dim)] * (2 * c.layers)
+    if c.layout == "per_layer":
+        return [(n, c.heads, c.head_dim)] * (2 * c.layers)
+    if c.layout == "interleaved":
+        return [(n, 2, c.heads, c.head_dim)] * c.layers
+    return [(n, 1, 4 * c.head_dim + 32)] * c.layers  # mla
+
+
+def swa_shape(c: "SimConfig", num_slots: int) -> tuple[int, ...]:
+    """The shape of the sliding-window group's KV array of ``num_slots`` slots."""
+    return (num_slots, c.heads, c.head_dim)
+
+
+def slot_bytes(c: "SimConfig", *, with_swa: bool) -> int:
+    """The bytes each slot of a pool takes where the pool lives: its KV (:func:`kv_pool`, and
+    :func:`swa_pool`'s beside it ``with_swa``) and each group's canary record (a row of its
+    context's canary buffer, allocated at the smallest stride, ``L.MIN_SLOT_STRIDE_BYTES``). The
+    arrays a pool certainly has, not its free lists nor its tables of pages."""
+    itemsize = np.dtype(KV_DTYPE).itemsize
+    kv = sum(math.prod(shape) for shape in kv_shapes(c, c.page_size)) * itemsize // c.page_size
+    records = L.MIN_SLOT_STRIDE_BYTES
+    if with_swa:
+        kv += math.prod(swa_shape(c, 1)) * itemsize
+        records *= 2
+    return kv + records
+
+
 def kv_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
     """The KV arrays of ``num_slots`` slots (a whole number of pages) on ``device`` in ``c.layout``."""
-    f16, n, pages = np.float16, num_slots, num_slots // c.page_size
+    buffers = [filled(shape, KV_DTYPE, device) for shape in kv_shapes(c, num_slots)]
     if c.layout == "paged":
-        ks = [filled((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        vs = [filled((pages, c.page_size, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        sources = layouts.paged(ks, vs)
-        buffers = [b for pair in zip(ks, vs) for b in pair]
+        sources = layouts.paged(buffers[0::2], buffers[1::2])
     elif c.layout == "per_layer":
-        ks = [filled((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        vs = [filled((n, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
-        sources = layouts.per_layer(ks, vs)
-        buffers = [b for pair in zip(ks, vs) for b in pair]
+        sources = layouts.per_layer(buffers[0::2], buffers[1::2])
     elif c.layout == "interleaved":
-        buffers = [filled((n, 2, c.heads, c.head_dim), f16, device) for _ in range(c.layers)]
         sources = layouts.interleaved(buffers)
     else:
-        buffers = [filled((n, 1, 4 * c.head_dim + 32), f16, device) for _ in range(c.layers)]
         sources = layouts.mla(buffers)
+    n = num_slots
     targets = [b.reshape(n, -1).view(np.uint8) for b in buffers]
     halves = 2 if c.layout == "interleaved" else 1
     return KvPool(sources, buffers, targets, [int(t.shape[1]) // halves for t in targets])
@@ -53,6 +83,6 @@ def kv_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
 
 def swa_pool(c: "SimConfig", device, num_slots: int) -> KvPool:
     """The sliding-window group's KV: one array of ``num_slots`` rows."""
-    kv = filled((num_slots, c.heads, c.head_dim), np.float16, device)
+    kv = filled(swa_shape(c, num_slots), KV_DTYPE, device)
     target = kv.reshape(num_slots, -1).view(np.uint8)
     return KvPool(layouts.per_layer([kv]), [kv], [target], [int(target.shape[1])])
