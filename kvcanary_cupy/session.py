@@ -1126,9 +1126,14 @@ class StaticForward:
                 self._translate = functools.partial(_run_translate, canary, writes)
         self.closed = False
         self._logged_step: Optional[int] = None  # the step of the logged before() of the current run
-        self._logged = [(group, [_Launch("head", group.head_tag, 0, batch),
-                                 _Launch("write", group.tail_tag, 0, batch, write_loc=bundle.out_cache_loc),
-                                 _Launch("tail", group.tail_tag, 0, batch)])
+        # poll reads the arrays as they are then, through views of their own, as the launches do: an
+        # array object reshaped or re-typed in place later is read as it was validated
+        logged = dataclasses.replace(batch, **{field.name: own_view(getattr(batch, field.name))
+                                               for field in dataclasses.fields(batch)
+                                               if field.name != "req_ids" and getattr(batch, field.name) is not None})
+        self._logged = [(group, [_Launch("head", group.head_tag, 0, logged),
+                                 _Launch("write", group.tail_tag, 0, logged, write_loc=own_view(bundle.out_cache_loc)),
+                                 _Launch("tail", group.tail_tag, 0, logged)])
                         for group, bundle in zip(groups, writes)]
         self._records = [_StaticRecord(weakref.ref(self), self.run_count_at, launches) for _, launches in self._logged]
         canary._hold_closed_static_forwards()

@@ -726,6 +726,25 @@ def test_a_static_forward_let_go_without_close_is_closed(device):
     assert all(not group.static_log for group in eng.canary.groups)
 
 
+@pytest.mark.parametrize("retype", ["dtype", "shape"])
+def test_a_static_forwards_arrays_retyped_in_place_are_polled_as_they_were_bound(retype):
+    """The engine's array objects reshaped or re-typed in place after the static forward was built
+    reach neither its launches nor the poll that maps their rows (which reads them as bound), so
+    the poll names the request as it would have, and the polls after it still work."""
+    eng, forward = _decode_of_a("cpu")
+    eng.canary.context.canary_buf[eng.slot("a", 1), 0] ^= 1
+    forward.before()
+    forward.after()
+    if retype == "dtype":
+        forward.batch.req_pool_indices.dtype = np.int32  # two rows now, beside one prefix length
+    else:
+        for name in ("req_pool_indices", "prefix_lens", "out_cache_loc"):
+            getattr(forward.batch, name).shape = (1, 1)
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
+    assert not eng.canary.poll()
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
     """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
