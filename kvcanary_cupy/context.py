@@ -79,7 +79,9 @@ class ViolationReport(collections.abc.Sequence):
         return self.total > 0
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False here and on the plans: a bundle of arrays is its memory, equal and hashed by identity
+# (as a RealKvSource is); comparing fields would compare arrays element-wise and raise
+@dataclasses.dataclass(frozen=True, eq=False)
 class CanaryContext:
     """The canary buffer, violation ring, counters and real-KV sources of one KV pool.
 
@@ -299,7 +301,7 @@ def require_intact(bundle, writes: Optional[Sequence[str]] = None) -> None:
             check.writable(f"{type(bundle).__name__}.{name}", array)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class VerifyPlan:
     """Which slots a verify launch checks, and against what."""
 
@@ -344,7 +346,7 @@ class VerifyPlan:
         return int(self.slot_indices.shape[0])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class WritePlan:
     """Per-request entry ranges and chain seeds of a write launch."""
 

@@ -46,7 +46,7 @@ _RUN_COUNTS_PER_ARRAY = 64
 
 
 # --- inputs ------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ForwardBatch:
     """The metadata of one forward pass, as the engine already has it (device or host arrays).
 
@@ -75,7 +75,7 @@ class ForwardBatch:
     from_offsets = staticmethod(forward_batch)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LiveRequests:
     """The requests a sweep re-checks: pool rows and how many tokens each has in the cache."""
 
@@ -84,7 +84,7 @@ class LiveRequests:
     req_ids: Optional[Sequence[Any]] = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SwaGroup:
     """A sliding-window KV pool beside the full one: ``lut`` (``int64``, a cell for each full-pool
     slot at least: ``pool_slot_count`` cells or more, as SGLang's ``+ 1``) maps a full-pool slot to

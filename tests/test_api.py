@@ -117,6 +117,25 @@ def test_ops_return_nothing_and_write_in_place():
     assert pool[1].tolist() == [7, 8, 0, 0]
 
 
+def test_bundles_of_arrays_compare_and_hash_by_identity():
+    """A context, a plan or a session's batch is its memory, as a RealKvSource is: comparing two,
+    or looking one up in a list or a dict, neither compares their arrays' elements nor raises."""
+    table = np.zeros((2, 4), np.int32)
+    one = np.ones(1, np.int64)
+    canary = kc.Canary(pool_slot_count=8, req_to_token=table, capacities=kc.Capacities.from_args(
+        req_to_token_pool_size=2, max_seq_len_per_req=4, pool_slot_count=8, max_prefill_tokens=4))
+    pairs = [(kc.CanaryContext.allocate(8), kc.CanaryContext.allocate(8)),
+             (kc.VerifyPlan.allocate(4), kc.VerifyPlan.allocate(4)),
+             (kc.WritePlan.allocate(2), kc.WritePlan.allocate(2)),
+             (kc.ForwardBatch(one, one, one, one, one, one), kc.ForwardBatch(one, one, one, one, one, one)),
+             (kc.LiveRequests(one, one), kc.LiveRequests(one, one)),
+             (kc.SwaGroup(window=2, lut=np.arange(9), num_slots=8), kc.SwaGroup(window=2, lut=np.arange(9), num_slots=8)),
+             (canary.context, kc.CanaryContext.allocate(8))]
+    for first, second in pairs:
+        assert first == first and first != second and second in [first, second]
+        assert len({first, second}) == 2
+
+
 def test_real_kv_source_is_frozen():
     source = kc.RealKvSource(tensor=np.ones((4, 32), np.uint8), page_size=1, num_bytes_per_token=32, read_bytes=32)
     with pytest.raises(dataclasses.FrozenInstanceError):
