@@ -145,6 +145,10 @@ class CanaryContext:
         for name in names:
             check.writable(name, getattr(self, name))
         check.apart({name: getattr(self, name) for name in names})
+        # the sources are read while the canary buffer and the ring are stored into (on a GPU by
+        # other threads, in no fixed order): a source over either would hash what the ops store
+        check.stored_apart({name: getattr(self, name) for name in names},
+                           {f"real_kv_sources[{index}].tensor": source._native for index, source in enumerate(sources)})
 
         hashed = sources if mode != L.HashMode.NONE else ()
         descriptors = np.array([s.descriptor(mode) for s in hashed], dtype=np.int64).reshape(

@@ -261,6 +261,13 @@ CONSTRUCTION = [
      ValueError, r"canary_buf and violation_ring must not share memory"),
     ("ctx write index is the assert flag", _ctx_arrays(violation_write_index=_CELL32, chain_position_assert=_CELL32),
      ValueError, r"violation_write_index and chain_position_assert must not share memory"),
+    ("ctx source over the canary buffer", _ctx_arrays(canary_buf=_BUF[:8], real_kv_sources=(kc.RealKvSource(
+        tensor=_BUF[:8], page_size=1, num_bytes_per_token=32, read_bytes=32),), hash_mode=kc.HashMode.ALL),
+     ValueError, r"canary_buf and real_kv_sources\[0\]\.tensor must not share memory \(canary_buf is stored into\)"),
+    ("ctx source over the ring", _ctx_arrays(violation_ring=_BUF[8:].view(np.int64).reshape(4, 8),
+                                             real_kv_sources=(kc.RealKvSource(tensor=_BUF[10:], page_size=1,
+                                                                              num_bytes_per_token=16, read_bytes=16),)),
+     ValueError, r"violation_ring and real_kv_sources\[0\]\.tensor must not share memory"),
     ("vplan num_valid is enable", _vplan_arrays(num_valid=_CELL32, enable=_CELL32), ValueError,
      r"VerifyPlan\.num_valid and VerifyPlan\.enable must not share memory"),
     ("vplan fields overlap", _vplan_arrays(expected_tokens=_VEC[0:4], expected_positions=_VEC[3:7]), ValueError,
