@@ -56,7 +56,9 @@ class ForwardBatch:
     neither) turn on the write input assert; ``expected_valid_lens`` (``int64 [bs]``) bounds the
     expected-token pool (defaults to ``prefix_lens``). ``swa_out_cache_loc`` overrides
     ``lut[out_cache_loc]`` for the SWA group. Arrays are referenced, not copied: if the engine
-    refills them in place before :meth:`Canary.poll`, reports may name the wrong request.
+    refills them in place before :meth:`Canary.poll`, reports may name the wrong request; an array
+    object reshaped, re-typed or resized in place before it leaves that forward's rows unplaced (no
+    step, no request; a warning says so).
     """
 
     req_pool_indices: Any
@@ -236,6 +238,31 @@ class _Launch:
     def kind(self) -> str:
         """``"write"`` for the write launch, ``"verify"`` for the others."""
         return "write" if self.phase == "write" else "verify"
+
+
+_PER_REQUEST_READ = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "seq_lens")  # what poll's mapping reads
+_PER_TOKEN_READ = ("input_ids", "positions")
+
+
+def _still_as_checked(batch: Any, expects_tokens: bool) -> bool:
+    """Whether the arrays of a logged batch that poll's mapping reads still have the form its
+    forward's checks gave them: each 1-D and of an integer dtype, the per-request ones of one length
+    (their values may be anything, as a refilled batch's are: the mapping reads them as it would
+    hostile ones). ``expected_valid_lens`` is read, and was checked, only where the canary expects
+    tokens."""
+    per_request = _PER_REQUEST_READ + (("expected_valid_lens",) if expects_tokens else ())
+    requests = [array for array in (getattr(batch, name, None) for name in per_request) if array is not None]
+    tokens = [array for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ) if array is not None]
+    return (all(_integer_vector(array) for array in requests + tokens)
+            and len({int(array.shape[0]) for array in requests}) <= 1)
+
+
+def _integer_vector(array: Any) -> bool:
+    """A 1-D array of integers, read from its own attributes (no view made: poll does this for
+    every logged batch): NumPy's, CuPy's and JAX's dtypes are NumPy's, torch's says what it is."""
+    dtype = array.dtype
+    integer = dtype.kind in "iu" if isinstance(dtype, np.dtype) else not (dtype.is_floating_point or dtype.is_complex)
+    return integer and len(array.shape) == 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -949,11 +976,12 @@ class Canary:
         ran, runs, stray = self._static_forwards_ran()
         replays, self._logged_runs = max(0, runs - self._logged_runs), 0
         logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
+        changed = self._drop_changed_launches()
         # Replays leave no trace on the host: their places among the logged forwards are not known,
         # nor which of several is which; one replay alone since the previous poll is the next forward.
         # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
         # fit the others' entries, whose steps are then not known either.
-        capped = self._unlogged > 0  # launches left out of the log: its rows' places are not known
+        capped = self._unlogged > 0 or changed  # launches left out of the log: its rows' places are not known
         steps_known = not stray and not (replays and logged) and not capped
         mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None)
         for group in self.groups:
@@ -984,6 +1012,29 @@ class Canary:
                 raise CanaryViolation(report)
             self.logger.warning("%s", report.describe())
         return report
+
+    def _drop_changed_launches(self) -> bool:
+        """Leave out of the log the eager launches whose batch arrays the engine reshaped or re-typed
+        in place since their forward (a static forward's are views of its own), as the log leaves
+        out launches past ``max_logged_forwards``: their rows are reported unplaced, rather than
+        this poll and every later one failing on arrays of another shape (said in a warning)."""
+        dropped, judged = 0, {}  # by batch (a forward's launches share it): whether it is as checked
+        for group in self.groups:
+            kept = []
+            for launch in group.log:
+                key = id(launch.batch)
+                if key not in judged:
+                    judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens)
+                if judged[key] and (launch.write_loc is None or _integer_vector(launch.write_loc)):
+                    kept.append(launch)
+            dropped += len(group.log) - len(kept)
+            group.log[:] = kept
+        if dropped:
+            self.logger.warning(
+                "kv-canary: %d launch(es) since the last poll() read batch arrays that have been reshaped or "
+                "re-typed in place since: their violations, if any, get no step and may name no request (keep "
+                "a batch's arrays as they are until the poll after its forward)", dropped)
+        return dropped > 0
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the

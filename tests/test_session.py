@@ -746,6 +746,36 @@ def test_a_static_forwards_arrays_retyped_in_place_are_polled_as_they_were_bound
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("change", ["retyped", "reshaped", "resized"])
+def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplaced(device, change, caplog):
+    """An engine that re-types, reshapes or resizes a batch's array object in place between the
+    forward and the poll: that forward's launches are left out of the log, as those past
+    ``max_logged_forwards`` are (a warning says so), so its rows are reported without a step or a
+    request, and the polls after it work and name requests again."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    eng.canary.context.canary_buf[eng.slot("a", 1), 0] ^= 1
+    batch = eng.step({"a": 1})
+    rows = batch.req_pool_indices
+    if change == "retyped":
+        if device != "cpu":
+            pytest.skip("CuPy arrays cannot be re-typed in place")
+        rows.dtype = np.int32  # two rows now, beside one prefix length
+    elif change == "reshaped":
+        rows.shape = (1, 1)
+    else:  # an engine's buffer grown for a larger batch: its object now holds other rows
+        object.__setattr__(batch, "req_pool_indices", to_device(np.array([1, 2], np.int64), device))
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request) for e in report] == [("head", None, None), ("tail", None, None)]
+    assert "re-typed in place since" in caplog.text
+    eng.canary.context.canary_buf[eng.slot("a", 2), 0] ^= 1
+    eng.step({"a": 1})
+    later = eng.canary.poll()
+    assert later and {(e.step, e.request) for e in later} == {(3, "a")} and {e.position for e in later} == {2, 3}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
     """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
     later ones are still checked, fingerprinted and counted, their rows reported at the next poll
