@@ -121,6 +121,35 @@ def test_pool_rows_that_overlap_are_refused(device, row_stride):
     assert to_numpy(base).tolist() == before.tolist()
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("over", ["flat_in", "offsets", "req_pool_indices"])
+def test_pool_out_over_an_array_it_reads_is_refused(device, over):
+    """pool_out sharing memory with the ids, offsets or rows it is filled from would change them as
+    it is filled (row after row on the CPU, in no fixed order on a GPU): refused, nothing written."""
+    xp = np if device == "cpu" else pytest.importorskip("cupy")
+    base = xp.asarray(np.arange(16, dtype=np.int64))
+    before = to_numpy(base).copy()
+    pool = base.view(xp.int32).reshape(4, 8)
+    arrays = dict(flat_in=to_device(np.arange(8, dtype=np.int64), device),
+                  offsets=to_device(np.array([0, 8], np.int64), device),
+                  req_pool_indices=to_device(np.array([1], np.int64), device))
+    arrays[over] = base[:len(to_numpy(arrays[over]))]
+    with pytest.raises(ValueError, match=rf"^kv-canary: scatter_req_token_ids pool_out and scatter_req_token_ids "
+                                         rf"{over} must not share memory"):
+        kc.scatter_req_token_ids(**arrays, pool_out=pool)
+    assert to_numpy(base).tolist() == before.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_pool_out_beside_flat_in_in_one_buffer_is_accepted(device):
+    xp = np if device == "cpu" else pytest.importorskip("cupy")
+    base = xp.asarray(np.arange(24, dtype=np.int64))
+    pool = base[8:].view(xp.int32).reshape(4, 8)
+    kc.scatter_req_token_ids(flat_in=base[:8], offsets=to_device(np.array([0, 8], np.int64), device),
+                             req_pool_indices=to_device(np.array([1], np.int64), device), pool_out=pool)
+    assert to_numpy(pool)[1].tolist() == list(range(8))
+
+
 _FORMS = {"decode-form": (True, False), "general-form": (False, False), "long-rows-form": (False, True)}
 
 

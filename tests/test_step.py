@@ -108,6 +108,37 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
     assert tuple(int(to_numpy(c)[0]) for c in (ctx.slot_run_counter, ctx.kernel_run_counter)) == (3, 2)
 
 
+_OVER_CONTEXT = {
+    "out_cache_loc": lambda ctx: ctx.violation_ring[0, :1],
+    "req_to_token": lambda ctx: ctx.canary_buf[:2].view(np.int32),  # 2 x 8 int32 over two slots
+    "prefix_lens": lambda ctx: ctx.slot_run_counter,
+    "input_ids": lambda ctx: ctx.kernel_run_counter,
+}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("read", sorted(_OVER_CONTEXT))
+def test_step_over_arrays_of_its_context_is_refused_and_changes_nothing(device, read):
+    """A batch array over memory the step stores into (the canary buffer, the ring, a counter) would
+    change as the step runs: after the whole verify on the CPU, amid it in a GPU launch. Refused."""
+    ctx = kc.CanaryContext.allocate(64, ring_capacity=4, device=device)
+    arrays = dict(req_pool_indices=to_device(np.array([1], np.int64), device),
+                  prefix_lens=to_device(np.array([2], np.int64), device),
+                  extend_seq_lens=to_device(np.array([1], np.int64), device),
+                  req_to_token=to_device(np.arange(16, dtype=np.int32).reshape(2, 8), device),
+                  input_ids=to_device(np.array([5], np.int64), device),
+                  positions=to_device(np.array([2], np.int64), device),
+                  out_cache_loc=to_device(np.array([11], np.int64), device))
+    arrays[read] = _OVER_CONTEXT[read](ctx)
+    outputs = (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter,
+               ctx.kernel_run_counter)
+    before = [to_numpy(a).copy() for a in outputs]
+    with pytest.raises(ValueError, match=rf"^kv-canary: ctx\.\w+ and {read} must not share memory "
+                                         r"\(ctx\.\w+ is stored into\)"):
+        kc.CanaryStep(ctx, verify_capacity=16, verify_tag=0, write_tag=2, **arrays)
+    assert all(np.array_equal(x, to_numpy(y)) for x, y in zip(before, outputs))
+
+
 def _block_zero_case(rng: np.random.Generator) -> dict:
     """A step case that the GPU runs as one launch whose block 0 hashes the new slots' real-KV bytes
     ahead (33 to 512 requests, decode-shaped, real-KV sources), with its first source a few rows

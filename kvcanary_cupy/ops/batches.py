@@ -165,6 +165,11 @@ class ScatterBatch:
         check.table("scatter_req_token_ids pool_out", self.pool_out, np.int32)
         check.writable("scatter_req_token_ids pool_out", self.pool_out)
         check.rows_apart("scatter_req_token_ids pool_out", self.pool_out)
+        # a pool row over the ids, offsets or rows it is filled from would change them as it is
+        # filled: row after row on the CPU, in no fixed order on a GPU
+        check.stored_apart({"scatter_req_token_ids pool_out": self.pool_out},
+                           {f"scatter_req_token_ids {name}": getattr(self, name)
+                            for name in ("flat_in", "offsets", "req_pool_indices")})
 
     @property
     def batch_size(self) -> int:

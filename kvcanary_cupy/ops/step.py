@@ -65,6 +65,11 @@ class CanaryStep:
                                                                "expected_input_tokens", "expected_input_positions")})
         devices = {"ctx": ctx.device, "req_pool_indices": batch.device, "input_ids": writes.device}
         self.device = check.one_device(devices)
+        # What the step stores into (the canary buffer, the ring, its counters) must not be what it
+        # reads: the CPU verifies the whole batch before it writes, a GPU launch does both at once.
+        read = {name: value for bundle in (batch, writes) for name, value in vars(bundle).items()
+                if name != "device" and hasattr(value, "__dlpack__")}
+        check.stored_apart({f"ctx.{name}": getattr(ctx, name) for name in CanaryContext.WRITE_WRITES}, read)
         self.ctx, self.settings, self.batch, self.writes = ctx, settings, batch, writes
         with launch_scope({"step": self.device}, None):
             self.write_plan = WritePlan.allocate(batch.batch_size, device=self.device)
