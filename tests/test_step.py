@@ -72,17 +72,18 @@ def test_step_relaunch_accumulates(device):
                               "kernel_run_counter": 2 * steps + 2, "violations": 1}
 
 
+def _one_token_batch(device) -> dict:
+    """A step's arrays for one request (pool row 1) writing its position 2 into slot 11."""
+    i64 = lambda values: to_device(np.array(values, np.int64), device)  # noqa: E731
+    return dict(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
+                req_to_token=to_device(np.arange(16, dtype=np.int32).reshape(2, 8), device),
+                input_ids=i64([5]), positions=i64([2]), out_cache_loc=i64([11]))
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_step_rejects_bad_arguments_and_changes_nothing(device):
     ctx = kc.CanaryContext.allocate(64, device=device)
-    good = dict(verify_capacity=16, verify_tag=0, write_tag=2,
-                req_pool_indices=to_device(np.array([1], np.int64), device),
-                prefix_lens=to_device(np.array([2], np.int64), device),
-                extend_seq_lens=to_device(np.array([1], np.int64), device),
-                req_to_token=to_device(np.arange(16, dtype=np.int32).reshape(2, 8), device),
-                input_ids=to_device(np.array([5], np.int64), device),
-                positions=to_device(np.array([2], np.int64), device),
-                out_cache_loc=to_device(np.array([11], np.int64), device))
+    good = dict(verify_capacity=16, verify_tag=0, write_tag=2, **_one_token_batch(device))
     before = [to_numpy(a).copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,
                                           ctx.slot_run_counter, ctx.kernel_run_counter)]
     bad = [
@@ -122,13 +123,7 @@ def test_step_over_arrays_of_its_context_is_refused_and_changes_nothing(device, 
     """A batch array over memory the step stores into (the canary buffer, the ring, a counter) would
     change as the step runs: after the whole verify on the CPU, amid it in a GPU launch. Refused."""
     ctx = kc.CanaryContext.allocate(64, ring_capacity=4, device=device)
-    arrays = dict(req_pool_indices=to_device(np.array([1], np.int64), device),
-                  prefix_lens=to_device(np.array([2], np.int64), device),
-                  extend_seq_lens=to_device(np.array([1], np.int64), device),
-                  req_to_token=to_device(np.arange(16, dtype=np.int32).reshape(2, 8), device),
-                  input_ids=to_device(np.array([5], np.int64), device),
-                  positions=to_device(np.array([2], np.int64), device),
-                  out_cache_loc=to_device(np.array([11], np.int64), device))
+    arrays = _one_token_batch(device)
     arrays[read] = _OVER_CONTEXT[read](ctx)
     outputs = (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index, ctx.slot_run_counter,
                ctx.kernel_run_counter)
