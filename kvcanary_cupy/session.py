@@ -244,15 +244,17 @@ _PER_REQUEST_READ = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "seq_
 _PER_TOKEN_READ = ("input_ids", "positions")
 
 
-def _still_as_checked(batch: Any, expects_tokens: bool) -> bool:
-    """Whether the arrays of a logged batch that poll's mapping reads still have the form its
-    forward's checks gave them: each 1-D and of an integer dtype, the per-request ones of one length
-    (their values may be anything, as a refilled batch's are: the mapping reads them as it would
-    hostile ones). ``expected_valid_lens`` is read, and was checked, only where the canary expects
-    tokens."""
+def _still_as_checked(batch: Any, expects_tokens: bool, write: bool) -> bool:
+    """Whether the arrays of a logged batch that poll's mapping reads for a launch still have the
+    form its forward's checks gave them: each 1-D and of an integer dtype, the per-request ones of
+    one length (their values may be anything, as a refilled batch's are: the mapping reads them as
+    it would hostile ones). ``expected_valid_lens`` is read, and was checked, only where the canary
+    expects tokens; the per-token arrays only for a ``write`` launch (a verify's call, a
+    ``before_forward``, neither checks nor reads them: they may be anything there)."""
     per_request = _PER_REQUEST_READ + (("expected_valid_lens",) if expects_tokens else ())
     requests = [array for array in (getattr(batch, name, None) for name in per_request) if array is not None]
-    tokens = [array for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ) if array is not None]
+    tokens = [array for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ if write)
+              if array is not None]
     return (all(_integer_vector(array) for array in requests + tokens)
             and len({int(array.shape[0]) for array in requests}) <= 1)
 
@@ -1018,13 +1020,14 @@ class Canary:
         in place since their forward (a static forward's are views of its own), as the log leaves
         out launches past ``max_logged_forwards``: their rows are reported unplaced, rather than
         this poll and every later one failing on arrays of another shape (said in a warning)."""
-        dropped, judged = 0, {}  # by batch (a forward's launches share it): whether it is as checked
+        dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked
         for group in self.groups:
             kept = []
             for launch in group.log:
-                key = id(launch.batch)
+                write = launch.kind == "write"
+                key = (id(launch.batch), write)
                 if key not in judged:
-                    judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens)
+                    judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens, write)
                 if judged[key] and (launch.write_loc is None or _integer_vector(launch.write_loc)):
                     kept.append(launch)
             dropped += len(group.log) - len(kept)

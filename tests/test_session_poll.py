@@ -544,3 +544,34 @@ def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
             (phase, None, "b", 3, 4) if (phase, step, position) == ("head", 4, 3) else
             (phase, step, request, position, slot) for phase, step, request, position, slot in rows]
     assert _stale_row_events(device, False, twice=True) == late
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("tokens", ["2-D drafts", "float", "list"])
+def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device, tokens, caplog):
+    """``before_forward`` checks the plan fields alone: a verify batch whose per-token fields are
+    of another form (a speculative engine's ``[bs, k + 1]`` drafts, a float array, a list), its
+    kept tokens passed to ``after_forward``, is no batch changed since its forward: poll names its
+    HEAD rows with their step and request, warns of nothing, and the polls after it work."""
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    table = np.zeros((2, 8), np.int32)
+    table[1, :3] = [1, 2, 3]
+    canary = kc.Canary(pool_slot_count=16, capacities=session_capacities(2, 8, 16, 8),
+                       req_to_token=to_device(table, device), device=device)
+    prefill = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
+                              input_ids=i64([7, 8]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
+    canary.before_forward(prefill)
+    canary.after_forward(prefill)
+    kept = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
+                           input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
+    odd = {"2-D drafts": i64([[9, 5]]), "float": to_device(np.array([9.0, 5.0]), device), "list": [9, 5]}[tokens]
+    verify = dataclasses.replace(kept, extend_seq_lens=i64([2]), input_ids=odd, positions=odd)
+    canary.context.canary_buf[1, 0] ^= 1  # position 0's record: position 1's chain no longer matches
+    canary.before_forward(verify)
+    canary.after_forward(kept)
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 1), ("tail", 2, "a", 1)]
+    assert "re-typed in place since" not in caplog.text
+    canary.context.canary_buf[1, 0] ^= 1
+    assert not canary.poll()
