@@ -252,19 +252,36 @@ def _still_as_checked(batch: Any, expects_tokens: bool, write: bool) -> bool:
     expects tokens; the per-token arrays only for a ``write`` launch (a verify's call, a
     ``before_forward``, neither checks nor reads them: they may be anything there)."""
     per_request = _PER_REQUEST_READ + (("expected_valid_lens",) if expects_tokens else ())
-    requests = [array for array in (getattr(batch, name, None) for name in per_request) if array is not None]
-    tokens = [array for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ if write)
+    requests = [_vector_length(array) for array in (getattr(batch, name, None) for name in per_request)
+                if array is not None]
+    tokens = [_vector_length(array) for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ if write)
               if array is not None]
-    return (all(_integer_vector(array) for array in requests + tokens)
-            and len({int(array.shape[0]) for array in requests}) <= 1)
+    return None not in requests + tokens and len(set(requests)) <= 1
 
 
 def _integer_vector(array: Any) -> bool:
-    """A 1-D array of integers, read from its own attributes (no view made: poll does this for
-    every logged batch): NumPy's, CuPy's and JAX's dtypes are NumPy's, torch's says what it is."""
-    dtype = array.dtype
-    integer = dtype.kind in "iu" if isinstance(dtype, np.dtype) else not (dtype.is_floating_point or dtype.is_complex)
-    return integer and len(array.shape) == 1
+    return _vector_length(array) is not None
+
+
+def _vector_length(array: Any) -> Optional[int]:
+    """The length of a 1-D array of integers (None for any other), read from its own attributes
+    where they say it (no view made: poll does this for every logged batch): NumPy's, CuPy's and
+    JAX's dtypes are NumPy's, torch's says what it is. Any other array the calls took (they take
+    anything that speaks DLPack) is read through a view, as the mapping reads it; one that no
+    longer gives one is not as checked."""
+    dtype = getattr(array, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        integer = dtype.kind in "iu"
+    elif hasattr(dtype, "is_floating_point") and hasattr(dtype, "is_complex"):  # torch's
+        integer = not (dtype.is_floating_point or dtype.is_complex)
+    else:
+        try:
+            array = native_view(array, "a logged batch array")
+        except (TypeError, ValueError, BufferError, RuntimeError):
+            return None
+        integer = array.dtype.kind in "iu"
+    shape = tuple(array.shape)
+    return int(shape[0]) if integer and len(shape) == 1 else None
 
 
 @dataclasses.dataclass(eq=False)

@@ -575,3 +575,44 @@ def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device,
     assert "re-typed in place since" not in caplog.text
     canary.context.canary_buf[1, 0] ^= 1
     assert not canary.poll()
+
+
+class _DlpackOnly:
+    """An array of another framework as the calls see it: ``__dlpack__`` and
+    ``__dlpack_device__``, no NumPy- or torch-style ``dtype`` and ``shape``."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_batches_of_arrays_that_speak_dlpack_alone_are_polled(device):
+    """The calls take any array that speaks DLPack; the poll after them reads their form through
+    that too, so it names the rows of such batches and sweeps rather than failing (and every
+    poll after it)."""
+    i64 = lambda values: _DlpackOnly(to_device(np.asarray(values, np.int64), device))  # noqa: E731
+    table = np.zeros((2, 8), np.int32)
+    table[1, :3] = [1, 2, 3]
+    canary = kc.Canary(pool_slot_count=16, capacities=session_capacities(2, 8, 16, 8),
+                       req_to_token=to_device(table, device), device=device)
+    prefill = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
+                              input_ids=i64([7, 8]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
+    canary.before_forward(prefill)
+    canary.after_forward(prefill)
+    step = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
+                           input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
+    canary.context.canary_buf[1, 0] ^= 1  # position 0's record: position 1's chain no longer matches
+    canary.before_forward(step)
+    canary.after_forward(step)
+    canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([3]), req_ids=["a"]))
+    report = canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", 2, "a", 1), ("tail", 2, "a", 1), ("sweep", 2, "a", 1)]
+    canary.context.canary_buf[1, 0] ^= 1
+    assert not canary.poll()
