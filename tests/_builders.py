@@ -355,3 +355,17 @@ def assert_rows(device: str, got, expected) -> None:
         assert list(got) == list(expected)
     else:
         assert as_multiset(got) == as_multiset(expected)
+
+
+class DLPackOnly:
+    """An array as a framework the package does not know hands it: nothing but the DLPack
+    protocol (``__dlpack__``, ``__dlpack_device__``), no NumPy- or torch-style ``dtype`` or ``shape``."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()

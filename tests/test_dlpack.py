@@ -7,22 +7,9 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import SourceSpec, expected_kv_hash, fields, link_of, ring_rows, signed
+from _builders import DLPackOnly, SourceSpec, expected_kv_hash, fields, link_of, ring_rows, signed
 
 torch = pytest.importorskip("torch")
-
-
-class DLPackOnly:
-    """Exposes nothing but the DLPack protocol of a NumPy array."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
 
 
 class FakeCuda:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import session_capacities
+from _builders import DLPackOnly, session_capacities
 from _devices import BACKENDS, to_device
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
@@ -546,14 +546,9 @@ def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
     assert _stale_row_events(device, False, twice=True) == late
 
 
-@pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("tokens", ["2-D drafts", "float", "list"])
-def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device, tokens, caplog):
-    """``before_forward`` checks the plan fields alone: a verify batch whose per-token fields are
-    of another form (a speculative engine's ``[bs, k + 1]`` drafts, a float array, a list), its
-    kept tokens passed to ``after_forward``, is no batch changed since its forward: poll names its
-    HEAD rows with their step and request, warns of nothing, and the polls after it work."""
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+def _prefilled(device, i64) -> kc.Canary:
+    """A canary whose request in pool row 1 has written its positions 0 and 1 into slots 1 and 2
+    (slot 3 is its position 2's), its batch arrays made by ``i64``."""
     table = np.zeros((2, 8), np.int32)
     table[1, :3] = [1, 2, 3]
     canary = kc.Canary(pool_slot_count=16, capacities=session_capacities(2, 8, 16, 8),
@@ -562,6 +557,18 @@ def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device,
                               input_ids=i64([7, 8]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
     canary.before_forward(prefill)
     canary.after_forward(prefill)
+    return canary
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("tokens", ["2-D drafts", "float", "list"])
+def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device, tokens, caplog):
+    """``before_forward`` checks the plan fields alone: a verify batch whose per-token fields are
+    of another form (a speculative engine's ``[bs, k + 1]`` drafts, a float array, a list), its
+    kept tokens passed to ``after_forward``, is no batch changed since its forward: poll names its
+    HEAD rows with their step and request, warns of nothing, and the polls after it work."""
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    canary = _prefilled(device, i64)
     kept = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
                            input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
     odd = {"2-D drafts": i64([[9, 5]]), "float": to_device(np.array([9.0, 5.0]), device), "list": [9, 5]}[tokens]
@@ -577,34 +584,13 @@ def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device,
     assert not canary.poll()
 
 
-class _DlpackOnly:
-    """An array of another framework as the calls see it: ``__dlpack__`` and
-    ``__dlpack_device__``, no NumPy- or torch-style ``dtype`` and ``shape``."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
-
-
 @pytest.mark.parametrize("device", BACKENDS)
 def test_batches_of_arrays_that_speak_dlpack_alone_are_polled(device):
     """The calls take any array that speaks DLPack; the poll after them reads their form through
     that too, so it names the rows of such batches and sweeps rather than failing (and every
     poll after it)."""
-    i64 = lambda values: _DlpackOnly(to_device(np.asarray(values, np.int64), device))  # noqa: E731
-    table = np.zeros((2, 8), np.int32)
-    table[1, :3] = [1, 2, 3]
-    canary = kc.Canary(pool_slot_count=16, capacities=session_capacities(2, 8, 16, 8),
-                       req_to_token=to_device(table, device), device=device)
-    prefill = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
-                              input_ids=i64([7, 8]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    i64 = lambda values: DLPackOnly(to_device(np.asarray(values, np.int64), device))  # noqa: E731
+    canary = _prefilled(device, i64)
     step = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
                            input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
     canary.context.canary_buf[1, 0] ^= 1  # position 0's record: position 1's chain no longer matches
