@@ -58,6 +58,18 @@ def memory_limit() -> Optional[tuple[int, str]]:
     return size, whose.format(f"{size / 2**30:.1f} GiB")
 
 
+def _refuse_past_memory(memory: Optional[tuple[int, str]], name: str, unit_bytes: int, units: int, got: int,
+                        what: str, granule: int = 1) -> None:
+    """Refuse ``units`` of ``unit_bytes`` each (``what`` they are, its parenthesis left open for the
+    total) past ``memory`` (:func:`memory_limit`), naming the setting ``name``, the largest value
+    that fits (a multiple of ``granule``) and the value ``got``."""
+    needed = units * unit_bytes
+    if memory is not None and needed > memory[0]:
+        bound = memory[0] // (unit_bytes * granule) * granule
+        raise ValueError(f"kv-canary: {name} must be <= {bound}, as {what}: {needed / 2**30:.1f} GiB) must fit in "
+                         f"{memory[1]}, got {got}")
+
+
 @dataclasses.dataclass
 class SimConfig:
     """Engine shape and workload of one simulation."""
@@ -251,29 +263,23 @@ class Engine:
         # free-row list before their allocation fails
         row_bytes = 2 * c.max_len * np.dtype(np.int32).itemsize
         memory = memory_limit()
-        if memory is not None and rows * row_bytes > memory[0]:
-            raise ValueError(f"kv-canary: req_to_token_pool_size must be <= {memory[0] // row_bytes}, as the request "
-                             f"tables (req_to_token and the expected tokens, {c.max_len} int32 a row each: "
-                             f"{rows * row_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, got {rows}")
+        _refuse_past_memory(memory, "req_to_token_pool_size", row_bytes, rows, rows,
+                            f"the request tables (req_to_token and the expected tokens, {c.max_len} int32 a row each")
         # the pool and the host tier alike: the bytes of their KV and canary records, refused before anything
         # of their size is allocated (the pool's free-page list, filled first, alone takes seconds for a
         # pool of hundreds of millions of slots)
         with_swa = c.swa_window > 0
         pool_slot_bytes = slot_bytes(c, with_swa=with_swa)
         # only where the pool is host memory: on a GPU it lives in device memory, whose size is not checked here
-        if memory is not None and not self.device.is_cuda and self.num_slots * pool_slot_bytes > memory[0]:
-            raise ValueError(f"kv-canary: pool_slot_count must be <= {memory[0] // pool_slot_bytes}, as the KV pool "
-                             f"and its canary records ({pool_slot_bytes} bytes a slot: "
-                             f"{self.num_slots * pool_slot_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, "
-                             f"got {self.num_slots}")
+        if not self.device.is_cuda:
+            _refuse_past_memory(memory, "pool_slot_count", pool_slot_bytes, self.num_slots, self.num_slots,
+                                f"the KV pool and its canary records ({pool_slot_bytes} bytes a slot")
         host_slot_count = -(-c.host_slots // ps) * ps  # the tier's: whole pages, rounded up
         # the tier is host memory whatever the device; the bound is whole pages, so a host_slots within it
         # stays within it once rounded up
-        if memory is not None and host_slot_count * pool_slot_bytes > memory[0]:
-            raise ValueError(f"kv-canary: host_slots must be <= {memory[0] // (pool_slot_bytes * ps) * ps}, as the "
-                             f"host tier's KV and canary records ({pool_slot_bytes} bytes a slot, in whole pages of "
-                             f"{ps}: {host_slot_count * pool_slot_bytes / 2**30:.1f} GiB) must fit in {memory[1]}, "
-                             f"got {c.host_slots}")
+        _refuse_past_memory(memory, "host_slots", pool_slot_bytes, host_slot_count, c.host_slots,
+                            f"the host tier's KV and canary records ({pool_slot_bytes} bytes a slot, in whole pages "
+                            f"of {ps}", granule=ps)
         # the tables before the lists: near that bound, the allocation that fails is NumPy's, which
         # raises MemoryError (a deque that cannot grow raises SystemError)
         self.table_host = np.zeros((rows, c.max_len), np.int32)
