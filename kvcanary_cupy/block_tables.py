@@ -297,9 +297,7 @@ def _bound_refill(batch, given: dict, stream, own: bool = False) -> _BoundRefill
     device, views, stream = _views({**given, **targets}, stream)
     key = (device, _geometry(views, addresses=True))
     fields = {name: views.pop(f"batch.{name}") for name in _REQUEST_FIELDS + _TOKEN_FIELDS}
-    if key not in _PASSED:
-        _refill_rules(views, fields)
-        _PASSED.add(key)
+    _PASSED.once(key, lambda: _refill_rules(views, fields))
     if not device.is_cuda:
         _host_offsets(views)
     return _BoundRefill(device, stream, views, fields)
@@ -332,9 +330,7 @@ def _check_sources(views: dict, device) -> int:
     """The given arrays' rules (their geometry's once: see :class:`_PassedChecks`; on the host their
     values' each call); the batch's size."""
     key = (device, _geometry(views, addresses=False))
-    if key not in _PASSED:
-        _source_rules(views)
-        _PASSED.add(key)
+    _PASSED.once(key, lambda: _source_rules(views))
     if not device.is_cuda:
         _host_offsets(views)
     return views["seq_lens"].shape[0]
@@ -369,6 +365,12 @@ class _PassedChecks:
                 return False
             self._keys.move_to_end(key)
             return True
+
+    def once(self, key, rules) -> None:
+        """Run ``rules()`` (raising on a broken rule) unless ``key`` passed them before; remember it."""
+        if key not in self:
+            rules()
+            self.add(key)
 
     def add(self, key) -> None:
         with self._lock:
