@@ -259,10 +259,6 @@ def _still_as_checked(batch: Any, expects_tokens: bool, write: bool) -> bool:
     return None not in requests + tokens and len(set(requests)) <= 1
 
 
-def _integer_vector(array: Any) -> bool:
-    return _vector_length(array) is not None
-
-
 def _vector_length(array: Any) -> Optional[int]:
     """The length of a 1-D array of integers (None for any other), read from its own attributes
     where they say it (no view made: poll does this for every logged batch): NumPy's, CuPy's and
@@ -1045,7 +1041,7 @@ class Canary:
                 key = (id(launch.batch), write)
                 if key not in judged:
                     judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens, write)
-                if judged[key] and (launch.write_loc is None or _integer_vector(launch.write_loc)):
+                if judged[key] and (launch.write_loc is None or _vector_length(launch.write_loc) is not None):
                     kept.append(launch)
             dropped += len(group.log) - len(kept)
             group.log[:] = kept
