@@ -19,7 +19,6 @@ at the next poll. :func:`unmirrored`, a check for an engine's tests, waits and r
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from typing import Any, Optional, Sequence
@@ -28,6 +27,7 @@ import numpy as np
 
 from . import validate as check
 from ._dlpack import cupy_module, data_pointer, device_of, from_host, native_view, own_view, parse_device, to_host
+from ._recent import RecentlyUsed
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 
 __all__ = ["Refill", "forward_batch", "mirror", "refill", "unmirrored"]
@@ -353,18 +353,13 @@ class _PassedChecks:
     key met before passes them again: it skips them, and an engine that calls each step with its
     persistent buffers pays for them once."""
 
-    _KEPT = 64
-
     def __init__(self) -> None:
-        self._keys: collections.OrderedDict = collections.OrderedDict()
+        self._keys = RecentlyUsed()
         self._lock = threading.Lock()
 
     def __contains__(self, key) -> bool:
         with self._lock:
-            if key not in self._keys:
-                return False
-            self._keys.move_to_end(key)
-            return True
+            return key in self._keys
 
     def once(self, key, rules) -> None:
         """Run ``rules()`` (raising on a broken rule) unless ``key`` passed them before; remember it."""
@@ -374,9 +369,7 @@ class _PassedChecks:
 
     def add(self, key) -> None:
         with self._lock:
-            self._keys[key] = None
-            if len(self._keys) > self._KEPT:
-                self._keys.popitem(last=False)
+            self._keys.put(key)
 
     def clear(self) -> None:
         """Forget every key (what a call costs the first time: ``tools/block_tables_cost.py``)."""

@@ -15,7 +15,6 @@ for the violating slots.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -30,6 +29,7 @@ from . import validate as check
 from ._dlpack import (Device, assign, cupy_module, device_of, filled, launch_geometry, native_view,
                       order_after_torch, own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
+from ._recent import RecentlyUsed
 from .block_tables import forward_batch
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, tag_name
@@ -341,39 +341,26 @@ class _PreparedLaunches:
     its addresses are written into the packed parameters. The launches hold no reference to the
     caller's arrays (a cache must not keep an engine's tensors alive)."""
 
-    SIZE = 64  # geometries kept per part; more than the batch shapes an engine cycles through
-
     def __init__(self):
-        self.prepared: collections.OrderedDict = collections.OrderedDict()
-        self.met_once: collections.OrderedDict = collections.OrderedDict()
+        self.prepared = RecentlyUsed()
+        self.met_once = RecentlyUsed()
 
     def get(self, geometry):
         """The launches prepared for ``geometry`` (a :class:`_Geometry` or None), or None."""
-        entry = self.prepared.get(geometry.key) if geometry is not None else None
-        if entry is not None:
-            self.prepared.move_to_end(geometry.key)
-        return entry
+        return self.prepared.get(geometry.key) if geometry is not None else None
 
     def second_meeting(self, geometry) -> bool:
         """Whether ``geometry`` (a :class:`_Geometry` or None) was met before without being prepared
         (and remember it if not)."""
         if geometry is None:
             return False
-        key = geometry.key
-        if key in self.met_once:
-            del self.met_once[key]
+        if self.met_once.pop(geometry.key):
             return True
-        self.met_once[key] = None
-        if len(self.met_once) > self.SIZE:
-            self.met_once.popitem(last=False)
+        self.met_once.put(geometry.key)
         return False
 
     def put(self, geometry, entry):
-        key = geometry.key
-        self.prepared[key] = entry
-        if len(self.prepared) > self.SIZE:
-            self.prepared.popitem(last=False)
-        return entry
+        return self.prepared.put(geometry.key, entry)
 
 
 @dataclasses.dataclass(frozen=True)

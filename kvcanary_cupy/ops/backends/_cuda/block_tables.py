@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 
 import numpy as np
 
 from ....rawkernels import _loader
+from ...._recent import RecentlyUsed
 from . import Launch, i32, i64, kernel, ptr, sm_count
 
 _BLOCK = _loader.SPECS["block_tables"].constant("KVC_BLOCK_TABLES_THREADS")
@@ -68,11 +68,9 @@ class _PackedByGeometry:
     ``pointers`` names, in the arrays' order) and launches, instead of converting every parameter
     again. A lock keeps one thread's addresses from another's launch."""
 
-    _KEPT = 64  # geometries: an engine's batch sizes, each with its few array forms
-
     def __init__(self, pointers: tuple) -> None:
         self._bindings = tuple((parameter, slot) for slot, parameter in enumerate(pointers))
-        self._launches: collections.OrderedDict = collections.OrderedDict()
+        self._launches = RecentlyUsed()
         self._lock = threading.Lock()
 
     def launch(self, key: tuple, arrays: tuple, stream, prepare) -> None:
@@ -83,11 +81,7 @@ class _PackedByGeometry:
         with self._lock:
             prepared = self._launches.get(key)
             if prepared is None:
-                prepared = self._launches[key] = prepare().detach()
-                if len(self._launches) > self._KEPT:
-                    self._launches.popitem(last=False)
-            else:
-                self._launches.move_to_end(key)
+                prepared = self._launches.put(key, prepare().detach())
             prepared.rebind(self._bindings, addresses)
             prepared(stream)
 
