@@ -1261,6 +1261,7 @@ def test_settings_are_read_only():
 
 
 def test_prepared_launches_cache_keeps_what_it_met_twice():
+    from kvcanary_cupy._recent import GEOMETRIES_KEPT
     from kvcanary_cupy.session import _Geometry, _PreparedLaunches
 
     def met(key):
@@ -1271,13 +1272,13 @@ def test_prepared_launches_cache_keeps_what_it_met_twice():
     assert not cache.second_meeting(met("k")) and cache.second_meeting(met("k"))
     assert not cache.second_meeting(met("k"))
     assert cache.put(met("k"), 1) == 1 and cache.get(met("k")) == 1
-    for index in range(cache.SIZE):
+    for index in range(GEOMETRIES_KEPT):
         cache.put(met(index), index)
         cache.second_meeting(met(("once", index)))
     cache.get(met(0))  # the oldest but one now
     cache.put(met("new"), 2)
-    assert cache.get(met(0)) == 0 and cache.get(met(1)) is None and len(cache.prepared) == cache.SIZE
-    assert len(cache.met_once) == cache.SIZE
+    assert cache.get(met(0)) == 0 and cache.get(met(1)) is None and len(cache.prepared) == GEOMETRIES_KEPT
+    assert len(cache.met_once) == GEOMETRIES_KEPT
 
 
 def test_bad_mode_rejected():
