@@ -820,7 +820,11 @@ class Canary:
     def _batch_plans(self, batch: ForwardBatch) -> list[PlanBatch]:
         valid_lens = batch.expected_valid_lens
         if valid_lens is not None and self._plans_expect_tokens:  # checked under the name the engine gave it
-            valid_lens = _adopt("expected_valid_lens", valid_lens, self.device, check.vector, np.int64)
+            # its length too, where the batch's rows are counted (req_pool_indices' own rules run later)
+            rows = getattr(batch.req_pool_indices, "shape", None)
+            bs = int(rows[0]) if isinstance(rows, tuple) and len(rows) == 1 else None
+            valid_lens = _adopt("expected_valid_lens", valid_lens, self.device, check.vector, np.int64, bs,
+                                "one per request, as req_pool_indices")
         return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, valid_lens)
 
     def _lookup(self, cache: _PreparedLaunches, batch: ForwardBatch, fields: tuple[str, ...]):

@@ -1501,6 +1501,13 @@ def test_expected_valid_lens_are_named_as_the_batch_names_them():
     with pytest.raises(TypeError, match=r"^kv-canary: expected_valid_lens must have dtype int64, got int32"):
         canary.before_forward(batch)
     _assert_same(before, _state(canary))
+    short = _batch("cpu", expected_valid_lens=np.array([1, 1], np.int64))
+    with pytest.raises(ValueError, match=r"^kv-canary: expected_valid_lens must have length 1 \(one per request, "
+                                         r"as req_pool_indices\), got 2$"):
+        canary.before_forward(short)
+    with pytest.raises(ValueError, match=r"^kv-canary: expected_valid_lens must have length 1"):
+        canary.after_forward(short)
+    _assert_same(before, _state(canary))
 
 
 @pytest.mark.parametrize("batch", [{"req_pool_indices": np.ones(1, np.int64)}, None])
