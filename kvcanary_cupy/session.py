@@ -515,8 +515,8 @@ class Canary:
         self._owed_poll_mode: Optional[str] = None
         self.device = device
         self._capacities = capacities
-        self.pool_slot_count = pool_slot_count
-        self.hash_mode = hash_mode
+        self._pool_slot_count = pool_slot_count
+        self._hash_mode = hash_mode
         # Read-only (properties below): prepared launches take them in once.
         self._req_to_token = req_to_token
         self._expected_tokens = expected_tokens
@@ -603,6 +603,16 @@ class Canary:
     @property
     def capacities(self) -> Capacities:
         return self._capacities
+
+    @property
+    def pool_slot_count(self) -> int:
+        return self._pool_slot_count
+
+    @property
+    def hash_mode(self) -> L.HashMode:
+        """The hash mode of every group's context, fixed at construction (read-only: the contexts
+        hash as they were built)."""
+        return self._hash_mode
 
     @property
     def req_to_token(self):

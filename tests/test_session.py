@@ -1260,6 +1260,17 @@ def test_settings_are_read_only():
             setattr(canary, name, getattr(canary, name))
 
 
+def test_the_hash_mode_and_pool_size_cannot_be_set_apart_from_the_contexts():
+    """The contexts hash as they were built: a hash mode or pool size set on the canary afterwards
+    would change nothing but what the canary says it does."""
+    canary = Tiny("cpu").canary
+    for name, value in (("hash_mode", kc.HashMode.NONE), ("pool_slot_count", 8)):
+        with pytest.raises(AttributeError):
+            setattr(canary, name, value)
+    assert canary.hash_mode is kc.HashMode.ALL is canary.context.hash_mode
+    assert canary.pool_slot_count == SLOTS == canary.context.num_slots
+
+
 def test_prepared_launches_cache_keeps_what_it_met_twice():
     from kvcanary_cupy._recent import GEOMETRIES_KEPT
     from kvcanary_cupy.session import _Geometry, _PreparedLaunches
