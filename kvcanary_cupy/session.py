@@ -494,6 +494,9 @@ class Canary:
                                  f"rows >= {req_to_token.shape[0]}, got shape {check.shape_text(expected_tokens)}")
         check_expected_token = (expected_tokens is not None if check_expected_token is None
                                 else check.boolean("check_expected_token", check_expected_token))
+        if check_expected_token and expected_tokens is None:  # nothing to check against: no token would be
+            raise ValueError(f"{check.PREFIX}check_expected_token=True needs expected_tokens (the pool of the "
+                             f"tokens each request expects), got expected_tokens=None")
         token_offset = check.int64_scalar("token_offset", token_offset)  # the plan's kv_token_id_vs_position_offset
         max_logged_forwards = check.positive("max_logged_forwards", max_logged_forwards)
         if logger is not None and not callable(getattr(logger, "warning", None)):

@@ -1601,6 +1601,8 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"hash_mode": 2.0}, TypeError, ("hash_mode", "float")),
     ({"check_expected_token": 1}, TypeError, ("check_expected_token", "bool", "int 1")),
     ({"check_expected_token": "no"}, TypeError, ("check_expected_token", "'no'")),
+    ({"check_expected_token": True}, ValueError, ("check_expected_token=True needs expected_tokens",
+                                                  "expected_tokens=None")),
     ({"req_to_token": np.zeros((ROWS, WIDTH), np.int64)}, TypeError, ("req_to_token", "int32", "int64")),
     ({"req_to_token": None}, TypeError, ("req_to_token", "NoneType")),
     ({"req_to_token": np.zeros(WIDTH, np.int32)}, ValueError, ("req_to_token", "2-D")),
