@@ -417,11 +417,15 @@ def _host_offsets(views: dict) -> None:
     """On the host the values can be read without a wait: offsets that start at 0, never fall, end
     within the tokens, and lengths that hold each request's new tokens."""
     starts, lens = views["query_start_loc"].astype(np.int64), views["seq_lens"].astype(np.int64)
-    tokens = min(views[name].shape[0] for name in ("input_ids", "positions", "out_cache_loc"))
+    lengths = {name: views[name].shape[0] for name in ("input_ids", "positions", "out_cache_loc")}
+    tokens = min(lengths.values())
     steps = np.diff(starts)
     if starts[0] != 0 or (steps < 0).any() or starts[-1] > tokens:
+        # the shortest of the token arrays named, and only it where the others are longer
+        shortest = [name for name, length in lengths.items() if length == tokens]
+        whose = " and ".join(shortest) if len(shortest) < 3 else "input_ids, positions and out_cache_loc"
         raise ValueError(f"{check.PREFIX}query_start_loc must start at 0, never decrease and end within the "
-                         f"{tokens} tokens of input_ids, positions and out_cache_loc, got {_shown(starts)}")
+                         f"{tokens} tokens of {whose}, got {_shown(starts)}")
     short = np.flatnonzero(lens < steps)
     if short.size:
         row = int(short[0])

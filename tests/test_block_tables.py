@@ -226,7 +226,9 @@ def test_from_offsets_derives_the_lengths_and_widens_to_int64(device, dtype):
     (dict(query_start_loc=np.array([0, 3, 4, 4, 9], np.int32)), "query_start_loc must have length 6", False),
     (dict(query_start_loc=np.array([1, 4, 5, 5, 10, 11], np.int32)), "query_start_loc must start at 0", True),
     (dict(query_start_loc=np.array([0, 4, 3, 3, 9, 10], np.int32)), "never decrease", True),
-    (dict(query_start_loc=np.array([0, 3, 4, 4, 9, 14], np.int32)), "end within the 13 tokens", True),
+    (dict(query_start_loc=np.array([0, 3, 4, 4, 9, 14], np.int32)), "end within the 13 tokens of input_ids, "
+     "positions and out_cache_loc", True),
+    (dict(input_ids=np.arange(9, dtype=np.int32)), "end within the 9 tokens of input_ids, got", True),
     (dict(seq_lens=np.array([3, 18, 9, 4, 121], np.int32)), "seq_lens must be at least each request's new", True),
     (dict(seq_lens=np.array([3.0, 18, 9, 9, 121])), "seq_lens must have dtype int32 or int64, got float64", False),
     (dict(input_ids=np.ones((2, 7), np.int32)), "input_ids must be 1-D", False),
