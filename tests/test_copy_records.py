@@ -243,6 +243,25 @@ def test_two_canaries_over_overlapping_bytes_read_every_record_first(device):
     assert np.array_equal(to_numpy(rows), expected)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+@pytest.mark.parametrize("same_canary", [False, True])
+@pytest.mark.parametrize("name", ["src_slots", "dst_slots"])
+def test_slots_over_the_destination_buffer_are_refused(device, same_canary, name):
+    """Slots read from the bytes the copy stores into would change as it reads them (a pair's
+    record landing over the slots of the pairs after it): refused, and nothing is stored."""
+    src = _random_records(device, 16, 20)
+    dst = src if same_canary else _random_records(device, 16, 21)
+    words = dst.canary_buf.view(I64).reshape(-1)
+    words[4:8] = _i64([1, 2, 3, 4], device)  # slot 1's record: pair 0 stores over the slots of pairs 1-3
+    slots = {"src_slots": _i64([5, 6, 7, 8], device), "dst_slots": _i64([5, 6, 7, 8], device)}
+    slots[name] = words[4:8]
+    before = snapshot(src.canary_buf, dst.canary_buf)
+    with pytest.raises(ValueError, match=rf"^kv-canary: dst canary_buf and {name} must not share memory "
+                                         rf"\(dst canary_buf is stored into\), got bytes"):
+        kc.copy_records(src=src, dst=dst, **slots)
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(src.canary_buf, dst.canary_buf)))
+
+
 @requires_gpu
 def test_a_staged_copy_is_refused_while_its_stream_captures():
     import cupy

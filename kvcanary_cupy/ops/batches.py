@@ -197,6 +197,12 @@ class RecordCopy:
         check.vector("src_slots", self.src_slots, np.int64)
         check.vector("dst_slots", self.dst_slots, np.int64, self.count, "one per pair, as src_slots")
         check.writable("dst canary_buf", self.dst.canary_buf)
+        # The slots are read pair by pair while records are stored (in order on the CPU, in no fixed
+        # order on a GPU): slots over the destination's buffer would change as the copy reads them.
+        read = {"dst_slots": self.dst_slots}
+        if self.src.device == self.dst.device:
+            read["src_slots"] = self.src_slots
+        check.stored_apart({"dst canary_buf": self.dst.canary_buf}, read)
         if self.src.kv_read_lengths != self.dst.kv_read_lengths:
             raise ValueError(
                 f"{check.PREFIX}dst must hash the KV bytes of a slot as src does (the bytes each hashed source "
