@@ -608,6 +608,12 @@ class Canary:
         return self._capacities
 
     @property
+    def _sweep_capacity(self) -> int:
+        """The most requests a sweep takes: every live request has a row of ``req_to_token``, so a
+        sweep of them all fits in its rows, however few requests a forward's write plan holds."""
+        return max(self.capacities.write_req_capacity, int(self.req_to_token.shape[0]))
+
+    @property
     def pool_slot_count(self) -> int:
         return self._pool_slot_count
 
@@ -649,9 +655,11 @@ class Canary:
             return None
         return resolve_stream(stream, self.device)
 
-    def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens) -> list[PlanBatch]:
+    def _plans(self, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, *,
+               sweep: bool = False) -> list[PlanBatch]:
         """Each group's plan bundle, validated by the plan op's rules, plus the checks the op makes
-        against its plans (device, write-plan capacity), all before the call launches anything."""
+        against its plans (device, write-plan capacity: a forward's, or ``sweep``'s), all before the
+        call launches anything."""
         expected = self.expected_tokens if self._plans_expect_tokens else None
         full = PlanBatch(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
                          req_to_token=self.req_to_token, req_to_verify_expected_tokens=expected,
@@ -659,7 +667,11 @@ class Canary:
                              prefix_lens if valid_lens is None else valid_lens),
                          kv_token_id_vs_position_offset=self.token_offset)
         check.one_device({"the canary": self.device, "req_pool_indices": full.device})
-        if full.batch_size > self.capacities.write_req_capacity:  # every write plan has this capacity
+        if sweep and full.batch_size > self._sweep_capacity:
+            raise ValueError(f"{check.PREFIX}LiveRequests.req_pool_indices length must be <= {self._sweep_capacity}, "
+                             f"the rows of req_to_token (or capacities.write_req_capacity, if more), "
+                             f"got {full.batch_size}")
+        if not sweep and full.batch_size > self.capacities.write_req_capacity:  # every forward's write plan's
             raise ValueError(f"{check.PREFIX}batch size (req_pool_indices length) must be <= "
                              f"capacities.write_req_capacity {self.capacities.write_req_capacity}, "
                              f"got {full.batch_size}")
@@ -964,13 +976,13 @@ class Canary:
             return
         with on_device(self.device, stream):
             zeros = filled((bs,), np.int64, self.device)
-        plans = self._plans(rows, seq_lens, zeros, None)
+        plans = self._plans(rows, seq_lens, zeros, None, sweep=True)
         for group in self.groups:
             # Allocated (and settled) on the current stream, as a group's other plans are, before
             # the launches' stream is made current.
             if group.sweep_vplan is None:
                 group.sweep_vplan = VerifyPlan.allocate(self.capacities.verify_capacity, device=self.device)
-                group.sweep_wplan = WritePlan.allocate(self.capacities.write_req_capacity, device=self.device)
+                group.sweep_wplan = WritePlan.allocate(self._sweep_capacity, device=self.device)
         self._sweeps += 1
         with on_device(self.device, stream):
             self._order_after_torch(self._geometry(live_requests, ("req_pool_indices", "seq_lens")))

@@ -36,7 +36,7 @@ class Tiny:
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
         self.v = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
-        caps = session_capacities(ROWS, WIDTH, SLOTS, 64, verify_capacity)
+        caps = canary_options.pop("capacities", None) or session_capacities(ROWS, WIDTH, SLOTS, 64, verify_capacity)
         group = None
         if swa:
             self.lut = to_device(np.arange(SLOTS + 1, dtype=np.int64)[::-1].copy() % SLOTS, device)
@@ -1558,6 +1558,31 @@ def test_rejected_swa_write_of_a_list_changes_nothing():
     eng = _warm("cpu", swa=True)
     _rejected(eng.canary, lambda: eng.canary.after_forward(_batch("cpu", out_cache_loc=[20])), TypeError,
               "out_cache_loc", "list")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_sweep_takes_every_live_request_past_a_forwards_request_capacity(device):
+    """Forwards of one request each (``write_req_capacity=1``) leave two live requests: a sweep of
+    both checks both, as many as ``req_to_token`` has rows; past them it is refused under the name
+    the engine gave."""
+    caps = dataclasses.replace(session_capacities(ROWS, WIDTH, SLOTS, 64, None), write_req_capacity=1)
+    eng = Tiny(device, capacities=caps)
+    eng.step({"a": 5})
+    eng.step({"b": 3})
+    with pytest.raises(ValueError, match=r"kv-canary: batch size \(req_pool_indices length\) must be <= "
+                                         r"capacities.write_req_capacity 1, got 2"):
+        eng.step({"a": 1, "b": 1})
+    flip = eng.slot("b", 1)
+    eng.k[flip] = eng.k[flip] + 1
+    live = kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), device),
+                           seq_lens=to_device(np.array([5, 3], np.int64), device), req_ids=["a", "b"])
+    eng.canary.sweep(live)
+    report = eng.canary.poll()
+    assert report.requests == {"b"} and {event.position for event in report.events} == {1}
+    rows = to_device(np.arange(ROWS + 1, dtype=np.int64) % ROWS, device)
+    too_many = kc.LiveRequests(req_pool_indices=rows, seq_lens=to_device(np.ones(ROWS + 1, np.int64), device))
+    _rejected(eng.canary, lambda: eng.canary.sweep(too_many), ValueError,
+              f"LiveRequests.req_pool_indices length must be <= {ROWS}")
 
 
 @pytest.mark.parametrize("device", BACKENDS)
