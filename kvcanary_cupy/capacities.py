@@ -31,7 +31,8 @@ class Capacities:
     def __post_init__(self) -> None:
         for name in ("max_bs", "verify_capacity", "write_req_capacity", "write_entry_capacity"):
             value = check.non_negative(name, getattr(self, name))
-            check.fits_int32(name, value)
+            # kept as a Python int: a NumPy integer would wrap in the byte counts below
+            object.__setattr__(self, name, check.fits_int32(name, value))
 
     @classmethod
     def from_args(cls, *, req_to_token_pool_size: int, max_seq_len_per_req: int, pool_slot_count: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
@@ -39,6 +40,18 @@ def test_workspace_bytes():
     assert c.write_plan_bytes == 64 * 16 + 8 + 4
     assert c.workspace_bytes == c.verify_plan_bytes + c.write_plan_bytes
     assert "verify_capacity=30000" in c.describe()
+
+
+def test_numpy_integers_are_kept_as_ints():
+    """Capacities given as NumPy integers are stored as Python ints, so the byte counts derived
+    from them do not wrap (an int32 capacity times 32 bytes would)."""
+    c = kc.Capacities(max_bs=np.int32(1), verify_capacity=np.int32(2**31 - 1),
+                      write_req_capacity=np.int32(2**31 - 1), write_entry_capacity=np.int64(1))
+    assert all(type(getattr(c, name)) is int
+               for name in ("max_bs", "verify_capacity", "write_req_capacity", "write_entry_capacity"))
+    assert c.verify_plan_bytes == (2**31 - 1) * 32 + 8
+    assert c.write_plan_bytes == (2**31 - 1) * 16 + 8 + 4
+    assert c == kc.Capacities(max_bs=1, verify_capacity=2**31 - 1, write_req_capacity=2**31 - 1, write_entry_capacity=1)
 
 
 def test_plans_allocate_from_capacities():
