@@ -367,12 +367,16 @@ _DL_CODE_NAMES = {3: "opaque{bits}", 4: "bfloat{bits}", 5: "complex{bits}", 7: "
                   17: "float4_e2m1fn"}
 
 
-def _remember_dtype(view: Any, obj: Any, code: int, bits: int) -> Any:
+def _dtype_name(obj: Any, code: int, bits: int) -> str:
+    """The name of ``obj``'s dtype, one NumPy and CuPy cannot express (e.g. ``"bfloat16"``)."""
     declared = getattr(obj, "dtype", None)
     if declared is not None:
-        name = str(declared).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
-    else:
-        name = _DL_CODE_NAMES.get(code, "DLPack type code {code} of {bits} bits").format(code=code, bits=bits)
+        return str(declared).rpartition(".")[2]  # torch.bfloat16 -> bfloat16
+    return _DL_CODE_NAMES.get(code, "DLPack type code {code} of {bits} bits").format(code=code, bits=bits)
+
+
+def _remember_dtype(view: Any, obj: Any, code: int, bits: int) -> Any:
+    name = _dtype_name(obj, code, bits)
     shape = getattr(obj, "shape", None)
     key = id(view)
     _BYTE_VIEWS[key] = (name, None if shape is None else tuple(int(n) for n in shape))
@@ -403,8 +407,13 @@ def raw_byte_view(obj: Any, name: str):
     tensor = _DLManagedTensor.from_address(address).dl_tensor
     itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8
     ndim = int(tensor.ndim)
-    if ndim == 0 or itemsize == 0:
-        raise TypeError(f"kv-canary: {name} must be an array with at least one dimension")
+    if ndim == 0:  # a shape error, as for a 0-d array NumPy can view
+        dtype_name = _dtype_name(obj, int(tensor.dtype.code), int(tensor.dtype.bits))
+        raise ValueError(f"kv-canary: {name} must be an array with at least one dimension, got shape () "
+                         f"(a 0-d {dtype_name} array)")
+    if itemsize == 0:
+        raise TypeError(f"kv-canary: {name} must have elements of at least one byte, got a DLPack dtype of "
+                        f"{tensor.dtype.bits} bits x {tensor.dtype.lanes} lanes")
     shape = [int(tensor.shape[i]) for i in range(ndim)]
     if tensor.strides:
         strides = [int(tensor.strides[i]) * itemsize for i in range(ndim)]

@@ -121,6 +121,28 @@ def test_torch_tensor_requiring_grad_refused():
                         read_bytes=64)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_zero_d_tensor_of_a_dtype_numpy_lacks_is_a_shape_error(dtype):
+    """A 0-d tensor of a dtype NumPy cannot express is refused as a 0-d NumPy array is: a ValueError
+    that shows the shape received, and nothing is written."""
+    torch_dtype = getattr(torch, dtype, None)
+    if torch_dtype is None:
+        pytest.skip(f"torch has no {dtype}")
+    scalar = torch.zeros((), dtype=torch.float32).to(torch_dtype)
+    with pytest.raises(ValueError, match=rf"^kv-canary: RealKvSource\.tensor must be an array with at least one "
+                                         rf"dimension, got shape \(\) \(a 0-d {dtype} array\)$"):
+        kc.RealKvSource(tensor=scalar, page_size=1, num_bytes_per_token=16, read_bytes=16)
+    ctx = kc.CanaryContext.allocate(8)
+    before = [a.copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,
+                                 ctx.slot_run_counter, ctx.kernel_run_counter)]
+    with pytest.raises(ValueError, match=r"^kv-canary: input_ids must be an array with at least one dimension, "
+                                         r"got shape \(\)"):
+        kc.write(ctx, kc.WritePlan.allocate(1), tag=0, input_ids=scalar, positions=np.zeros(1, np.int64),
+                 out_cache_loc=np.zeros(1, np.int64))
+    assert all(np.array_equal(a, b) for a, b in zip(before, (ctx.canary_buf, ctx.violation_ring,
+               ctx.violation_write_index, ctx.slot_run_counter, ctx.kernel_run_counter)))
+
+
 def test_generic_dlpack_objects():
     buf = np.zeros((6, 32), np.uint8)
     ctx = kc.CanaryContext(canary_buf=DLPackOnly(buf), violation_ring=DLPackOnly(np.zeros((4, 8), np.int64)),
