@@ -137,6 +137,9 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
                              f"{check.shape_text(view)} (one token a row, [slots, heads, head_dim], is "
                              f"kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=)")
         tokens = int(view.shape[tokens_dim])
+        if tokens == 0:  # the page size taken from the shape: name the buffer, not page_size
+            raise ValueError(f"{check.PREFIX}{name} must hold at least one token a page, shape[{tokens_dim}] of "
+                             f"{layout}, got shape {check.shape_text(view)}")
         if page_size is not None and page_size != tokens:
             other_dim, other = (1, "head_major=False takes [pages, page_size, heads, head_dim]") if head_major \
                 else (2, "head_major=True takes [pages, heads, page_size, head_dim]")
@@ -206,6 +209,9 @@ def mla(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, page_
                              f"got shape {check.shape_text(view)} (a paged [pages, page_size, latent] is "
                              f"kc.layouts.from_buffer with page_size=)")
         rows_hold = int(view.shape[1]) if view.ndim == 4 else 1
+        if rows_hold == 0:  # the page size taken from the shape: name the buffer, not page_size
+            raise ValueError(f"{check.PREFIX}{name} must hold at least one token a page, shape[1] of "
+                             f"[pages, page_size, 1, latent], got shape {check.shape_text(view)}")
         if page_size is not None and page_size != rows_hold:
             raise ValueError(f"{check.PREFIX}page_size must be the tokens a row of {name} holds "
                              f"({'shape[1]' if view.ndim == 4 else '1 for [slots, 1, latent]'}), "

@@ -248,6 +248,15 @@ CONSTRUCTION = [
      r"page_size must be"),
     ("layouts mla page_size checked first", lambda: kc.layouts.mla([], page_size=0), ValueError,
      r"page_size must be"),
+    ("layouts paged pages of no token", lambda: kc.layouts.paged([np.zeros((4, 0, 2, 16), np.uint8)]), ValueError,
+     r"k_buffers\[0\] must hold at least one token a page, shape\[1\] of \[pages, page_size, heads, head_dim\], "
+     r"got shape \(4, 0, 2, 16\)$"),
+    ("layouts paged head_major pages of no token",
+     lambda: kc.layouts.paged([np.zeros((4, 2, 0, 16), np.uint8)], head_major=True), ValueError,
+     r"k_buffers\[0\] must hold at least one token a page, shape\[2\] of \[pages, heads, page_size, head_dim\]"),
+    ("layouts mla pages of no token", lambda: kc.layouts.mla([np.zeros((4, 0, 1, 32), np.uint8)]), ValueError,
+     r"buffers\[0\] must hold at least one token a page, shape\[1\] of \[pages, page_size, 1, latent\], "
+     r"got shape \(4, 0, 1, 32\)$"),
     ("layouts paged head_major bool", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], head_major=1),
      TypeError, r"head_major must be a bool"),
     ("layouts mla paged latent", lambda: kc.layouts.mla([np.zeros((4, 8, 32), np.uint8)]), ValueError,
