@@ -169,6 +169,7 @@ def native_view(obj: Any, name: str, device: Device | None = None):
             # DLPack would export it: the backend compiles for plain arrays, and a matrix indexes
             # as no other array does
             return obj if type(obj) is np.ndarray else obj.view(np.ndarray)
+        _require_export(obj, name)
         try:
             return np.from_dlpack(obj)
         except (BufferError, TypeError, ValueError, RuntimeError):
@@ -183,10 +184,19 @@ def native_view(obj: Any, name: str, device: Device | None = None):
     if not hasattr(obj, "__dlpack__") and hasattr(obj, "__cuda_array_interface__"):
         with cupy.cuda.Device(device.index):
             return cupy.asarray(obj)  # zero-copy over the interface's pointer (numba device arrays)
+    _require_export(obj, name)
     try:
         return cupy.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
         return raw_byte_view(obj, name)
+
+
+def _require_export(obj: Any, name: str) -> None:
+    """An object that names its DLPack device but cannot export its memory (no ``__dlpack__``) is no
+    array an op can use."""
+    if not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"kv-canary: {name} must be an array supporting DLPack (NumPy, CuPy, PyTorch, JAX...), "
+                        f"got {type(obj).__name__}, which has __dlpack_device__ but no __dlpack__")
 
 
 def launch_geometry(obj: Any):
@@ -403,7 +413,11 @@ def raw_byte_view(obj: Any, name: str):
         capsule = obj.__dlpack__()
     except (BufferError, RuntimeError) as error:  # e.g. a PyTorch tensor that requires grad
         raise ValueError(f"kv-canary: {name} cannot be shared through DLPack: {error}") from None
-    address = _get_capsule_pointer(capsule, b"dltensor")
+    try:
+        address = _get_capsule_pointer(capsule, b"dltensor")
+    except (TypeError, ValueError) as error:  # not a DLPack capsule (or one already consumed)
+        raise ValueError(f"kv-canary: {name} must export a DLPack capsule from __dlpack__(), got "
+                         f"{type(capsule).__name__}: {error}") from None
     tensor = _DLManagedTensor.from_address(address).dl_tensor
     itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8
     ndim = int(tensor.ndim)

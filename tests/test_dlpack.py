@@ -236,6 +236,42 @@ def test_not_an_array():
                                  req_pool_indices=np.zeros(1, np.int64), pool_out=[[0]])
 
 
+class _DeviceOnly:
+    """Names a host DLPack device but cannot export its memory (no ``__dlpack__``)."""
+
+    shape = (1,)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+class _NoCapsule(_DeviceOnly):
+    """Answers ``__dlpack__`` with something that is no DLPack capsule."""
+
+    def __dlpack__(self, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("obj,exc,pattern", [
+    (_DeviceOnly(), TypeError, r"^kv-canary: input_ids must be an array supporting DLPack .*got _DeviceOnly, which "
+                               r"has __dlpack_device__ but no __dlpack__$"),
+    (_NoCapsule(), ValueError, r"^kv-canary: input_ids must export a DLPack capsule from __dlpack__\(\), got NoneType"),
+])
+def test_half_a_dlpack_protocol_is_refused_with_the_packages_message(obj, exc, pattern):
+    """An object that speaks half of DLPack is refused under its argument's name (not with a raw
+    AttributeError or ctypes ValueError), and nothing is written."""
+    ctx = kc.CanaryContext.allocate(16)
+    wplan = kc.WritePlan.from_host(offsets=np.array([0, 1]), seed_slot_indices=np.array([-1]), num_valid_reqs=1)
+    before = [a.copy() for a in (ctx.canary_buf, ctx.violation_write_index, ctx.kernel_run_counter)]
+    with pytest.raises(exc, match=pattern):
+        kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=obj, positions=np.array([0]),
+                 out_cache_loc=np.array([3]))
+    assert all(np.array_equal(a, b) for a, b in zip(before, (ctx.canary_buf, ctx.violation_write_index,
+                                                             ctx.kernel_run_counter)))
+    with pytest.raises(exc, match=pattern.replace("input_ids", r"RealKvSource\.tensor")):
+        kc.RealKvSource(tensor=obj, page_size=1, num_bytes_per_token=16, read_bytes=16)
+
+
 def test_a_tensor_without_a_dlpack_device_is_named():
     """A torch meta tensor has no memory and no DLPack device: refused under its argument's name."""
     torch = pytest.importorskip("torch")
