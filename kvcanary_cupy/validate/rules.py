@@ -80,6 +80,11 @@ def host_int64(name: str, values: Any) -> np.ndarray:
     rather than wrapped, and arrays of another rank rather than flattened or widened (a 2-D array
     whose first dimension has the expected length would pass a length check with more values than
     it names)."""
+    if isinstance(values, range) and len(values):
+        low, high = min(values), max(values)  # of a range: no element read
+        if low < INT64_MIN or high > INT64_MAX:
+            raise ValueError(f"{PREFIX}{name} must fit in int64 [{INT64_MIN}, {INT64_MAX}], got "
+                             f"{low if low < INT64_MIN else high}")
     if isinstance(values, range) or (hasattr(values, "__array__") and not isinstance(values, np.ndarray)):
         try:
             values = np.asarray(values)  # a range, or a host array of another library
