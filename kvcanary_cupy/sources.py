@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import Device, data_pointer, device_of, native_view
+from ._dlpack import Device, data_pointer, device_of, native_view, own_view
 
 
 # eq=False: a source is its memory, so equal and hashed by identity (comparing its array's
@@ -43,7 +43,9 @@ class RealKvSource:
         )
         read_bytes = check.source_read_bytes("RealKvSource.read_bytes", self.read_bytes, bytes_per_token)
         device = device_of(self.tensor, "RealKvSource.tensor")
-        view = native_view(self.tensor, "RealKvSource.tensor", device)
+        # a view of its own (see own_view): contexts built from it later read what was checked here,
+        # whatever is done in place to the caller's array object meanwhile
+        view = native_view(own_view(self.tensor), "RealKvSource.tensor", device)
         row_stride = check.source_rows("RealKvSource.tensor", view, page_size * bytes_per_token)
         for name, value in (("page_size", page_size), ("num_bytes_per_token", bytes_per_token),
                             ("read_bytes", read_bytes), ("device", device), ("num_rows", int(view.shape[0])),

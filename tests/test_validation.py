@@ -631,6 +631,26 @@ def test_arrays_reshaped_in_place_after_building_change_nothing(device):
     assert np.frombuffer(outcomes[0][2], np.int32)[0] > 0  # rows were recorded: the ring is compared at work
 
 
+def test_source_array_retyped_in_place_after_building_changes_nothing():
+    """A real-KV source keeps a view of its own too: the caller's array object reshaped and re-typed
+    in place after the source was built (its bytes as one 256-byte element) leaves the hashes of a
+    context built from the source as they were, where it had failed with NumPy's own error."""
+    rng = np.random.default_rng(9)
+    raw = rng.integers(0, 256, size=(8, 32), dtype=np.uint8)
+    hashes = []
+    for retyped in (False, True):
+        kv = raw.copy()
+        source = kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=32, read_bytes=32)
+        if retyped:
+            kv.shape = (256,)
+            kv.dtype = np.dtype("V256")
+        ctx = kc.CanaryContext.allocate(8, real_kv_sources=[source], hash_mode=kc.HashMode.ALL)
+        kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 7], seed_slot_indices=[-1], num_valid_reqs=1), tag=2,
+                 input_ids=np.zeros(7, np.int64), positions=np.arange(7), out_cache_loc=np.arange(1, 8))
+        hashes.append(ctx.canary_buf.view(np.int64)[:, 3].copy())
+    assert np.array_equal(hashes[0], hashes[1]) and hashes[0][1:].all()
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device):
     """A bundle's own arrays are reachable through its attributes; one reshaped or re-typed there
