@@ -455,6 +455,8 @@ OPS = [
     ("write tag range", lambda w: w.write(tag=12), ValueError, r"tag must be a LaunchTag \(.*\), got 12"),
     ("write tag type", lambda w: w.write(tag="HEAD"), TypeError, r"tag must be a LaunchTag"),
     ("write tag bool", lambda w: w.write(tag=True), TypeError, r"tag must be a LaunchTag"),
+    ("write tag of another enum", lambda w: w.write(tag=kc.HashMode.ALL), TypeError,
+     r"tag must be a LaunchTag, got HashMode <HashMode.ALL: 2>"),
     ("write ctx type", lambda w: w.write(ctx=object()), TypeError, r"ctx must be a CanaryContext"),
     ("write wplan type", lambda w: w.write(wplan=w.vplan), TypeError, r"wplan must be a WritePlan"),
     ("write ids list", lambda w: w.write(input_ids=[1, 2, 3]), TypeError, r"input_ids must be an array"),

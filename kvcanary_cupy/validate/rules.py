@@ -6,6 +6,7 @@ received. ``TypeError`` is for a wrong type or dtype, ``ValueError`` for a wrong
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Mapping
 
 import numpy as np
@@ -160,7 +161,8 @@ def member(name: str, value: Any, kind: type) -> Any:
     """``value`` as a member of the int enum ``kind``; bools, floats and strings are refused."""
     if isinstance(value, kind):
         return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    # a member of another enum (a HashMode passed as a tag) is a mistake, not the int it holds
+    if isinstance(value, (bool, np.bool_, enum.Enum)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{PREFIX}{name} must be a {kind.__name__}, got {type(value).__name__} {value!r}")
     try:
         return kind(int(value))
