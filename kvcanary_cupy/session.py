@@ -224,6 +224,11 @@ class CanaryViolation(RuntimeError):
         super().__init__(report.describe())
         self.report = report
 
+    def __reduce__(self):
+        # rebuilt from its report, not from its message: pickled (a worker process's exception
+        # handed to its parent) or copied, it keeps ``.report`` and its message
+        return type(self), (self.report,), self.__dict__
+
 
 # --- internals ---------------------------------------------------------------------------------
 @dataclasses.dataclass
