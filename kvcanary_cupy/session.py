@@ -199,6 +199,9 @@ class CanaryReport:
         return counts
 
     def describe(self, limit: int = 20) -> str:
+        """A line for the report and one for each of its first ``limit`` events (an int >= 0),
+        with a count of the ones left out."""
+        limit = check.non_negative("CanaryReport.describe limit", limit)
         lines = [f"kv-canary: {self.total} violation(s) since the previous poll ({self.forwards} forward(s) so far)"
                  + (f", {self.dropped} dropped by the ring" if self.dropped else "")
                  + (f", {self.capacity_overflows} verify launch(es) skipped: plan capacity exceeded"

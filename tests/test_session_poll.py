@@ -412,6 +412,26 @@ def test_a_token_the_engine_did_not_expect_is_described_with_the_one_it_did(devi
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_describe_shows_at_most_limit_events_and_counts_the_rest(device):
+    """``describe(limit)`` lists the first ``limit`` events and counts those left out; a limit that
+    is not a non-negative int is refused by name."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert len(report) == 2
+    for limit, shown, more in ((0, 0, "  ... 2 more"), (1, 1, "  ... 1 more"), (2, 2, None), (5, 2, None)):
+        lines = report.describe(limit).splitlines()
+        assert lines[1:1 + shown] == ["  " + e.describe() for e in report.events[:shown]]
+        assert lines[1 + shown:] == ([more] if more else [])
+    for limit, error in ((-1, ValueError), (None, TypeError), (1.5, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match=r"^kv-canary: CanaryReport.describe limit must be"):
+            report.describe(limit)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_request_ids_need_not_be_hashable(device):
     """An engine's own request objects as ids (a dataclass with ``eq``, hence unhashable) name the
     events, write rows included; only ``CanaryReport.requests``, a set, needs hashable ids."""
