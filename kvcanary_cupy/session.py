@@ -476,7 +476,9 @@ class Canary:
     or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
     polls the canary keeps the batches of at most ``max_logged_forwards`` forwards and sweeps, to
     name the requests and steps of their rows; later ones are checked all the same, but that poll's
-    rows get no step and theirs may name no request.
+    rows get no step and theirs may name no request. ``logger`` (default: the ``kvcanary_cupy``
+    logger) gets every warning as one formatted message, ``logger.warning(message)``; one that
+    raises has the message given to the ``kvcanary_cupy`` logger instead.
     """
 
     def __init__(self, *, pool_slot_count: int, capacities: Capacities, req_to_token: Any, device: Any = "cpu",
@@ -509,7 +511,7 @@ class Canary:
         max_logged_forwards = check.positive("max_logged_forwards", max_logged_forwards)
         if logger is not None and not callable(getattr(logger, "warning", None)):
             raise TypeError(f"{check.PREFIX}logger must be None or a logging.Logger (anything with a warning "
-                            f"method), got {type(logger).__name__}")
+                            f"method), got {type(logger).__name__} {logger!r}")
         if swa is not None:
             check.instance("swa", swa, SwaGroup)
             window = check.positive("SwaGroup.window", check.int64_scalar("SwaGroup.window", swa.window))
@@ -533,7 +535,7 @@ class Canary:
         self._expected_tokens = expected_tokens
         self._check_expected_token = check_expected_token
         self._token_offset = token_offset
-        self.logger = logger or _LOG
+        self.logger = logger if logger is not None else _LOG
         self.forwards = 0  # eager forwards
         # Every forward's number, as events' steps and CanaryReport.forwards count them: the eager
         # forwards and logged static runs as they come, the unlogged runs (replays) at each poll.
@@ -819,13 +821,28 @@ class Canary:
                 slots.append(translated)
         return addresses, slots
 
+    def _warn(self, message: str) -> None:
+        """Say ``message`` through the canary's logger, formatted here and passed alone (the logger
+        may be anything with a ``warning`` method, taking the message only). A logger of the engine's
+        that raises loses nothing: the message goes to the package's logger instead, with the
+        failure, and the call that warned carries on (a poll still returns or raises its report, a
+        forward still runs every launch)."""
+        if self.logger is _LOG:
+            _LOG.warning(message)
+            return
+        try:
+            self.logger.warning(message)
+        except Exception:
+            _LOG.warning("kv-canary: the canary's logger (%s) raised on a warning, given here instead:\n%s",
+                         type(self.logger).__name__, message, exc_info=True)
+
     def _warn_if_unfinished(self, starting: str) -> None:
         """A forward may be dropped after its before; one that ran left its tokens unfingerprinted."""
         if self._planned is not None:
-            self.logger.warning(
-                "kv-canary: %s, but the previous forward's before had no after: if its forward ran, its new "
-                "tokens were not fingerprinted, and each verify that reads them reports them (CHAIN_HASH, "
-                "POSITION, REAL_KV_HASH)", starting)
+            self._warn(
+                f"kv-canary: {starting}, but the previous forward's before had no after: if its forward ran, its "
+                f"new tokens were not fingerprinted, and each verify that reads them reports them (CHAIN_HASH, "
+                f"POSITION, REAL_KV_HASH)")
 
     def before_forward(self, batch: ForwardBatch, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
@@ -884,11 +901,11 @@ class Canary:
             group.log.extend(launches)
             return
         if not self._unlogged:
-            self.logger.warning(
-                "kv-canary: more than %d forwards and sweeps since the last poll(): the canary still checks and "
-                "fingerprints every forward, but logs no more of them until it polls, so that poll's "
-                "violations get no step and may name no request (poll more often, or raise "
-                "max_logged_forwards)", self._max_logged_forwards)
+            self._warn(
+                f"kv-canary: more than {self._max_logged_forwards} forwards and sweeps since the last poll(): the "
+                f"canary still checks and fingerprints every forward, but logs no more of them until it polls, so "
+                f"that poll's violations get no step and may name no request (poll more often, or raise "
+                f"max_logged_forwards)")
         self._unlogged += len(launches)
 
     def _next_forward(self) -> int:
@@ -1049,7 +1066,7 @@ class Canary:
         if report.total or report.capacity_overflows:
             if acting_mode == "raise" and report.total:
                 raise CanaryViolation(report)
-            self.logger.warning("%s", report.describe())
+            self._warn(report.describe())
         return report
 
     def _drop_changed_launches(self) -> bool:
@@ -1070,10 +1087,10 @@ class Canary:
             dropped += len(group.log) - len(kept)
             group.log[:] = kept
         if dropped:
-            self.logger.warning(
-                "kv-canary: %d launch(es) since the last poll() read batch arrays that have been reshaped or "
-                "re-typed in place since: their violations, if any, get no step and may name no request (keep "
-                "a batch's arrays as they are until the poll after its forward)", dropped)
+            self._warn(
+                f"kv-canary: {dropped} launch(es) since the last poll() read batch arrays that have been reshaped "
+                f"or re-typed in place since: their violations, if any, get no step and may name no request (keep "
+                f"a batch's arrays as they are until the poll after its forward)")
         return dropped > 0
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -1124,10 +1141,10 @@ class Canary:
         if excess <= 0:
             return
         if not self._let_go and self.enabled:
-            self.logger.warning(
-                "kv-canary: more than %d closed static forwards since the last poll(): the canary lets go of "
-                "the oldest, so the violations only their graph replays explain name no request (poll more "
-                "often, or raise max_logged_forwards)", self._max_logged_forwards)
+            self._warn(
+                f"kv-canary: more than {self._max_logged_forwards} closed static forwards since the last poll(): "
+                f"the canary lets go of the oldest, so the violations only their graph replays explain name no "
+                f"request (poll more often, or raise max_logged_forwards)")
         let_go = {record.run_count_at for record in closed[:excess]}
         for array, index in let_go:
             self._let_go[array] = self._let_go.get(array, 0) | 1 << index

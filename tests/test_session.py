@@ -315,6 +315,55 @@ def test_log_mode_logs(caplog):
     assert f"[HEAD_K_FULL step 2] request 'a' position 2 slot {eng.slot('a', 2)}: CHAIN_HASH" in caplog.text
 
 
+class _MessageOnly:
+    """An engine's logger: a ``warning`` method taking the message alone."""
+
+    def __init__(self):
+        self.messages = []
+
+    def warning(self, message):
+        self.messages.append(message)
+
+
+class _Failing:
+    def warning(self, *args, **kwargs):
+        raise RuntimeError("log sink down")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_logger_taking_the_message_alone_gets_every_warning(device):
+    eng = Tiny(device, mode="log", logger=_MessageOnly())
+    eng.step({"a": 3})
+    eng.canary.context.canary_buf[eng.slot("a", 1), :8] = 0xAB
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert len(report) == 2
+    assert eng.canary.logger.messages == [report.describe()]
+    batch = eng.step({"a": 1})
+    eng.canary.before_forward(batch)  # a before with no after, then another before
+    eng.canary.before_forward(batch)
+    assert any("had no after" in message for message in eng.canary.logger.messages)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_logger_that_raises_loses_no_report_and_no_launch(device, caplog):
+    """The engine's logger failing does not take the report with it (the rings are emptied by the
+    poll) nor stop a forward half-way: the message goes to the package's logger instead."""
+    eng = Tiny(device, mode="log", logger=_Failing(), max_logged_forwards=1)
+    eng.step({"a": 3})
+    eng.canary.context.canary_buf[eng.slot("a", 1), :8] = 0xAB
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.step({"a": 1})  # past max_logged_forwards: its launches are counted, unlogged, with a warning
+        report = eng.canary.poll()
+    assert [(e.phase, e.request, e.position, e.reasons) for e in report] == [
+        ("head", None, None, ("CHAIN_HASH",)), ("tail", None, None, ("CHAIN_HASH",))]
+    assert "log sink down" in caplog.text and "more than 1 forwards" in caplog.text
+    assert report.describe() in caplog.text
+    assert eng.canary.stats()["full"]["kernel_run_counter"] == 6
+    eng.step({"a": 1})
+    assert {(e.phase, e.request, e.position) for e in eng.canary.poll()} == {("head", "a", 2), ("tail", "a", 2)}
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_capacity_overflow_is_reported(device):
     eng = Tiny(device, verify_capacity=4)
