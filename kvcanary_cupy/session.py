@@ -131,7 +131,9 @@ class CanaryEvent:
 
     def describe(self) -> str:
         tag = tag_name(self.tag)
-        where = "unknown request" if self.request is None else f"request {self.request!r}"
+        # an id from a NumPy array of ids (np.str_, np.int64) as the value it holds: 'a', not np.str_('a')
+        request = self.request.item() if isinstance(self.request, np.generic) else self.request
+        where = "unknown request" if request is None else f"request {request!r}"
         pos = "?" if self.position is None else str(self.position)
         step = "?" if self.step is None else str(self.step)
         if self.slot == L.UNRESOLVED_SLOT:

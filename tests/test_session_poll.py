@@ -432,6 +432,29 @@ def test_describe_shows_at_most_limit_events_and_counts_the_rest(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("ids, shown", [(np.array(["a"]), "request 'a'"), (np.array([17]), "request 17")])
+def test_ids_from_a_numpy_array_are_described_by_their_value(device, ids, shown):
+    """``req_ids`` may be a 1-D NumPy array: each event's request is its element, and describe()
+    shows the value it holds (not ``np.str_('a')`` or ``np.int64(17)``)."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slot = eng.requests["a"]["slots"][2]
+    eng.k[slot, 0, 0] += 1.0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    eng.table[1, 4] = 40
+    eng.sync()
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=ids)
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert [(e.phase, e.request, e.position) for e in report] == [("head", ids[0], 2), ("tail", ids[0], 2)]
+    assert report.requests == {ids[0]}
+    assert report[0].describe().startswith(f"[HEAD_K_FULL step 2] {shown} position 2 slot {slot}: REAL_KV_HASH")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_request_ids_need_not_be_hashable(device):
     """An engine's own request objects as ids (a dataclass with ``eq``, hence unhashable) name the
     events, write rows included; only ``CanaryReport.requests``, a set, needs hashable ids."""
