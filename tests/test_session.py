@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import logging
+import pickle
 import weakref
 
 import numpy as np
@@ -272,21 +274,8 @@ def test_raise_mode_raises(device):
     assert report.requests == {"a"}
     assert "kv-canary" in str(info.value)
     assert "request 'a' position 2" in str(info.value)
-
-
-@pytest.mark.parametrize("device", BACKENDS)
-def test_raised_violation_survives_pickling_and_copying(device):
-    """An engine whose scheduler runs in a worker process hands the exception to its parent
-    (pickled), or copies it: it keeps its report and its message."""
-    import copy
-    import pickle
-
-    eng = Tiny(device, mode="raise")
-    eng.step({"a": 3})
-    eng.canary.context.canary_buf[eng.slot("a", 1), :8] = 0xAB
-    eng.step({"a": 1})
-    with pytest.raises(kc.CanaryViolation) as info:
-        eng.canary.poll()
+    # an engine whose scheduler runs in a worker process hands the exception to its parent
+    # (pickled), or copies it: it keeps its report and its message
     for again in (pickle.loads(pickle.dumps(info.value)), copy.copy(info.value), copy.deepcopy(info.value)):
         assert type(again) is kc.CanaryViolation
         assert again.report == info.value.report and again.report.requests == {"a"}
