@@ -43,6 +43,10 @@ class RecentlyUsed:
         """Drop ``key``; whether it was there."""
         return self._entries.pop(key, _ABSENT) is not _ABSENT
 
+    def values(self) -> list:
+        """The entries, least recent first (none made more recent)."""
+        return list(self._entries.values())
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -11,6 +11,7 @@ def test_keeps_the_most_recent_and_drops_the_least():
     cache.put("d", "D")
     assert "b" not in cache and len(cache) == 3
     assert [cache.get(key) for key in "acd"] == ["A", "C", "D"]
+    assert cache.values() == ["A", "C", "D"]
     assert "c" in cache  # a membership test is a use too
     cache.put("e")
     assert "a" not in cache and "c" in cache and "e" in cache and cache.get("e") is None
