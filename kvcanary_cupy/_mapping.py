@@ -68,8 +68,18 @@ class RowMapper:
         return self.host("req_to_token", self.canary.req_to_token)
 
     def _write_loc(self, launch):
-        """The slots a write launch wrote (an SWA group's translated)."""
+        """The slots of a write launch's entries (an SWA group's translated), a padded tail included."""
         return self.host(id(launch.write_loc), launch.write_loc)
+
+    def _written(self, launch):
+        """The slots a write launch wrote: its entries' alone, not those of a padded tail past them
+        (a static forward's arrays bound for more tokens than a step has, whose cells the write
+        never reads, may hold any slot, another request's too)."""
+        loc = self._write_loc(launch)
+        extend, rows = self._batch(launch, "extend_seq_lens"), self._batch(launch, "req_pool_indices")
+        # padding rows write nothing (SPEC 3.3); each request's count clamped, so that the sum cannot wrap
+        counted = np.where(rows != 0, np.clip(extend, 0, loc.shape[0]), 0)
+        return loc[:min(int(counted.sum()), loc.shape[0])]
 
     def checked(self, group, launch) -> dict:
         """The entries of a verify launch that check a slot some row of the group names: ``{slot:
@@ -270,7 +280,7 @@ class RowMapper:
         found: dict = {}
         for index, launch in enumerate(group.log):
             if launch.kind == "write" and wanted.size:
-                for slot in np.intersect1d(self._write_loc(launch), wanted).tolist():
+                for slot in np.intersect1d(self._written(launch), wanted).tolist():
                     found.setdefault(int(slot), []).append(index)
         return found
 
@@ -330,7 +340,7 @@ class RowMapper:
                 if later.step != step:
                     break
                 if later.kind == "write":
-                    slots.update(self._write_loc(later).tolist())
+                    slots.update(self._written(later).tolist())
             self._cache[key] = frozenset(slots)
         return self._cache[key]
 
@@ -451,7 +461,7 @@ class RowMapper:
             if record.run_count_at not in static_ran:
                 continue
             launches = record.launches
-            written = frozenset().union(*(self._write_loc(launch).tolist()
+            written = frozenset().union(*(self._written(launch).tolist()
                                           for launch in launches if launch.kind == "write"))
             for launch in launches:
                 if launch.tag != int(v.kernel_kind) or (launch.kind == "write") != write:

@@ -366,3 +366,60 @@ def test_the_tables_kept_are_views_of_their_own():
     canary.after_forward(decode)
     assert canary.poll().total == 0
     assert canary.swa.lut is lut and canary.groups[1].lut.shape == (32,) and canary.expected_tokens.shape == (3, 8)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("static", [True, False])
+def test_a_padded_tail_holding_a_bad_slot_leaves_its_rows_their_steps_and_names(device, static):
+    """Token arrays bound for more tokens than a step has keep, past ``query_start_loc[bs]``, the
+    slots a bigger step wrote there: the write never reads them, so a poll every few forwards
+    takes none of them for a slot written again, and names a slot flipped earlier at every step
+    that read it, as it does with a tail of -1."""
+    block = 4
+    rng = np.random.default_rng(5)
+    k = to_device(rng.standard_normal((16, block, 2, 8)).astype(np.float16), device)
+    v = to_device(rng.standard_normal((16, block, 2, 8)).astype(np.float16), device)
+    table = np.array([[3, 4, 5, 6], [7, 8, 9, 10]], np.int32)
+    req_to_token = to_device(np.zeros((3, 4 * block), np.int32), device)
+    kc.block_tables.mirror(req_to_token, block_table=to_device(table, device), block_size=block)
+    canary = kc.Canary(pool_slot_count=16 * block, req_to_token=req_to_token, device=device,
+                       capacities=kc.Capacities.from_args(req_to_token_pool_size=3, max_seq_len_per_req=4 * block,
+                                                          pool_slot_count=16 * block, max_prefill_tokens=64),
+                       real_kv_sources=kc.layouts.paged([k], [v]), hash_mode=kc.HashMode.ALL)
+    slot = lambda row, position: int(table[row, position // block]) * block + position % block  # noqa: E731
+    put = lambda values, dtype=np.int64: to_device(np.array(values, dtype), device)  # noqa: E731
+    lens = [5, 6]
+    prefill = kc.ForwardBatch.from_offsets(
+        query_start_loc=put([0, 5, 11], np.int32), seq_lens=put(lens, np.int32), input_ids=put(range(100, 111)),
+        positions=put(list(range(5)) + list(range(6))),
+        out_cache_loc=put([slot(0, p) for p in range(5)] + [slot(1, p) for p in range(6)]), req_ids=["a", "b"])
+    canary.before_forward(prefill)
+    canary.after_forward(prefill)
+    assert canary.poll().total == 0
+    flipped = slot(0, 2)
+    given = dict(query_start_loc=put([0, 1, 2], np.int32), seq_lens=put([6, 7], np.int32), input_ids=put([0] * 4),
+                 positions=put([0] * 4), out_cache_loc=put([0, 0, flipped, slot(1, 1)]))  # a bigger step's tail
+    batch = kc.ForwardBatch(**{name: put([0] * size) for name, size in [
+        ("req_pool_indices", 2), ("prefix_lens", 2), ("extend_seq_lens", 2), ("input_ids", 4), ("positions", 4),
+        ("out_cache_loc", 4)]}, req_ids=["a", "b"])
+    refill = kc.block_tables.Refill(batch, **given)
+    forward = canary.static_forward(batch)
+    v[flipped // block, flipped % block, 0, 0] += 1
+    for _ in range(3):
+        given["seq_lens"][...] = put([lens[0] + 1, lens[1] + 1], np.int32)
+        given["positions"][:2] = put(lens)
+        given["out_cache_loc"][:2] = put([slot(0, lens[0]), slot(1, lens[1])])
+        if static:
+            refill.launch()
+            forward.before()
+            forward.after()
+        else:  # int64 token arrays, referenced with their tail
+            eager = kc.ForwardBatch.from_offsets(**{name: array.copy() for name, array in given.items()},
+                                                 req_ids=["a", "b"])
+            canary.before_forward(eager)
+            canary.after_forward(eager)
+        lens = [length + 1 for length in lens]
+    report = canary.poll()
+    assert report.forwards == 4
+    assert sorted(((e.step, e.phase, e.request, e.position) for e in report), key=str) == [
+        (step, phase, "a", 2) for step in (2, 3, 4) for phase in ("head", "tail")]
