@@ -118,19 +118,23 @@ class _MirrorArguments:
         return int(self.table.shape[1])
 
     @classmethod
-    def checked(cls, req_to_token, block_table, block_size, rows, first_block, stream) -> "_MirrorArguments":
+    def checked(cls, req_to_token, block_table, block_size, rows, first_block, stream,
+                stores: bool = True) -> "_MirrorArguments":
+        """``stores``: ``req_to_token`` is stored into (a mirror), else only read (``unmirrored``)."""
         block_size = check.slot_count("block_size", block_size)  # <= 2**31: a block's offsets fit in int32
         first_block = check.non_negative("first_block", first_block)
         device, views, stream = _views({"req_to_token": req_to_token, "block_table": block_table}, stream)
         target, table = views["req_to_token"], views["block_table"]
-        key = ("mirror", device, _geometry(views, addresses=True), block_size, first_block)
+        key = ("mirror" if stores else "unmirrored", device, _geometry(views, addresses=True), block_size, first_block)
         known = key in _PASSED  # the arrays' rules passed for arrays alike: the rows' values are checked each call
         if not known:
             check.table("req_to_token", target, np.int32)
-            check.writable("req_to_token", target)
-            check.rows_apart("req_to_token", target)  # rows stored by threads of their own
+            if stores:
+                check.writable("req_to_token", target)
+                check.rows_apart("req_to_token", target)  # rows stored by threads of their own
             _index_array("block_table", table, 2)
-            check.stored_apart({"req_to_token": target}, {"block_table": table})
+            if stores:
+                check.stored_apart({"req_to_token": target}, {"block_table": table})
         count, blocks = table.shape
         canary_rows = None if rows is None else check.host_int64("rows", rows)
         if canary_rows is not None:
@@ -157,8 +161,9 @@ def unmirrored(req_to_token: Any, *, block_table: Any, block_size: int, seq_lens
     moved without :func:`mirror`) is read by the canary as the slots it names, and it is reported
     only where those slots' records disagree with the request: a stale row that still holds
     another request's slots of the same prefix goes unseen. Arguments as for :func:`mirror`, whose
-    rules they follow (``req_to_token`` is only read)."""
-    table = _MirrorArguments.checked(req_to_token, block_table, block_size, rows, 0, None)
+    rules they follow but those of a table stored into: ``req_to_token`` is only read (a read-only
+    one is taken)."""
+    table = _MirrorArguments.checked(req_to_token, block_table, block_size, rows, 0, None, stores=False)
     lens = native_view(seq_lens, "seq_lens")
     _index_array("seq_lens", lens, 1)
     check.length("seq_lens", lens, table.count, "one length for each block-table row")

@@ -566,6 +566,22 @@ def test_unmirrored_names_each_row_the_engine_forgot_and_its_first_position(devi
         kc.block_tables.unmirrored(req_to_token, seq_lens=np.array([1, 2, 3]), **arguments)
 
 
+def test_unmirrored_only_reads_the_slot_table():
+    """``unmirrored`` stores nothing, so a read-only slot table (a snapshot, a read-only DLPack
+    export) is checked as any other; ``mirror`` of the same arrays still refuses it, the arrays
+    passed to ``unmirrored`` before notwithstanding."""
+    table = np.array([[3, 4], [5, 6]], np.int32)
+    req_to_token = np.zeros((3, 8), np.int32)
+    kc.block_tables.mirror(req_to_token, block_table=table, block_size=4)
+    req_to_token.setflags(write=False)
+    assert kc.block_tables.unmirrored(req_to_token, block_table=table, block_size=4, seq_lens=np.array([8, 5])) == []
+    table[1, 1] = 7
+    assert kc.block_tables.unmirrored(req_to_token, block_table=table, block_size=4,
+                                      seq_lens=np.array([8, 5])) == [(2, 4)]
+    with pytest.raises(ValueError, match="^kv-canary: req_to_token must be writable"):
+        kc.block_tables.mirror(req_to_token, block_table=table, block_size=4)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_bound_refill_fills_from_what_the_arrays_hold_at_each_launch(device):
     inputs, _, _ = _offsets_inputs(np.random.default_rng(26))
