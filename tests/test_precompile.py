@@ -333,3 +333,49 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
         in done.stdout
     assert "devices     : cpu\n" in done.stdout and done.stdout.strip().endswith("0\n2")
     assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
+
+
+_PLAIN_PYTHON_WORKLOAD = """
+import hashlib
+import numpy as np
+import kvcanary_cupy as kc
+
+n = 200  # past the entries the ops ask for ahead of their use
+kv = np.random.default_rng(1).integers(0, 255, size=(n + 1, 32), dtype=np.uint8)
+sources = [kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=32, read_bytes=32)] * 2
+ctx = kc.CanaryContext.allocate(n + 1, hash_mode=kc.HashMode.ALL, real_kv_sources=sources, ring_capacity=8)
+vplan, wplan = kc.VerifyPlan.allocate(n), kc.WritePlan.allocate(1)
+table = np.zeros((2, n + 1), np.int32)
+table[1, :n] = np.arange(1, n + 1)
+slots = np.arange(1, n + 1)
+batch = dict(req_pool_indices=np.array([1]), req_to_token=table)
+kc.plan(vplan, wplan, prefix_lens=np.array([0]), extend_seq_lens=np.array([n]), **batch)
+kc.write(ctx, wplan, tag=2, input_ids=slots * 7, positions=slots - 1, out_cache_loc=slots)
+kv[5, 3] ^= 1
+kc.plan(vplan, wplan, prefix_lens=np.array([n]), extend_seq_lens=np.array([0]), **batch)
+kc.verify(ctx, vplan, tag=0)
+tier = kc.CanaryContext.allocate(n + 1, hash_mode=kc.HashMode.ALL, real_kv_sources=sources)
+kc.copy_records(src=ctx, dst=tier, src_slots=slots, dst_slots=slots[::-1].copy())
+print(ctx.violations().total, hashlib.sha256(ctx.canary_buf.tobytes() + ctx.violation_ring.tobytes()
+                                             + tier.canary_buf.tobytes()).hexdigest())
+"""
+
+
+def test_numba_disable_jit_runs_the_ops_as_plain_python_and_says_so():
+    """NUMBA_DISABLE_JIT=1 (numba's debugging switch) runs the CPU backend's kernels as plain Python:
+    the results are the compiled ones, byte for byte (the prefetch hint, an intrinsic plain Python
+    cannot call, does nothing), and the backend says once that it runs so, without NumPy's overflow
+    warnings for the hash's wrapping products."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    compiled = subprocess.run([sys.executable, "-c", _PLAIN_PYTHON_WORKLOAD], capture_output=True, text=True,
+                              env=env, timeout=300)
+    plain = subprocess.run([sys.executable, "-c", _PLAIN_PYTHON_WORKLOAD], capture_output=True, text=True,
+                           env=dict(env, NUMBA_DISABLE_JIT="1"), timeout=300)
+    assert compiled.returncode == 0 and plain.returncode == 0, compiled.stderr + plain.stderr
+    assert plain.stdout == compiled.stdout and plain.stdout.startswith("1 "), (plain.stdout, compiled.stdout)
+    assert plain.stderr.count("NUMBA_DISABLE_JIT is set") == 1 and "overflow" not in plain.stderr, plain.stderr
+    assert "NUMBA_DISABLE_JIT" not in compiled.stderr

@@ -248,6 +248,16 @@ def prefetch(typingctx, array, index):
     return nbtypes.void(array, index), codegen
 
 
+if numba.config.DISABLE_JIT:  # numba's debugging switch: the jitted functions run as plain Python
+    def prefetch(array, index):  # noqa: F811 - an intrinsic cannot run in plain Python
+        """Nothing: a hint to the CPU's caches that plain Python cannot give."""
+
+    warnings.warn("kvcanary_cupy: NUMBA_DISABLE_JIT is set, so the CPU backend's kernels run as plain Python: "
+                  "results are the same, but ops take thousands of times longer (unset it outside debugging)",
+                  RuntimeWarning, stacklevel=2)
+    # the hash's uint64 products wrap on purpose, as they do when compiled: NumPy's scalars warn
+    warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning, r"kvcanary_cupy\.ops\.backends\._cpu")
+
 @njit(**JIT)
 def sm(x):
     x = (x ^ (x >> _SHIFT_1)) * _MUL_1
