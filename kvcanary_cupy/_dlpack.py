@@ -87,7 +87,7 @@ def parse_device(spec: Any) -> Device:
             return CPU
         if text == "cuda":
             return Device("cuda", _current_cuda_device())
-        if text.startswith("cuda:") and text[5:].isdigit():
+        if text.startswith("cuda:") and text[5:].isdecimal():  # not isdigit: "²" is a digit int() refuses
             return Device("cuda", int(text[5:]))
         raise ValueError(f"kv-canary: device must be 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
     raise TypeError(f"kv-canary: device must be 'cpu', 'cuda', 'cuda:N' or an int, got {spec!r}")

@@ -134,7 +134,7 @@ print(json.dumps({f"{m.__name__.rsplit('.', 1)[1]}.{name}": len(v.signatures) fo
 
 
 @pytest.mark.parametrize("device, error", [("gpu", ValueError), (True, TypeError), (-1, ValueError),
-                                           (1.5, TypeError)])
+                                           (1.5, TypeError), ("cuda:\u00b2", ValueError), ("cuda:-1", ValueError)])
 def test_bad_device_is_rejected(device, error):
     with pytest.raises(error, match="^kv-canary: device"):
         kc.compile_kernels(device=device)
