@@ -326,6 +326,18 @@ def require_cupy(name: str):
     return cupy
 
 
+def require_device(device: Device) -> None:
+    """A CUDA ``device`` must be one CuPy sees: said in one line where arrays are made for it, rather
+    than by CuPy's error from deep inside (a machine with CuPy and no GPU, or ``cuda:N`` past its
+    GPUs). Nothing to check on the CPU."""
+    if not device.is_cuda:
+        return
+    require_cupy("device")
+    count = cuda_device_count()
+    if device.index >= count:
+        raise CudaUnavailableError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, got {device}")
+
+
 # --- raw DLPack, for dtypes NumPy and CuPy cannot express -------------------------------------
 
 

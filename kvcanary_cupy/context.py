@@ -10,7 +10,8 @@ import numpy as np
 
 from . import _layout as L
 from . import validate as check
-from ._dlpack import CPU, Device, assign, filled, from_host, parse_device, require_cupy, settle, to_host
+from ._dlpack import (CPU, Device, assign, filled, from_host, parse_device, require_cupy, require_device, settle,
+                      to_host)
 from .sources import RealKvSource, source_list
 
 
@@ -182,6 +183,7 @@ class CanaryContext:
         mode = check.member("hash_mode", hash_mode, L.HashMode)
         sources = source_list("real_kv_sources", real_kv_sources)
         where = parse_device(device)
+        require_device(where)
         return cls(
             canary_buf=filled((num_slots, slot_stride_bytes), np.uint8, where),
             violation_ring=filled((ring_capacity, L.RING_COLUMNS), np.int64, where),
@@ -340,6 +342,7 @@ class VerifyPlan:
     def allocate(cls, capacity: int, *, device: Any = "cpu") -> "VerifyPlan":
         capacity = check.fits_int32("verify_capacity", check.non_negative("verify_capacity", capacity))
         where = parse_device(device)
+        require_device(where)
         plan = cls(*(filled((capacity,), np.int64, where) for _ in range(4)),
                    num_valid=filled((1,), np.int32, where), enable=filled((1,), np.int32, where))
         settle(where)
@@ -379,6 +382,7 @@ class WritePlan:
     def allocate(cls, req_capacity: int, *, device: Any = "cpu") -> "WritePlan":
         capacity = check.fits_int32("write_req_capacity", check.non_negative("write_req_capacity", req_capacity))
         where = parse_device(device)
+        require_device(where)
         plan = cls(offsets=filled((capacity + 1,), np.int64, where),
                    seed_slot_indices=filled((capacity,), np.int64, where, fill=L.NO_PREDECESSOR),
                    num_valid_reqs=filled((1,), np.int32, where))
@@ -389,6 +393,7 @@ class WritePlan:
     def from_host(cls, *, offsets, seed_slot_indices, num_valid_reqs: int, device: Any = CPU) -> "WritePlan":
         """A plan built on the host (tests, tools) and copied to ``device``."""
         where = parse_device(device)
+        require_device(where)
         num_valid_reqs = check.int32_scalar("num_valid_reqs", num_valid_reqs)
         plan = cls(offsets=from_host(check.host_int64("offsets", offsets), where),
                    seed_slot_indices=from_host(check.host_int64("seed_slot_indices", seed_slot_indices), where),

@@ -27,7 +27,7 @@ import numpy as np
 from . import _layout as L
 from . import validate as check
 from ._dlpack import (Device, assign, cupy_module, device_of, filled, launch_geometry, native_view,
-                      order_after_torch, own_view, parse_device, require_cupy, settle, stream_capturing, to_host)
+                      order_after_torch, own_view, parse_device, require_device, settle, stream_capturing, to_host)
 from ._mapping import RowMapper
 from ._recent import RecentlyUsed
 from .block_tables import forward_batch
@@ -493,8 +493,7 @@ class Canary:
         check.choice("mode", mode, MODES)
         check.instance("capacities", capacities, Capacities)
         device = parse_device(device)
-        if device.is_cuda:  # said first: every table would otherwise be refused as on another device
-            require_cupy("device")
+        require_device(device)  # said first: every table would otherwise be refused as on another device
         pool_slot_count = check.slot_count("pool_slot_count", pool_slot_count)
         hash_mode = check.member("hash_mode", hash_mode, L.HashMode)
         real_kv_sources = _sources("real_kv_sources", real_kv_sources, device, pool_slot_count)

@@ -309,7 +309,8 @@ def test_without_numba_the_cpu_backend_says_so():
 def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     """CuPy installed on a machine without a driver or device (its getDeviceCount raises): the
     package imports and runs on the CPU, ``info`` tells why no CUDA device is listed, and a demo
-    asked for ``cuda`` is refused in one line rather than with CuPy's traceback."""
+    asked for ``cuda`` is refused in one line rather than with CuPy's traceback, as are a context, a
+    plan or a ``kc.Canary`` allocated there."""
     import os
     import subprocess
     import sys
@@ -323,15 +324,33 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
         "def getDeviceCount(*args):\n"
         "    raise CUDARuntimeError('cudaErrorNoDevice: no CUDA-capable device is detected')\n"
         "getDevice = getDeviceProperties = getDeviceCount\n")
+    (fake / "cuda" / "__init__.py").write_text(
+        "from . import runtime\n"
+        "class Device:\n"  # CuPy's: made without a call, but made current by cudaSetDevice
+        "    def __init__(self, index=0):\n        self.id = index\n"
+        "    def __enter__(self):\n        runtime.getDeviceCount()\n"
+        "    def __exit__(self, *args):\n        pass\n")
     code = ("from kvcanary_cupy.__main__ import main\n"
             "print(main(['info']))\n"
-            "print(main(['demo', '--device', 'cuda', '--steps', '2', '--no-progress']))\n")
+            "print(main(['demo', '--device', 'cuda', '--steps', '2', '--no-progress']))\n"
+            "import numpy as np, kvcanary_cupy as kc\n"
+            "caps = kc.Capacities.from_args(req_to_token_pool_size=2, max_seq_len_per_req=8, pool_slot_count=16,\n"
+            "                               max_prefill_tokens=8)\n"
+            "for make in (lambda: kc.CanaryContext.allocate(16, device='cuda'),\n"
+            "             lambda: kc.VerifyPlan.allocate(8, device=0), lambda: kc.WritePlan.allocate(2, device='cuda:1'),\n"
+            "             lambda: kc.Canary(pool_slot_count=16, capacities=caps, req_to_token=np.zeros((2, 8), np.int32),\n"
+            "                               device='cuda')):\n"
+            "    try:\n        make()\n    except ValueError as error:\n        print(error)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    assert "cuda backend: CuPy 13.6.0, 0 devices (cudaErrorNoDevice: no CUDA-capable device is detected)" \
-        in done.stdout
-    assert "devices     : cpu\n" in done.stdout and done.stdout.strip().endswith("0\n2")
+    # arrays asked for on a GPU (a canary's, a plan's, a kc.Canary's) are refused in the same words
+    lines = done.stdout.strip().splitlines()
+    assert lines[-4:] == [f"kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:{i}"
+                          for i in (0, 0, 1, 0)]
+    printed = "\n".join(lines[:-4])
+    assert "cuda backend: CuPy 13.6.0, 0 devices (cudaErrorNoDevice: no CUDA-capable device is detected)" in printed
+    assert "devices     : cpu\n" in printed and printed.endswith("0\n2")
     assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
 
 
