@@ -54,11 +54,16 @@ def cuda_device(index: int) -> Device:
 @functools.lru_cache(maxsize=1)
 def cupy_module():
     """CuPy, or ``None`` when it is not installed or cannot initialise."""
+    global _CUPY_IMPORT_ERROR
     try:
         import cupy  # noqa: PLC0415
-    except Exception:  # ImportError, or a CUDA library failing to load
+    except Exception as error:  # ImportError, or a CUDA library failing to load
+        _CUPY_IMPORT_ERROR = error
         return None
     return cupy
+
+
+_CUPY_IMPORT_ERROR: Optional[BaseException] = None  # why an installed CuPy failed to import
 
 
 def cuda_device_count() -> int:
@@ -319,6 +324,11 @@ class CudaUnavailableError(ValueError, RuntimeError):
 def require_cupy(name: str):
     cupy = cupy_module()
     if cupy is None:
+        error = _CUPY_IMPORT_ERROR
+        if error is not None and not (isinstance(error, ModuleNotFoundError) and error.name == "cupy"):
+            why = str(error).strip() or type(error).__name__
+            raise CudaUnavailableError(f"kv-canary: {name}: a CUDA device needs CuPy, which is installed but fails "
+                                       f"to import ({why}): python -c 'import cupy' tells more")
         raise CudaUnavailableError(
             f"kv-canary: {name}: a CUDA device needs CuPy, which is not installed; install cupy-cuda12x "
             "or cupy-cuda13x (this package's cuda12 or cuda13 extra)"

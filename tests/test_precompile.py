@@ -354,6 +354,28 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
 
 
+
+def test_cupy_that_fails_to_import_is_not_called_missing(tmp_path):
+    """CuPy installed but failing to import (a CUDA library it links missing): a GPU asked for is
+    refused with the import's error, not with advice to install CuPy, as ``info`` says."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(
+        "raise ImportError('libcudart.so.12: cannot open shared object file: No such file or directory')\n")
+    code = ("import kvcanary_cupy as kc\n"
+            "for make in (lambda: kc.CanaryContext.allocate(16, device='cuda'),\n"
+            "             lambda: kc.compile_kernels(device='cuda:0')):\n"
+            "    try:\n        make()\n    except ValueError as error:\n        print(error)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    said = ("kv-canary: device: a CUDA device needs CuPy, which is installed but fails to import (libcudart.so.12: "
+            "cannot open shared object file: No such file or directory): python -c 'import cupy' tells more")
+    assert done.stdout.splitlines() == [said, said], done.stdout
+
 _PLAIN_PYTHON_WORKLOAD = """
 import hashlib
 import numpy as np
