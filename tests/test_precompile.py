@@ -61,6 +61,21 @@ def test_cpu_backend_without_a_writable_cache_directory_compiles_with_a_warning(
     assert not (tmp_path / "__pycache__").exists() or not any((tmp_path / "__pycache__").glob("*.nbi"))
 
 
+def test_unwritable_numba_cache_dir_is_named_in_the_warning(monkeypatch):
+    """NUMBA_CACHE_DIR set to a directory numba cannot write (numba then passes over it): the warning
+    names it, rather than asking for the variable to be set."""
+    import numba
+
+    from kvcanary_cupy.ops.backends._cpu import hashing
+
+    monkeypatch.setattr(hashing, "_NO_CACHE_WARNED", False)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "/read-only/cache")
+    with pytest.warns(RuntimeWarning) as caught:
+        hashing._warn_no_cache_directory(RuntimeError("no locator available"))
+    said = str(caught[0].message)
+    assert "neither NUMBA_CACHE_DIR (/read-only/cache), the installed package's __pycache__" in said
+    assert "Point NUMBA_CACHE_DIR at a writable directory" in said and "Set NUMBA_CACHE_DIR" not in said
+
 def test_cpu_ops_compile_nothing_more_after_it():
     """On the CPU it compiles each numba op for the source counts asked for (serial and parallel
     builds), so that an op of a context with that many sources compiles nothing at its first call."""

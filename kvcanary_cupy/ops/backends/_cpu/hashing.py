@@ -130,10 +130,13 @@ def _warn_no_cache_directory(error: RuntimeError) -> None:
     if _NO_CACHE_WARNED:
         return
     _NO_CACHE_WARNED = True
+    given = numba.config.CACHE_DIR  # NUMBA_CACHE_DIR, which numba passes over where it cannot write
+    tried = f"NUMBA_CACHE_DIR ({given}), " if given else ""
+    advice = "Point NUMBA_CACHE_DIR at" if given else "Set NUMBA_CACHE_DIR to"
     warnings.warn(
-        "kvcanary_cupy: numba has no writable cache directory for the CPU backend's kernels (neither "
+        f"kvcanary_cupy: numba has no writable cache directory for the CPU backend's kernels (neither {tried}"
         "the installed package's __pycache__ nor numba's user cache directory); they are compiled "
-        "again in every process. Set NUMBA_CACHE_DIR to a writable directory to keep them. "
+        f"again in every process. {advice} a writable directory to keep them. "
         f"(numba: {error})", RuntimeWarning, stacklevel=3)
 
 
