@@ -261,6 +261,7 @@ if numba.config.DISABLE_JIT:  # numba's debugging switch: the jitted functions r
     # the hash's uint64 products wrap on purpose, as they do when compiled: NumPy's scalars warn
     warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning, r"kvcanary_cupy\.ops\.backends\._cpu")
 
+
 @njit(**JIT)
 def sm(x):
     x = (x ^ (x >> _SHIFT_1)) * _MUL_1
