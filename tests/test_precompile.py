@@ -326,10 +326,6 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     package imports and runs on the CPU, ``info`` tells why no CUDA device is listed, and a demo
     asked for ``cuda`` is refused in one line rather than with CuPy's traceback, as are a context, a
     plan or a ``kc.Canary`` allocated there."""
-    import os
-    import subprocess
-    import sys
-
     fake = tmp_path / "cupy"
     (fake / "cuda").mkdir(parents=True)
     (fake / "__init__.py").write_text("__version__ = '13.6.0'\nfrom . import cuda\nclass ndarray:\n    pass\n")
@@ -356,9 +352,7 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
             "             lambda: kc.Canary(pool_slot_count=16, capacities=caps, req_to_token=np.zeros((2, 8), np.int32),\n"
             "                               device='cuda')):\n"
             "    try:\n        make()\n    except ValueError as error:\n        print(error)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    done = _run_beside(tmp_path, code)
     # arrays asked for on a GPU (a canary's, a plan's, a kc.Canary's) are refused in the same words
     lines = done.stdout.strip().splitlines()
     assert lines[-4:] == [f"kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:{i}"
@@ -369,14 +363,9 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
 
 
-
 def test_cupy_that_fails_to_import_is_not_called_missing(tmp_path):
     """CuPy installed but failing to import (a CUDA library it links missing): a GPU asked for is
     refused with the import's error, not with advice to install CuPy, as ``info`` says."""
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "cupy").mkdir()
     (tmp_path / "cupy" / "__init__.py").write_text(
         "raise ImportError('libcudart.so.12: cannot open shared object file: No such file or directory')\n")
@@ -384,9 +373,7 @@ def test_cupy_that_fails_to_import_is_not_called_missing(tmp_path):
             "for make in (lambda: kc.CanaryContext.allocate(16, device='cuda'),\n"
             "             lambda: kc.compile_kernels(device='cuda:0')):\n"
             "    try:\n        make()\n    except ValueError as error:\n        print(error)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    done = _run_beside(tmp_path, code)
     said = ("kv-canary: device: a CUDA device needs CuPy, which is installed but fails to import (libcudart.so.12: "
             "cannot open shared object file: No such file or directory): python -c 'import cupy' tells more")
     assert done.stdout.splitlines() == [said, said], done.stdout
@@ -435,3 +422,16 @@ def test_numba_disable_jit_runs_the_ops_as_plain_python_and_says_so():
     assert plain.stdout == compiled.stdout and plain.stdout.startswith("1 "), (plain.stdout, compiled.stdout)
     assert plain.stderr.count("NUMBA_DISABLE_JIT is set") == 1 and "overflow" not in plain.stderr, plain.stderr
     assert "NUMBA_DISABLE_JIT" not in compiled.stderr
+
+
+def _run_beside(stub_dir, code: str):
+    """``code`` run in a fresh interpreter that imports from ``stub_dir`` first (a stand-in CuPy):
+    it must exit cleanly, with no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub_dir), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    return done
