@@ -6,7 +6,7 @@ import itertools
 from typing import Any, Iterable
 
 from . import validate as check
-from ._dlpack import cuda_device_count, parse_device, require_cupy
+from ._dlpack import parse_device, require_device
 from .rawkernels import _loader
 
 # A model hashing K and V of every layer has twice its layers in sources: a few hundred at most. A
@@ -38,10 +38,7 @@ def compile_kernels(*, device: Any = "cuda", source_counts: Iterable[int] = (0, 
     if not where.is_cuda:
         _warm_cpu(counts)
         return
-    require_cupy("device")
-    count = cuda_device_count()
-    if where.index >= count:
-        raise ValueError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, got {where}")
+    require_device(where)
     _loader.load_all(where.index)
 
 

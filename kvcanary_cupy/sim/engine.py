@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _layout as L
 from .. import validate as check
-from .._dlpack import cuda_device_count, from_host, parse_device, require_cupy
+from .._dlpack import from_host, parse_device, require_device
 from ..capacities import Capacities
 from ..session import Canary, ForwardBatch, LiveRequests, SwaGroup
 from .host_tier import HostTier
@@ -237,12 +237,7 @@ class Engine:
         check.choice("layout", config.layout, LAYOUTS)
         self.config = c = config
         self.device = parse_device(c.device)
-        if self.device.is_cuda:  # a device that is not there: one line, not CuPy's error from deep inside
-            require_cupy("device")
-            count = cuda_device_count()
-            if self.device.index >= count:
-                raise ValueError(f"kv-canary: device must be one of the {count} CUDA device(s) seen, "
-                                 f"got {self.device}")
+        require_device(self.device)  # a device that is not there: one line, not CuPy's error from deep inside
         self.rng = np.random.default_rng(c.seed)
         self.kv_rng = np.random.default_rng(c.seed + 1)
         self.draft_rng = np.random.default_rng(c.seed + 3)
