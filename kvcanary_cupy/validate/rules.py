@@ -82,7 +82,7 @@ def host_int64(name: str, values: Any) -> np.ndarray:
     whose first dimension has the expected length would pass a length check with more values than
     it names)."""
     if isinstance(values, range) and len(values):
-        low, high = min(values), max(values)  # of a range: no element read
+        low, high = sorted((values[0], values[-1]))  # a range's ends, by index: no element iterated
         if low < INT64_MIN or high > INT64_MAX:
             raise ValueError(f"{PREFIX}{name} must fit in int64 [{INT64_MIN}, {INT64_MAX}], got "
                              f"{low if low < INT64_MIN else high}")
