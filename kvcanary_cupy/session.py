@@ -458,11 +458,18 @@ def _req_ids(req_ids: Any, req_pool_indices: Any) -> None:
     if not isinstance(req_ids, (list, tuple, np.ndarray)) or (isinstance(req_ids, np.ndarray) and req_ids.ndim != 1):
         raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or 1-D NumPy array (one per batch "
                         f"row), got {type(req_ids).__name__} {req_ids!r}")
-    shape = getattr(req_pool_indices, "shape", None)
-    if isinstance(shape, tuple) and len(shape) == 1 and len(req_ids) > shape[0]:
+    rows = _batch_rows(req_pool_indices)
+    if rows is not None and len(req_ids) > rows:
         raise ValueError(f"{check.PREFIX}req_ids must have at most one id per batch row (req_pool_indices has "
-                         f"{shape[0]}; rows past the ids, e.g. padding, are named by their index), "
+                         f"{rows}; rows past the ids, e.g. padding, are named by their index), "
                          f"got {len(req_ids)}")
+
+
+def _batch_rows(req_pool_indices: Any) -> Optional[int]:
+    """The batch's rows, counted from ``req_pool_indices``' shape where it is 1-D (None otherwise:
+    its own rules, checked later, refuse it)."""
+    shape = getattr(req_pool_indices, "shape", None)
+    return int(shape[0]) if isinstance(shape, tuple) and len(shape) == 1 else None
 
 
 class Canary:
@@ -828,9 +835,6 @@ class Canary:
         that raises loses nothing: the message goes to the package's logger instead, with the
         failure, and the call that warned carries on (a poll still returns or raises its report, a
         forward still runs every launch)."""
-        if self.logger is _LOG:
-            _LOG.warning(message)
-            return
         try:
             self.logger.warning(message)
         except Exception:
@@ -872,10 +876,8 @@ class Canary:
         valid_lens = batch.expected_valid_lens
         if valid_lens is not None and self._plans_expect_tokens:  # checked under the name the engine gave it
             # its length too, where the batch's rows are counted (req_pool_indices' own rules run later)
-            rows = getattr(batch.req_pool_indices, "shape", None)
-            bs = int(rows[0]) if isinstance(rows, tuple) and len(rows) == 1 else None
-            valid_lens = _adopt("expected_valid_lens", valid_lens, self.device, check.vector, np.int64, bs,
-                                "one per request, as req_pool_indices")
+            valid_lens = _adopt("expected_valid_lens", valid_lens, self.device, check.vector, np.int64,
+                                _batch_rows(batch.req_pool_indices), "one per request, as req_pool_indices")
         return self._plans(batch.req_pool_indices, batch.prefix_lens, batch.extend_seq_lens, valid_lens)
 
     def _lookup(self, cache: _PreparedLaunches, batch: ForwardBatch, fields: tuple[str, ...]):
