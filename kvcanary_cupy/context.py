@@ -220,8 +220,7 @@ class CanaryContext:
         """Decode the ring on the host. On a GPU this waits for the work queued so far on every
         stream of the context's device (launches on a non-blocking stream included)."""
         self._wait_for_device()
-        total = int(to_host(self.violation_write_index)[0])
-        total = total if total >= 0 else total + (1 << 32)
+        total = self._recorded()
         kept = min(total, self.ring_capacity)
         rows = to_host(self.violation_ring[:kept]) if kept else np.zeros((0, L.RING_COLUMNS), np.int64)
         return ViolationReport(tuple(Violation.from_row(r) for r in rows.tolist()), total, total - kept)
@@ -233,8 +232,14 @@ class CanaryContext:
         return {
             "slot_run_counter": int(to_host(self.slot_run_counter)[0]),
             "kernel_run_counter": int(to_host(self.kernel_run_counter)[0]),
-            "violations": int(to_host(self.violation_write_index)[0]),
+            "violations": self._recorded(),
         }
+
+    def _recorded(self) -> int:
+        """The rows recorded since the ring was last cleared, from the int32 write index: past 2**31
+        rows the index reads negative, and the count goes on as the unsigned value of its bits."""
+        recorded = int(to_host(self.violation_write_index)[0])
+        return recorded if recorded >= 0 else recorded + (1 << 32)
 
     def _wait_for_device(self) -> None:
         if self.device.is_cuda:

@@ -162,3 +162,16 @@ def test_violations_decode_rows_with_named_fields():
     assert row.fail_reason == kc.FailReason.OUT_OF_RANGE and isinstance(row.fail_reason, kc.FailReason)
     assert isinstance(report, collections.abc.Sequence)
     assert list(report) == [row] and row in report and report.index(row) == 0 and report[-1:] == (row,)
+
+
+def test_counters_and_violations_count_past_int32_alike():
+    """Past 2**31 rows the int32 write index reads negative: ``counters()`` counts the rows as
+    ``violations()`` does, not as a negative number."""
+    ctx = kc.CanaryContext.allocate(4, ring_capacity=1)
+    ctx.violation_write_index[0] = 2**31 - 1
+    plan = kc.VerifyPlan(slot_indices=np.array([9]), expected_tokens=np.array([5]), expected_positions=np.array([2]),
+                         prev_slot_indices=np.array([1]), num_valid=np.array([1], np.int32),
+                         enable=np.array([1], np.int32))
+    kc.verify(ctx, plan, tag=kc.LaunchTag.HEAD_K_FULL)
+    assert ctx.violations().total == 2**31
+    assert ctx.counters()["violations"] == 2**31
