@@ -430,3 +430,89 @@ def test_numba_device_arrays_through_the_cuda_array_interface():
     expected = _dlpack_write_roundtrip(cupy.asarray, lambda a: a.get())
     got = _dlpack_write_roundtrip(numba_cuda.to_device, lambda a: a.copy_to_host())
     assert np.array_equal(got, expected)
+
+
+# --- byte offsets past 2**31 and 2**32 -------------------------------------------------------------
+
+
+def test_slots_whose_byte_offsets_pass_2_31_and_2_32_equal_the_cpu_backend():
+    """Real pools are many GiB: a slot's record lies past 2**31 bytes of the canary buffer from slot
+    2**26 on, and its KV past 2**31 and 2**32 bytes of a 48-byte-a-token source from slots 44.7M and
+    89.5M on. Requests whose slots straddle each of those points (and the pool's last slot) are
+    written and verified (through kc.plan/verify/write and kc.CanaryStep), a KV byte and a record
+    broken, records copied between the two ends, on the GPU and on the CPU: the records, the ring
+    and the counters agree, and nothing outside the slots used is written (an index computed in 32
+    bits would land elsewhere)."""
+    row_bytes, num_slots = 48, 96 * 2**20 + 5
+    need = num_slots * (row_bytes + 32) + 2**30
+    if cupy.cuda.runtime.memGetInfo()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
+    edges = [2**31 // row_bytes, 2**26, 2**32 // row_bytes, num_slots - 20]
+    width, bs = 44, len(edges)
+    rng = np.random.default_rng(2031)
+    table = np.zeros((bs + 1, width), np.int32)  # pool row 0 is the padding row
+    for r, edge in enumerate(edges):
+        table[r + 1] = rng.permutation(np.arange(edge - 24, edge + 20))
+    used = np.unique(table[1:])
+    kv_rows = rng.integers(0, 256, size=(used.size, row_bytes), dtype=np.uint8)
+
+    def run(device, xp, kv):
+        src = kc.RealKvSource(tensor=kv, page_size=1, num_bytes_per_token=row_bytes, read_bytes=row_bytes)
+        ctx = kc.CanaryContext.allocate(num_slots, device=device, ring_capacity=64,
+                                        hash_mode=kc.HashMode.ALL, real_kv_sources=[src])
+        vplan, wplan = kc.VerifyPlan.allocate(bs * width, device=device), kc.WritePlan.allocate(bs, device=device)
+        req_to_token = xp.asarray(table)
+        req_pool_indices = xp.arange(1, bs + 1, dtype=xp.int64)
+        batch = dict(prefix_lens=xp.zeros(bs, xp.int64), extend_seq_lens=xp.zeros(bs, xp.int64),
+                     input_ids=xp.zeros(bs * 24, xp.int64), positions=xp.zeros(bs * 24, xp.int64),
+                     out_cache_loc=xp.full(bs * 24, -1, xp.int64))
+        step = None
+        # three forwards through kc.plan/verify/write, then a decode (one fused launch) and an
+        # extend of three tokens a request (two launches) through kc.CanaryStep
+        for prefix, extend in [(0, 24), (24, 12), (36, 4), (40, 1), (41, 3)]:
+            if prefix == 36:  # one KV byte and one stored token broken before the next forward reads them
+                kv[int(table[2, 5]), 7] ^= 0x10
+                ctx.canary_buf[int(table[4, 30]), 0] ^= 1
+            locs = table[1:, prefix:prefix + extend].reshape(-1).astype(np.int64)
+            batch["prefix_lens"][...] = prefix
+            batch["extend_seq_lens"][...] = extend
+            batch["input_ids"][:locs.size] = xp.asarray(np.random.default_rng([7, prefix]).integers(0, 2**31 - 1, size=locs.size))
+            batch["positions"][:locs.size] = xp.asarray(np.tile(np.arange(prefix, prefix + extend), bs))
+            batch["out_cache_loc"][:locs.size] = xp.asarray(locs)
+            batch["out_cache_loc"][locs.size:] = -1
+            if prefix < 40:
+                kc.plan(vplan, wplan, req_pool_indices=req_pool_indices, prefix_lens=batch["prefix_lens"],
+                        extend_seq_lens=batch["extend_seq_lens"], req_to_token=req_to_token)
+                kc.verify(ctx, vplan, tag=kc.LaunchTag.HEAD_K_FULL)
+                kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=batch["input_ids"][:locs.size],
+                         positions=batch["positions"][:locs.size], out_cache_loc=batch["out_cache_loc"][:locs.size])
+                continue
+            step = step or kc.CanaryStep(ctx, verify_capacity=bs * width, verify_tag=kc.LaunchTag.HEAD_K_FULL,
+                                         write_tag=kc.LaunchTag.TAIL_K_FULL, req_pool_indices=req_pool_indices,
+                                         req_to_token=req_to_token, **batch)
+            step.launch()
+        # the last request's records stored over the first's, within one buffer
+        kc.copy_records(src=ctx, dst=ctx, src_slots=xp.asarray(table[4, :16].astype(np.int64)),
+                        dst_slots=xp.asarray(table[1, 28:].astype(np.int64)))
+        report = ctx.violations()
+        return ctx, report, ctx.counters()
+
+    host_kv = np.zeros((num_slots, row_bytes), np.uint8)  # pages of zeros are not touched
+    host_kv[used] = kv_rows
+    cpu_ctx, cpu_report, cpu_counters = run("cpu", np, host_kv)
+    device_kv = cupy.zeros((num_slots, row_bytes), cupy.uint8)
+    device_kv[cupy.asarray(used)] = cupy.asarray(kv_rows)
+    gpu_ctx, gpu_report, gpu_counters = run("cuda", cupy, device_kv)
+    del device_kv
+
+    assert cpu_counters == gpu_counters
+    assert (cpu_report.total, cpu_report.dropped) == (gpu_report.total, gpu_report.dropped)
+    assert cpu_report.rows == gpu_report.rows
+    named = {v.slot_idx: v.fail_reason for v in gpu_report}
+    # the broken token is read as its successor's chain link
+    assert named == {int(table[2, 5]): kc.FailReason.REAL_KV_HASH, int(table[4, 31]): kc.FailReason.CHAIN_HASH}
+    device_used = cupy.asarray(used)
+    assert np.array_equal(gpu_ctx.canary_buf[device_used].get(), cpu_ctx.canary_buf[used])
+    assert np.count_nonzero(cpu_ctx.canary_buf[used].view(np.int64)[:, 0]) > 0
+    gpu_ctx.canary_buf[device_used] = 0
+    assert int(cupy.count_nonzero(gpu_ctx.canary_buf)) == 0
