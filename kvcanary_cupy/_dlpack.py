@@ -175,6 +175,7 @@ def native_view(obj: Any, name: str, device: Device | None = None):
             # as no other array does
             return obj if type(obj) is np.ndarray else obj.view(np.ndarray)
         _require_export(obj, name)
+        _require_memory_holds_values(obj, name)
         try:
             return np.from_dlpack(obj)
         except (BufferError, TypeError, ValueError, RuntimeError):
@@ -190,6 +191,7 @@ def native_view(obj: Any, name: str, device: Device | None = None):
         with cupy.cuda.Device(device.index):
             return cupy.asarray(obj)  # zero-copy over the interface's pointer (numba device arrays)
     _require_export(obj, name)
+    _require_memory_holds_values(obj, name)
     try:
         return cupy.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError):
@@ -202,6 +204,18 @@ def _require_export(obj: Any, name: str) -> None:
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"kv-canary: {name} must be an array supporting DLPack (NumPy, CuPy, PyTorch, JAX...), "
                         f"got {type(obj).__name__}, which has __dlpack_device__ but no __dlpack__")
+
+
+def _require_memory_holds_values(obj: Any, name: str) -> None:
+    """A torch tensor whose memory is not its values is refused: DLPack exports a lazily negated
+    tensor's memory un-negated, so an op would read other values than the tensor's (and store
+    values the tensor then shows negated)."""
+    torch = sys.modules.get("torch")  # a torch tensor means torch is imported; never import it here
+    if torch is None or not isinstance(obj, getattr(torch, "Tensor", ())):
+        return
+    if obj.is_neg():
+        raise ValueError(f"kv-canary: {name} must hold its values in memory, got a torch tensor with its negative "
+                         "bit set (a lazy negation, which DLPack exports un-negated): pass tensor.resolve_neg()")
 
 
 def launch_geometry(obj: Any):

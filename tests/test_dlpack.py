@@ -121,6 +121,37 @@ def test_torch_tensor_requiring_grad_refused():
                         read_bytes=64)
 
 
+def _ctx_state(ctx):
+    return [a.copy() for a in (ctx.canary_buf, ctx.violation_ring, ctx.violation_write_index,
+                               ctx.slot_run_counter, ctx.kernel_run_counter)]
+
+
+def test_tensor_with_its_negative_bit_set_is_refused():
+    """A lazily negated tensor (``x.conj().imag``, ``_neg_view``) keeps its values negated only in
+    torch's view of it: DLPack exports the memory un-negated, so an op would read the other sign.
+    Refused, whatever its dtype (bfloat16 too, viewed as raw bytes), and nothing is written."""
+    negated = torch.arange(1, 5, dtype=torch.int64)._neg_view()
+    assert negated.is_neg() and negated.tolist() == [-1, -2, -3, -4]
+    ctx = kc.CanaryContext.allocate(8)
+    before = _ctx_state(ctx)
+    ones = np.ones(4, np.int64)
+    with pytest.raises(ValueError, match=r"^kv-canary: input_ids must hold its values in memory, got a torch tensor "
+                                         r"with its negative bit set .*resolve_neg\(\)"):
+        kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 4], seed_slot_indices=[-1], num_valid_reqs=1), tag=0,
+                 input_ids=negated, positions=np.arange(4), out_cache_loc=ones * 3)
+    assert all((a == b).all() for a, b in zip(before, _ctx_state(ctx)))
+    kv = torch.zeros((8, 16), dtype=torch.complex64).conj().imag
+    for tensor in (kv, kv.to(torch.bfloat16)._neg_view()):
+        assert tensor.is_neg()
+        with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource\.tensor must hold its values in memory"):
+            kc.RealKvSource(tensor=tensor, page_size=1, num_bytes_per_token=16, read_bytes=16)
+    counter = torch.zeros(1, dtype=torch.int64)._neg_view()
+    with pytest.raises(ValueError, match=r"^kv-canary: kernel_run_counter must hold its values in memory"):
+        kc.CanaryContext(canary_buf=np.zeros((8, 32), np.uint8), violation_ring=np.zeros((4, 8), np.int64),
+                         violation_write_index=np.zeros(1, np.int32), slot_run_counter=np.zeros(1, np.int64),
+                         kernel_run_counter=counter, chain_position_assert=np.zeros(1, np.int32))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_zero_d_tensor_of_a_dtype_numpy_lacks_is_a_shape_error(dtype):
     """A 0-d tensor of a dtype NumPy cannot express is refused as a 0-d NumPy array is: a ValueError
