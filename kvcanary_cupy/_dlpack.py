@@ -209,13 +209,18 @@ def _require_export(obj: Any, name: str) -> None:
 def _require_memory_holds_values(obj: Any, name: str) -> None:
     """A torch tensor whose memory is not its values is refused: DLPack exports a lazily negated
     tensor's memory un-negated, so an op would read other values than the tensor's (and store
-    values the tensor then shows negated)."""
+    values the tensor then shows negated), and an efficient zero tensor, which has no memory, as a
+    buffer of whatever bytes it finds, which nothing else sees stored into."""
     torch = sys.modules.get("torch")  # a torch tensor means torch is imported; never import it here
     if torch is None or not isinstance(obj, getattr(torch, "Tensor", ())):
         return
     if obj.is_neg():
         raise ValueError(f"kv-canary: {name} must hold its values in memory, got a torch tensor with its negative "
                          "bit set (a lazy negation, which DLPack exports un-negated): pass tensor.resolve_neg()")
+    zero = getattr(obj, "_is_zerotensor", None)
+    if zero is not None and zero():
+        raise ValueError(f"kv-canary: {name} must hold its values in memory, got a torch efficient zero tensor "
+                         "(it has no memory to share): pass a tensor of zeros, e.g. torch.zeros")
 
 
 def launch_geometry(obj: Any):
@@ -253,9 +258,11 @@ def _torch_dtypes() -> dict:
 
 def _torch_viewable(tensor: Any) -> bool:
     """A CUDA tensor CuPy can view as it is: a dtype CuPy has, strided, not empty, and one DLPack
-    would export (no grad, no lazy conjugate or negation)."""
+    would export (no grad, no lazy conjugate or negation) and with memory (an efficient zero tensor
+    has none: its data pointer is null)."""
     return (tensor.dtype in _torch_dtypes() and not tensor.requires_grad and not tensor.is_conj()
-            and not tensor.is_neg() and tensor.layout is sys.modules["torch"].strided and tensor.numel() > 0)
+            and not tensor.is_neg() and tensor.layout is sys.modules["torch"].strided and tensor.numel() > 0
+            and tensor.data_ptr() != 0)
 
 
 def _torch_view(cupy, tensor: Any, device: Device):

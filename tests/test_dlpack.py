@@ -152,6 +152,26 @@ def test_tensor_with_its_negative_bit_set_is_refused():
                          kernel_run_counter=counter, chain_position_assert=np.zeros(1, np.int32))
 
 
+def test_efficient_zero_tensor_is_refused():
+    """An efficient zero tensor (autograd makes them) has no memory: DLPack exports a buffer of
+    whatever bytes it finds, not its zeros, and what an op stores there nothing sees. Refused."""
+    zeros = torch._efficientzerotensor(3, dtype=torch.int64)
+    assert zeros._is_zerotensor() and zeros.data_ptr() == 0
+    vplan, wplan = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(3)
+    before = [a.copy() for a in (vplan.num_valid, vplan.enable, wplan.offsets, wplan.num_valid_reqs)]
+    with pytest.raises(ValueError, match=r"^kv-canary: prefix_lens must hold its values in memory, got a torch "
+                                         r"efficient zero tensor"):
+        kc.plan(vplan, wplan, req_pool_indices=np.array([1, 2, 3]), prefix_lens=zeros,
+                extend_seq_lens=np.ones(3, np.int64), req_to_token=np.zeros((4, 4), np.int32))
+    assert all((a == b).all() for a, b in zip(before, (vplan.num_valid, vplan.enable, wplan.offsets,
+                                                       wplan.num_valid_reqs)))
+    with pytest.raises(ValueError, match=r"^kv-canary: slot_run_counter must hold its values in memory"):
+        kc.CanaryContext(canary_buf=np.zeros((8, 32), np.uint8), violation_ring=np.zeros((4, 8), np.int64),
+                         violation_write_index=np.zeros(1, np.int32),
+                         slot_run_counter=torch._efficientzerotensor(1, dtype=torch.int64),
+                         kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_zero_d_tensor_of_a_dtype_numpy_lacks_is_a_shape_error(dtype):
     """A 0-d tensor of a dtype NumPy cannot express is refused as a 0-d NumPy array is: a ValueError
