@@ -400,8 +400,10 @@ class WritePlan:
         where = parse_device(device)
         require_device(where)
         num_valid_reqs = check.int32_scalar("num_valid_reqs", num_valid_reqs)
-        plan = cls(offsets=from_host(check.host_int64("offsets", offsets), where),
-                   seed_slot_indices=from_host(check.host_int64("seed_slot_indices", seed_slot_indices), where),
+        # copied on the CPU too: the caller's array may be unaligned or read-only, and a plan over it
+        # would change with it (and store into it), where a GPU's copy does not
+        plan = cls(offsets=from_host(check.host_int64("offsets", offsets).copy(), where),
+                   seed_slot_indices=from_host(check.host_int64("seed_slot_indices", seed_slot_indices).copy(), where),
                    num_valid_reqs=from_host(np.array([num_valid_reqs], dtype=np.int32), where))
         settle(where)
         return plan

@@ -764,6 +764,27 @@ def test_write_plan_from_host_takes_integer_sequences():
     assert plan.offsets.dtype == np.int64 and plan.seed_slot_indices.dtype == np.int64
 
 
+def test_write_plan_from_host_copies_the_callers_arrays():
+    """The plan holds a copy of the host values, on the CPU as on a GPU: an unaligned or read-only
+    array is taken by value, and the caller's array is neither read again nor stored into."""
+    def unaligned(values):
+        raw = bytearray(8 * len(values) + 1)
+        array = np.frombuffer(memoryview(raw)[1:], np.int64)
+        array[...] = values
+        return array
+
+    offsets, seeds = unaligned([0, 2, 3]), np.array([-1, 4], np.int64)
+    seeds.setflags(write=False)
+    assert not offsets.flags.aligned
+    plan = kc.WritePlan.from_host(offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=2)
+    assert plan.offsets.tolist() == [0, 2, 3] and plan.seed_slot_indices.tolist() == [-1, 4]
+    offsets[...] = 9
+    assert plan.offsets.tolist() == [0, 2, 3]
+    kc.plan(kc.VerifyPlan.allocate(4), plan, req_pool_indices=np.array([1]), prefix_lens=np.array([0]),
+            extend_seq_lens=np.array([1]), req_to_token=np.zeros((2, 4), np.int32))
+    assert seeds.tolist() == [-1, 4] and plan.seed_slot_indices.tolist() == [-1, -1]
+
+
 def test_stream_forms_engines_pass_are_accepted_on_the_cpu():
     w = World("cpu")
     for stream in (None, 0, np.int64(7), type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()):
