@@ -11,14 +11,17 @@ def test_plan(benchmark, harness, case):
     xp = state.xp
     info = harness.measure(benchmark, state, "plan", state.plan, naive=state.naive_plan)
     c = state.copies[0]
-    n = max(state.case.n_verify, 1)
-    fields = (c.vplan.slot_indices, c.vplan.expected_tokens, c.vplan.expected_positions, c.vplan.prev_slot_indices,
-              c.wplan.offsets, c.wplan.seed_slot_indices)
+    n = state.case.n_verify
+    fields = (c.vplan.slot_indices[:n], c.vplan.expected_tokens[:n], c.vplan.expected_positions[:n],
+              c.vplan.prev_slot_indices[:n], c.vplan.num_valid, c.vplan.enable, c.wplan.offsets,
+              c.wplan.seed_slot_indices, c.wplan.num_valid_reqs)
     state.plan(0)
     state.sync()
-    ours = [f[:n].copy() for f in fields]
+    ours = [f.copy() for f in fields]
+    for f in fields:
+        f[...] = -7  # poison what the plan writes: a baseline that left a field alone would agree
     state.naive_plan(0)
     state.sync()
-    info["naive_agrees"] = all(bool(xp.array_equal(f[:n], o)) for f, o in zip(fields, ours))
+    info["naive_agrees"] = all(bool(xp.array_equal(f, o)) for f, o in zip(fields, ours))
     state.plan(0)
     assert info["naive_agrees"]

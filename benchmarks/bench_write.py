@@ -15,6 +15,7 @@ def test_write(benchmark, harness, case):
     state.write(0)
     state.sync()
     ours = state.ctx.canary_buf[loc].copy()
+    state.ctx.canary_buf[loc] = 0  # poison what the op writes: a baseline that stored nothing would agree
     state.naive_write(0)
     state.sync()
     info["naive_agrees"] = bool(xp.array_equal(state.ctx.canary_buf[loc], ours))

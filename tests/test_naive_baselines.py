@@ -6,8 +6,10 @@ run with NumPy on small random engine batches and compared with the op it stands
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -15,8 +17,10 @@ import pytest
 import kvcanary_cupy as kc
 from _builders import as_multiset, pipeline, random_batch, random_source, ring_rows
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
 import _naive as N  # noqa: E402
+import _shapes as S  # noqa: E402
 
 MODES = [kc.HashMode.NONE, kc.HashMode.PARTIAL, kc.HashMode.ALL]
 
@@ -156,3 +160,52 @@ def test_scatter_matches_cpu_backend(seed):
     kc.scatter_req_token_ids(flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=pool)
     N.scatter(np, flat_in=flat, offsets=offsets, req_pool_indices=rpi, pool_out=ours)
     assert np.array_equal(ours, pool)
+
+
+class _SmallHarness:
+    """The suite's harness without its timing: each case's engine state, built small on the CPU."""
+
+    scale = 1 / 64
+
+    def __init__(self) -> None:
+        self.states: dict[str, S.EngineState] = {}
+
+    def state(self, case: S.Case) -> S.EngineState:
+        if case.name not in self.states:
+            self.states[case.name] = S.build_state(case.scaled(self.scale), "cpu", scale=self.scale, l2_bytes=1 << 20)
+        return self.states[case.name]
+
+    def measure(self, benchmark, state, op, fn, **_) -> dict:
+        return {}
+
+
+def _bench_test(module: str, name: str):
+    """``name`` of benchmarks/<module>.py, which imports the suite's conftest by that bare name: this
+    folder's conftest holds it meanwhile, so a stand-in with the one decorator it takes does."""
+    stand_in = types.ModuleType("conftest")
+    stand_in.case_params = lambda op: (lambda fn: fn)
+    saved = sys.modules.get("conftest")
+    sys.modules["conftest"] = stand_in
+    try:
+        spec = importlib.util.spec_from_file_location(f"kvcanary_{module}", BENCH / f"{module}.py")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    finally:
+        if saved is None:
+            del sys.modules["conftest"]
+        else:
+            sys.modules["conftest"] = saved
+    return getattr(loaded, name)
+
+
+@pytest.mark.parametrize("case_name", ["smoke_decode_empty", "small_extend_batch_hash"])
+@pytest.mark.parametrize("op", ["plan", "write"])
+def test_each_benchmark_fails_a_baseline_that_leaves_the_output_alone(op, case_name):
+    """The benchmark's own agreement check (``naive_agrees``) compares the baseline's output with the
+    op's: a baseline that stores nothing must fail it, not find the op's output already there."""
+    bench = _bench_test(f"bench_{op}", f"test_{op}")
+    harness, case = _SmallHarness(), S.BY_NAME[case_name]
+    bench(None, harness, case)  # the real baseline agrees
+    setattr(harness.state(case), f"naive_{op}", lambda i: None)
+    with pytest.raises(AssertionError):
+        bench(None, harness, case)
