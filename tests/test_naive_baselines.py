@@ -209,3 +209,20 @@ def test_each_benchmark_fails_a_baseline_that_leaves_the_output_alone(op, case_n
     setattr(harness.state(case), f"naive_{op}", lambda i: None)
     with pytest.raises(AssertionError):
         bench(None, harness, case)
+
+
+@pytest.mark.parametrize("stride", [32, 64])
+@pytest.mark.parametrize("seed", range(3))
+def test_copy_records_matches_cpu_backend(seed, stride):
+    rng = np.random.default_rng([82, seed, stride])
+    b = random_batch(rng, bs=int(rng.integers(1, 7)), max_prefix=20, max_extend=6)
+    p = pipeline(b, "cpu", slot_stride_bytes=stride)
+    p.fill()
+    written = np.unique(b.req_to_token[b.req_pool_indices])
+    src_slots = rng.permutation(written[written != 0]).astype(np.int64)
+    dst_slots = rng.permutation(b.num_slots)[:src_slots.size].astype(np.int64)
+    ours, naive = (kc.CanaryContext.allocate(b.num_slots, device="cpu", slot_stride_bytes=stride) for _ in range(2))
+    kc.copy_records(src=p.ctx, dst=ours, src_slots=src_slots, dst_slots=dst_slots)
+    N.copy_records(np, src_buf=p.ctx.canary_buf, dst_buf=naive.canary_buf, src_slots=src_slots, dst_slots=dst_slots)
+    assert np.array_equal(naive.canary_buf, ours.canary_buf)
+    assert ours.canary_buf[dst_slots].any()
