@@ -1,6 +1,7 @@
 """benchmarks/report.py over the committed H200 results: the table and the README's summary chart."""
 
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -85,3 +86,21 @@ def test_the_committed_index_lists_every_run():
     made = report.index(sorted(folder.glob("*.json*")))
     assert (folder / "INDEX.md").read_text() == made
     assert made.count("\n| `") >= 20  # every run with the suite's ceilings, a line each
+
+
+def test_a_row_whose_baseline_disagreed_shows_no_ratio_to_it(tmp_path):
+    """A benchmark that failed its baseline check still lands in the JSON; its × naive is of other
+    work, so the table names the disagreement instead and its naive target counts as missed."""
+    report = _report()
+    data = json.loads(RESULTS.read_text())
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("case") == "e2e_decode_steady" and info.get("op") == "verify":
+            info["naive_agrees"] = False
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data))
+    text = report.markdown(*report.load(str(path)))
+    row = next(line for line in text.splitlines() if line.startswith("| e2e_decode_steady | ") and "| verify |" in line)
+    assert row.split(" | ")[8] == "baseline disagreed"  # the × naive column
+    assert "**Targets:** 156 of 165 met" in text
+    assert "| e2e_decode_steady verify | x faster than naive | 39.8 | >= 5 | **no** |" in text
