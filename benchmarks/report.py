@@ -366,6 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args(argv)
     if args.index:
+        if not pathlib.Path(args.index).is_dir():  # else a mistyped folder would write an index of no runs
+            parser.error(f"--index {args.index}: no such folder")
         text = index(sorted(pathlib.Path(args.index).glob("*.json*")))
         print(text, end="")
         if args.markdown:

@@ -104,3 +104,13 @@ def test_a_row_whose_baseline_disagreed_shows_no_ratio_to_it(tmp_path):
     assert row.split(" | ")[8] == "baseline disagreed"  # the × naive column
     assert "**Targets:** 156 of 165 met" in text
     assert "| e2e_decode_steady verify | x faster than naive | 39.8 | >= 5 | **no** |" in text
+
+
+def test_an_index_of_a_missing_folder_is_refused(tmp_path, capsys):
+    """A mistyped folder is an error, not an index of no runs written over the committed one."""
+    report = _report()
+    out = tmp_path / "INDEX.md"
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--index", str(tmp_path / "no-such-folder"), "--markdown", str(out)])
+    assert exit_info.value.code == 2 and not out.exists()
+    assert "no such folder" in capsys.readouterr().err
