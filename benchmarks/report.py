@@ -375,7 +375,10 @@ def main(argv=None) -> int:
         return 0
     if not args.json:
         parser.error("a JSON file, or --index DIR")
-    ceilings, rows, data = load(args.json)
+    try:
+        ceilings, rows, data = load(args.json)
+    except (OSError, ValueError) as exc:  # a missing file, or one that is not (gzipped) JSON
+        parser.error(f"{args.json}: {exc}")
     if not rows:
         print(f"no benchmark rows of this suite in {args.json}", file=sys.stderr)
         return 1

@@ -114,3 +114,14 @@ def test_an_index_of_a_missing_folder_is_refused(tmp_path, capsys):
         report.main(["--index", str(tmp_path / "no-such-folder"), "--markdown", str(out)])
     assert exit_info.value.code == 2 and not out.exists()
     assert "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, b"{not json", b"\x1f\x8b not gzip"])
+def test_a_file_that_is_missing_or_not_json_is_a_usage_error(tmp_path, capsys, content):
+    report = _report()
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(path)])
+    assert exit_info.value.code == 2 and str(path) in capsys.readouterr().err
