@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -465,3 +467,125 @@ def test_step_whose_done_counter_is_wiped_while_it_runs_ends_and_writes():
     written = slot_words(ctx.canary_buf)[to_numpy(new_slots)]
     assert np.array_equal(written[:, 0], np.arange(5000, 5000 + bs))
     assert int(counter[0]) == 0  # reset by block 0 once it had counted every verify block
+
+
+class _BatchSizeOf:
+    """A Generator that gives ``make_step_case`` the batch size ``bs`` (its first draw, from its list
+    of sizes), every other draw being the wrapped generator's: the fuzz case's hostile corners at a
+    size the list does not hold."""
+
+    _SIZES = [0, 1, 2, 7, 32, 256, 1024, 1500]
+
+    def __init__(self, rng: np.random.Generator, bs: int):
+        self._rng, self._bs = rng, bs
+
+    def choice(self, a, *args, **kwargs):
+        if not args and not kwargs and isinstance(a, list) and a == self._SIZES:
+            return self._bs
+        return self._rng.choice(a, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._rng, name)
+
+
+def _truncated(case: dict, n: int) -> dict:
+    """``case`` with its first ``n`` entries (fewer entries than the extends add up to)."""
+    case = dict(case)
+    for name in ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
+        if case[name] is not None:
+            case[name] = case[name][:n].copy()
+    return case
+
+
+def _step_form_cases(bs: int, entries: str, count: int, seed: int) -> list:
+    """Fuzz step cases of ``bs`` requests whose entry count is at most ``bs`` (``"decode"``), exactly
+    ``2 * bs`` (the most a decode-shaped batch has) or ``2 * bs + 1`` (the least one that is not),
+    half of them with real-KV sources."""
+    rng = np.random.default_rng([seed, bs, len(entries)])
+    cases = []
+    while len(cases) < count:
+        case = F.make_step_case(_BatchSizeOf(rng, bs), 20_000 if len(cases) % 3 == 2 else 2000)
+        n = len(case["input_ids"])
+        if bool(case["pool"]["sources"]) != (len(cases) % 2 == 0):
+            continue
+        if entries == "decode":
+            if not 0 < n <= bs:
+                continue
+        else:
+            want = 2 * bs + (entries == "past_decode")
+            if n < want:
+                continue
+            case = _truncated(case, want)
+        cases.append(case)
+    return cases
+
+
+# Batch sizes at the step's form boundaries: the tail write's 32 requests (a lane each of one
+# warp), block 0's 512 (a thread each, and with sources 1024 entries hashed ahead), a tile of
+# requests staged by the verify blocks (512).
+_STEP_FORM_SIZES = [31, 32, 33, 511, 512, 513]
+
+
+@pytest.mark.parametrize("bs", _STEP_FORM_SIZES)
+@pytest.mark.parametrize("entries", ["decode", "two_a_request", "past_decode"])
+def test_step_form_cases_have_the_shape_they_name(bs, entries):
+    """The cases below reach the GPU form their shape names (the host's choice, no GPU needed)."""
+    from kvcanary_cupy.ops.backends._cuda import step as cuda_step
+
+    for case in _step_form_cases(bs, entries, 1, seed=0):
+        n = len(case["input_ids"])
+        assert len(case["req_pool_indices"]) == bs
+        assert n <= bs if entries == "decode" else n == 2 * bs + (entries == "past_decode")
+        tail = cuda_step.tail_write(bs, n)
+        block_zero = not tail and cuda_step.plan_block_write(bs, n)
+        assert tail == (bs <= 32 and entries != "past_decode")
+        assert block_zero == (32 < bs <= 512 and entries != "past_decode")
+
+
+@requires_gpu
+@pytest.mark.parametrize("bs", _STEP_FORM_SIZES)
+@pytest.mark.parametrize("entries", ["decode", "two_a_request", "past_decode"])
+def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
+    """Batches of 31 to 33 and 511 to 513 requests with up to two entries a request, exactly two and
+    one more: the tail write, block 0's write (every thread of the block a request at 512, 1024
+    new slots hashed ahead with sources) and the two-launch step, each on either side of its bound,
+    launched twice over the same arrays (the completion counter reset between), equal plan + verify +
+    write on the CPU launched twice. The fuzz draws batch sizes 32 and 256 for block 0's form, so
+    neither its bound nor a tile's is reached otherwise."""
+    from kvcanary_cupy.ops.backends._cuda import step as cuda_step
+
+    for i, case in enumerate(_step_form_cases(bs, entries, 2, seed=1)):
+        n = len(case["input_ids"])
+        arrays = {k: (None if case[k] is None else to_device(case[k], "cuda")) for k in F.STEP_ARRAYS}
+        ctx = F.build_context(case["pool"], "cuda")
+        step = kc.CanaryStep(ctx, **arrays, **{k: case[k] for k in F.STEP_SETTINGS})
+        one_launch = cuda_step.tail_write(bs, n) or cuda_step.plan_block_write(bs, n)
+        assert step.num_launches == (1 if one_launch else 2)
+        for _ in range(2):
+            step.launch()
+        fused = F._context_outputs(ctx)
+        oracle = _unfused_twice(case)
+        if oracle["write_index"] > oracle["ring"].shape[0]:
+            big = _unfused_twice(F.with_ring(case, oracle["write_index"]))
+            case["_full_rows"] = Counter(map(tuple, big["ring"][:oracle["write_index"]].tolist()))
+        assert F.compare("step", case, oracle, fused) == [], f"bs {bs}, {entries}, case {i}"
+
+
+def _unfused_twice(case: dict) -> dict:
+    """kc.plan, kc.verify and kc.write on the CPU, twice over one context."""
+    ctx = F.build_context(case["pool"], "cpu")
+    a = {k: (None if case[k] is None else case[k].copy()) for k in F.STEP_ARRAYS}
+    vplan = kc.VerifyPlan.allocate(case["verify_capacity"], device="cpu")
+    wplan = kc.WritePlan.allocate(len(case["req_pool_indices"]), device="cpu")
+    for _ in range(2):
+        kc.plan(vplan, wplan, req_pool_indices=a["req_pool_indices"], prefix_lens=a["prefix_lens"],
+                extend_seq_lens=a["extend_seq_lens"], req_to_token=a["req_to_token"],
+                swa_window_size=case["swa_window_size"], full_to_swa_index_mapping=a["full_to_swa_index_mapping"],
+                req_to_verify_expected_tokens=a["req_to_verify_expected_tokens"],
+                req_to_verify_expected_tokens_valid_lens=a["req_to_verify_expected_tokens_valid_lens"],
+                kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"])
+        kc.verify(ctx, vplan, tag=case["verify_tag"], check_expected_token=case["check_expected_token"])
+        kc.write(ctx, wplan, tag=case["write_tag"], input_ids=a["input_ids"], positions=a["positions"],
+                 out_cache_loc=a["out_cache_loc"], expected_input_tokens=a["expected_input_tokens"],
+                 expected_input_positions=a["expected_input_positions"])
+    return F._context_outputs(ctx)
