@@ -23,7 +23,7 @@ def test_differential_against_cpu_oracle(op):
     for i in range(150):
         case = F.MAKERS[op](rng, 200_000 if i % 50 == 49 else 3000)
         oracle = F.RUNNERS[op](case, "cpu")
-        if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
+        if oracle["write_index"] > oracle["ring"].shape[0]:
             case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
         gpu = F.RUNNERS[op](case, "cuda")
         assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
@@ -516,3 +516,68 @@ def test_slots_whose_byte_offsets_pass_2_31_and_2_32_equal_the_cpu_backend():
     assert np.count_nonzero(cpu_ctx.canary_buf[used].view(np.int64)[:, 0]) > 0
     gpu_ctx.canary_buf[device_used] = 0
     assert int(cupy.count_nonzero(gpu_ctx.canary_buf)) == 0
+
+
+# --- a canary buffer (and sources) at addresses the allocator never gives ------------------------
+
+
+def _context_at(pool: dict, device: str, offset: int, source_offset: int) -> kc.CanaryContext:
+    """F.build_context's context with its canary buffer ``offset`` bytes into a larger allocation
+    and each source's rows ``source_offset`` bytes into theirs (the same bytes, other addresses)."""
+    xp = np if device == "cpu" else cupy
+
+    def placed(array: np.ndarray, skip: int):
+        flat = xp.zeros(array.size + 64, np.uint8)
+        flat[skip:skip + array.size] = xp.asarray(array.reshape(-1))
+        return flat[skip:skip + array.size].reshape(array.shape)
+
+    sources = [kc.RealKvSource(tensor=placed(src["data"], source_offset)[:, :src["row_bytes"]],
+                               page_size=src["page_size"], num_bytes_per_token=src["num_bytes_per_token"],
+                               read_bytes=src["read_bytes"]) for src in pool["sources"]]
+    return kc.CanaryContext(
+        canary_buf=placed(pool["canary"], offset),
+        violation_ring=xp.zeros((pool["ring_capacity"], 8), np.int64),
+        violation_write_index=xp.zeros(1, np.int32), slot_run_counter=xp.zeros(1, np.int64),
+        kernel_run_counter=xp.zeros(1, np.int64),
+        chain_position_assert=xp.asarray(np.array([pool["chain_position_assert"]], np.int32)),
+        real_kv_sources=tuple(sources), hash_mode=kc.HashMode(pool["hash_mode"]))
+
+
+def _cases_of_16_byte_slots(op: str, rng: np.random.Generator, count: int) -> list:
+    """Fuzz cases of ``op`` whose slot stride is a multiple of 16 (32 or 64 bytes): the strides whose
+    records are read and stored as 16-byte vectors when the buffer's address allows."""
+    cases = []
+    while len(cases) < count:
+        case = F.MAKERS[op](rng, 3000)
+        if case["pool"]["canary"].shape[1] % 16 == 0:
+            cases.append(case)
+    return cases
+
+
+@pytest.mark.parametrize("offset, vectors", [(8, False), (16, True), (24, False), (48, True)])
+@pytest.mark.parametrize("op", ["verify", "write", "step"])
+def test_canary_buffer_at_any_8_byte_address_equals_the_cpu_backend(op, offset, vectors, monkeypatch):
+    """A canary buffer is only 8-byte aligned when it is a view into a larger allocation (CuPy's and
+    torch's allocators give 256-byte addresses): the kernels then read and store records as 8-byte
+    words (kVec16 false), from the address alone, a slot stride of 32 or 64 bytes notwithstanding;
+    at 16 mod 32 bytes they keep their 16-byte vectors. Sources 16 bytes into their allocation are
+    read as 16-byte vectors either way. Verify, write and the step equal the CPU on the same bytes
+    at the same offsets (the fuzz's buffers all start where the allocator puts them)."""
+    from kvcanary_cupy.ops.backends import _cuda
+
+    rng = np.random.default_rng([2027, offset, ["verify", "write", "step"].index(op)])
+    for i, case in enumerate(_cases_of_16_byte_slots(op, rng, 12)):
+        contexts = {}
+        for device in ("cpu", "cuda"):
+            monkeypatch.setattr(F, "build_context", lambda pool, dev: contexts.setdefault(
+                dev, _context_at(pool, dev, offset, 16)))
+            contexts.clear()
+            outputs = F.RUNNERS[op](case, device)
+            if device == "cpu":
+                oracle = outputs
+        assert contexts["cuda"].canary_buf.data.ptr % 64 == offset
+        assert _cuda.vec16(contexts["cuda"].canary_buf) == vectors
+        monkeypatch.undo()
+        if oracle["write_index"] > oracle["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
+        assert F.compare(op, case, oracle, outputs) == [], f"{op} at offset {offset}, case {i}"
