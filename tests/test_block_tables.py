@@ -785,3 +785,83 @@ def test_a_bound_refill_is_captured_in_a_cuda_graph_on_a_stream_of_its_own():
     stream.synchronize()
     assert to_numpy(batch.prefix_lens).tolist() == cached.tolist()
     assert to_numpy(batch.req_pool_indices).tolist() == [1, 2, 3, 4, 5]
+
+
+def _mirror_many_cells(device: str, view: str) -> np.ndarray:
+    """A mirror of 320 K cells (more than a grid of eight blocks an SM of a 132-SM GPU covers in one
+    pass of its stride loop) from a block table viewed backwards, transposed or every other column,
+    into a column window of a wider slot table, rows permuted; the slot table as it ends."""
+    rng = np.random.default_rng([31, len(view)])
+    count, blocks, block_size, first_block = 128, 40, 64, 1
+    width = (first_block + blocks) * block_size
+    engine = rng.integers(-3, 1 << 24, size=(count, 2 * blocks + 1), dtype=np.int64)
+    engine[rng.random(engine.shape) < 0.01] = (1 << 31) // block_size + 5  # a slot int32 cannot hold
+    if view == "backwards":
+        table = to_device(engine, device)[::-1, ::-2]
+    elif view == "transposed":
+        table = to_device(np.ascontiguousarray(engine.T.astype(np.int32)), device).T[:, :blocks]
+    else:
+        table = to_device(engine.astype(np.int32), device)[:, 1::2]
+    table = table[:, :blocks]
+    parent = to_device(rng.integers(-9, 9, size=(count + 3, width + 24), dtype=np.int32), device)
+    target = parent[:, 16:16 + width]
+    rows = rng.permutation(np.arange(1, count + 3))[:count]
+    kc.block_tables.mirror(target, block_table=table, block_size=block_size, rows=rows, first_block=first_block)
+    return to_numpy(parent)
+
+
+@pytest.mark.parametrize("view", ["backwards", "transposed", "every_other"])
+def test_mirror_of_many_cells_through_a_strided_table_follows_the_model(view):
+    """The CPU half of the GPU test below: the model's cells, and nothing outside the window."""
+    got = _mirror_many_cells("cpu", view)
+    assert (got[:, :16] != 0).any() and len(np.unique(got)) > 1000
+    assert (got == _mirror_many_cells("cpu", view)).all()
+
+
+@requires_gpu
+@pytest.mark.parametrize("view", ["backwards", "transposed", "every_other"])
+def test_mirror_of_many_cells_through_a_strided_table_equals_the_cpu(view):
+    """Element strides of any sign and size in the GPU's mirror (negative ones read before the
+    view's first element's address), and more cells than its grid covers at once: the slot table,
+    columns outside the window included, equals the CPU's."""
+    assert (_mirror_many_cells("cuda", view) == _mirror_many_cells("cpu", view)).all()
+
+
+@requires_gpu
+def test_fill_through_backward_and_strided_views_equals_the_cpu():
+    """kvc_batch_from_offsets with every input read backwards or every third element (negative and
+    wide element strides), int32 and int64, 3000 requests and 70 K tokens (past one pass of its
+    grid's stride loop): the same bits as the CPU's fill."""
+    from kvcanary_cupy._dlpack import parse_device
+    from kvcanary_cupy.ops._dispatch import backend_module
+    cpu, cuda = (backend_module(parse_device(name), "block_tables") for name in ("cpu", "cuda"))
+    stream = kc._dlpack.cupy_module().cuda.get_current_stream()
+    rng = np.random.default_rng(33)
+    bs, counts = 3000, (70_000, 5, 0)
+
+    def viewed(values: np.ndarray, how: int, device: str):
+        """``values`` as a view with element stride ``how`` (-1: backwards, 3: every third)."""
+        spread = np.zeros(values.size * abs(how), values.dtype)
+        spread[::how] = values
+        return to_device(spread, device)[::how]
+
+    for dtypes in ((np.int32, np.int64, np.int32, np.int64), (np.int64, np.int32, np.int64, np.int32)):
+        starts = np.cumsum(rng.integers(-2, 40, size=bs + 1)).astype(dtypes[0])
+        lens = rng.integers(-5, 5000, size=bs).astype(dtypes[1])
+        rows = rng.integers(-1, 4000, size=bs).astype(dtypes[2])
+        sources = [rng.integers(-2**31, 2**31 - 1, size=count).astype(dtypes[3]) for count in counts]
+        results = []
+        for device in ("cpu", "cuda"):
+            outs = [to_device(np.full(bs, 7, np.int64), device) for _ in range(3)]
+            tokens = [to_device(np.full(count + 1, 7, np.int64), device) for count in counts]
+            args = [viewed(starts, -1, device), viewed(lens, 3, device), viewed(rows, -1, device), *outs,
+                    [(viewed(source, 3 if k else -1, device), out) for k, (source, out) in
+                     enumerate(zip(sources, tokens))]]
+            if device == "cpu":
+                cpu.fill(*args)
+            else:
+                cuda.fill(*args, stream=stream)
+            results.append([to_numpy(array) for array in outs + tokens])
+        for mine, theirs in zip(*results):
+            assert (mine == theirs).all()
+        assert results[0][3][:counts[0]].tolist() == sources[0].tolist()
