@@ -23,7 +23,7 @@ def test_differential_against_cpu_oracle(op):
     for i in range(150):
         case = F.MAKERS[op](rng, 200_000 if i % 50 == 49 else 3000)
         oracle = F.RUNNERS[op](case, "cpu")
-        if oracle["write_index"] > oracle["ring"].shape[0]:
+        if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
             case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
         gpu = F.RUNNERS[op](case, "cuda")
         assert F.compare(op, case, oracle, gpu) == [], f"{op} case {i}"
