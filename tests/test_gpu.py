@@ -3,6 +3,8 @@ DLPack round trips with CuPy, PyTorch and JAX. Skipped without CuPy and a CUDA d
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -507,7 +509,8 @@ def test_slots_whose_byte_offsets_pass_2_31_and_2_32_equal_the_cpu_backend():
 
     assert cpu_counters == gpu_counters
     assert (cpu_report.total, cpu_report.dropped) == (gpu_report.total, gpu_report.dropped)
-    assert cpu_report.rows == gpu_report.rows
+    # a launch's rows land in the order its threads record them on a GPU
+    assert collections.Counter(cpu_report.rows) == collections.Counter(gpu_report.rows)
     named = {v.slot_idx: v.fail_reason for v in gpu_report}
     # the broken token is read as its successor's chain link
     assert named == {int(table[2, 5]): kc.FailReason.REAL_KV_HASH, int(table[4, 31]): kc.FailReason.CHAIN_HASH}
