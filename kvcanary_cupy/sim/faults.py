@@ -20,6 +20,9 @@ from .engine import Engine, StepBatch, _FREED
 STATE_FAULTS = ("kv_bitflip", "slot_alias", "use_after_free", "canary_overwrite", "offload_bitflip")
 BATCH_FAULTS = ("stale_position", "token_swap")
 FAULT_CLASSES = STATE_FAULTS + BATCH_FAULTS
+# the classes that leave their slots' KV or records corrupt (a slot_alias and a use_after_free corrupt
+# their victim's table or page list instead: whoever else holds their slots reads them intact)
+CORRUPTS_SLOTS = ("kv_bitflip", "canary_overwrite", "stale_position", "token_swap")
 _MIN_REMAINING = 8
 
 
@@ -116,6 +119,19 @@ class FaultInjector:
         """The requests hurt by a fault the canary has not reported yet: offloading one would carry
         its fault out of sight (a corrupted table entry is rewritten when it comes back)."""
         return {rid for fault in self.faults if not fault.detected for rid in fault.victims}
+
+    def after_admissions(self) -> None:
+        """Make victims of the requests just admitted onto a prefix holding a slot that an unreported
+        fault corrupted: its victim published the prefix before the fault was reported, and they
+        read the corruption as it does (and go on reading it once the victim is aborted). Only while
+        the fault is open and unreported: its victim then still holds those pages, so whoever holds
+        them reads what the fault left."""
+        ps = self.engine.page_size
+        for fault in self.faults:
+            if fault.detected or fault.closed or fault.cls not in CORRUPTS_SLOTS:
+                continue
+            pages = {slot // ps for slot in fault.slots}
+            fault.victims |= {r.rid for r in self.engine.running if pages.intersection(r.pages)}
 
     def _victims(self, exclude=()) -> list:
         """Running requests a fault may hurt: none already hurt by one not reported yet, whose report

@@ -261,6 +261,7 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
         engine.step_index = step
         engine.tier_turn(protected=injector.undetected_victims())
         engine.admit_arrivals()
+        injector.after_admissions()
         injector.before_step(step)
         host_batch = engine.schedule()
         injector.tamper(step, host_batch)
