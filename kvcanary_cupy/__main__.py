@@ -51,8 +51,11 @@ def _info(_: argparse.Namespace) -> int:
             print("  cuda backend: unavailable (CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x, "
                   "this package's cuda12 or cuda13 extra)")
         else:
-            print("  cuda backend: unavailable (CuPy is installed but fails to import: python -c 'import cupy' "
-                  "tells why)")
+            from . import _dlpack  # noqa: PLC0415
+
+            error = _dlpack._CUPY_IMPORT_ERROR
+            why = str(error).strip() or type(error).__name__
+            print(f"  cuda backend: unavailable (CuPy is installed but fails to import: {why})")
     elif count == 0:
         try:
             cupy.cuda.runtime.getDeviceCount()

@@ -60,6 +60,12 @@ def cupy_module():
     except Exception as error:  # ImportError, or a CUDA library failing to load
         _CUPY_IMPORT_ERROR = error
         return None
+    if getattr(cupy, "__file__", None) is None:
+        # a cupy directory left without its __init__.py (an uninstall that removed CuPy's files but
+        # not all of the directory) imports as an empty namespace package, with none of CuPy's names
+        _CUPY_IMPORT_ERROR = ImportError(f"cupy in {', '.join(cupy.__path__)} is a directory without CuPy's "
+                                         "modules, left by an uninstall: reinstall CuPy")
+        return None
     return cupy
 
 

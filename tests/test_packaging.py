@@ -76,3 +76,37 @@ def test_sdist_holds_what_its_tests_need(tmp_path):
     assert wanted <= names, sorted(wanted - names)
     assert not any(name.startswith(("tests/results/", "benchmarks/results/")) or "__pycache__" in name
                    for name in names)
+
+
+def _run_with_path_first(directory, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that imports from ``directory`` first; it must exit cleanly."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(directory), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_cupy_left_half_uninstalled_is_said_so(tmp_path):
+    """A cupy directory left without its ``__init__.py`` (an uninstall that removed CuPy's files but not
+    all of the directory) imports as an empty namespace package: ``info`` and a GPU asked for say
+    CuPy fails to import and why, and arrays are still told apart, not met with an AttributeError for
+    the CuPy names it lacks."""
+    (tmp_path / "cupy" / "_core").mkdir(parents=True)
+    code = ("import numpy as np\n"
+            "import kvcanary_cupy as kc\n"
+            "from kvcanary_cupy import _dlpack\n"
+            "from kvcanary_cupy.__main__ import main\n"
+            "class Host:\n"  # a host array that is not a NumPy one, speaking DLPack
+            "    def __init__(self, array):\n        self.array = array\n"
+            "    def __dlpack__(self, **kwargs):\n        return self.array.__dlpack__(**kwargs)\n"
+            "    def __dlpack_device__(self):\n        return self.array.__dlpack_device__()\n"
+            "print(_dlpack.device_of(Host(np.zeros(3)), 'x'))\n"
+            "try:\n    kc.CanaryContext.allocate(16, device='cuda')\n"
+            "except ValueError as error:\n    print(error)\n"
+            "print(main(['info']))\n")
+    out = _run_with_path_first(tmp_path, code).stdout
+    assert out.startswith("cpu\nkv-canary: device: a CUDA device needs CuPy, which is installed but fails to import "
+                          f"(cupy in {tmp_path / 'cupy'} is a directory without CuPy's modules"), out
+    assert "  cuda backend: unavailable (CuPy is installed but fails to import: cupy in " in out and out.endswith("0\n")
