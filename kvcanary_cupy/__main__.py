@@ -39,9 +39,13 @@ def _info(_: argparse.Namespace) -> int:
         import numba  # noqa: PLC0415
 
         print(f"  cpu backend : numba {numba.__version__}")
-    except ImportError:
-        print("  cpu backend : unavailable (numba is not installed: pip install numba; host arrays cannot be "
-              "checked without it)")
+    except ImportError as error:
+        if isinstance(error, ModuleNotFoundError) and error.name == "numba":
+            print("  cpu backend : unavailable (numba is not installed: pip install numba; host arrays cannot be "
+                  "checked without it)")
+        else:  # numba refusing the NumPy it finds, say
+            print(f"  cpu backend : unavailable (numba is installed but fails to import: "
+                  f"{str(error).strip() or type(error).__name__}; host arrays cannot be checked without it)")
     cupy = cupy_module()
     count = cuda_device_count()
     if cupy is None:

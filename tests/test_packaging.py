@@ -110,3 +110,25 @@ def test_cupy_left_half_uninstalled_is_said_so(tmp_path):
     assert out.startswith("cpu\nkv-canary: device: a CUDA device needs CuPy, which is installed but fails to import "
                           f"(cupy in {tmp_path / 'cupy'} is a directory without CuPy's modules"), out
     assert "  cuda backend: unavailable (CuPy is installed but fails to import: cupy in " in out and out.endswith("0\n")
+
+
+def test_numba_that_fails_to_import_is_not_called_missing(tmp_path):
+    """numba installed but failing to import (it refuses a NumPy newer than it supports, as after
+    upgrading NumPy alone): a CPU op, a compile and the demo say so in one line, with numba's reason,
+    and ``info`` does not advise installing it."""
+    (tmp_path / "numba").mkdir()
+    (tmp_path / "numba" / "__init__.py").write_text(
+        "raise ImportError('Numba needs NumPy 2.3 or less. Got NumPy 2.4.')\n")
+    code = ("import kvcanary_cupy as kc\n"
+            "from kvcanary_cupy.__main__ import main\n"
+            "try:\n"
+            "    kc.compile_kernels(device='cpu')\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n"
+            "print(main(['demo', '--device', 'cpu', '--steps', '2', '--no-progress']), main(['info']))\n")
+    done = _run_with_path_first(tmp_path, code)
+    message = ("kv-canary: arrays on the CPU run on the numba backend, and numba is installed but fails to import "
+               "(Numba needs NumPy 2.3 or less. Got NumPy 2.4.)")
+    assert done.stdout.startswith(message) and done.stderr.strip() == message, (done.stdout, done.stderr)
+    assert ("cpu backend : unavailable (numba is installed but fails to import: Numba needs NumPy 2.3 or less. "
+            "Got NumPy 2.4.;") in done.stdout and done.stdout.strip().endswith("2 0")

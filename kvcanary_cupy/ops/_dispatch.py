@@ -18,12 +18,28 @@ def backend_module(device: Device, op: str):
     package = "_cuda" if device.is_cuda else "_cpu"
     try:
         return importlib.import_module(f"{__package__}.backends.{package}.{op}")
-    except ModuleNotFoundError as error:
-        if error.name != "numba":
+    except ImportError:
+        numba_error = _numba_import_error() if package == "_cpu" else None
+        if numba_error is None:  # numba imports: the error is another's
             raise
-        # numba is a dependency of the package, so only a broken install lacks it
-        raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is not "
-                           "installed: pip install numba") from None
+        if isinstance(numba_error, ModuleNotFoundError) and numba_error.name == "numba":
+            # numba is a dependency of the package, so only a broken install lacks it
+            raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is not "
+                               "installed: pip install numba") from None
+        # numba refusing the NumPy it finds (it supports a range of NumPy versions, and upgrading NumPy
+        # alone can leave it out of range) is a broken install too, not a fault of the op
+        why = str(numba_error).strip() or type(numba_error).__name__
+        raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is installed "
+                           f"but fails to import ({why})") from None
+
+
+def _numba_import_error():
+    """Why ``import numba`` fails, or None when it imports."""
+    try:
+        importlib.import_module("numba")
+    except ImportError as error:
+        return error
+    return None
 
 
 def resolve_stream(stream: Any, device: Device):
