@@ -3,6 +3,7 @@ sources the loader compiles, and the ``py.typed`` marker of its typed API."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import shutil
 import subprocess
@@ -93,6 +94,9 @@ def test_cupy_left_half_uninstalled_is_said_so(tmp_path):
     all of the directory) imports as an empty namespace package: ``info`` and a GPU asked for say
     CuPy fails to import and why, and arrays are still told apart, not met with an AttributeError for
     the CuPy names it lacks."""
+    installed = importlib.util.find_spec("cupy")
+    if installed is not None and installed.origin is not None:
+        pytest.skip("an installed CuPy is imported before a directory without __init__.py, wherever it lies")
     (tmp_path / "cupy" / "_core").mkdir(parents=True)
     code = ("import numpy as np\n"
             "import kvcanary_cupy as kc\n"
