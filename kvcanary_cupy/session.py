@@ -146,8 +146,11 @@ class CanaryEvent:
         wanted = "".join(text for flags, text in (
             (("VERIFY_TOKEN", "WRITE_TOKEN"), f", expected token {v.expected_token}"),
             (("WRITE_POSITION",), f", expected position {v.expected_aux}")) if set(flags) & set(reasons))
+        # an out-of-range row's token and position are what the launch meant to check or store (its
+        # slot may lie outside the pool, where nothing is stored: SPEC §4), not a record's
+        held = "row's" if "OUT_OF_RANGE" in reasons else "stored"
         return (f"[{tag} step {step}] {where} position {pos} slot {slot}: {'|'.join(reasons)} "
-                f"(stored token {v.stored_token} position {v.position}{wanted})")
+                f"({held} token {v.stored_token} position {v.position}{wanted})")
 
 
 @dataclasses.dataclass(frozen=True)

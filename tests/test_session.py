@@ -169,6 +169,8 @@ def test_cells_outside_the_table_name_their_request(device):
         ("head", "lost", 0), ("head", "lost", 1), ("write", "lost", 1), ("tail", "lost", 0), ("tail", "lost", 1)}
     assert all(e.reasons == ("OUT_OF_RANGE",) for e in report)
     assert "request 'lost' position 1 slot unresolved (no cell of req_to_token or the LUT)" in report.describe()
+    # no record lies at an unresolved slot: the row's fields are not called stored ones
+    assert "stored token" not in report.describe() and "OUT_OF_RANGE (row's token 0 position 1)" in report.describe()
 
 
 def test_entries_past_the_batch_arrays_name_their_request():
