@@ -123,6 +123,14 @@ def test_demo_cli_writes_json(tmp_path, capsys):
     assert set(data["not_injectable"]) == set(FAULT_CLASSES) - set(data["faults"])
     out = capsys.readouterr().out
     assert "false positives" in out and "fault class" in out
+    # the JSON alone says how the run was made: its settings rebuild the run's configuration
+    settings = dict(data["settings"])
+    injection = {k: settings.pop(k) for k in ("faults", "fault_every", "fault_start", "bitflip_offset")}
+    assert injection == {"faults": list(FAULT_CLASSES), "fault_every": 10, "fault_start": 10, "bitflip_offset": None}
+    rebuilt = SimConfig(**{k: (kc.HashMode[v] if k == "hash_mode" else tuple(v) if isinstance(v, list) else v)
+                           for k, v in settings.items()})
+    assert rebuilt.steps == 60 and rebuilt.seed == 1 and rebuilt.hash_mode == kc.HashMode.ALL
+    assert run(rebuilt, injection["faults"], fault_every=10).to_json()["fault_log"] == log
 
 
 def test_demo_default_run_catches_every_class_partial_mode_can_see():

@@ -128,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a sliding-window group of this window (default 0: none)")
     parser.add_argument("--host-slots", type=_at_least(SMALLEST["host_slots"]), default=2048,
                         help="slots of a host-memory KV tier that requests are offloaded to now and then and "
-                             "loaded back from, their canary records carried with them (default 2048; 0: none; else more "
-                             f"than a request's {SimConfig.max_len} tokens)")
+                             "loaded back from, their canary records carried with them, rounded up to whole pages (default "
+                             f"2048; 0: none; else more than a request's {SimConfig.max_len} tokens)")
     parser.add_argument("--offload-prob", type=_probability, default=0.05,
                         help="chance that a step offloads a running request to the host tier (default 0.05)")
     parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,

@@ -72,6 +72,7 @@ class SimResult:
     not_injectable: dict = dataclasses.field(default_factory=dict)  # fault classes asked for: why none was injected
     host_tier: Optional[dict] = None  # the host tier's slots, moves and copy times (None: no tier)
     speculative: Optional[dict] = None  # drafts a decode verifies, drafts verified and accepted (None: off)
+    injection: dict = dataclasses.field(default_factory=dict)  # the fault classes asked for and their cadence
 
     @property
     def canary_ms_per_step(self) -> float:
@@ -145,6 +146,9 @@ class SimResult:
                            "detail": {k: (list(v) if isinstance(v, tuple) else v) for k, v in f.detail.items()}}
                           for f in self.faults],
             "violations_per_step": self.violations_per_step,
+            # every setting of the run, so that its JSON alone says how to run it again
+            "settings": {**{k: (v.name if hasattr(v, "name") else list(v) if isinstance(v, tuple) else v)
+                            for k, v in dataclasses.asdict(c).items()}, **self.injection},
         }
 
     def summary(self) -> str:
@@ -318,7 +322,9 @@ def run(config: SimConfig, faults: Sequence[str] = (), *, fault_every: int = 10,
                      injector.why_not_injected(), None if engine.tier is None else engine.tier.to_json(),
                      None if not config.speculative else {"drafts": config.speculative,
                                                           "verified": engine.drafts_verified,
-                                                          "accepted": engine.drafts_accepted})
+                                                          "accepted": engine.drafts_accepted},
+                     {"faults": list(faults), "fault_every": fault_every, "fault_start": fault_start,
+                      "bitflip_offset": bitflip_offset})
 
 
 __all__ = ["Progress", "SimResult", "run"]
