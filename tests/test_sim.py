@@ -770,3 +770,12 @@ def test_demo_json_reports_the_pool_slots_the_engine_uses(tmp_path):
     data = json.loads(path.read_text())
     assert (data["pool_slots"], data["pool_slots_asked"], data["page_size"]) == (992, 1000, 16)
     assert Engine(SimConfig(pool_slots=1000, host_slots=0)).num_slots == 992
+
+
+@pytest.mark.parametrize("second", ["run.png", "./run.png"])
+def test_demo_refuses_json_and_chart_in_one_file(tmp_path, capsys, monkeypatch, second):
+    """Both outputs to one path would leave the chart where the JSON was: refused before the run."""
+    monkeypatch.chdir(tmp_path)
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "5", "--json", "run.png", "--chart", second]) == 2
+    assert "kv-canary: --json and --chart must name two files" in capsys.readouterr().err
+    assert not (tmp_path / "run.png").exists()

@@ -80,6 +80,12 @@ def _output_path(text: str) -> str:
     return text
 
 
+def _one_file(first: str, second: str) -> bool:
+    if os.path.exists(first) and os.path.exists(second):
+        return os.path.samefile(first, second)
+    return os.path.abspath(first) == os.path.abspath(second)
+
+
 def _json_path(text: str) -> str:
     """``--json``'s path: a file, or ``-`` for standard output."""
     return text if text == "-" else _output_path(text)
@@ -180,6 +186,10 @@ _SET_BY = {"req_to_token_pool_size": "--max-running", "pool_slot_count": "--pool
 def run_from_args(args: argparse.Namespace) -> int:
     from .runner import run  # noqa: PLC0415
 
+    if args.json and args.chart and _one_file(args.json, args.chart):  # the chart would be written over the JSON
+        print(f"kv-canary: --json and --chart must name two files, got {args.json!r} and {args.chart!r}",
+              file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as error:  # the simulator's own names for its settings, said as the flags that set them
