@@ -1102,8 +1102,9 @@ class Canary:
     def stats(self) -> dict[str, dict[str, int]]:
         """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the
         entries they checked or wrote (``slot_run_counter``) since the canary was built, and
-        ``violations``, the rows recorded since the last poll (a poll empties the rings; the ring's
-        raw int32 count, negative past 2^31 rows)."""
+        ``violations``, the rows recorded since the last poll (a poll empties the rings; past 2^31
+        rows the ring's int32 write index reads negative, and the count goes on as its unsigned
+        value, as ``violations().total`` does)."""
         return {group.name: group.ctx.counters() for group in self.groups}
 
     # --- static forwards' runs, counted on the device ---------------------------------------------
