@@ -26,8 +26,11 @@ import kvcanary_cupy as kc
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
 parser.add_argument("--steps", type=int, default=16,
-                    help="decode steps before the bit flip, the first eager and the rest graph replays (default 16)")
+                    help="decode steps before the bit flip, the first eager and the rest graph replays (default 16; "
+                         "6 to 63: the flip is at position 5, and one more step must fit in 64 positions)")
 args = parser.parse_args()
+if not 6 <= args.steps <= 63:
+    parser.error(f"--steps must be 6 to 63, got {args.steps}")
 if not torch.cuda.is_available():
     parser.exit(2, "torch_cuda_graph.py needs a CUDA GPU and PyTorch built with CUDA; "
                    "examples/torch_static_forward.py runs the same kind of loop on the CPU\n")
