@@ -470,8 +470,16 @@ def _req_ids(req_ids: Any, req_pool_indices: Any) -> None:
 
 def _batch_rows(req_pool_indices: Any) -> Optional[int]:
     """The batch's rows, counted from ``req_pool_indices``' shape where it is 1-D (None otherwise:
-    its own rules, checked later, refuse it)."""
+    its own rules, checked later, refuse it). An array that speaks DLPack alone has no ``shape``:
+    its view's counts them, so that the rules bounded by the rows (``req_ids``,
+    ``expected_valid_lens``) refuse for it what they refuse for any other array, under the names
+    the batch gives."""
     shape = getattr(req_pool_indices, "shape", None)
+    if shape is None and hasattr(req_pool_indices, "__dlpack__"):
+        try:
+            shape = native_view(req_pool_indices, "req_pool_indices").shape
+        except (TypeError, ValueError, BufferError, RuntimeError):
+            return None
     return int(shape[0]) if isinstance(shape, tuple) and len(shape) == 1 else None
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import session_capacities
+from _builders import DLPackOnly, session_capacities
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
@@ -1578,6 +1578,23 @@ def test_expected_valid_lens_are_named_as_the_batch_names_them():
     with pytest.raises(ValueError, match=r"^kv-canary: expected_valid_lens must have length 1"):
         canary.after_forward(short)
     _assert_same(before, _state(canary))
+
+
+def test_rows_of_an_array_that_speaks_dlpack_alone_bound_what_they_bound_for_others():
+    """``req_pool_indices`` with no ``shape`` of its own: its rows still bound ``req_ids`` and
+    ``expected_valid_lens``, which are refused as for a NumPy array, under the batch's names."""
+    canary = _construct(expected_tokens=np.zeros((ROWS, WIDTH), np.int32))
+    before = _state(canary)
+    rows = DLPackOnly(np.array([1], np.int64))
+    for call in (canary.before_forward, canary.after_forward, canary.static_forward):
+        with pytest.raises(ValueError, match=r"^kv-canary: req_ids must have at most one id per batch row "
+                                             r"\(req_pool_indices has 1;.*got 2$"):
+            call(_batch("cpu", req_pool_indices=rows, req_ids=["a", "b"]))
+        with pytest.raises(ValueError, match=r"^kv-canary: expected_valid_lens must have length 1 \(one per "
+                                             r"request, as req_pool_indices\), got 2$"):
+            call(_batch("cpu", req_pool_indices=rows, expected_valid_lens=np.array([1, 1], np.int64)))
+    _assert_same(before, _state(canary))
+    assert canary._static_forward_count == 0
 
 
 @pytest.mark.parametrize("batch", [{"req_pool_indices": np.ones(1, np.int64)}, None])
