@@ -558,23 +558,25 @@ def run_step(case: dict, device: str, launches: int = 1) -> dict:
     return _context_outputs(ctx)
 
 
-def run_step_unfused(case: dict, device: str) -> dict:
-    """The same step as kc.plan, kc.verify and kc.write on their own."""
+def run_step_unfused(case: dict, device: str, launches: int = 1) -> dict:
+    """The same step as kc.plan, kc.verify and kc.write on their own, ``launches`` times over one
+    context (as :func:`run_step` launches a step)."""
     ctx = build_context(case["pool"], device)
     a = {k: (None if case[k] is None else _to(case[k], device)) for k in STEP_ARRAYS}
     bs = len(case["req_pool_indices"])
     vplan = kc.VerifyPlan.allocate(case["verify_capacity"], device=device)
     wplan = kc.WritePlan.allocate(bs, device=device)
-    kc.plan(vplan, wplan, req_pool_indices=a["req_pool_indices"], prefix_lens=a["prefix_lens"],
-            extend_seq_lens=a["extend_seq_lens"], req_to_token=a["req_to_token"],
-            swa_window_size=case["swa_window_size"], full_to_swa_index_mapping=a["full_to_swa_index_mapping"],
-            req_to_verify_expected_tokens=a["req_to_verify_expected_tokens"],
-            req_to_verify_expected_tokens_valid_lens=a["req_to_verify_expected_tokens_valid_lens"],
-            kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"])
-    kc.verify(ctx, vplan, tag=case["verify_tag"], check_expected_token=case["check_expected_token"])
-    kc.write(ctx, wplan, tag=case["write_tag"], input_ids=a["input_ids"], positions=a["positions"],
-             out_cache_loc=a["out_cache_loc"], expected_input_tokens=a["expected_input_tokens"],
-             expected_input_positions=a["expected_input_positions"])
+    for _ in range(launches):
+        kc.plan(vplan, wplan, req_pool_indices=a["req_pool_indices"], prefix_lens=a["prefix_lens"],
+                extend_seq_lens=a["extend_seq_lens"], req_to_token=a["req_to_token"],
+                swa_window_size=case["swa_window_size"], full_to_swa_index_mapping=a["full_to_swa_index_mapping"],
+                req_to_verify_expected_tokens=a["req_to_verify_expected_tokens"],
+                req_to_verify_expected_tokens_valid_lens=a["req_to_verify_expected_tokens_valid_lens"],
+                kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"])
+        kc.verify(ctx, vplan, tag=case["verify_tag"], check_expected_token=case["check_expected_token"])
+        kc.write(ctx, wplan, tag=case["write_tag"], input_ids=a["input_ids"], positions=a["positions"],
+                 out_cache_loc=a["out_cache_loc"], expected_input_tokens=a["expected_input_tokens"],
+                 expected_input_positions=a["expected_input_positions"])
     return _context_outputs(ctx)
 
 

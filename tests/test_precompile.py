@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 import kvcanary_cupy as kc
@@ -435,3 +437,52 @@ def _run_beside(stub_dir, code: str):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     return done
+
+
+def test_cupy_left_half_uninstalled_is_said_so(tmp_path):
+    """A cupy directory left without its ``__init__.py`` (an uninstall that removed CuPy's files but not
+    all of the directory) imports as an empty namespace package: ``info`` and a GPU asked for say
+    CuPy fails to import and why, and arrays are still told apart, not met with an AttributeError for
+    the CuPy names it lacks."""
+    installed = importlib.util.find_spec("cupy")
+    if installed is not None and installed.origin is not None:
+        pytest.skip("an installed CuPy is imported before a directory without __init__.py, wherever it lies")
+    (tmp_path / "cupy" / "_core").mkdir(parents=True)
+    code = ("import numpy as np\n"
+            "import kvcanary_cupy as kc\n"
+            "from kvcanary_cupy import _dlpack\n"
+            "from kvcanary_cupy.__main__ import main\n"
+            "class Host:\n"  # a host array that is not a NumPy one, speaking DLPack
+            "    def __init__(self, array):\n        self.array = array\n"
+            "    def __dlpack__(self, **kwargs):\n        return self.array.__dlpack__(**kwargs)\n"
+            "    def __dlpack_device__(self):\n        return self.array.__dlpack_device__()\n"
+            "print(_dlpack.device_of(Host(np.zeros(3)), 'x'))\n"
+            "try:\n    kc.CanaryContext.allocate(16, device='cuda')\n"
+            "except ValueError as error:\n    print(error)\n"
+            "print(main(['info']))\n")
+    out = _run_beside(tmp_path, code).stdout
+    assert out.startswith("cpu\nkv-canary: device: a CUDA device needs CuPy, which is installed but fails to import "
+                          f"(cupy in {tmp_path / 'cupy'} is a directory without CuPy's modules"), out
+    assert "  cuda backend: unavailable (CuPy is installed but fails to import: cupy in " in out and out.endswith("0\n")
+
+
+def test_numba_that_fails_to_import_is_not_called_missing(tmp_path):
+    """numba installed but failing to import (it refuses a NumPy newer than it supports, as after
+    upgrading NumPy alone): a CPU op, a compile and the demo say so in one line, with numba's reason,
+    and ``info`` does not advise installing it."""
+    (tmp_path / "numba").mkdir()
+    (tmp_path / "numba" / "__init__.py").write_text(
+        "raise ImportError('Numba needs NumPy 2.3 or less. Got NumPy 2.4.')\n")
+    code = ("import kvcanary_cupy as kc\n"
+            "from kvcanary_cupy.__main__ import main\n"
+            "try:\n"
+            "    kc.compile_kernels(device='cpu')\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n"
+            "print(main(['demo', '--device', 'cpu', '--steps', '2', '--no-progress']), main(['info']))\n")
+    done = _run_beside(tmp_path, code)
+    message = ("kv-canary: arrays on the CPU run on the numba backend, and numba is installed but fails to import "
+               "(Numba needs NumPy 2.3 or less. Got NumPy 2.4.)")
+    assert done.stdout.startswith(message) and done.stderr.strip() == message, (done.stdout, done.stderr)
+    assert ("cpu backend : unavailable (numba is installed but fails to import: Numba needs NumPy 2.3 or less. "
+            "Got NumPy 2.4.;") in done.stdout and done.stdout.strip().endswith("2 0")

@@ -564,28 +564,9 @@ def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
         for _ in range(2):
             step.launch()
         fused = F._context_outputs(ctx)
-        oracle = _unfused_twice(case)
+        oracle = F.run_step_unfused(case, "cpu", launches=2)
         if oracle["write_index"] > oracle["ring"].shape[0]:
-            big = _unfused_twice(F.with_ring(case, oracle["write_index"]))
+            big = F.run_step_unfused(F.with_ring(case, oracle["write_index"]), "cpu", launches=2)
             case["_full_rows"] = Counter(map(tuple, big["ring"][:oracle["write_index"]].tolist()))
         assert F.compare("step", case, oracle, fused) == [], f"bs {bs}, {entries}, case {i}"
 
-
-def _unfused_twice(case: dict) -> dict:
-    """kc.plan, kc.verify and kc.write on the CPU, twice over one context."""
-    ctx = F.build_context(case["pool"], "cpu")
-    a = {k: (None if case[k] is None else case[k].copy()) for k in F.STEP_ARRAYS}
-    vplan = kc.VerifyPlan.allocate(case["verify_capacity"], device="cpu")
-    wplan = kc.WritePlan.allocate(len(case["req_pool_indices"]), device="cpu")
-    for _ in range(2):
-        kc.plan(vplan, wplan, req_pool_indices=a["req_pool_indices"], prefix_lens=a["prefix_lens"],
-                extend_seq_lens=a["extend_seq_lens"], req_to_token=a["req_to_token"],
-                swa_window_size=case["swa_window_size"], full_to_swa_index_mapping=a["full_to_swa_index_mapping"],
-                req_to_verify_expected_tokens=a["req_to_verify_expected_tokens"],
-                req_to_verify_expected_tokens_valid_lens=a["req_to_verify_expected_tokens_valid_lens"],
-                kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"])
-        kc.verify(ctx, vplan, tag=case["verify_tag"], check_expected_token=case["check_expected_token"])
-        kc.write(ctx, wplan, tag=case["write_tag"], input_ids=a["input_ids"], positions=a["positions"],
-                 out_cache_loc=a["out_cache_loc"], expected_input_tokens=a["expected_input_tokens"],
-                 expected_input_positions=a["expected_input_positions"])
-    return F._context_outputs(ctx)
