@@ -302,27 +302,6 @@ def test_cli_tells_its_version(capsys):
     assert done.value.code == 0 and capsys.readouterr().out.strip().endswith(f" {kc.__version__}")
 
 
-def test_without_numba_the_cpu_backend_says_so():
-    """A broken install without numba imports and tells what is missing, in one line, where a CPU op
-    (or a compile, or the demo) needs it."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['numba'] = None\n"
-            "import kvcanary_cupy as kc\n"
-            "from kvcanary_cupy.__main__ import main\n"
-            "try:\n"
-            "    kc.compile_kernels(device='cpu')\n"
-            "except RuntimeError as error:\n"
-            "    print(error)\n"
-            "print(main(['demo', '--device', 'cpu', '--steps', '2', '--no-progress']), main(['info']))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    message = "kv-canary: arrays on the CPU run on the numba backend, and numba is not installed: pip install numba"
-    assert done.stdout.startswith(message) and done.stderr.strip() == message
-    assert "cpu backend : unavailable (numba is not installed" in done.stdout and done.stdout.strip().endswith("2 0")
-
-
 def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     """CuPy installed on a machine without a driver or device (its getDeviceCount raises): the
     package imports and runs on the CPU, ``info`` tells why no CUDA device is listed, and a demo
@@ -365,12 +344,17 @@ def test_cupy_without_a_gpu_runs_on_the_cpu_and_says_why(tmp_path):
     assert done.stderr.strip() == "kv-canary: device must be one of the 0 CUDA device(s) seen, got cuda:0"
 
 
+def _failing_import(directory, name: str, why: str) -> None:
+    """A package ``name`` in ``directory`` whose import raises ImportError(``why``), as an installed
+    one does when a library it needs is missing or refuses the versions beside it."""
+    (directory / name).mkdir()
+    (directory / name / "__init__.py").write_text(f"raise ImportError({why!r})\n")
+
+
 def test_cupy_that_fails_to_import_is_not_called_missing(tmp_path):
     """CuPy installed but failing to import (a CUDA library it links missing): a GPU asked for is
     refused with the import's error, not with advice to install CuPy, as ``info`` says."""
-    (tmp_path / "cupy").mkdir()
-    (tmp_path / "cupy" / "__init__.py").write_text(
-        "raise ImportError('libcudart.so.12: cannot open shared object file: No such file or directory')\n")
+    _failing_import(tmp_path, "cupy", "libcudart.so.12: cannot open shared object file: No such file or directory")
     code = ("import kvcanary_cupy as kc\n"
             "for make in (lambda: kc.CanaryContext.allocate(16, device='cuda'),\n"
             "             lambda: kc.compile_kernels(device='cuda:0')):\n"
@@ -466,14 +450,22 @@ def test_cupy_left_half_uninstalled_is_said_so(tmp_path):
     assert "  cuda backend: unavailable (CuPy is installed but fails to import: cupy in " in out and out.endswith("0\n")
 
 
-def test_numba_that_fails_to_import_is_not_called_missing(tmp_path):
-    """numba installed but failing to import (it refuses a NumPy newer than it supports, as after
-    upgrading NumPy alone): a CPU op, a compile and the demo say so in one line, with numba's reason,
-    and ``info`` does not advise installing it."""
-    (tmp_path / "numba").mkdir()
-    (tmp_path / "numba" / "__init__.py").write_text(
-        "raise ImportError('Numba needs NumPy 2.3 or less. Got NumPy 2.4.')\n")
-    code = ("import kvcanary_cupy as kc\n"
+_NUMBA_BROKEN = {
+    "missing": ("not installed: pip install numba", "not installed"),
+    "failing": ("installed but fails to import (Numba needs NumPy 2.3 or less. Got NumPy 2.4.)",
+                "installed but fails to import: Numba needs NumPy 2.3 or less. Got NumPy 2.4.;"),
+}
+
+
+@pytest.mark.parametrize("broken", list(_NUMBA_BROKEN))
+def test_numba_missing_or_failing_to_import_is_said_in_one_line(tmp_path, broken):
+    """A broken install without numba, or with one that fails to import (it refuses a NumPy newer
+    than it supports, as after upgrading NumPy alone), imports and says which, in one line, where a
+    CPU op, a compile or the demo needs numba; ``info`` advises installing it only when it is missing."""
+    if broken == "failing":
+        _failing_import(tmp_path, "numba", "Numba needs NumPy 2.3 or less. Got NumPy 2.4.")
+    code = ("import sys\n" + ("sys.modules['numba'] = None\n" if broken == "missing" else "") +
+            "import kvcanary_cupy as kc\n"
             "from kvcanary_cupy.__main__ import main\n"
             "try:\n"
             "    kc.compile_kernels(device='cpu')\n"
@@ -481,8 +473,7 @@ def test_numba_that_fails_to_import_is_not_called_missing(tmp_path):
             "    print(error)\n"
             "print(main(['demo', '--device', 'cpu', '--steps', '2', '--no-progress']), main(['info']))\n")
     done = _run_beside(tmp_path, code)
-    message = ("kv-canary: arrays on the CPU run on the numba backend, and numba is installed but fails to import "
-               "(Numba needs NumPy 2.3 or less. Got NumPy 2.4.)")
+    said, info = _NUMBA_BROKEN[broken]
+    message = f"kv-canary: arrays on the CPU run on the numba backend, and numba is {said}"
     assert done.stdout.startswith(message) and done.stderr.strip() == message, (done.stdout, done.stderr)
-    assert ("cpu backend : unavailable (numba is installed but fails to import: Numba needs NumPy 2.3 or less. "
-            "Got NumPy 2.4.;") in done.stdout and done.stdout.strip().endswith("2 0")
+    assert f"cpu backend : unavailable (numba is {info}" in done.stdout and done.stdout.strip().endswith("2 0")
