@@ -630,7 +630,7 @@ RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter"
 
 
 def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
-    """Differences between two backends' outputs (ring rows compared as a multiset)."""
+    """Differences between two backends' outputs (ring rows compared as a multiset, their tags in order)."""
     problems = []
     if op in ("verify", "write", "step"):
         for key in ("canary", "write_index", "slot_run_counter", "kernel_run_counter"):
@@ -642,6 +642,12 @@ def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
                 problems.append("ring rows")
         if not np.array_equal(oracle["ring"][kept:], other["ring"][kept:]):
             problems.append("ring rows past the write index")
+        # One launch's rows may come in any order, but a step's write records nothing before its
+        # verify has finished (a launch after it, or the kernel's wait for every verify block): so the
+        # tags down the ring are the oracle's, and an overflowing ring keeps the verify's rows first.
+        kinds = slice(0, kept), L.RING_COL_KERNEL_KIND
+        if not np.array_equal(oracle["ring"][kinds], other["ring"][kinds]):
+            problems.append("ring rows' tags out of launch order")
         if oracle["write_index"] > oracle["ring"].shape[0]:
             if case.get("_full_rows") is None:
                 # Without every row of the launch the kept ones could be anything at all.
