@@ -89,3 +89,26 @@ def test_canary_fuzz_on_the_cpu_places_rows_logged_before_the_canary_went_off_in
     that poll's window; the later polls while off return at once and move no window."""
     _, rows, _ = run_fuzz(tmp_path, capsys, start=62560, seeds=1, forwards=60)
     assert rows[0]["config"]["pause_at"] and rows[0]["detected"]
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_path, capsys, monkeypatch, shift):
+    """Events naming the harmed request one position off are misnamed: the request alone would
+    pass them."""
+    from kvcanary_cupy import session
+
+    (fuzz,) = import_tools("canary_fuzz")
+
+    class Shifted(session.CanaryEvent):
+        def __init__(self, *fields):
+            super().__init__(*fields)
+            if self.position is not None:
+                object.__setattr__(self, "position", self.position + shift)
+
+    monkeypatch.setattr(session, "CanaryEvent", Shifted)
+    out = tmp_path / "fuzz.json"
+    status = fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16", "--json", str(out)])
+    capsys.readouterr()
+    rows = json.loads(out.read_text())["rows"]
+    assert status == 1
+    assert any("position" in row["misnamed"] for row in rows)

@@ -23,11 +23,11 @@ flipped on the device, in the host tier, in a cached prefix no request holds, on
 the host tier, or in the draft model's KV, a live slot written by another request, a
 ``req_to_token`` cell pointed at another request's slot, a dropped write, a wrong token id, a draft
 model's KV written for the wrong token), now and then on a slot that several requests share, and
-must be reported, and the reports must name the request it harms (:meth:`FuzzEngine.misnamed`). An
-exception in either run is a crash. A row of ``--json`` is one seed: its configuration, the clean
-run's findings and counter mismatches, the fault and whether it was reported and named; the table
-sums the rows by feature. The exit status is 1 when any seed had a false positive, a counter
-mismatch, a missed or misnamed fault or a crash.
+must be reported, and the reports must name the request it harms and the position it harms
+(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
+seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
+was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had
+a false positive, a counter mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ class Fault:
     bad_slots: set = dataclasses.field(default_factory=set)  # slots whose record or KV is wrong, followed when moved
     victims: set = dataclasses.field(default_factory=set)  # requests reading a bad slot or cell: one must be named
     bystanders: set = dataclasses.field(default_factory=set)  # requests that may be named too (a steal's thief)
+    position: Optional[int] = None  # the victims' position it harms (shared slots and prefixes are at the same one)
 
 
 def draw_fault(c: SeedConfig, forwards: int) -> Fault:
@@ -561,6 +562,7 @@ class FuzzEngine:
         self.examples: list[str] = []
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
+        self.named_at: set = set()  # (request, position) of those events
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
         self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
         # forwards and sweeps since the previous poll that decoded (made while the canaries were on,
@@ -1210,6 +1212,7 @@ class FuzzEngine:
             if self.fault is not None and self.fault.injected_at is not None:
                 self.found_after_fault += report.total
                 self.named.update(event.request for event in report.events)
+                self.named_at.update((event.request, event.position) for event in report.events)
             if report.total and self.first_found is None:
                 self.first_found = self.index
                 self.examples = [watch.label + event.describe() for event in report.events[:3]]
@@ -1274,10 +1277,12 @@ class FuzzEngine:
 
         Named right: some event names a victim (the final sweeps read each live request alone and
         poll after each, so the pinned victim is read with exact names whatever happened before),
-        and, where every forward is polled before the next (poll_every 1: integration.md §5, "call
-        it every step for exact names"), no event names anyone but victims and the thief. An event
-        may name no request (a row the tables at the poll no longer explain, such as an SWA slot
-        freed after the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
+        and one names a victim at the position the fault harms; where every forward is polled before
+        the next (poll_every 1: integration.md §5, "call it every step for exact names"), no event
+        names anyone but victims and the thief, nor a victim at a position other than that one or
+        the next (whose chain link reads the changed record). An event may name no request or no
+        position (a row the tables at the poll no longer explain, such as an SWA slot freed after
+        the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
         ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
         input assert may be the only one to see, in a static forward polled after later forwards
         refilled its arrays (README: "poll after each replay for exact names"), or in a span between
@@ -1295,6 +1300,14 @@ class FuzzEngine:
         strays = named - fault.victims - fault.bystanders
         if strays and self.c.poll_every == 1:
             return f"events named {sorted(map(str, strays))}, neither victims {sorted(fault.victims)} nor thieves"
+        at = fault.position
+        seen = {position for request, position in self.named_at if request in fault.victims and position is not None}
+        if at is None or not seen:
+            return ""
+        if at not in seen:
+            return f"no event named a victim at position {at}: they named positions {sorted(seen)}"
+        if seen - {at, at + 1} and self.c.poll_every == 1:
+            return f"events named victims at positions {sorted(seen - {at, at + 1})}, neither {at} nor {at + 1}"
         return ""
 
     # --- moves: the host tier and compaction (integration.md §4) ---------------------------------
@@ -1449,12 +1462,15 @@ class FuzzEngine:
             self.fault.bad_slots.update(int(n) for o, n in zip(old, new) if int(o) in self.fault.bad_slots)
 
     # --- faults -----------------------------------------------------------------------------------
-    def pin(self, request: Request, what: str, *, bad: Optional[int] = None, injected: bool = True) -> bool:
+    def pin(self, request: Request, what: str, *, bad: Optional[int] = None, injected: bool = True,
+            position: Optional[int] = None) -> bool:
         """``request`` holds the fault (never finished, offloaded or moved, so that the final sweeps
-        read it); so does every request whose cached tokens hold the ``bad`` slot."""
+        read it), at ``position``; so does every request whose cached tokens hold the ``bad`` slot."""
         fault = self.fault
         request.pinned = True
         fault.what = what
+        if position is not None:
+            fault.position = position
         fault.victims.add(request.rid)
         if bad is not None:
             fault.bad_slots.add(bad)
@@ -1488,7 +1504,7 @@ class FuzzEngine:
         slot = request.slots[position]
         self.flip(pool.views[source], slot, byte, int(rng.integers(8)))
         return self.pin(request, f"request {request.rid} {label}position {position} slot {slot} source {source} "
-                        f"byte {byte}", bad=slot)
+                        f"byte {byte}", bad=slot, position=position)
 
     def inject_draft_kv_flip(self, rng: np.random.Generator) -> bool:
         return self.inject_kv_flip(rng, self.draft_kv, self.draft.context, "draft KV ")
@@ -1507,7 +1523,7 @@ class FuzzEngine:
         self.flip(self.swa_kv.views[source], int(self.lut_host[request.slots[position]]), byte, int(rng.integers(8)))
         request.frozen = True
         return self.pin(request, f"request {request.rid} SWA position {position} source {source} byte {byte}",
-                        bad=request.slots[position])
+                        bad=request.slots[position], position=position)
 
     def inject_host_flip(self, rng: np.random.Generator) -> bool:
         """A bit of a hashed byte in the host tier while its request is away (offloaded now if no
@@ -1524,7 +1540,8 @@ class FuzzEngine:
         byte = int(rng.integers(self.tier["full"].context.kv_read_lengths[source]))
         self.tier["full"].views[source][request.host_slots[position], byte] ^= np.uint8(1 << int(rng.integers(8)))
         request.tainted += (position,)  # its slot once it is loaded back is the bad one
-        return self.pin(request, f"request {request.rid} offloaded position {position} source {source} byte {byte}")
+        return self.pin(request, f"request {request.rid} offloaded position {position} source {source} byte {byte}",
+                        position=position)
 
     def inject_prefix_flip(self, rng: np.random.Generator) -> bool:
         """A bit of a hashed KV byte of a cached prefix no request holds, in the host tier or in a pool
@@ -1550,6 +1567,7 @@ class FuzzEngine:
             prefix.tainted += (position,)  # its slot once it is loaded back is the bad one
             where = f"host-tier prefix host slot {prefix.host_slots[position]}"
         self.fault.what = f"{where} position {position} source {source} byte {byte}"
+        self.fault.position = position
         return True
 
     def victim_position(self, rng: np.random.Generator) -> Optional[tuple[Request, int]]:
@@ -1567,7 +1585,7 @@ class FuzzEngine:
         request, position = victim
         self.fault.steal, self.fault.stolen_from = request.slots[position], victim
         return self.pin(request, f"request {request.rid} position {position} slot {self.fault.steal}",
-                        bad=self.fault.steal, injected=False)
+                        bad=self.fault.steal, injected=False, position=position)
 
     def inject_table_alias(self, rng: np.random.Generator) -> bool:
         """A req_to_token cell pointed at another live request's slot, one whose record differs from
@@ -1583,7 +1601,8 @@ class FuzzEngine:
         other, at = targets[int(rng.integers(len(targets)))]
         target = other.slots[at]
         self.table_host[request.row, position] = target
-        return self.pin(request, f"request {request.rid} position {position} -> slot {target} of {other.rid}")
+        return self.pin(request, f"request {request.rid} position {position} -> slot {target} of {other.rid}",
+                        position=position)
 
     def inject_in_forward(self, scheduled: list[Scheduled], after_nodes: list, *,
                           static: bool) -> Optional[tuple[str, int, int]]:
@@ -1605,7 +1624,8 @@ class FuzzEngine:
             return None
         entry, request, token, position, slot = candidates[int(fault.rng.integers(len(candidates)))]
         fault.in_static = static
-        fault.armed = self.pin(request, f"request {request.rid} position {position} entry {entry}", bad=slot)
+        fault.armed = self.pin(request, f"request {request.rid} position {position} entry {entry}", bad=slot,
+                               position=position)
         if fault.kind == "dropped_write":
             return "out_cache_loc", entry, -1  # a negative slot: the write skips the entry
         return "input_ids", entry, wrong_token(token)
@@ -1632,7 +1652,8 @@ class FuzzEngine:
         if not candidates:
             return None
         entry, request, position, slot, own = candidates[int(fault.rng.integers(len(candidates)))]
-        fault.armed = self.pin(request, f"request {request.rid} draft position {position} entry {entry}", bad=slot)
+        fault.armed = self.pin(request, f"request {request.rid} draft position {position} entry {entry}", bad=slot,
+                               position=position)
         return entry, own
 
 
