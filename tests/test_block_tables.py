@@ -135,6 +135,17 @@ def test_mirror_refuses_bad_arguments_and_changes_nothing(device, bad, words):
     assert (to_numpy(target).astype(np.int32) == start).all()
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_takes_a_block_size_of_2_31(device):
+    """The bound on ``block_size`` is inclusive: a block of 2**31 slots has offsets 0 .. 2**31 - 1,
+    all of which int32 holds. A window of no columns needs no width and stores nothing."""
+    rng = np.random.default_rng(81)
+    start = rng.integers(1, 2**20, size=(3, 8), dtype=np.int32)
+    target = to_device(start, device)
+    kc.block_tables.mirror(target, block_table=to_device(np.empty((2, 0), np.int32), device), block_size=2**31)
+    assert (to_numpy(target) == start).all()
+
+
 def _as_strided(array, shape, strides, device):
     if device == "cpu":
         return np.lib.stride_tricks.as_strided(array, shape=shape, strides=strides)

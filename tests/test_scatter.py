@@ -122,6 +122,23 @@ def test_pool_rows_that_overlap_are_refused(device, row_stride):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_one_column_pool_whose_rows_share_its_cell_is_refused(device):
+    """A pool of width 1 with a zero row stride (a broadcast column) holds every row in one cell:
+    refused like wider overlapping rows, nothing written."""
+    rng = np.random.default_rng(83)
+    xp = np if device == "cpu" else pytest.importorskip("cupy")
+    base = xp.asarray(rng.integers(-100, 100, size=4).astype(np.int32))
+    before = to_numpy(base).copy()
+    pool = xp.lib.stride_tricks.as_strided(base, shape=(3, 1), strides=(0, 4))
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^kv-canary: scatter_req_token_ids pool_out rows must not overlap "
+                                         r"\(row stride >= width \* itemsize = 4 bytes\), got row stride 0$"):
+        kc.scatter_req_token_ids(flat_in=put(rng.integers(1, 1000, 2)), offsets=put([0, 1, 2]),
+                                 req_pool_indices=put([1, 2]), pool_out=pool)
+    assert to_numpy(base).tolist() == before.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("over", ["flat_in", "offsets", "req_pool_indices"])
 def test_pool_out_over_an_array_it_reads_is_refused(device, over):
     """pool_out sharing memory with the ids, offsets or rows it is filled from would change them as

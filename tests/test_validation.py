@@ -764,6 +764,25 @@ def test_write_plan_from_host_takes_integer_sequences():
     assert plan.offsets.dtype == np.int64 and plan.seed_slot_indices.dtype == np.int64
 
 
+def test_write_plan_from_host_takes_unsigned_values_up_to_int64_max():
+    """Unsigned host values are refused only past int64, where they would wrap: int64's maximum
+    itself is kept as it is."""
+    top = np.iinfo(np.int64).max
+    plan = kc.WritePlan.from_host(offsets=np.array([0, 3, top], np.uint64),
+                                  seed_slot_indices=np.array([top, 7], np.uint64), num_valid_reqs=2)
+    assert plan.offsets.tolist() == [0, 3, top] and plan.seed_slot_indices.tolist() == [top, 7]
+
+
+def test_an_own_canary_buffer_needs_a_slot_stride_that_is_a_multiple_of_8():
+    """SPEC §2: ``slot_stride_bytes`` is a multiple of 8, so that every slot's int64 fields are
+    aligned; a buffer of the caller's own is held to it as ``allocate`` is."""
+    rng = np.random.default_rng(82)
+    make = _ctx_arrays(canary_buf=rng.integers(1, 256, size=(8, 36), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"^kv-canary: canary_buf slot_stride_bytes \(shape\[1\]\) must be >= 32 and "
+                                         r"a multiple of 8, got 36$"):
+        make()
+
+
 def test_write_plan_from_host_copies_the_callers_arrays():
     """The plan holds a copy of the host values, on the CPU as on a GPU: an unaligned or read-only
     array is taken by value, and the caller's array is neither read again nor stored into."""

@@ -305,6 +305,16 @@ def test_num_valid_reqs_clamped(device, num_valid_reqs, stored):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("num_valid_reqs,stored", [(-2**31, 0), (2**31 - 1, 3)])
+def test_num_valid_reqs_at_either_end_of_int32_is_clamped(device, num_valid_reqs, stored):
+    """SPEC §3.1 clamps ``num_valid_reqs`` to ``[0, cap]``: any int32 the cell holds is a count the
+    plan accepts, the most negative one included."""
+    ctx = _ctx(device)
+    _write(ctx, [0, 1, 3], [-1, -1], [1, 2, 3], [0, 0, 1], [1, 2, 3], device=device, num_valid_reqs=num_valid_reqs)
+    assert ctx.counters() == {"slot_run_counter": stored, "kernel_run_counter": 1, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_duplicate_slots_last_wins(device):
     ctx = _ctx(device)
     _write(ctx, [0, 3], [-1], [1, 2, 3], [0, 1, 2], [4, 5, 4], device=device)
