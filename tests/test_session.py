@@ -1408,6 +1408,16 @@ def test_layout_builders_geometry():
         kc.layouts.per_layer([np.zeros((4, 2, 2, 8), np.float32)])
 
 
+def test_layers_count_back_to_the_first_buffer():
+    """``layers`` indexes the buffers as Python indexes a list: ``-len`` is the first buffer."""
+    rng = np.random.default_rng(84)
+    k = [rng.standard_normal((16, 2, 8)).astype(np.float16) for _ in range(3)]
+    v = [rng.standard_normal((16, 2, 8)).astype(np.float16) for _ in range(3)]
+    sources = kc.layouts.per_layer(k, v, layers=[-3, -1])
+    assert len(sources) == 4
+    assert all(s.tensor is want for s, want in zip(sources, (k[0], v[0], k[2], v[2])))
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
 def test_paged_head_major_hashes_each_heads_tokens(device, mode):
