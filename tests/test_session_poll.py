@@ -645,3 +645,40 @@ def test_batches_of_arrays_that_speak_dlpack_alone_are_polled(device):
         ("head", 2, "a", 1), ("tail", 2, "a", 1), ("sweep", 2, "a", 1)]
     canary.context.canary_buf[1, 0] ^= 1
     assert not canary.poll()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_chain_broken_at_position_0_is_named_by_its_request(device):
+    """A first position's chain is checked against the anchor's link (SPEC §2: no predecessor
+    links as ``sm(ANCHOR)``), so a row that found it broken fits that entry: poll names it. The
+    changed ``prev_hash`` changes the slot's own link too, breaking position 1's chain as well."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    first, second = eng.requests["a"]["slots"][:2]
+    eng.canary.context.canary_buf[first, 16] ^= 1  # prev_hash's low byte
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    chain = ("CHAIN_HASH",)
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
+        ("head", 2, "a", 0, first, chain), ("head", 2, "a", 1, second, chain),
+        ("tail", 2, "a", 0, first, chain), ("tail", 2, "a", 1, second, chain)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_predecessor_cell_holding_the_pool_size_is_out_of_range_and_named(device):
+    """SPEC §4: a predecessor from ``num_slots`` on is out of range, the chain left unchecked; poll
+    judges the rows of such an entry as the kernels do, from ``num_slots`` itself on, and names
+    them by their request (the entry that read the cell as a slot is named too)."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.table[1, 2] = SLOTS  # the first slot past the pool
+    eng.sync()
+    after = eng.requests["a"]["slots"][3]
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    oor = ("OUT_OF_RANGE",)
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
+        ("head", 2, "a", 2, SLOTS, oor), ("head", 2, "a", 3, after, oor),
+        ("tail", 2, "a", 2, SLOTS, oor), ("tail", 2, "a", 3, after, oor)]
