@@ -184,6 +184,20 @@ def test_more_sources_than_numba_threads_take_are_hashed(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_counters_with_more_sources_than_numba_threads_take(device):
+    """SPEC §3.2 steps 1-2 hold however many sources a canary hashes: with 101 (verified serially on
+    the CPU) each verify counts its launch, and its entries only when its plan is enabled."""
+    rng = np.random.default_rng(75)
+    buffers = [to_device(rng.integers(1, 256, size=(8, 16), dtype=np.uint8), device) for _ in range(101)]
+    ctx = _chain(device, 8, real_kv_sources=kc.layouts.per_layer(buffers), hash_mode=kc.HashMode.PARTIAL)
+    assert ctx.counters() == {"slot_run_counter": 4, "kernel_run_counter": 1, "violations": 0}
+    for enable, runs, entries in ((1, 2, 4 + 3), (0, 3, 4 + 3)):
+        plan = host_verify_plan([1, 2, 3], [-1] * 3, [0, 1, 2], [-1, 1, 2], enable=enable, device=device)
+        kc.verify(ctx, plan, tag=TAG)
+        assert ctx.counters() == {"slot_run_counter": entries, "kernel_run_counter": runs, "violations": 0}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_row_padding_bytes_ignored(device):
     """Bytes between strided rows are never read."""
     p, r, pos = _filled(device, 8, mode=kc.HashMode.ALL)
@@ -304,6 +318,29 @@ def test_source_row_out_of_range_on_verify(device):
     _set_field(ctx, 6, 3, 77)
     kc.verify(ctx, plan, tag=TAG)
     assert ring_rows(ctx) == [(TAG, 6, 0, 0, -1, 0, 0, 64 | 4)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_first_slot_past_a_token_per_row_source_is_out_of_range(device, mode):
+    """SPEC §4 with ``page_size == 1``: slot ``rows`` is the first slot past the source, even where
+    the memory after its last row can be read (here more rows of the array it views). Its fold is
+    0 and bit 64 is set, by the write that stores it and by the verify that checks it."""
+    rng = np.random.default_rng(74)
+    parent = rng.integers(1, 256, size=(9, 32), dtype=np.uint8)
+    source = kc.RealKvSource(tensor=to_device(parent[:6], device), page_size=1, num_bytes_per_token=32,
+                             read_bytes=32)  # rows for slots 0..5
+    ctx = kc.CanaryContext.allocate(8, device=device, real_kv_sources=(source,), hash_mode=mode)
+    ids = [int(t) for t in rng.integers(1, 2**40, size=2)]
+    wplan = kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put([0, 1]), out_cache_loc=put([5, 6]))
+    buf = ctx.canary_buf
+    assert ring_rows(ctx) == [(0, 6, 1, ids[1], ids[1], link_of(buf, 5), 1, 64)]
+    assert fields(buf, 6)[3] == 0  # sm(0 ^ 0): the source folded as 0
+    ctx.clear_violations()
+    kc.verify(ctx, host_verify_plan([5, 6], [-1, -1], [0, 1], [-1, 5], device=device), tag=TAG)
+    assert ring_rows(ctx) == [(TAG, 6, 1, ids[1], -1, link_of(buf, 5), link_of(buf, 5), 64)]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
