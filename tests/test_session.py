@@ -1408,6 +1408,17 @@ def test_layout_builders_geometry():
         kc.layouts.per_layer([np.zeros((4, 2, 2, 8), np.float32)])
 
 
+def test_from_buffer_refuses_rows_that_do_not_split_evenly_into_tokens():
+    """``from_buffer``: every byte of a row belongs to its ``page_size`` tokens, evenly. A row of 33
+    bytes in pages of 2 tokens would leave a byte to no token, though the 16 bytes a token it
+    rounds down to pass the multiple-of-16 rule."""
+    rng = np.random.default_rng(85)
+    buffer = rng.integers(1, 256, size=(4, 33), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"^kv-canary: buffer rows \(33 bytes\) must split evenly into page_size=2 "
+                                         r"tokens, got shape \(4, 33\)$"):
+        kc.layouts.from_buffer(buffer, page_size=2)
+
+
 def test_layers_count_back_to_the_first_buffer():
     """``layers`` indexes the buffers as Python indexes a list: ``-len`` is the first buffer."""
     rng = np.random.default_rng(84)
