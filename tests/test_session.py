@@ -367,6 +367,20 @@ def test_capacity_overflow_is_reported(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", ["log", "raise"])
+def test_capacity_overflow_alone_is_logged_and_not_raised(device, mode, caplog):
+    """README: verify launches skipped for capacity are logged in modes "log" and "raise", and
+    "raise" raises for violations only."""
+    eng = Tiny(device, mode=mode, verify_capacity=4)
+    eng.step({"a": 6})
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.step({"a": 1})
+        report = eng.canary.poll()
+    assert (report.total, report.capacity_overflows) == (0, 2)
+    assert "2 verify launch(es) skipped: plan capacity exceeded" in caplog.text
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_swa_group(device):
     eng = Tiny(device, swa=True)
     eng.step({"a": 6, "b": 2})
