@@ -226,6 +226,18 @@ def test_within_one_canary_every_record_is_read_before_any_is_stored(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+def test_within_one_canary_pairs_out_of_range_store_nothing(device):
+    """A copy within one buffer stages its records, and keeps the rule of a direct copy: a pair
+    whose source or destination is out of range stores nothing (no zeroed record either)."""
+    ctx = _random_records(device, 40, 16)
+    before = to_numpy(ctx.canary_buf).copy()
+    src_slots = [3, -1, 40, 2**40, 7, 0, 39, 12]
+    dst_slots = [5, 6, 7, 8, -1, 24, 23, 2**62]
+    kc.copy_records(src=ctx, dst=ctx, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, device))
+    assert np.array_equal(to_numpy(ctx.canary_buf), _expected(before, before, src_slots, dst_slots))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
 def test_two_canaries_over_overlapping_bytes_read_every_record_first(device):
     """Canaries over overlapping views of one buffer (slot i of one is slot i + 1 of the other):
     every record is read before any is stored, as within one canary."""
