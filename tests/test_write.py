@@ -215,6 +215,17 @@ def test_input_assert(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_chain_position_assert_is_off_by_default(device):
+    """``CanaryContext.allocate`` leaves the chain position assert off (its flag 0): positions that
+    jump after a seed record nothing until it is turned on."""
+    ctx = _ctx(device, 10)
+    assert to_numpy(ctx.chain_position_assert).tolist() == [0]
+    _write(ctx, [0, 2], [-1], [1, 2], [0, 1], [1, 2], device=device)  # the prefix: positions 0, 1
+    _write(ctx, [0, 2], [2], [3, 4], [2, 4], [3, 4], device=device)  # position 4 jumps past 3
+    assert ring_rows(ctx) == []
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("flag", [False, True])
 def test_chain_position_assert(device, flag):
     ctx = _ctx(device, 10)
