@@ -682,3 +682,61 @@ def test_a_predecessor_cell_holding_the_pool_size_is_out_of_range_and_named(devi
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
         ("head", 2, "a", 2, SLOTS, oor), ("head", 2, "a", 3, after, oor),
         ("tail", 2, "a", 2, SLOTS, oor), ("tail", 2, "a", 3, after, oor)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_position_at_the_expected_valid_length_is_named_with_no_expected_token(device):
+    """``expected_valid_lens`` bounds the expected-token pool (SPEC §3.3: a token is expected below
+    the valid length only): the entry at the bound reports -1, and poll, judging the row by the
+    token its entry reported, names it."""
+    eng = _Engine(device, expected=True)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slot = eng.requests["a"]["slots"][3]
+    eng.canary.context.canary_buf[slot, 8] ^= 1  # the stored position's low byte
+    nxt = eng.free.pop(0)
+    eng.table[1, 4], eng.expected[1, 4] = nxt, 1004
+    eng.sync()
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([nxt]), req_ids=["a"],
+                            expected_valid_lens=i64([3]))
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons, e.violation.expected_token)
+            for e in report] == [("head", 2, "a", 3, slot, ("POSITION",), -1),
+                                 ("tail", 2, "a", 3, slot, ("POSITION",), -1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_padding_rows_cells_are_not_taken_for_slots_written(device):
+    """SPEC §3.3: a padding row (pool row 0) writes nothing, whatever its extend length and whatever
+    slot its cells of ``out_cache_loc`` hold. A poll every few forwards takes none of those slots
+    for one written again: a slot whose KV changed, held there, is named at every step that read
+    it."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 4, "b": 3})
+    flipped = eng.requests["a"]["slots"][2]
+    eng.k[flipped, 0, 1] += 1.0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    for _ in range(3):
+        a, b = eng.requests["a"], eng.requests["b"]
+        loc = []
+        for request in (a, b):
+            slot = eng.free.pop(0)
+            eng.table[request["row"], request["len"]] = slot
+            loc.append(slot)
+        eng.sync()
+        batch = kc.ForwardBatch(req_pool_indices=i64([1, 2, 0]), prefix_lens=i64([a["len"], b["len"], 0]),
+                                extend_seq_lens=i64([1, 1, 1]), input_ids=i64([1000 + a["len"], 2000 + b["len"], 7]),
+                                positions=i64([a["len"], b["len"], 0]), out_cache_loc=i64(loc + [flipped]),
+                                req_ids=["a", "b", "pad"])
+        eng.canary.before_forward(batch)
+        eng.canary.after_forward(batch)
+        a["len"], b["len"] = a["len"] + 1, b["len"] + 1
+    report = eng.canary.poll()
+    assert sorted(((e.step, e.phase, e.request, e.position, e.slot) for e in report), key=str) == [
+        (step, phase, "a", 2, flipped) for step in (2, 3, 4) for phase in ("head", "tail")]
