@@ -137,6 +137,18 @@ def test_pairs_out_of_range_store_nothing(device, tier):
     assert np.array_equal(to_numpy(dst.canary_buf), _expected(*before, src_slots, dst_slots))
 
 
+@pytest.mark.parametrize("device, tier", TIERS)
+def test_the_padding_slot_is_copied_like_any_other(device, tier):
+    """Slot 0 lies in range (SPEC §4 bounds slots by ``[0, num_slots)``): a pair naming it as its
+    source or its destination copies the record as any other pair does."""
+    src, dst = _random_records(device, 16, 8), _random_records(tier, 16, 9)
+    src_slots, dst_slots = [5, 0, 9], [0, 7, 3]
+    before = (to_numpy(src.canary_buf).copy(), to_numpy(dst.canary_buf).copy())
+    kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, device), dst_slots=_i64(dst_slots, tier))
+    assert np.array_equal(to_numpy(dst.canary_buf), _expected(*before, src_slots, dst_slots))
+    assert np.array_equal(to_numpy(dst.canary_buf)[0, :32], before[0][5, :32])
+
+
 def test_pairs_naming_one_destination_twice_leave_the_last_on_the_cpu():
     src, dst = _random_records("cpu", 16, 6), _random_records("cpu", 16, 7)
     kc.copy_records(src=src, dst=dst, src_slots=np.array([1, 2, 3], I64), dst_slots=np.array([9, 9, 4], I64))
