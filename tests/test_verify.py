@@ -401,6 +401,18 @@ def test_ring_overflow_keeps_first_rows(device, capacity):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_clear_violations_zeroes_the_rows_and_the_write_index(device):
+    """``clear_violations`` empties the ring, its rows as well as its write index: a caller reading
+    the ring's own array afterwards finds no row of before."""
+    ctx = _chain(device, 8, ring_capacity=4)
+    kc.verify(ctx, host_verify_plan([2, 3], [-1, -1], [7, 9], [1, 2], device=device), tag=TAG)
+    assert len(ring_rows(ctx)) == 2
+    ctx.clear_violations()
+    assert not to_numpy(ctx.violation_ring).any()
+    assert to_numpy(ctx.violation_write_index).tolist() == [0]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_verify_is_read_only(device):
     ctx = _chain(device)
     buf = snapshot(ctx.canary_buf)[0]
