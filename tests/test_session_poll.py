@@ -740,3 +740,28 @@ def test_a_padding_rows_cells_are_not_taken_for_slots_written(device):
     report = eng.canary.poll()
     assert sorted(((e.step, e.phase, e.request, e.position, e.slot) for e in report), key=str) == [
         (step, phase, "a", 2, flipped) for step in (2, 3, 4) for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_request_past_the_ids_given_is_named_by_its_batch_row(device):
+    """``req_ids`` may stop short of the batch (rows past the ids are named by their index): a row
+    of a request past them is named by its batch row."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 3, "b": 3})
+    flipped = eng.requests["b"]["slots"][1]
+    eng.k[flipped, 0, 1] += 1.0
+    loc = []
+    for request in (eng.requests["a"], eng.requests["b"]):
+        slot = eng.free.pop(0)
+        eng.table[request["row"], 3] = slot
+        loc.append(slot)
+    eng.sync()
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([3, 3]), extend_seq_lens=i64([1, 1]),
+                            input_ids=i64([1003, 2003]), positions=i64([3, 3]), out_cache_loc=i64(loc), req_ids=["a"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
+        ("head", 2, 1, 1, flipped), ("tail", 2, 1, 1, flipped)]
