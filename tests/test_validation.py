@@ -773,6 +773,24 @@ def test_write_plan_from_host_takes_unsigned_values_up_to_int64_max():
     assert plan.offsets.tolist() == [0, 3, top] and plan.seed_slot_indices.tolist() == [top, 7]
 
 
+def test_an_own_canary_buffer_needs_a_slot():
+    """A canary buffer of no slot has not even the padding slot: refused before anything reads it."""
+    make = _ctx_arrays(canary_buf=np.empty((0, 32), np.uint8))
+    with pytest.raises(ValueError, match=r"^kv-canary: canary_buf must have at least one slot, got shape \(0, 32\)$"):
+        make()
+
+
+def test_a_source_row_with_a_gap_in_a_dimension_of_two_is_refused():
+    """SPEC §2: the bytes inside a source row are contiguous. A row of two 16-byte halves taken
+    every other one of four leaves gaps between them, which a dimension of size 2 shows as well as
+    a longer one."""
+    rng = np.random.default_rng(86)
+    parent = rng.integers(1, 256, size=(8, 4, 16), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource\.tensor must have contiguous bytes within each "
+                                         r"row, got strides \(64, 32, 1\) for shape \(8, 2, 16\)$"):
+        kc.RealKvSource(tensor=parent[:, ::2], page_size=1, num_bytes_per_token=32, read_bytes=32)
+
+
 def test_an_own_canary_buffer_needs_a_slot_stride_that_is_a_multiple_of_8():
     """SPEC §2: ``slot_stride_bytes`` is a multiple of 8, so that every slot's int64 fields are
     aligned; a buffer of the caller's own is held to it as ``allocate`` is."""
