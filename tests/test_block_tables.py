@@ -43,6 +43,21 @@ def test_mirror_writes_each_blocks_slots_into_its_canary_row(device, table_dtype
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_block_0_is_mirrored_to_the_first_slots(device):
+    """Block 0 is a block like any other: its slots are 0 .. block_size - 1 (slot 0 the padding
+    slot, SPEC §2); only negative ids and those whose slots int32 cannot hold are stored as -1."""
+    rng = np.random.default_rng(87)
+    start = rng.integers(1, 2**20, size=(3, 12), dtype=np.int32)
+    req_to_token = to_device(start, device)
+    table = np.array([[5, 0, 2], [0, 0, 9]], np.int32)
+    kc.block_tables.mirror(req_to_token, block_table=to_device(table, device), block_size=4)
+    held = to_numpy(req_to_token)
+    assert held[1].tolist() == [20, 21, 22, 23, 0, 1, 2, 3, 8, 9, 10, 11]
+    assert held[2].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 36, 37, 38, 39]
+    assert held[0].tolist() == start[0].tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_block_whose_slots_int32_cannot_hold_is_read_as_out_of_range(device):
     """Block ids from 2**31 / block_size on, and negative ones, are stored as -1: their low 32 bits
     would name the padding slot (2**30 * 4 is 2**32) or another request's slot."""
