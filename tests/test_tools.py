@@ -91,6 +91,15 @@ def test_canary_fuzz_on_the_cpu_places_rows_logged_before_the_canary_went_off_in
     assert rows[0]["config"]["pause_at"] and rows[0]["detected"]
 
 
+def test_canary_fuzz_takes_a_record_written_over_whole_named_at_the_next_position(tmp_path, capsys):
+    """A slot of position 0 written over by another request, unhashed and with a ring of one row:
+    the record agrees with itself, and only position 1's chain link, which reads it, is reported.
+    That names the victim rightly."""
+    _, rows, _ = run_fuzz(tmp_path, capsys, start=398496, seeds=1, forwards=60)
+    assert rows[0]["fault"] == "slot_steal" and rows[0]["config"]["hash_mode"] == "NONE"
+    assert rows[0]["fault_where"].endswith("position 0 slot 20") and rows[0]["detected"]
+
+
 @pytest.mark.parametrize("shift", [1, -1])
 def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_path, capsys, monkeypatch, shift):
     """Events naming the harmed request one position off are misnamed: the request alone would

@@ -1277,13 +1277,13 @@ class FuzzEngine:
 
         Named right: some event names a victim (the final sweeps read each live request alone and
         poll after each, so the pinned victim is read with exact names whatever happened before),
-        and one names a victim at the position the fault harms; where every forward is polled before
-        the next (poll_every 1: integration.md §5, "call it every step for exact names"), no event
-        names anyone but victims and the thief, nor a victim at a position other than that one or
-        the next (whose chain link reads the changed record). An event may name no request or no
-        position (a row the tables at the poll no longer explain, such as an SWA slot freed after
-        the forward): that is not judged. Nothing is judged with ring_capacity 0 (the
-        ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
+        and one names a victim at the position the fault harms or the next (whose chain link reads
+        the changed record, and is all that tells a record written over whole); where every forward
+        is polled before the next (poll_every 1: integration.md §5, "call it every step for exact
+        names"), no event names anyone but victims and the thief, nor a victim at a position other
+        than those two. An event may name no request or no position (a row the tables at the poll
+        no longer explain, such as an SWA slot freed after the forward): that is not judged.
+        Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
         input assert may be the only one to see, in a static forward polled after later forwards
         refilled its arrays (README: "poll after each replay for exact names"), or in a span between
         two polls of more forwards and sweeps than ``max_logged_forwards`` (whose later forwards the
@@ -1304,8 +1304,10 @@ class FuzzEngine:
         seen = {position for request, position in self.named_at if request in fault.victims and position is not None}
         if at is None or not seen:
             return ""
-        if at not in seen:
-            return f"no event named a victim at position {at}: they named positions {sorted(seen)}"
+        # the record a fault changed may still agree with itself (a slot written over by another
+        # request, unhashed): then only the next position's chain link, which reads it, tells
+        if not seen & {at, at + 1}:
+            return f"no event named a victim at position {at} or {at + 1}: they named positions {sorted(seen)}"
         if seen - {at, at + 1} and self.c.poll_every == 1:
             return f"events named victims at positions {sorted(seen - {at, at + 1})}, neither {at} nor {at + 1}"
         return ""
