@@ -780,6 +780,45 @@ def test_the_first_poll_after_switching_off_reports_the_forwards_before_it(devic
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_switching_off_again_while_off_keeps_the_poll_owed_in_the_mode_switched_off_from(device):
+    """The poll owed once the canary is switched off acts as the mode it was switched off from;
+    setting ``"off"`` again while it is off changes nothing of that."""
+    eng = Tiny(device, mode="raise")
+    eng.step({"a": 4})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    eng.canary.mode = "off"
+    eng.canary.mode = "off"
+    with pytest.raises(kc.CanaryViolation) as info:
+        eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in info.value.report] == [("head", 2, "a", 1),
+                                                                                      ("tail", 2, "a", 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_polls_while_off_after_the_owed_one_return_at_once(device, caplog):
+    """Only the first poll after switching off decodes the rings: later ones while off return at
+    once, leaving rows recorded meanwhile (by a captured graph, which runs whatever the mode; here
+    a verify on the canary's context) to the first poll once it is on again."""
+    eng = Tiny(device, mode="raise")
+    eng.step({"a": 4})
+    eng.canary.mode = "off"
+    assert not eng.canary.poll()
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    vplan, wplan = kc.VerifyPlan.allocate(8, device=device), kc.WritePlan.allocate(1, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([0]),
+            req_to_token=eng.table)
+    eng.k[eng.slot("a", 2), 0, 0] += 1.0
+    kc.verify(eng.canary.context, vplan, tag=kc.LaunchTag.HEAD_K_FULL)
+    with caplog.at_level(logging.WARNING, logger="kvcanary_cupy"):
+        quiet = eng.canary.poll()
+    assert not quiet and quiet.total == 0 and quiet.forwards == 1 and not caplog.records
+    eng.canary.mode = "log"
+    found = eng.canary.poll()
+    assert found.total == 1 and [(e.phase, e.slot) for e in found] == [("head", eng.slot("a", 2))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_static_forward_let_go_without_close_is_closed(device):
     """A static forward the engine drops without ``close()`` is closed once collected: the next
     poll still counts and maps its run (a bit flipped in a record of the prefix it read is
@@ -846,6 +885,23 @@ def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplace
     eng.step({"a": 1})
     later = eng.canary.poll()
     assert later and {(e.step, e.request) for e in later} == {(3, "a")} and {e.position for e in later} == {2, 3}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("change", ["input_ids", "positions", "out_cache_loc"])
+def test_a_write_whose_token_arrays_changed_in_place_leaves_its_rows_unplaced(device, change, caplog):
+    """The arrays only a write reads (its entries' ids and slots) changed in place between the
+    forward and the poll: that forward's write launch is left out of the log, as any launch whose
+    arrays changed is (a warning says so), though the same batch's verify launches, which read
+    neither, are kept."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    batch = eng.step({"a": 1}, stale_position={"a": 2})
+    getattr(batch, change).shape = (1, 1)
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = eng.canary.poll()
+    assert "re-typed in place since" in caplog.text
+    assert report and all((e.phase, e.step, e.request) == ("write", None, None) for e in report)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -924,6 +980,27 @@ def test_sweeps_count_toward_max_logged_forwards(device):
         eng.canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([3]), req_ids=["a"]))
     assert all(len(group.log) == 3 + 2 for group in eng.canary.groups)  # the forward's three, two sweeps
     assert not eng.canary.poll() and all(not group.log for group in eng.canary.groups)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_poll_starts_the_count_of_sweeps_toward_max_logged_forwards_again(device, caplog):
+    """The cap bounds the forwards and sweeps since the previous poll, not since the canary was
+    built: an engine that sweeps and polls after every forward never reaches it, and its rows keep
+    their steps and requests."""
+    eng = Tiny(device, max_logged_forwards=2)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="kvcanary_cupy"):
+        eng.step({"a": 3})
+        for _ in range(4):
+            eng.canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([eng.lens["a"]]),
+                                             req_ids=["a"]))
+            assert not eng.canary.poll()
+            eng.step({"a": 1})
+        eng.k[eng.slot("a", 1), 0, 0] += 1.0
+        eng.canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([eng.lens["a"]]), req_ids=["a"]))
+        report = eng.canary.poll()
+    assert "forwards and sweeps since the last poll()" not in caplog.text
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("sweep", 5, "a", 1)]
 
 
 def test_the_mode_is_checked_when_set_and_the_forwards_kept_while_off():
