@@ -293,6 +293,16 @@ def _vector_length(array: Any) -> Optional[int]:
     return int(shape[0]) if integer and len(shape) == 1 else None
 
 
+def _entries_as_checked(launch: _Launch) -> bool:
+    """Whether a write launch's slots and its batch's ids and positions are still one per entry,
+    as its forward checked them: the mapping reads an entry's id and position at the index of its
+    slot, so an array resized in place shorter than the slots would fail the poll (and every later
+    one, which finds the same rows)."""
+    entries = _vector_length(launch.write_loc)
+    return entries is not None and all(_vector_length(getattr(launch.batch, name)) == entries
+                                       for name in _PER_TOKEN_READ)
+
+
 @dataclasses.dataclass(eq=False)
 class _StaticRecord:
     """A static forward as a group keeps it until it is closed: a weak reference (a forward the
@@ -1096,7 +1106,7 @@ class Canary:
                 key = (id(launch.batch), write)
                 if key not in judged:
                     judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens, write)
-                if judged[key] and (launch.write_loc is None or _vector_length(launch.write_loc) is not None):
+                if judged[key] and (launch.write_loc is None or _entries_as_checked(launch)):
                     kept.append(launch)
             dropped += len(group.log) - len(kept)
             group.log[:] = kept

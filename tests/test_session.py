@@ -905,6 +905,27 @@ def test_a_write_whose_token_arrays_changed_in_place_leaves_its_rows_unplaced(de
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("field", ["input_ids", "positions"])
+def test_a_write_whose_ids_or_positions_shrank_before_the_poll_leaves_its_rows_unplaced(device, field, caplog):
+    """An engine's token array resized between the forward and the poll to fewer entries than the
+    write's slots (its buffer swapped for a smaller batch's): the write's rows are reported
+    unplaced, with a warning, rather than this poll and every later one failing on an index past
+    the array, and the forwards after it are named again."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    batch = eng.step({"a": 2}, stale_position={"a": 2})
+    object.__setattr__(batch, field, to_device(np.zeros(0, np.int64), device))
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = eng.canary.poll()
+    assert "re-typed in place since" in caplog.text
+    assert [(e.phase, e.step, e.request) for e in report] == [("write", None, None)]
+    assert not eng.canary.poll()
+    eng.step({"a": 1})  # it reads the positions the stale write left without the records they need
+    later = eng.canary.poll()
+    assert later and {(e.step, e.request) for e in later} == {(3, "a")}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
     """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
     later ones are still checked, fingerprinted and counted, their rows reported at the next poll
