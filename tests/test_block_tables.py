@@ -891,3 +891,58 @@ def test_fill_through_backward_and_strided_views_equals_the_cpu():
         for mine, theirs in zip(*results):
             assert (mine == theirs).all()
         assert results[0][3][:counts[0]].tolist() == sources[0].tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_refuses_a_slot_table_one_cell_too_narrow_and_changes_nothing(device):
+    """Each canary row must have a cell for every slot of the block table's columns: one cell short,
+    the last block's last slot would be written into the next row's first cell."""
+    rng = np.random.default_rng(31)
+    start = rng.integers(1, 100, size=(5, 7), dtype=np.int32)
+    target = to_device(start, device)
+    table = to_device(rng.integers(1, 50, size=(3, 2), dtype=np.int32), device)
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token must be at least \(first_block \+ blocks\) \* "
+                                         r"block_size = \(0 \+ 2\) \* 4 = 8 wide"):
+        kc.block_tables.mirror(target, block_table=table, block_size=4)
+    assert (to_numpy(target) == start).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_unmirrored_refuses_a_negative_length(device):
+    table = to_device(np.array([[3, 7], [5, 2]], np.int32), device)
+    req_to_token = to_device(np.zeros((3, 8), np.int32), device)
+    kc.block_tables.mirror(req_to_token, block_table=table, block_size=4)
+    with pytest.raises(ValueError, match=r"^kv-canary: seq_lens must be in \[0, blocks \* block_size = 8\] .*"
+                                         r"got seq_lens\[1\] = -1"):
+        kc.block_tables.unmirrored(req_to_token, block_table=table, block_size=4, seq_lens=np.array([8, -1]))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_from_offsets_copies_a_strided_int64_token_array(device):
+    """Only contiguous int64 token arrays are the batch's own; a strided one is copied, so the
+    batch holds the values it had when the batch was made, in an array of the batch's."""
+    rng = np.random.default_rng(32)
+    inputs, _, _ = _offsets_inputs(rng, np.int64)
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    wide = to_device(np.repeat(inputs["input_ids"], 2), device)
+    given["input_ids"] = wide[::2]
+    batch = kc.ForwardBatch.from_offsets(**given)
+    assert (to_numpy(batch.input_ids) == inputs["input_ids"]).all()
+    wide[...] = to_device(np.full(wide.shape, 7, np.int64), device)  # the engine's refill
+    assert (to_numpy(batch.input_ids) == inputs["input_ids"]).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_leaves_a_view_of_the_batchs_own_token_array_as_it_is(device):
+    """A token array given to refill that is the batch's own array's cells (a view of it, as a
+    tensor over the engine's buffer is) is left as it is, as the array itself is."""
+    rng = np.random.default_rng(33)
+    inputs, counts, _ = _offsets_inputs(rng)
+    batch = _bound_batch(device, 5, 13)
+    batch.input_ids[...] = to_device(inputs["input_ids"][:13].astype(np.int64), device)
+    kc.block_tables.refill(batch, query_start_loc=to_device(inputs["query_start_loc"], device),
+                           seq_lens=to_device(inputs["seq_lens"], device), input_ids=batch.input_ids[:],
+                           positions=to_device(inputs["positions"][:13], device),
+                           out_cache_loc=to_device(inputs["out_cache_loc"][:13], device))
+    assert (to_numpy(batch.input_ids) == inputs["input_ids"][:13]).all()
+    assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
