@@ -274,6 +274,9 @@ def test_raise_mode_raises(device):
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
         ("head", 2, "a", 2, eng.slot("a", 2), ("CHAIN_HASH",)), ("tail", 2, "a", 2, eng.slot("a", 2), ("CHAIN_HASH",))]
     assert report.requests == {"a"}
+    # a line for each event shown, and one counting those left out only when any is
+    assert report.describe(limit=2).splitlines()[1:] == ["  " + e.describe() for e in report]
+    assert report.describe(limit=1).splitlines()[1:] == ["  " + report[0].describe(), "  ... 1 more"]
     assert "kv-canary" in str(info.value)
     assert "request 'a' position 2" in str(info.value)
     # an engine whose scheduler runs in a worker process hands the exception to its parent
@@ -704,6 +707,34 @@ def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_bat
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_before_forward_while_off_ends_the_forward_planned_before_it(device):
+    """A ``before_forward`` while off is a forward of its own, whose plans the canary never made:
+    the ``after_forward`` of that batch once on again plans it and counts it as a forward (its
+    events take its own step), even when the batch is the very object a forward planned while on
+    took (an engine's buffers refilled in place) and whose ``after_forward`` never came."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    table = to_numpy(eng.table).copy()
+    table[1, 4] = 60
+    eng.table[...] = to_device(table, device)
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"])
+    eng.canary.before_forward(batch)  # a forward the engine dropped before it ran
+    eng.canary.mode = "off"
+    eng.canary.before_forward(batch)
+    eng.canary.mode = "log"
+    for buffer in (eng.k, eng.v):
+        buffer[60] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert report.forwards == 3
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", 3, "a", 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("static", [False, True])
 def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, static, caplog):
     """A forward planned while on whose ``after_forward`` (or ``after()``) came while off is over:
@@ -880,6 +911,7 @@ def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplace
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         report = eng.canary.poll()
     assert [(e.phase, e.step, e.request) for e in report] == [("head", None, None), ("tail", None, None)]
+    assert report.requests == set()  # the requests the events name: none
     assert "re-typed in place since" in caplog.text
     eng.canary.context.canary_buf[eng.slot("a", 2), 0] ^= 1
     eng.step({"a": 1})
@@ -1860,6 +1892,8 @@ def _swa(**overrides) -> kc.SwaGroup:
      ("SwaGroup.lut must map every slot of the full pool", f"pool_slot_count={SLOTS}", f"got {SLOTS - 1}")),
     ({"real_kv_sources": kc.layouts.per_layer([np.zeros((SLOTS // 2, 2, 8), np.float32)])}, ValueError,
      ("real_kv_sources[0] must hold the KV of every slot of its pool", f"= {SLOTS // 2} slots", f"pool's {SLOTS}")),
+    ({"real_kv_sources": kc.layouts.per_layer([np.zeros((SLOTS - 1, 2, 8), np.float32)])}, ValueError,
+     ("real_kv_sources[0] must hold the KV of every slot of its pool", f"= {SLOTS - 1} slots", f"pool's {SLOTS}")),
     ({"swa": _swa(real_kv_sources=kc.layouts.paged([np.zeros((3, 4, 2, 8), np.float32)]))}, ValueError,
      ("SwaGroup.real_kv_sources[0]", "3 rows x page_size 4 = 12 slots")),
 ])
@@ -2215,6 +2249,23 @@ def test_closed_static_forwards_between_polls_are_held_to_max_logged_forwards(ca
     eng.step({"a": 1, "b": 1})
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
         ("head", 23, "a", 1), ("tail", 23, "a", 1)]
+
+
+def test_the_warning_for_closed_static_forwards_let_go_is_said_once_each_poll(caplog):
+    """Past ``max_logged_forwards`` closed static forwards between two polls the canary lets go of
+    the oldest, and says so once: once between each two polls, since a poll lets go of them all."""
+    eng = Tiny("cpu", max_logged_forwards=2)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    rng = np.random.default_rng(14)
+    for done in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvcanary_cupy"):
+            _static_decodes_closed(eng, 5, run=True, poll=False, rng=rng)
+        assert len([r for r in caplog.records if "more than 2 closed static forwards" in r.getMessage()]) == 1
+        report = eng.canary.poll()
+        assert not report and report.forwards == 1 + 5 * done
+        assert all(not group.static_log for group in eng.canary.groups)
 
 
 def test_closed_static_forwards_let_go_still_count_their_replays(monkeypatch):
