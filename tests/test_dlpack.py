@@ -333,3 +333,29 @@ def test_a_tensor_without_a_dlpack_device_is_named():
         kc.write(ctx, wplan, tag=kc.LaunchTag.TAIL_K_FULL, input_ids=torch.empty(1, dtype=torch.int64, device="meta"),
                  positions=np.array([0]), out_cache_loc=np.array([3]))
     assert np.array_equal(ctx.canary_buf, before)
+
+
+def test_a_negative_device_index_is_refused():
+    with pytest.raises(ValueError, match=r"^kv-canary: device index must be non-negative, got -1"):
+        kc.CanaryContext.allocate(4, device=-1)
+
+
+class _PinnedHost:
+    """Host memory that names DLPack's CUDA-host device type (pinned memory, as torch's
+    ``pin_memory()`` tensors do)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack_device__(self):
+        return (3, 0)
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__()
+
+
+def test_pinned_host_memory_is_host_memory():
+    kv = np.random.default_rng(41).standard_normal((6, 2, 8)).astype(np.float32)
+    source = kc.RealKvSource(tensor=_PinnedHost(kv), page_size=1, num_bytes_per_token=64, read_bytes=64)
+    assert source.device == kc._dlpack.CPU and source.num_rows == 6
+    assert source.base_address == kv.ctypes.data

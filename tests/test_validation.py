@@ -891,3 +891,14 @@ def test_slot_fields_range():
     with pytest.raises(ValueError, match=r"^kv-canary: slot must be in \[0, 4\), got 4"):
         ctx.slot_fields(4)
     assert ctx.slot_fields(3) == {"token": 0, "position": 0, "prev_hash": 0, "real_kv_hash": 0}
+
+
+@pytest.mark.parametrize("handle", [0, 2**63, 2**64 - 1])
+def test_a_raw_stream_handle_takes_every_pointer_value_on_the_cpu(handle):
+    """A raw handle is a cudaStream_t, a pointer: any value in [0, 2**64) is a handle's form (the
+    CPU then ignores it), the upper half of the range included."""
+    w = World("cpu")
+    w.verify(stream=handle)
+    w.verify(stream=np.uint64(handle))
+    with pytest.raises(ValueError, match=r"^kv-canary: stream, a raw CUDA stream handle, must be in \[0, 2\*\*64\)"):
+        w.verify(stream=2**64)
