@@ -477,3 +477,16 @@ def test_numba_missing_or_failing_to_import_is_said_in_one_line(tmp_path, broken
     message = f"kv-canary: arrays on the CPU run on the numba backend, and numba is {said}"
     assert done.stdout.startswith(message) and done.stderr.strip() == message, (done.stdout, done.stderr)
     assert f"cpu backend : unavailable (numba is {info}" in done.stdout and done.stdout.strip().endswith("2 0")
+
+
+def test_source_counts_are_bounded_at_65536_inclusive(monkeypatch):
+    """65536 sources is the most a context may hash: that count is warmed (the CPU warming stood in
+    for here, which would build as many sources), one more is refused."""
+    import kvcanary_cupy.precompile as precompile
+
+    warmed = []
+    monkeypatch.setattr(precompile, "_warm_cpu", warmed.append)
+    kc.compile_kernels(device="cpu", source_counts=[precompile.MOST_SOURCES_WARMED, 2, 2])
+    assert warmed == [[2, 65536]]
+    with pytest.raises(ValueError, match=r"^kv-canary: source_counts item must be at most 65536"):
+        kc.compile_kernels(device="cpu", source_counts=[65537])
