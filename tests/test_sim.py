@@ -779,3 +779,23 @@ def test_demo_refuses_json_and_chart_in_one_file(tmp_path, capsys, monkeypatch, 
     assert demo_main(["--device", "cpu", "--no-progress", "--steps", "5", "--json", "run.png", "--chart", second]) == 2
     assert "kv-canary: --json and --chart must name two files" in capsys.readouterr().err
     assert not (tmp_path / "run.png").exists()
+
+
+def test_per_class_counts_a_detected_fault_only_as_detected():
+    """A fault's requests still running after it was reported: detected, not in flight; in flight
+    are only the undetected faults whose requests still run, missed only those done with that
+    changed what they read."""
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.sim.faults import Fault
+    from kvcanary_cupy.sim.runner import SimResult
+
+    def fault(fid, detected_step, closed, took_effect=True):
+        return Fault(fid, "kv_bitflip", 10 * fid, {f"r{fid}"}, {fid + 1}, {}, detected_step=detected_step,
+                     closed=closed, took_effect=took_effect)
+
+    faults = [fault(0, 3, False), fault(1, None, False), fault(2, None, True), fault(3, None, True, False)]
+    result = SimpleNamespace(faults=faults)
+    row = SimResult.per_class(result)["kv_bitflip"]
+    assert (row["injected"], row["detected"], row["in_flight"], row["no_effect"]) == (4, 1, 1, 1)
+    assert SimResult.missed.fget(result) == [faults[2]]
