@@ -501,8 +501,9 @@ class Canary:
     place), the ``device``, the real-KV sources (see :mod:`kvcanary_cupy.layouts`) and hash mode, the
     ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32 [rows, ctx]``, the
     token id of every position, referenced in place) turns on expected-token checks in verify.
-    ``mode`` is ``"off"`` (every call returns at once, but for the first poll after switching it
-    off, which decodes what came before), ``"log"`` (poll logs and returns the report)
+    ``mode`` is ``"off"`` (forwards, sweeps and polls return at once, but for the first poll after
+    switching it off, which decodes what came before; ``static_forward`` still validates and binds
+    its batch, so that the forward runs once the canary is on again), ``"log"`` (poll logs and returns the report)
     or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
     polls the canary keeps the batches of at most ``max_logged_forwards`` forwards and sweeps, to
     name the requests and steps of their rows; later ones are checked all the same, but that poll's

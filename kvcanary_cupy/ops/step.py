@@ -42,8 +42,8 @@ class CanaryStep:
 
     The arrays are bound here: refill them in place between launches, as for a captured CUDA graph.
     Call ``launch`` after the forward has written its KV, since the write fingerprints those bytes.
-    On a GPU, building a step waits once for CuPy's current stream, where its arrays are zeroed, so
-    that a launch on any stream finds them zeroed.
+    On a GPU, building a step waits for CuPy's current stream, where its arrays are zeroed, so that
+    a launch on any stream finds them zeroed.
     """
 
     def __init__(self, ctx: CanaryContext, *, verify_capacity: int, verify_tag: int, write_tag: int,
