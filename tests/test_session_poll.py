@@ -99,6 +99,16 @@ class _Engine:
         for rid, count in extend.items():
             self.requests[rid]["len"] += count
 
+    def next_slots(self, rids) -> list:
+        """A free slot for each request's next position, set in its table row: for a batch the test
+        builds itself (the requests' lengths are its to advance)."""
+        slots = [self.free.pop(0) for _ in rids]
+        for rid, slot in zip(rids, slots):
+            request = self.requests[rid]
+            self.table[request["row"], request["len"]] = slot
+        self.sync()
+        return slots
+
     def finish(self, rid):
         """The request ends: its pool row cleared, its slots free again (handed out first, in
         order), their SWA slots too."""
@@ -647,22 +657,31 @@ def test_batches_of_arrays_that_speak_dlpack_alone_are_polled(device):
     assert not canary.poll()
 
 
+def _events_after_a_change(device, change) -> tuple[list, list]:
+    """Request "a" written at positions 0-3, ``change(eng)`` made, then one more token forwarded:
+    its slots as the first forward left them, and the poll's events as (phase, step, request,
+    position, slot, reasons)."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slots = list(eng.requests["a"]["slots"][:4])
+    change(eng)
+    eng.forward({"a": 1})
+    return slots, [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in eng.canary.poll()]
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_chain_broken_at_position_0_is_named_by_its_request(device):
     """A first position's chain is checked against the anchor's link (SPEC §2: no predecessor
     links as ``sm(ANCHOR)``), so a row that found it broken fits that entry: poll names it. The
     changed ``prev_hash`` changes the slot's own link too, breaking position 1's chain as well."""
-    eng = _Engine(device)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    first, second = eng.requests["a"]["slots"][:2]
-    eng.canary.context.canary_buf[first, 16] ^= 1  # prev_hash's low byte
-    eng.forward({"a": 1})
-    report = eng.canary.poll()
+    def flip_first_prev_hash(eng):
+        eng.canary.context.canary_buf[eng.requests["a"]["slots"][0], 16] ^= 1  # prev_hash's low byte
+
+    (first, second, *_), events = _events_after_a_change(device, flip_first_prev_hash)
     chain = ("CHAIN_HASH",)
-    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
-        ("head", 2, "a", 0, first, chain), ("head", 2, "a", 1, second, chain),
-        ("tail", 2, "a", 0, first, chain), ("tail", 2, "a", 1, second, chain)]
+    assert events == [("head", 2, "a", 0, first, chain), ("head", 2, "a", 1, second, chain),
+                      ("tail", 2, "a", 0, first, chain), ("tail", 2, "a", 1, second, chain)]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -670,18 +689,14 @@ def test_a_predecessor_cell_holding_the_pool_size_is_out_of_range_and_named(devi
     """SPEC §4: a predecessor from ``num_slots`` on is out of range, the chain left unchecked; poll
     judges the rows of such an entry as the kernels do, from ``num_slots`` itself on, and names
     them by their request (the entry that read the cell as a slot is named too)."""
-    eng = _Engine(device)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    eng.table[1, 2] = SLOTS  # the first slot past the pool
-    eng.sync()
-    after = eng.requests["a"]["slots"][3]
-    eng.forward({"a": 1})
-    report = eng.canary.poll()
+    def point_past_the_pool(eng):
+        eng.table[1, 2] = SLOTS  # the first slot past the pool
+        eng.sync()
+
+    (*_, after), events = _events_after_a_change(device, point_past_the_pool)
     oor = ("OUT_OF_RANGE",)
-    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
-        ("head", 2, "a", 2, SLOTS, oor), ("head", 2, "a", 3, after, oor),
-        ("tail", 2, "a", 2, SLOTS, oor), ("tail", 2, "a", 3, after, oor)]
+    assert events == [("head", 2, "a", 2, SLOTS, oor), ("head", 2, "a", 3, after, oor),
+                      ("tail", 2, "a", 2, SLOTS, oor), ("tail", 2, "a", 3, after, oor)]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -724,12 +739,7 @@ def test_a_padding_rows_cells_are_not_taken_for_slots_written(device):
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     for _ in range(3):
         a, b = eng.requests["a"], eng.requests["b"]
-        loc = []
-        for request in (a, b):
-            slot = eng.free.pop(0)
-            eng.table[request["row"], request["len"]] = slot
-            loc.append(slot)
-        eng.sync()
+        loc = eng.next_slots(["a", "b"])
         batch = kc.ForwardBatch(req_pool_indices=i64([1, 2, 0]), prefix_lens=i64([a["len"], b["len"], 0]),
                                 extend_seq_lens=i64([1, 1, 1]), input_ids=i64([1000 + a["len"], 2000 + b["len"], 7]),
                                 positions=i64([a["len"], b["len"], 0]), out_cache_loc=i64(loc + [flipped]),
@@ -752,12 +762,7 @@ def test_a_request_past_the_ids_given_is_named_by_its_batch_row(device):
     eng.forward({"a": 3, "b": 3})
     flipped = eng.requests["b"]["slots"][1]
     eng.k[flipped, 0, 1] += 1.0
-    loc = []
-    for request in (eng.requests["a"], eng.requests["b"]):
-        slot = eng.free.pop(0)
-        eng.table[request["row"], 3] = slot
-        loc.append(slot)
-    eng.sync()
+    loc = eng.next_slots(["a", "b"])  # position 3 of each
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([3, 3]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([1003, 2003]), positions=i64([3, 3]), out_cache_loc=i64(loc), req_ids=["a"])
