@@ -32,40 +32,35 @@ def _version() -> str:
 
 def _info(_: argparse.Namespace) -> int:
     import kvcanary_cupy as kc  # noqa: PLC0415
-    from ._dlpack import cuda_device_count, cupy_module  # noqa: PLC0415
+    from ._dlpack import (cuda_device_count, cupy_failure, cupy_module, error_text,  # noqa: PLC0415
+                          import_error, installed_but_failing)
 
     print(f"kvcanary_cupy {kc.__version__}")
-    try:
+    numba_error = import_error("numba")
+    if numba_error is None:
         import numba  # noqa: PLC0415
 
         print(f"  cpu backend : numba {numba.__version__}")
-    except ImportError as error:
-        if isinstance(error, ModuleNotFoundError) and error.name == "numba":
-            print("  cpu backend : unavailable (numba is not installed: pip install numba; host arrays cannot be "
-                  "checked without it)")
-        else:  # numba refusing the NumPy it finds, say
-            print(f"  cpu backend : unavailable (numba is installed but fails to import: "
-                  f"{str(error).strip() or type(error).__name__}; host arrays cannot be checked without it)")
+    else:
+        why = installed_but_failing(numba_error, "numba")  # e.g. numba refusing the NumPy it finds
+        print("  cpu backend : unavailable (" + ("numba is not installed: pip install numba" if why is None else
+                                                 f"numba is installed but fails to import: {why}")
+              + "; host arrays cannot be checked without it)")
     cupy = cupy_module()
     count = cuda_device_count()
     if cupy is None:
-        import importlib.util  # noqa: PLC0415
-
-        if importlib.util.find_spec("cupy") is None:
+        why = cupy_failure()
+        if why is None:
             print("  cuda backend: unavailable (CuPy is not installed: pip install cupy-cuda12x or cupy-cuda13x, "
                   "this package's cuda12 or cuda13 extra)")
         else:
-            from . import _dlpack  # noqa: PLC0415
-
-            error = _dlpack._CUPY_IMPORT_ERROR
-            why = str(error).strip() or type(error).__name__
             print(f"  cuda backend: unavailable (CuPy is installed but fails to import: {why})")
     elif count == 0:
         try:
             cupy.cuda.runtime.getDeviceCount()
             why = "no CUDA device is visible"
         except Exception as error:  # noqa: BLE001 - no driver, no device: CuPy's own words
-            why = str(error).strip() or type(error).__name__
+            why = error_text(error)
         print(f"  cuda backend: CuPy {cupy.__version__}, 0 devices ({why}); arrays run on the CPU backend")
     else:
         print(f"  cuda backend: CuPy {cupy.__version__}, {count} device(s)")

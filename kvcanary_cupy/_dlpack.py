@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib
 import sys
 import weakref
 from typing import Any, Optional
@@ -70,6 +71,34 @@ def cupy_module():
 
 
 _CUPY_IMPORT_ERROR: Optional[BaseException] = None  # why an installed CuPy failed to import
+
+
+def cupy_failure() -> Optional[str]:
+    """Why an installed CuPy fails to import (None: it imports, or it is not installed)."""
+    cupy_module()
+    return installed_but_failing(_CUPY_IMPORT_ERROR, "cupy")
+
+
+def import_error(module: str) -> Optional[BaseException]:
+    """What importing ``module`` raises (None: it imports)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        return error
+    return None
+
+
+def installed_but_failing(error: Optional[BaseException], module: str) -> Optional[str]:
+    """Why an installed ``module`` fails to import, from its import's ``error``: None where there is
+    no error or the module is not installed at all (an install to advise, not a failure to report)."""
+    if error is None or (isinstance(error, ModuleNotFoundError) and error.name == module):
+        return None
+    return error_text(error)
+
+
+def error_text(error: BaseException) -> str:
+    """An exception's message, or its type's name where it has none."""
+    return str(error).strip() or type(error).__name__
 
 
 def cuda_device_count() -> int:
@@ -351,9 +380,8 @@ class CudaUnavailableError(ValueError, RuntimeError):
 def require_cupy(name: str):
     cupy = cupy_module()
     if cupy is None:
-        error = _CUPY_IMPORT_ERROR
-        if error is not None and not (isinstance(error, ModuleNotFoundError) and error.name == "cupy"):
-            why = str(error).strip() or type(error).__name__
+        why = cupy_failure()
+        if why is not None:
             raise CudaUnavailableError(f"kv-canary: {name}: a CUDA device needs CuPy, which is installed but fails "
                                        f"to import ({why}): python -c 'import cupy' tells more")
         raise CudaUnavailableError(

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .. import validate as check
-from .._dlpack import Device, cupy_module, require_cupy
+from .._dlpack import Device, cupy_module, import_error, installed_but_failing, require_cupy
 
 
 def backend_module(device: Device, op: str):
@@ -19,27 +19,18 @@ def backend_module(device: Device, op: str):
     try:
         return importlib.import_module(f"{__package__}.backends.{package}.{op}")
     except ImportError:
-        numba_error = _numba_import_error() if package == "_cpu" else None
+        numba_error = import_error("numba") if package == "_cpu" else None
         if numba_error is None:  # numba imports: the error is another's
             raise
-        if isinstance(numba_error, ModuleNotFoundError) and numba_error.name == "numba":
+        why = installed_but_failing(numba_error, "numba")
+        if why is None:
             # numba is a dependency of the package, so only a broken install lacks it
             raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is not "
                                "installed: pip install numba") from None
         # numba refusing the NumPy it finds (it supports a range of NumPy versions, and upgrading NumPy
         # alone can leave it out of range) is a broken install too, not a fault of the op
-        why = str(numba_error).strip() or type(numba_error).__name__
         raise RuntimeError(f"{check.PREFIX}arrays on the CPU run on the numba backend, and numba is installed "
                            f"but fails to import ({why})") from None
-
-
-def _numba_import_error():
-    """Why ``import numba`` fails, or None when it imports."""
-    try:
-        importlib.import_module("numba")
-    except ImportError as error:
-        return error
-    return None
 
 
 def resolve_stream(stream: Any, device: Device):
