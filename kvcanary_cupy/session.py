@@ -503,11 +503,11 @@ class Canary:
     token id of every position, referenced in place) turns on expected-token checks in verify.
     ``mode`` is ``"off"`` (forwards, sweeps and polls return at once, but for the first poll after
     switching it off, which decodes what came before; ``static_forward`` still validates and binds
-    its batch, so that the forward runs once the canary is on again), ``"log"`` (poll logs and returns the report)
-    or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was found). Between two
-    polls the canary keeps the batches of at most ``max_logged_forwards`` forwards and sweeps, to
-    name the requests and steps of their rows; later ones are checked all the same, but that poll's
-    rows get no step and theirs may name no request. ``logger`` (default: the ``kvcanary_cupy``
+    its batch, so that the forward runs once the canary is on again), ``"log"`` (poll logs and
+    returns the report) or ``"raise"`` (poll raises :class:`CanaryViolation` when anything was
+    found). Between two polls the canary keeps the batches of at most ``max_logged_forwards``
+    forwards and sweeps, to name the requests and steps of their rows; later ones are checked all
+    the same, but that poll's rows get no step and theirs may name no request. ``logger`` (default: the ``kvcanary_cupy``
     logger) gets every warning as one formatted message, ``logger.warning(message)``; one that
     raises has the message given to the ``kvcanary_cupy`` logger instead.
     """
