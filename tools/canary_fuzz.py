@@ -1283,11 +1283,11 @@ class FuzzEngine:
         names"), no event names anyone but victims and the thief, nor a victim at a position other
         than those two. An event may name no request or no position (a row the tables at the poll
         no longer explain, such as an SWA slot freed after the forward): that is not judged.
-        Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong token (a draft model's too) that the write
-        input assert may be the only one to see, in a static forward polled after later forwards
-        refilled its arrays (README: "poll after each replay for exact names"), or in a span between
-        two polls of more forwards and sweeps than ``max_logged_forwards`` (whose later forwards the
-        canaries do not log: integration.md §5)."""
+        Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
+        token (a draft model's too) that the write input assert may be the only one to see, in a
+        static forward polled after later forwards refilled its arrays (README: "poll after each
+        replay for exact names"), or in a span between two polls of more forwards and sweeps than
+        ``max_logged_forwards`` (whose later forwards the canaries do not log: integration.md §5)."""
         fault = self.fault
         if not self.found_after_fault or not self.c.ring_capacity:
             return ""
@@ -1306,10 +1306,11 @@ class FuzzEngine:
             return ""
         # the record a fault changed may still agree with itself (a slot written over by another
         # request, unhashed): then only the next position's chain link, which reads it, tells
-        if not seen & {at, at + 1}:
+        near = {at, at + 1}
+        if not seen & near:
             return f"no event named a victim at position {at} or {at + 1}: they named positions {sorted(seen)}"
-        if seen - {at, at + 1} and self.c.poll_every == 1:
-            return f"events named victims at positions {sorted(seen - {at, at + 1})}, neither {at} nor {at + 1}"
+        if seen - near and self.c.poll_every == 1:
+            return f"events named victims at positions {sorted(seen - near)}, neither {at} nor {at + 1}"
         return ""
 
     # --- moves: the host tier and compaction (integration.md §4) ---------------------------------
