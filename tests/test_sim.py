@@ -232,6 +232,56 @@ def test_demo_cli_exit_status_tells_a_failed_run(tmp_path, capsys, monkeypatch):
     assert "kv-canary: demo failed: " in capsys.readouterr().err
 
 
+def test_demo_cli_strict_fails_on_a_class_named_and_never_caught(capsys):
+    """--strict fails a run that never caught a class named in --faults, whatever kept it from being
+    injected, and says why on standard error: such a run has not shown that the canary catches it.
+    Classes only implied (the default, or 'all') are injected where the engine's shape can host them
+    and demanded by none."""
+    one_request = ["--device", "cpu", "--no-progress", "--steps", "1", "--max-running", "1"]
+    assert demo_main([*one_request, "--faults", "slot_alias,token_swap", "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kv-canary: demo failed: 0 false positive(s), 0 missed fault(s); ")
+    assert "; slot_alias asked for, never caught (not injected: needs two running requests (max_running >= 2))" in err
+    assert ("; token_swap asked for, never caught (not injected: its turn did not come (one fault every 10 steps "
+            "from step 10))") in err
+    assert demo_main([*one_request, "--faults", "slot_alias"]) == 0  # not strict: the summary says why
+    assert "slot_alias         not injected: needs two running requests" in capsys.readouterr().out
+    for implied in ([], ["--faults", "all"], ["--faults", "none"]):
+        assert demo_main([*one_request, "--host-slots", "0", "--strict", *implied]) == 0, implied
+        assert "demo failed" not in capsys.readouterr().err
+
+
+def test_demo_cli_strict_fails_on_a_class_named_whose_faults_were_none_caught(monkeypatch, capsys):
+    """A named class injected but never caught fails --strict too: its faults still in flight when
+    the run ended, or without effect, show nothing of the canary either. One fault of it caught is
+    enough."""
+    from kvcanary_cupy.sim import runner
+    from kvcanary_cupy.sim.faults import Fault
+
+    fates = {"in flight": dict(closed=False), "no effect": dict(closed=True, took_effect=False),
+             "caught": dict(detected_step=12, closed=True)}
+    faults = []
+
+    def fake_run(config, classes, **kwargs):
+        return runner.SimResult(config, config.steps, 1, 1, 1, 0, 0, 0, 1.0, 0.5, list(faults), [],
+                                [0] * config.steps)
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    argv = ["--device", "cpu", "--no-progress", "--steps", "20", "--faults", "offload_bitflip,use_after_free"]
+    faults[:] = [Fault(0, "offload_bitflip", 10, {1}, {5}, {}, **fates["in flight"]),
+                 Fault(1, "use_after_free", 11, {2}, {6}, {}, **fates["no effect"])]
+    assert demo_main(argv) == 0
+    assert demo_main([*argv, "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert ("0 missed fault(s); offload_bitflip asked for, never caught (1 fault injected, none caught: 1 still in "
+            "flight at the end); use_after_free asked for, never caught (1 fault injected, none caught: 1 without "
+            "effect)") in err
+    faults.extend([Fault(2, "offload_bitflip", 12, {3}, {7}, {}, **fates["caught"]),
+                   Fault(3, "use_after_free", 13, {4}, {8}, {}, **fates["caught"])])
+    assert demo_main([*argv, "--strict"]) == 0
+    assert "demo failed" not in capsys.readouterr().err
+
+
 def test_demo_faults_do_not_stack_on_a_request_and_undetected_ones_in_flight_are_not_misses():
     """A fault is injected only into requests no unreported fault has hurt (a second would take the
     first's report), so even a fault every step is each caught; one whose request still runs when

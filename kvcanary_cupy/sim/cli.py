@@ -16,12 +16,14 @@ from .engine import LAYOUTS, SMALLEST, SimConfig
 from .faults import FAULT_CLASSES
 
 
-def _faults(text: str) -> list[str]:
+def _faults(text: str) -> Optional[list[str]]:
+    """An argparse type: the fault classes named, or ``None`` for 'all' (every class, injected where
+    the engine's shape can host one, none of them demanded by ``--strict``)."""
     if any(not part.strip() for part in text.split(",")):
         raise argparse.ArgumentTypeError(f"a fault class name is empty in {text!r}; name classes, 'all' or 'none'")
     names = [n for part in text.split(",") for n in part.split()]
     if names == ["all"]:
-        return list(FAULT_CLASSES)
+        return None
     if names == ["none"]:
         return []
     unknown = [n for n in names if n not in FAULT_CLASSES]
@@ -114,8 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="forward passes to simulate (default 300)")
     parser.add_argument("--seed", type=_at_least(SMALLEST["seed"]), default=0,
                         help="workload and fault seed (default 0)")
-    parser.add_argument("--faults", type=_faults, default=list(FAULT_CLASSES), metavar="CLASSES",
-                        help="comma-separated fault classes, 'all' (default) or 'none': " + ", ".join(FAULT_CLASSES))
+    parser.add_argument("--faults", type=_faults, default=None, metavar="CLASSES",
+                        help="comma-separated fault classes, 'all' (default: each class in turn where the engine's "
+                             "shape can host it) or 'none': " + ", ".join(FAULT_CLASSES)
+                             + "; with --strict each class named must be caught")
     parser.add_argument("--fault-every", type=_at_least(1), default=10, help="steps between injected faults (default 10)")
     parser.add_argument("--hash-mode", default="all", choices=[m.name.lower() for m in HashMode],
                         help="how much real KV each slot fingerprints (default all: every fault class is "
@@ -161,9 +165,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when an injected fault went unreported although its requests were done "
-                             "with before the run ended, as well as on a false positive (exit status: 0 all "
-                             "well, 1 a false positive or, with --strict, a missed fault, 2 a refused option or, after "
-                             "an otherwise clean run, an output that could not be written)")
+                             "with before the run ended, or a class named in --faults was never caught (not "
+                             "injected; or each of its faults missed, in flight at the end or without effect; 'all' "
+                             "names no class), as well as on a false positive (exit status: 0 all well, 1 a false "
+                             "positive or, with --strict, a missed fault or a named class not caught, 2 a refused "
+                             "option or, after an otherwise clean run, an output that could not be written)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -197,7 +203,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(re.sub(r"\b[a-z_]+\b", lambda word: flags.get(word[0], word[0]), str(error)), file=sys.stderr)
         return 2
     try:
-        result = run(config, args.faults, fault_every=args.fault_every,
+        faults = list(FAULT_CLASSES) if args.faults is None else args.faults
+        result = run(config, faults, fault_every=args.fault_every,
                      progress=not args.no_progress and sys.stderr.isatty())
     except (RuntimeError, ValueError) as error:
         if not str(error).startswith("kv-canary: "):
@@ -211,7 +218,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("kv-canary: the simulated engine does not fit in this machine's memory: lower --pool-slots, "
               "--max-running, --host-slots or --page-size", file=sys.stderr)
         return 2
-    failed = bool(result.false_positives) or (args.strict and bool(result.missed))
+    # a class named and never caught is one the run did not show the canary catching
+    uncaught = result.uncaught(args.faults or ()) if args.strict else {}
+    failed = bool(result.false_positives) or (args.strict and bool(result.missed or uncaught))
     summary_to = sys.stderr if args.json == "-" else sys.stdout  # standard output carries the JSON then
     try:
         print(result.summary(), file=summary_to, flush=True)
@@ -221,7 +230,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     if failed:  # said, and told by the status, whether or not the outputs could be written
         print(f"kv-canary: demo failed: {len(result.false_positives)} false positive(s)"
-              + (f", {len(result.missed)} missed fault(s)" if args.strict else ""), file=sys.stderr)
+              + (f", {len(result.missed)} missed fault(s)" if args.strict else "")
+              + "".join(f"; {cls} asked for, never caught ({why})" for cls, why in uncaught.items()), file=sys.stderr)
         return 1
     return 0 if wrote else 2
 

@@ -110,6 +110,24 @@ class SimResult:
         its request was done)."""
         return [f for f in self.faults if not f.detected and f.closed and f.took_effect]
 
+    def uncaught(self, classes: Sequence[str]) -> dict:
+        """Of ``classes``, each that no report of the canary's caught, with why: none was injected
+        (and why not), or each one injected was missed, still in flight at the end or without
+        effect. A run that caught none of a class has not shown that the canary catches it."""
+        per_class = self.per_class()
+        why = {}
+        for cls in dict.fromkeys(classes):
+            row = per_class.get(cls)
+            if row is None:
+                why[cls] = "not injected" + (f": {self.not_injectable[cls]}" if cls in self.not_injectable else "")
+            elif not row["detected"]:
+                missed = row["injected"] - row["in_flight"] - row["no_effect"]
+                fates = ((missed, "missed"), (row["in_flight"], "still in flight at the end"),
+                         (row["no_effect"], "without effect"))
+                why[cls] = (f"{_counted(row['injected'], 'fault')} injected, none caught: "
+                            + ", ".join(f"{count} {fate}" for count, fate in fates if count))
+        return why
+
     def to_json(self) -> dict:
         c = self.config
         return {
