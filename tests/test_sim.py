@@ -182,6 +182,9 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--faults", ""], "argument --faults: a fault class name is empty in ''"),
     (["--faults", "kv_bitflip,,token_swap"], "argument --faults: a fault class name is empty in"),
     (["--faults", "nosuch"], "argument --faults: unknown fault class(es) ['nosuch']"),
+    (["--faults", "all,token_swap"], "argument --faults: 'all' and 'none' stand alone, not among classes, got "
+                                     "'all,token_swap'"),
+    (["--faults", "kv_bitflip none"], "argument --faults: 'all' and 'none' stand alone"),
     (["--json", "/nonexistent-folder/run.json"], "argument --json: no folder '/nonexistent-folder'"),
     # a trailing separator names a file in a folder of that name: refused before the run, not after it
     (["--json", "/nonexistent-folder/"], "argument --json: no folder '/nonexistent-folder' to write"),

@@ -22,6 +22,8 @@ def _faults(text: str) -> Optional[list[str]]:
     if any(not part.strip() for part in text.split(",")):
         raise argparse.ArgumentTypeError(f"a fault class name is empty in {text!r}; name classes, 'all' or 'none'")
     names = [n for part in text.split(",") for n in part.split()]
+    if len(names) > 1 and {"all", "none"} & set(names):  # else told as unknown classes
+        raise argparse.ArgumentTypeError(f"'all' and 'none' stand alone, not among classes, got {text!r}")
     if names == ["all"]:
         return None
     if names == ["none"]:
