@@ -193,6 +193,9 @@ def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
     (["--host-slots", "-1"], "argument --host-slots: must be >= 0, got -1"),
     (["--offload-prob", "2"], "argument --offload-prob: must be within [0, 1], got 2"),
     (["--offload-prob", "x"], "argument --offload-prob: must be a number, got 'x'"),
+    # offloads asked for with nowhere to offload to (the default chance is not asked for)
+    (["--offload-prob", "0.5", "--host-slots", "0"],
+     "kv-canary: --offload-prob needs a host tier (--host-slots > 0), got --offload-prob=0.5 with --host-slots=0"),
     (["--host-slots", "64"], "kv-canary: --host-slots must be 0 (no host tier) or more than a request's up to 512 "
                              "tokens, got 64"),
     (["--device", "gpu"], "argument --device: must be cpu, cuda or cuda:N, got 'gpu'"),

@@ -142,8 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slots of a host-memory KV tier that requests are offloaded to now and then and "
                              "loaded back from, their canary records carried with them, rounded up to whole pages (default "
                              f"2048; 0: none; else more than a request's {SimConfig.max_len} tokens)")
-    parser.add_argument("--offload-prob", type=_probability, default=0.05,
-                        help="chance that a step offloads a running request to the host tier (default 0.05)")
+    parser.add_argument("--offload-prob", type=_probability, default=None,
+                        help="chance that a step offloads a running request to the host tier (default "
+                             f"{SimConfig.offload_prob}; above 0 not with --host-slots 0)")
     parser.add_argument("--sweep-every", type=_at_least(SMALLEST["sweep_every"]), default=16,
                         help="steps between sweeps of all live requests (default 16; 0: none)")
     parser.add_argument("--no-expected-checks", action="store_true",
@@ -175,13 +176,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    if args.offload_prob and not args.host_slots:  # asked for offloads with nowhere to offload to
+        raise ValueError(f"kv-canary: offload_prob needs a host tier (host_slots > 0), got "
+                         f"offload_prob={args.offload_prob} with host_slots=0")
+    offload_prob = SimConfig.offload_prob if args.offload_prob is None else args.offload_prob
     device = args.device or ("cuda" if cuda_device_count() > 0 else "cpu")
     return SimConfig(steps=args.steps, seed=args.seed, device=device, hash_mode=HashMode[args.hash_mode.upper()],
                      layout=args.layout, pool_slots=args.pool_slots, page_size=args.page_size,
                      max_running=args.max_running, swa_window=args.swa_window, sweep_every=args.sweep_every,
                      expected_checks=not args.no_expected_checks, split_batches=args.split_batches,
                      static_decode=args.static_decode, host_slots=args.host_slots,
-                     offload_prob=args.offload_prob, speculative=args.speculative)
+                     offload_prob=offload_prob, speculative=args.speculative)
 
 
 # the canary's capacities the engine asks for (and the settings it refuses when they do not fit in
