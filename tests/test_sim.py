@@ -660,6 +660,21 @@ def test_demo_cli_writes_an_existing_file_in_a_folder_it_cannot_create_files_in(
     assert f"argument --json: cannot write '{tmp_path / 'new.json'}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, name", [("--json", "run.json"), ("--chart", "run.png")])
+def test_demo_cli_refuses_an_output_path_it_cannot_open_before_the_run(tmp_path, capsys, option, name):
+    """A path open() would refuse after the run (a name longer than the file system takes, a loop
+    of links) is refused before it, with the reason, as a missing folder is."""
+    pytest.importorskip("matplotlib")  # the chart's path is checked only where it can be drawn
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    for path, reason in ((tmp_path / ("x" * 300 + name), errno.ENAMETOOLONG), (tmp_path / "loop-a", errno.ELOOP)):
+        with pytest.raises(SystemExit) as refused:
+            demo_main(["--device", "cpu", "--no-progress", "--steps", "3", option, str(path)])
+        assert refused.value.code == 2
+        assert f"argument {option}: cannot write '{path}': {os.strerror(reason)}" in capsys.readouterr().err
+    assert not any(tmp_path.glob("*.json")) and not any(tmp_path.glob("*.png"))
+
+
 def test_demo_names_its_device_however_it_was_spelt(tmp_path, capsys):
     """``--device CPU`` runs on the CPU and is named cpu in the summary and the JSON; a GPU spelt in
     capitals is still a GPU whose kernels come from CuPy's cache."""

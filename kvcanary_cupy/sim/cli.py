@@ -76,9 +76,16 @@ def _output_path(text: str) -> str:
     folder = os.path.dirname(text) or os.curdir
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {text!r} in")
+    try:
+        os.stat(text)
+        exists = True
+    except FileNotFoundError:
+        exists = False
+    except OSError as error:  # a name longer than the file system takes, a loop of links: which exists() hides
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {error.strerror or error}") from None
     # a file that exists is written in place (its folder need not be writable: /dev/null, /dev/stdout);
     # a new one is created in its folder
-    writable = os.access(text, os.W_OK) if os.path.exists(text) else os.access(folder, os.W_OK | os.X_OK)
+    writable = os.access(text, os.W_OK) if exists else os.access(folder, os.W_OK | os.X_OK)
     if os.path.isdir(text) or not writable:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}")
     return text
