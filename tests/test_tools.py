@@ -91,6 +91,14 @@ def test_canary_fuzz_on_the_cpu_places_rows_logged_before_the_canary_went_off_in
     assert rows[0]["config"]["pause_at"] and rows[0]["detected"]
 
 
+def test_canary_fuzz_on_the_cpu_reports_a_kv_byte_flipped_in_the_host_tier(tmp_path, capsys):
+    """Seed 41 flips a hashed byte of an offloaded request's KV in the host tier: reported once it
+    is loaded back, and named on that request (the seeds above draw no such fault)."""
+    _, rows, _ = run_fuzz(tmp_path, capsys, start=41, seeds=1, forwards=16)
+    assert rows[0]["fault"] == "host_flip" and "offloaded position" in rows[0]["fault_where"]
+    assert rows[0]["injected"] and rows[0]["detected"]
+
+
 def test_canary_fuzz_takes_a_record_written_over_whole_named_at_the_next_position(tmp_path, capsys):
     """A slot of position 0 written over by another request, unhashed and with a ring of one row:
     the record agrees with itself, and only position 1's chain link, which reads it, is reported.
