@@ -1,12 +1,17 @@
 """The probes in tools/ import on a machine without a GPU (they need one only to run): a helper
 renamed or moved in the package or in tools/_probe.py breaks them here, not in the next GPU session.
-The kc.Canary fuzz (tools/canary_fuzz.py) also runs a few seeds on the CPU."""
+The kc.Canary fuzz (tools/canary_fuzz.py) also runs a few seeds on the CPU, and fails a canary
+made wrong on purpose (blind, noisy, miscounting, misnaming, crashing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import weakref
 
 import pytest
+
+import kvcanary_cupy as kc
 from _tools import TOOLS, import_tools
 
 
@@ -108,24 +113,219 @@ def test_canary_fuzz_takes_a_record_written_over_whole_named_at_the_next_positio
     assert rows[0]["fault_where"].endswith("position 0 slot 20") and rows[0]["detected"]
 
 
-@pytest.mark.parametrize("shift", [1, -1])
-def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_path, capsys, monkeypatch, shift):
-    """Events naming the harmed request one position off are misnamed: the request alone would
-    pass them."""
-    from kvcanary_cupy import session
-
+def run_broken_fuzz(tmp_path, capsys) -> tuple[str, list, dict, dict]:
+    """Seeds 84-95 of tools/canary_fuzz.py (the canary off in one, both faults of a draft model)
+    on the CPU against a canary made wrong on purpose: what it printed, its rows, its totals and
+    its table by feature, once it failed (exit status 1) and printed a failing seed."""
     (fuzz,) = import_tools("canary_fuzz")
-
-    class Shifted(session.CanaryEvent):
-        def __init__(self, *fields):
-            super().__init__(*fields)
-            if self.position is not None:
-                object.__setattr__(self, "position", self.position + shift)
-
-    monkeypatch.setattr(session, "CanaryEvent", Shifted)
     out = tmp_path / "fuzz.json"
     status = fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16", "--json", str(out)])
-    capsys.readouterr()
-    rows = json.loads(out.read_text())["rows"]
-    assert status == 1
-    assert any("position" in row["misnamed"] for row in rows)
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert status == 1, printed[-3000:]
+    assert "FAILED (alone: --start" in printed
+    return printed, result["rows"], result["total"], result["by_feature"]
+
+
+def polls_changed(monkeypatch, change) -> None:
+    """kc.Canary.poll returning ``change(report)`` for its report, raising nothing in mode "raise"."""
+    original = kc.Canary.poll
+
+    def poll(self):
+        try:
+            report = original(self)
+        except kc.CanaryViolation as caught:
+            report = caught.report
+        return change(report)
+
+    monkeypatch.setattr(kc.Canary, "poll", poll)
+
+
+def test_canary_fuzz_fails_a_canary_that_reports_nothing(tmp_path, capsys, monkeypatch):
+    """A canary blind to every corruption: each injected fault is missed, and the table counts
+    each miss once under every feature kind."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, events=(), total=0, dropped=0))
+    printed, rows, total, by_feature = run_broken_fuzz(tmp_path, capsys)
+    injected = [row for row in rows if row["injected"]]
+    assert len(injected) >= 10 and all(row["missed"] and not row["detected"] for row in injected)
+    assert total["missed"] == total["injected"] and "missed " in printed
+    assert total["false_positives"] == total["counter_errors"] == total["crashes"] == 0
+    layouts = [counts for feature, counts in by_feature.items() if feature.startswith("layout=")]
+    assert sum(counts["missed"] for counts in layouts) == total["missed"]
+    assert sum(counts["runs"] for counts in layouts) == total["runs"] == 12
+
+
+def test_canary_fuzz_fails_a_canary_that_reports_a_clean_run(tmp_path, capsys, monkeypatch):
+    """Every poll with one more row recorded (and dropped by the ring) than the canary found: each
+    clean run has false positives."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, total=report.total + 1,
+                                                                  dropped=report.dropped + 1))
+    printed, rows, total, _ = run_broken_fuzz(tmp_path, capsys)
+    assert all(row["false_positives"] for row in rows) and total["false_positives"] == 12
+    assert "false positive(s)" in printed
+
+
+def _counted_twice(monkeypatch, counter):
+    original = kc.Canary.stats
+    monkeypatch.setattr(kc.Canary, "stats", lambda self: {group: dict(counts, **{counter: 2 * counts[counter] + 1})
+                                                          for group, counts in original(self).items()})
+
+
+def _forwards_counted_twice(monkeypatch):
+    original = kc.Canary.before_forward
+
+    def before_forward(self, batch, *, stream=None):
+        original(self, batch, stream=stream)
+        self.forwards += 1
+
+    monkeypatch.setattr(kc.Canary, "before_forward", before_forward)
+
+
+COUNTER_BUGS = {
+    "kernel runs": (lambda mp: _counted_twice(mp, "kernel_run_counter"), "['kernel_run_counter']"),
+    "slot runs": (lambda mp: _counted_twice(mp, "slot_run_counter"), "['slot_run_counter']"),
+    "eager forwards": (_forwards_counted_twice, "Canary.forwards"),
+    "forwards reported": (lambda mp: polls_changed(mp, lambda r: dataclasses.replace(r, forwards=r.forwards + 1)),
+                          "CanaryReport.forwards"),
+    "overflows reported": (lambda mp: polls_changed(
+        mp, lambda r: dataclasses.replace(r, capacity_overflows=r.capacity_overflows + 1)), "capacity_overflows"),
+}
+
+
+@pytest.mark.parametrize("bug", COUNTER_BUGS)
+def test_canary_fuzz_fails_a_canary_whose_counters_disagree_with_the_engine(tmp_path, capsys, monkeypatch, bug):
+    make, said = COUNTER_BUGS[bug]
+    make(monkeypatch)
+    printed, rows, total, _ = run_broken_fuzz(tmp_path, capsys)
+    assert total["counter_errors"] >= 10 and "counters: " in printed
+    assert sum(any(said in error for error in row["counter_errors"]) for row in rows) >= 10
+
+
+def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
+    """The counters of the run with a fault are judged too (a dropped write's entry counted as
+    stored would be wrong there only)."""
+    (fuzz,) = import_tools("canary_fuzz")
+    faulty = weakref.WeakSet()
+    build, stats = fuzz.FuzzEngine.build_canary, kc.Canary.stats
+
+    def build_canary(engine):
+        canary = build(engine)
+        if engine.fault is not None:
+            faulty.add(canary)
+        return canary
+
+    def slot_runs_plus_one(canary):
+        counted = stats(canary)
+        return {group: dict(counts, slot_run_counter=counts["slot_run_counter"] + (canary in faulty))
+                for group, counts in counted.items()}
+
+    monkeypatch.setattr(fuzz.FuzzEngine, "build_canary", build_canary)
+    monkeypatch.setattr(kc.Canary, "stats", slot_runs_plus_one)
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    faulted = [row for row in rows if row["fault"] != "none"]
+    assert faulted and all(row["counter_errors"] for row in faulted)
+    assert all(error.startswith("fault run: ") for row in rows for error in row["counter_errors"])
+
+
+def test_canary_fuzz_fails_a_canary_that_writes_records_while_off(tmp_path, capsys, monkeypatch):
+    original = kc.Canary.after_forward
+
+    def after_forward(self, batch, *, stream=None):
+        if self.mode != "off":
+            return original(self, batch, stream=stream)
+        self.mode = "log"
+        try:
+            original(self, batch, stream=stream)
+        finally:
+            self.mode = "off"
+
+    monkeypatch.setattr(kc.Canary, "after_forward", after_forward)
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    off = [row for row in rows if row["config"]["mode"] == "off"]
+    assert off and all(any("yet a canary buffer holds records" in error for error in row["counter_errors"])
+                       for row in off)
+
+
+def test_canary_fuzz_fails_reports_that_do_not_add_up(tmp_path, capsys, monkeypatch):
+    """A report whose total is more than its events and dropped rows."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, total=report.total + 1))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("dropped != total" in error for row in rows for error in row["counter_errors"])
+
+
+def test_canary_fuzz_fails_a_report_holding_more_rows_of_a_group_than_its_ring(tmp_path, capsys, monkeypatch):
+    """Each event given five times over (the total counted to match): more rows of a group than a
+    ring of one or four keeps."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, events=report.events * 5,
+                                                                  total=report.total + 4 * len(report.events)))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("past the ring's" in error for row in rows for error in row["counter_errors"]
+               if row["config"]["ring_capacity"] in (1, 4))
+
+
+def _events_changed(monkeypatch, change) -> None:
+    """Every CanaryEvent the canary makes passed through ``change(event)`` (fields set in place)."""
+    from kvcanary_cupy import session
+
+    class Changed(session.CanaryEvent):
+        def __init__(self, *fields):
+            super().__init__(*fields)
+            for name, value in change(self).items():
+                object.__setattr__(self, name, value)
+
+    monkeypatch.setattr(session, "CanaryEvent", Changed)
+
+
+def test_canary_fuzz_fails_events_that_name_another_request(tmp_path, capsys, monkeypatch):
+    """Judged in every seed whose ring keeps rows, a wrong token only the write input assert sees
+    among them (seed 88), where neither a static forward refilled since nor a capped log excuses it."""
+    _events_changed(monkeypatch, lambda event: {"request": "stranger"})
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    judged = [row for row in rows if row["detected"] and row["config"]["ring_capacity"]
+              and row["config"]["static"] == "off" and row["config"]["max_logged"] == 1024]
+    assert len(judged) >= 4 and any(row["seed"] == 88 for row in judged)
+    assert all(row["misnamed"].startswith("no event named a victim") for row in judged)
+
+
+def test_canary_fuzz_fails_events_that_name_a_bystander_beside_the_victim(tmp_path, capsys, monkeypatch):
+    """Where every forward is polled, each event given twice, once naming a request the fault did
+    not harm, is misnamed."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(
+        report, events=report.events + tuple(dataclasses.replace(event, request="stranger") for event in report.events),
+        total=report.total + len(report.events)))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("nor thieves" in row["misnamed"] for row in rows if row["config"]["poll_every"] == 1)
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_canary_fuzz_fails_events_whose_step_is_no_forward_since_the_previous_poll(tmp_path, capsys, monkeypatch,
+                                                                                   shift):
+    """Steps one forward off: past the last forward polled, or a forward's launch (not a sweep's,
+    which takes the number of the forward before it) numbered as the forward the previous poll saw."""
+    _events_changed(monkeypatch, lambda event: {} if event.step is None or shift < 0 and event.phase == "sweep"
+                    else {"step": event.step + shift})
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("event steps outside forwards" in error for row in rows for error in row["counter_errors"])
+
+
+def test_canary_fuzz_records_a_crash_of_the_clean_run_and_runs_the_next_seed(tmp_path, capsys, monkeypatch):
+    def sweep(self, live_requests, *, stream=None):
+        raise RuntimeError("a sweep that fails")
+
+    monkeypatch.setattr(kc.Canary, "sweep", sweep)
+    printed, rows, total, _ = run_broken_fuzz(tmp_path, capsys)
+    assert len(rows) == 12 and total["crashes"] == 12 and "crash: RuntimeError: a sweep that fails" in printed
+    assert all(row["crash"].startswith("clean run: ") for row in rows)
+
+
+@pytest.mark.parametrize(("shift", "said"), [(1, "events named victims at positions"),
+                                             (-1, "events named victims at positions"),
+                                             (2, "no event named a victim at position")])
+def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_path, capsys, monkeypatch, shift, said):
+    """Events naming the harmed request a position or two off are misnamed: the request alone
+    would pass them. One position off is told where every forward is polled (the record at the
+    harmed position may agree with itself, and only the next position's chain link tells); two
+    off, wherever the events are judged."""
+    _events_changed(monkeypatch, lambda event: {} if event.position is None else {"position": event.position + shift})
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any(said in row["misnamed"] for row in rows)
