@@ -1,13 +1,18 @@
 """The differential fuzz's judge, ``_fuzzcases.compare``: the CPU backend run twice, one run's
-outputs changed as a GPU bug would change them, must be told apart; changes a GPU may make (the
-order of one launch's rows) must not."""
+outputs changed as a GPU bug would change them, must be told apart, each output by its name;
+changes a GPU may make (the order of one launch's rows) must not. tools/differential_fuzz.py
+around it, against a stand-in backend, fails one that differs, also where only a ring that keeps
+every row shows it."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
 import _fuzzcases as F
+from _tools import import_tools
 from kvcanary_cupy import _layout as L
 
 
@@ -39,6 +44,9 @@ def test_an_overflowing_ring_is_not_judged_without_every_row(op):
     case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
     assert F.compare(op, case, oracle, _copy(oracle)) == []
     assert F.compare(op, case, oracle, other) == ["kept ring rows are not violations of this launch"]
+    last = _copy(oracle)
+    last["ring"][-1, L.RING_COL_POSITION] += 1000
+    assert F.compare(op, case, oracle, last) == ["kept ring rows are not violations of this launch"]
 
 
 def _step_with_both(seed: int, overflow: bool) -> tuple[dict, dict]:
@@ -85,3 +93,138 @@ def test_an_overflowing_step_ring_keeps_the_verify_rows_first():
     overtaken = _copy(oracle)
     overtaken["ring"][-1] = write_row
     assert F.compare("step", case, oracle, overtaken) == ["ring rows' tags out of launch order"]
+
+
+def _changed(outputs: dict, key: str) -> dict:
+    """``outputs`` with one value of ``key`` changed: a count, or an array's last cell."""
+    other = _copy(outputs)
+    if isinstance(other[key], np.ndarray):
+        other[key].reshape(-1)[-1] += 1
+    else:
+        other[key] += 1
+    return other
+
+
+def _with_rows(op: str, seed: int) -> tuple[dict, dict]:
+    """A small case of ``op`` whose ring keeps every row, three or more and no two alike, with
+    rows to spare, and its outputs."""
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        case = F.MAKERS[op](rng, 60)
+        out = F.RUNNERS[op](case, "cpu")
+        rows = out["ring"][:out["write_index"]]
+        if 3 <= len(rows) < out["ring"].shape[0] and len(set(map(tuple, rows.tolist()))) == len(rows):
+            return case, out
+    raise AssertionError(f"no such {op} case")
+
+
+@pytest.mark.parametrize("op", ["verify", "write", "step"])
+def test_each_output_of_a_launch_that_differs_is_told(op):
+    """The canary buffer, the write index, either run counter, a kept ring row and a row past the
+    write index: each changed alone is named, and nothing else is; a launch's rows in another order
+    (of one tag) are no difference."""
+    case, oracle = _with_rows(op, 11)
+    n = oracle["write_index"]
+    assert F.compare(op, case, oracle, _copy(oracle)) == []
+    for key in ("canary", "write_index", "slot_run_counter", "kernel_run_counter"):
+        assert F.compare(op, case, oracle, _changed(oracle, key)) == [key]
+    kinds = oracle["ring"][:n, L.RING_COL_KERNEL_KIND]
+    assert (kinds == kinds[0]).all()
+    rolled = _copy(oracle)
+    rolled["ring"][:n] = np.roll(oracle["ring"][:n], 1, axis=0)
+    assert F.compare(op, case, oracle, rolled) == []
+    moved = _copy(oracle)
+    moved["ring"][n - 1, L.RING_COL_POSITION] += 1
+    assert F.compare(op, case, oracle, moved) == ["ring rows"]
+    past = _copy(oracle)
+    past["ring"][n, L.RING_COL_POSITION] += 1
+    assert F.compare(op, case, oracle, past) == ["ring rows past the write index"]
+    # a launch may record one row twice (a slot in two entries): how often each row comes counts
+    twice = _copy(oracle)
+    twice["ring"][1] = oracle["ring"][0]
+    swapped = _copy(twice)
+    swapped["ring"][0] = oracle["ring"][2]
+    assert F.compare(op, case, twice, swapped) == ["ring rows"]
+
+
+@pytest.mark.parametrize("op", ["verify", "write", "step"])
+def test_a_ring_full_to_its_last_row_is_compared_row_by_row(op):
+    """A ring that keeps exactly the rows recorded overflowed nothing: its rows are compared as a
+    multiset, as a roomier ring's are."""
+    case, outputs = _with_rows(op, 11)
+    full = F.with_ring(case, outputs["write_index"])
+    oracle = F.RUNNERS[op](full, "cpu")
+    assert oracle["write_index"] == oracle["ring"].shape[0]
+    moved = _copy(oracle)
+    moved["ring"][-1, L.RING_COL_POSITION] += 1
+    assert F.compare(op, full, oracle, moved) == ["ring rows"]
+
+
+@pytest.mark.parametrize(("op", "keys"), [
+    ("plan", ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices", "num_valid", "enable",
+              "offsets", "seed_slot_indices", "num_valid_reqs")),
+    ("records", ("src", "dst")),
+    ("scatter", ("pool_out",)),
+])
+def test_each_output_of_an_op_without_a_ring_that_differs_is_told(op, keys):
+    case = F.MAKERS[op](np.random.default_rng(11), 60)
+    oracle = F.RUNNERS[op](case, "cpu")
+    assert sorted(oracle) == sorted(keys)
+    assert F.compare(op, case, oracle, _copy(oracle)) == []
+    for key in keys:
+        assert F.compare(op, case, oracle, _changed(oracle, key)) == [key]
+
+
+# a value of each op's outputs to change, standing in for a backend that computes it wrong
+CHANGED_KEY = {"verify": "canary", "write": "slot_run_counter", "step": "write_index", "plan": "num_valid",
+               "records": "dst", "scatter": "pool_out"}
+
+
+def _differential_fuzz(tmp_path, monkeypatch, change, *ops: str) -> tuple[int, dict]:
+    """tools/differential_fuzz.py over a few small cases of ``ops``, against a backend ("other")
+    that is the CPU one with its outputs passed through ``change(op, case, outputs)``: its exit
+    status and its summary by op."""
+    (fuzz,) = import_tools("differential_fuzz")
+    assert fuzz.F is F
+    cpu = dict(F.RUNNERS)
+
+    def other(op):
+        def run(case, device):
+            outputs = cpu[op](case, "cpu")
+            return change(op, case, outputs) if device == "other" else outputs
+        return run
+
+    for op in cpu:
+        monkeypatch.setitem(F.RUNNERS, op, other(op))
+    out = tmp_path / "fuzz.json"
+    status = fuzz.main(["--device", "other", "--cases", "12", "--small-entries", "64", "--max-entries", "64",
+                        "--ops", *ops, "--json", str(out)])
+    return status, json.loads(out.read_text())["ops"]
+
+
+def test_the_differential_fuzz_passes_a_backend_that_agrees(tmp_path, monkeypatch):
+    status, ops = _differential_fuzz(tmp_path, monkeypatch, lambda op, case, outputs: outputs, *F.MAKERS)
+    assert status == 0 and sorted(ops) == sorted(F.MAKERS)
+    assert all(summary["mismatches"] == 0 and summary["cases"] == 12 for summary in ops.values())
+
+
+def test_the_differential_fuzz_fails_a_backend_that_differs(tmp_path, monkeypatch):
+    """Every case of every op counted as a mismatch, and the exit status 1."""
+    status, ops = _differential_fuzz(tmp_path, monkeypatch,
+                                     lambda op, case, outputs: _changed(outputs, CHANGED_KEY[op]), *F.MAKERS)
+    assert status == 1
+    assert all(summary["mismatches"] == 12 and summary["examples"] for summary in ops.values())
+
+
+def test_the_differential_fuzz_fails_a_backend_that_differs_only_where_the_ring_keeps_every_row(tmp_path,
+                                                                                                monkeypatch):
+    """A case whose ring overflows runs again with a ring that keeps every row: a backend wrong
+    only there is caught too."""
+    with_ring = F.with_ring
+    monkeypatch.setattr(F, "with_ring", lambda case, capacity: dict(with_ring(case, capacity), _every_row=True))
+    status, ops = _differential_fuzz(
+        tmp_path, monkeypatch,
+        lambda op, case, outputs: _changed(outputs, "canary") if case.get("_every_row") else outputs, "write")
+    assert status == 1 and ops["write"]["mismatches"]
+    assert all(problems == ["canary (every row kept)"] for problems in
+               (example["problems"] for example in ops["write"]["examples"]))
