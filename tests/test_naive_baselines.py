@@ -199,7 +199,7 @@ def _bench_test(module: str, name: str):
 
 
 @pytest.mark.parametrize("case_name", ["smoke_decode_empty", "small_extend_batch_hash"])
-@pytest.mark.parametrize("op", ["plan", "write"])
+@pytest.mark.parametrize("op", ["plan", "write", "scatter"])
 def test_each_benchmark_fails_a_baseline_that_leaves_the_output_alone(op, case_name):
     """The benchmark's own agreement check (``naive_agrees``) compares the baseline's output with the
     op's: a baseline that stores nothing must fail it, not find the op's output already there."""
@@ -207,6 +207,15 @@ def test_each_benchmark_fails_a_baseline_that_leaves_the_output_alone(op, case_n
     harness, case = _SmallHarness(), S.BY_NAME[case_name]
     bench(None, harness, case)  # the real baseline agrees
     setattr(harness.state(case), f"naive_{op}", lambda i: None)
+    with pytest.raises(AssertionError):
+        bench(None, harness, case)
+
+
+def test_the_copy_records_benchmark_fails_a_baseline_that_leaves_the_output_alone(monkeypatch):
+    bench = _bench_test("bench_copy_records", "test_copy_records")
+    harness, case = _SmallHarness(), S.BY_NAME["e2e_decode_tail"]
+    bench(None, harness, case)
+    monkeypatch.setattr(N, "copy_records", lambda *args, **kwargs: None)
     with pytest.raises(AssertionError):
         bench(None, harness, case)
 
