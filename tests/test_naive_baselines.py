@@ -220,6 +220,25 @@ def test_the_copy_records_benchmark_fails_a_baseline_that_leaves_the_output_alon
         bench(None, harness, case)
 
 
+@pytest.mark.parametrize("case_name", ["small_extend_batch", "small_extend_batch_hash", "swa_decode_short_prefix"])
+def test_the_verify_benchmark_fails_a_baseline_that_finds_nothing(case_name):
+    """On the benchmark's clean state a baseline that checks nothing finds what the op finds (no
+    row): the check changes a few records and compares the rows found, then puts them back."""
+    bench = _bench_test("bench_verify", "test_verify")
+    harness, case = _SmallHarness(), S.BY_NAME[case_name]
+    state = harness.state(case)
+    before = state.ctx.canary_buf.copy()
+    bench(None, harness, case)  # the real baseline agrees
+    assert np.array_equal(state.ctx.canary_buf, before) and state.violations() == 0
+    real = state.naive_verify
+    state.naive_verify = lambda i: real(i)[:0]
+    with pytest.raises(AssertionError):
+        bench(None, harness, case)
+    state.naive_verify = lambda i: real(i)[1:]  # one row short
+    with pytest.raises(AssertionError):
+        bench(None, harness, case)
+
+
 @pytest.mark.parametrize("stride", [32, 64])
 @pytest.mark.parametrize("seed", range(3))
 def test_copy_records_matches_cpu_backend(seed, stride):
