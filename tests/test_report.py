@@ -1,9 +1,11 @@
-"""benchmarks/report.py over the committed H200 results: the table and the README's summary chart."""
+"""benchmarks/report.py over the committed H200 results: the table and the README's summary chart;
+and the targets the suite's harness (benchmarks/conftest.py) sets on each row, against a committed run."""
 
 import importlib.util
 import json
 import pathlib
 import re
+import types
 
 import pytest
 
@@ -27,6 +29,7 @@ def test_table_counts_the_targets_of_the_committed_run():
     text = report.markdown(ceilings, rows, data)
     assert "**Targets:** 157 of 165 met" in text
     assert "| verify_16m plan | x faster than peer plan | 1.74 | >= 2 | **no** |" in text
+    assert "| e2e_decode_steady | step | 1 | 24.87 | 61 | 86 |" in text.split("**Random reads.**")[1]
 
 
 def test_summary_panels_hold_every_step_and_each_missed_target():
@@ -65,12 +68,17 @@ def _runs_with_tables():
 @pytest.mark.parametrize("path", _runs_with_tables(), ids=lambda path: path.name)
 def test_each_committed_table_is_what_its_json_gives(path):
     """report.py reads every committed run, gzipped or not, and finds the targets met that the run's
-    committed table states."""
+    committed table states, its ceilings, and each line of its tables as the committed table has
+    it: every column of every row (a ratio, a mark, a target's verdict) and every target listed."""
     report = _report()
     ceilings, rows, data = report.load(str(path))
-    made = re.search(r"\*\*Targets:\*\* \d+ of \d+ met", report.markdown(ceilings, rows, data))
+    text = report.markdown(ceilings, rows, data)
+    made = re.search(r"\*\*Targets:\*\* \d+ of \d+ met", text)
     table = path.with_name(path.name.split(".json")[0] + ".md").read_text()
     assert made and made.group(0) in table
+    committed = set(table.splitlines())
+    lines = [line for line in text.splitlines() if line.startswith(("| ", "**Ceilings:**"))]
+    assert lines and [line for line in lines if line not in committed] == []
 
 
 def test_the_committed_runs_are_found():
@@ -125,3 +133,187 @@ def test_a_file_that_is_missing_or_not_json_is_a_usage_error(tmp_path, capsys, c
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(path)])
     assert exit_info.value.code == 2 and str(path) in capsys.readouterr().err
+
+
+def test_a_run_whose_rows_do_not_carry_the_all_hash_write_check_gets_it_across_rows():
+    """Runs whose ALL-hash write rows did not carry their check against the same shape without
+    hashing get it from report.py: the same ratio and verdict, and a ratio past 1.2 missed."""
+    report = _report()
+    _, rows, _ = report.load(str(RESULTS))
+    writes = {r["case"]: r for r in rows if r["op"] == "write" and r.get("mode") == "eager"}
+    carried = {case: next(t for t in writes[case]["targets"] if t["name"].startswith("ALL-hash write"))
+               for case in report.ALL_HASH_TWINS}
+    for row in rows:
+        row["targets"] = [t for t in row.get("targets") or [] if not t["name"].startswith("ALL-hash write")]
+    across = {t["name"].split()[1]: t for t in report.all_targets(rows) if t["row"] == "cross-case"}
+    assert sorted(across) == sorted(carried)
+    for case, target in carried.items():
+        assert across[case]["achieved"] == pytest.approx(target["achieved"], rel=1e-12)
+        assert (across[case]["target"], across[case]["met"]) == ("<= 1.2", True) == (target["target"], target["met"])
+    slow = writes["e2e_decode_steady_hash"]
+    slow["time_us"] = 1.3 * writes[report.ALL_HASH_TWINS["e2e_decode_steady_hash"]]["time_us"]
+    (missed,) = [t for t in report.cross_targets(rows) if t["name"].startswith("write e2e_decode_steady_hash")]
+    assert missed["achieved"] == pytest.approx(1.3) and not missed["met"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("scale", 0.5), ("device", "cpu")])
+def test_the_targets_of_a_scaled_down_or_cpu_run_are_not_binding(tmp_path, field, value):
+    report = _report()
+    assert "not binding" not in report.markdown(*report.load(str(RESULTS)))
+    data = json.loads(RESULTS.read_text())
+    for bench in data["benchmarks"]:
+        if "case" in bench["extra_info"]:
+            bench["extra_info"][field] = value
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data))
+    text = report.markdown(*report.load(str(path)))
+    assert "**Targets:** 157 of 165 met (not binding: a scaled-down or CPU run)" in text
+
+
+def test_summary_steps_are_the_best_of_eager_and_graph_judged_by_the_peer_target_alone():
+    """Each case's step bar is the better of its eager and graph ratios to the peer, green or red
+    by its target against the peer's step, whatever the row's other targets say."""
+    report = _report()
+    ceilings, rows, _ = report.load(str(RESULTS))
+    steps = {r["case"]: r for r in rows if r["op"] == "step" and r.get("mode") != "graph"}
+    graphs = {r["case"]: r for r in rows if r["op"] == "step" and r.get("mode") == "graph"}
+    assert any(graphs[case]["x_peer"] > steps[case]["x_peer"] for case in graphs)
+    for row in steps.values():
+        for target in row["targets"]:
+            target["met"] = "peer" in target["name"] and target["met"]  # every other target of the row missed
+    bars = report.summary_panels(ceilings, rows)[0]["bars"]
+    assert len(bars) == len(steps) == 16
+    for bar in bars:
+        eager = steps[bar["label"]]
+        assert bar["value"] == max(eager["x_peer"], graphs.get(bar["label"], {}).get("x_peer", 0.0))
+        assert bar["met"] == next(t["met"] for t in eager["targets"] if "peer" in t["name"])
+    assert sum(bar["met"] is False for bar in bars) == 1
+
+
+# --- the harness's targets (benchmarks/conftest.py) -------------------------------------------
+# The latest full run whose rows hold every input of the targets set on them (x_naive_wall came later)
+TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz"
+
+
+def _bench_conftest():
+    spec = importlib.util.spec_from_file_location("kvcanary_bench_conftest", ROOT / "benchmarks" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _harness(conftest, device: str, scale: float, ceilings: dict):
+    """The suite's harness without its timer or pytest config: what ``_targets`` reads."""
+    harness = object.__new__(conftest.Harness)
+    harness.device, harness.scale, harness.results, harness._ceilings = device, scale, {}, ceilings
+    return harness
+
+
+def _targets_of(conftest, harness, info: dict) -> dict:
+    """``info`` (a row's extra_info) with the targets the harness sets on it now, timed as the row
+    was: its time recorded first, as the harness records each benchmark's before its targets."""
+    case = conftest.S.BY_NAME[info["case"]].scaled(harness.scale)
+    graph = info.get("mode") == "graph"
+    harness.results[(case.name, info["op"] + ("_graph" if graph else ""))] = info["time_us"] * 1e-6
+    made = {key: value for key, value in info.items() if key not in ("targets", "targets_met")}
+    harness._targets(types.SimpleNamespace(case=case), info["op"], graph, made)
+    return made
+
+
+def test_the_harness_sets_the_targets_that_the_committed_run_recorded():
+    """Each row of a full GPU run, its measured inputs given again in the run's order, gets the
+    very targets (achieved, bar, verdict) and work (entries, bytes, random sectors an entry) the
+    run recorded: a ratio turned over, a bar moved or a basis swapped changes one. When the
+    targets change on purpose, commit a run made with them and read that one here."""
+    conftest = _bench_conftest()
+    report = _report()
+    ceilings, rows, _ = report.load(str(TARGETS_RUN))
+    harness = _harness(conftest, "cuda", 1.0, ceilings)
+    checked = 0
+    for row in [info for info in (b["extra_info"] for b in report._read(TARGETS_RUN)["benchmarks"])
+                if "case" in info and "time_us" in info]:
+        made = _targets_of(conftest, harness, row)
+        where = (row["case"], row["op"], row.get("mode"))
+        assert (made["targets"], made["targets_met"]) == (row["targets"], row["targets_met"]), where
+        case = conftest.S.BY_NAME[row["case"]]
+        assert conftest.work_of(case, row["op"]) == (row["entries"], row["bytes"]), where
+        if "random_sectors_per_entry" in row:
+            assert conftest._verify_sectors(case) == row["random_sectors_per_entry"], where
+        checked += bool(row["targets"])
+    assert checked >= 100 and len(rows) == 132
+
+
+def test_a_cpu_run_checks_a_large_verify_against_its_own_bar_and_binds_nothing():
+    """On the CPU a verify of 65536 entries or more is held to >= 2e7 entries/s (a smaller one to
+    nothing), where a GPU run holds it to no such bar; a CPU run's targets, as a scaled-down GPU
+    run's, are not binding."""
+    conftest = _bench_conftest()
+    report = _report()
+    ceilings, rows, _ = report.load(str(TARGETS_RUN))
+    verify = next(r for r in rows if r["case"] == "decode_mid_batch" and r["op"] == "verify")
+    for scale, device in ((1.0, "cpu"), (0.5, "cuda"), (1.0, "cuda")):
+        harness = _harness(conftest, device, scale, ceilings)
+        for rate, met in ((1.9e7, False), (2.1e7, True)):
+            made = _targets_of(conftest, harness, dict(verify, entries_per_s=rate, entries=1 << 16))
+            names = [t["name"] for t in made["targets"]]
+            assert ("cpu verify entries/s" in names) == (device == "cpu")
+            assert all(t["binding"] == (device == "cuda" and scale == 1.0) for t in made["targets"])
+            if device == "cpu":
+                assert names == ["cpu verify entries/s"] and made["targets"][0]["met"] is met
+                small = _targets_of(conftest, harness, dict(verify, entries_per_s=rate, entries=(1 << 16) - 1))
+                assert small["targets"] == []
+
+
+# (case, op, mode, the target's name starts, met at or above the bar (else at or below), the bar (None: the
+# step's raised bar from the run's ceilings), the row's fields that make its achieved value v, given the
+# case ``c`` and the run's rows ``by`` (case, op, mode))
+BARS = [
+    ("verify_16m", "verify", "eager", "verify entries/s", True, 15e9, lambda c, row, v, by: {"entries_per_s": v}),
+    ("e2e_decode_steady", "verify", "eager", "verify entries/s", True, 22e9,
+     lambda c, row, v, by: {"entries_per_s": v}),
+    ("e2e_decode_steady_hash", "verify", "eager", "verify entries/s", True, 5e9,
+     lambda c, row, v, by: {"entries_per_s": v}),
+    ("e2e_decode_steady", "step", "eager", "step verify entries/s", True, None,
+     lambda c, row, v, by: {"time_us": c.n_verify / v * 1e6, "wall_us_per_call": 0.0}),
+    ("verify_16m", "plan", "eager", "x faster than peer plan", True, 2,
+     lambda c, row, v, by: {"time_us": c.peer_plan_us / v}),
+    ("e2e_prefill_chunk_first", "write", "eager", "write ns/token", False, 100,
+     lambda c, row, v, by: {"time_us": v * row["entries"] / 1e3}),
+    ("e2e_decode_steady_hash", "write", "eager", "ALL-hash write", False, 1.2,
+     lambda c, row, v, by: {"time_us": v * by[("e2e_decode_steady", "write", "eager")]["time_us"]}),
+    ("e2e_decode_tail", "verify", "eager", "x empty kernel", False, 2, lambda c, row, v, by: {"x_empty_kernel": v}),
+    ("plan_bs1024_prefix4096", "plan", "eager", "plan % copy ceiling", True, 50,
+     lambda c, row, v, by: {"pct_copy_ceiling": v}),
+    ("e2e_decode_tail", "step", "eager", "x faster than peer step", True, 2,
+     lambda c, row, v, by: {"time_us": c.peer_us / v, "wall_us_per_call": 0.0}),
+    ("e2e_decode_tail", "step", "eager", "x faster than peer step", True, 2,  # host-bound: its wall time counts
+     lambda c, row, v, by: {"time_us": 1.0, "wall_us_per_call": c.peer_us / v}),
+    ("e2e_decode_steady", "step", "graph", "x faster than peer step", True, 2,  # the peer's graph replay
+     lambda c, row, v, by: {"time_us": c.peer_graph_us / v, "graph_wall_us": 0.0}),
+    ("verify_16m", "verify", "eager", "x faster than naive", True, 5,
+     lambda c, row, v, by: {"x_naive": v, "x_naive_wall": 2 * v}),
+    ("verify_16m", "verify", "eager", "x faster than naive", True, 5,  # the lower of device and wall
+     lambda c, row, v, by: {"x_naive": 2 * v, "x_naive_wall": v}),
+]
+
+
+@pytest.mark.parametrize(("case", "op", "mode", "name", "at_least", "bar", "fields"), BARS,
+                         ids=[f"{b[0]}-{b[1]}-{b[2]}-{b[3]}-{i}" for i, b in enumerate(BARS)])
+def test_each_target_is_met_on_its_side_of_its_bar_alone(case, op, mode, name, at_least, bar, fields):
+    """The bars benchmarks/README.md states, each held at a value 1 % on either side of it."""
+    conftest = _bench_conftest()
+    report = _report()
+    ceilings, rows, _ = report.load(str(TARGETS_RUN))
+    by = {(r["case"], r["op"], r.get("mode")): r for r in rows}
+    row, shape = by[(case, op, mode)], conftest.S.BY_NAME[case]
+    if bar is None:
+        bar = 0.85 * ceilings["gather32_entries_per_s"] / conftest._verify_sectors(shape)
+    for value in (0.99 * bar, 1.01 * bar):
+        harness = _harness(conftest, "cuda", 1.0, ceilings)
+        twin = conftest.S.NO_HASH_TWIN.get(case)
+        if twin is not None:
+            harness.results[(twin, "write")] = by[(twin, "write", "eager")]["time_us"] * 1e-6
+        made = _targets_of(conftest, harness, dict(row, **fields(shape, row, value, by)))
+        (target,) = [t for t in made["targets"] if t["name"].startswith(name)]
+        assert target["achieved"] == pytest.approx(value, rel=1e-9)
+        assert target["met"] == (value >= bar if at_least else value <= bar)
