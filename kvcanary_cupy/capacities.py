@@ -38,7 +38,12 @@ class Capacities:
     def from_args(cls, *, req_to_token_pool_size: int, max_seq_len_per_req: int, pool_slot_count: int,
                   max_prefill_tokens: int, cuda_graph_max_bs: int = 0, speculative_num_draft_tokens: int = 0,
                   chunked_prefill_size: Optional[int] = None) -> "Capacities":
-        """Capacities for an engine. ``chunked_prefill_size`` of ``None`` or ``<= 0`` means no chunking."""
+        """Capacities for an engine, as SPEC §3.5 derives them: ``max_bs`` and ``write_req_capacity``
+        (the most requests a forward may hold) are the larger of ``req_to_token_pool_size`` (the rows
+        of ``req_to_token``) and ``cuda_graph_max_bs``; ``verify_capacity`` is three times
+        ``pool_slot_count``; ``write_entry_capacity`` is the larger of ``max_bs`` times the draft
+        tokens and the prefill chunk. ``chunked_prefill_size`` of ``None`` or ``<= 0`` means no
+        chunking. ``max_seq_len_per_req`` is checked (a positive int) but sizes nothing."""
         pool_rows = check.positive("req_to_token_pool_size", req_to_token_pool_size)
         check.positive("max_seq_len_per_req", max_seq_len_per_req)
         slots = check.positive("pool_slot_count", pool_slot_count)
