@@ -111,12 +111,22 @@ def cuda_device_count() -> int:
         return 0
 
 
+_DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N', an int or a torch.device"
+
+
 def parse_device(spec: Any) -> Device:
-    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N, or a :class:`Device`."""
+    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N, a ``torch.device`` (read as those: a torch
+    engine passes its tensors' ``.device``), or a :class:`Device`."""
     if isinstance(spec, Device):
         return spec
     if isinstance(spec, bool):
-        raise TypeError(f"kv-canary: device must be 'cpu', 'cuda', 'cuda:N' or an int, got {spec!r}")
+        raise TypeError(f"kv-canary: device must be {_DEVICE_FORMS}, got {spec!r}")
+    if type(spec).__module__ == "torch" and type(spec).__name__ == "device":
+        if spec.type == "cpu":
+            return CPU
+        if spec.type == "cuda":
+            return Device("cuda", _current_cuda_device() if spec.index is None else int(spec.index))
+        raise ValueError(f"kv-canary: device must be a torch.device of type 'cpu' or 'cuda', got {spec!r}")
     if isinstance(spec, (int, np.integer)):
         if int(spec) < 0:
             raise ValueError(f"kv-canary: device index must be non-negative, got {int(spec)}")
@@ -130,7 +140,7 @@ def parse_device(spec: Any) -> Device:
         if text.startswith("cuda:") and text[5:].isdecimal():  # not isdigit: "²" is a digit int() refuses
             return Device("cuda", int(text[5:]))
         raise ValueError(f"kv-canary: device must be 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
-    raise TypeError(f"kv-canary: device must be 'cpu', 'cuda', 'cuda:N' or an int, got {spec!r}")
+    raise TypeError(f"kv-canary: device must be {_DEVICE_FORMS}, got {spec!r}")
 
 
 def _current_cuda_device() -> int:

@@ -359,3 +359,17 @@ def test_pinned_host_memory_is_host_memory():
     source = kc.RealKvSource(tensor=_PinnedHost(kv), page_size=1, num_bytes_per_token=64, read_bytes=64)
     assert source.device == kc._dlpack.CPU and source.num_rows == 6
     assert source.base_address == kv.ctypes.data
+
+
+def test_a_torch_device_is_read_as_its_string():
+    """A torch engine passes its tensors' ``.device``: read as "cpu" or "cuda:N" are, and a device
+    the package has no backend for is refused under the argument's name."""
+    from kvcanary_cupy._dlpack import Device, parse_device
+    kv = torch.zeros((8, 16), dtype=torch.uint8)
+    ctx = kc.CanaryContext.allocate(8, device=kv.device)
+    assert ctx.canary_buf.shape == (8, 32) and isinstance(ctx.canary_buf, np.ndarray)
+    assert parse_device(torch.device("cuda", 1)) == Device("cuda", 1)
+    assert parse_device(torch.device("cuda")) == parse_device("cuda")
+    with pytest.raises(ValueError, match=r"^kv-canary: device must be a torch.device of type 'cpu' or 'cuda', "
+                                         r"got device\(type='meta'\)"):
+        kc.CanaryContext.allocate(8, device=torch.device("meta"))
