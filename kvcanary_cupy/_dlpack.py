@@ -523,7 +523,7 @@ def raw_byte_view(obj: Any, name: str):
         for i in range(ndim - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
     if strides[-1] != itemsize and shape[-1] > 1:
-        raise ValueError(f"kv-canary: {name} must have a contiguous last dimension, got strides {strides}")
+        raise ValueError(f"kv-canary: {name} must have a contiguous last dimension, got strides {strides} in bytes")
     byte_shape = tuple(shape[:-1]) + (shape[-1] * itemsize,)
     byte_strides = tuple(strides[:-1]) + (1,)
     pointer = int(tensor.data or 0) + int(tensor.byte_offset)

@@ -163,7 +163,8 @@ def _byte_rows(name: str, view):
     """``view`` as ``[rows, row_bytes]`` uint8 sharing its memory (rows may be strided)."""
     flat = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
     if data_pointer(flat) != data_pointer(view) or (view.shape[0] > 1 and flat.strides[0] != view.strides[0]):
-        raise ValueError(f"{check.PREFIX}{name} rows must be contiguous inside, got strides {tuple(view.strides)}")
+        raise ValueError(f"{check.PREFIX}{name} rows must be contiguous inside, "
+                         f"got strides {tuple(view.strides)} in bytes")
     if flat.dtype != np.uint8:
         flat = flat.view(np.uint8)
     return flat

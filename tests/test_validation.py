@@ -496,7 +496,7 @@ OPS = [
     ("plan table 1-D", lambda w: w.plan(req_to_token=_d(w, np.zeros(6, np.int32))), ValueError,
      r"req_to_token must be 2-D"),
     ("plan table column stride", lambda w: w.plan(req_to_token=w.put(np.zeros((3, 12), np.int32))[:, ::2]),
-     ValueError, r"req_to_token must have a contiguous last dimension"),
+     ValueError, r"req_to_token must have a contiguous last dimension, got strides \(48, 8\) in bytes$"),
     ("plan prefix length", lambda w: w.plan(prefix_lens=_d(w, np.arange(3))), ValueError,
      r"prefix_lens must have length 2"),
     ("plan extend dtype", lambda w: w.plan(extend_seq_lens=_d(w, np.arange(2, dtype=np.int32))), TypeError,
@@ -787,7 +787,7 @@ def test_a_source_row_with_a_gap_in_a_dimension_of_two_is_refused():
     rng = np.random.default_rng(86)
     parent = rng.integers(1, 256, size=(8, 4, 16), dtype=np.uint8)
     with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource\.tensor must have contiguous bytes within each "
-                                         r"row, got strides \(64, 32, 1\) for shape \(8, 2, 16\)$"):
+                                         r"row, got strides \(64, 32, 1\) in bytes for shape \(8, 2, 16\)$"):
         kc.RealKvSource(tensor=parent[:, ::2], page_size=1, num_bytes_per_token=32, read_bytes=32)
 
 

@@ -185,7 +185,7 @@ def length(name: str, array, expected: int, why: str) -> None:
 
 def c_contiguous(name: str, array) -> None:
     if not array.flags.c_contiguous:
-        raise ValueError(f"{PREFIX}{name} must be C-contiguous, got strides {tuple(array.strides)}")
+        raise ValueError(f"{PREFIX}{name} must be C-contiguous, got strides {tuple(array.strides)} in bytes")
 
 
 def rows_contiguous(name: str, array) -> None:
@@ -195,7 +195,7 @@ def rows_contiguous(name: str, array) -> None:
         return
     if array.ndim >= 2 and array.shape[-1] > 1 and array.strides[-1] != array.itemsize:
         raise ValueError(
-            f"{PREFIX}{name} must have a contiguous last dimension, got strides {tuple(array.strides)}"
+            f"{PREFIX}{name} must have a contiguous last dimension, got strides {tuple(array.strides)} in bytes"
         )
     if array.ndim >= 2:
         non_negative_row_stride(name, array)
@@ -447,6 +447,6 @@ def _require_contiguous_rows(name: str, view) -> None:
         if size > 1 and stride != expected:
             raise ValueError(
                 f"{PREFIX}{name} must have contiguous bytes within each row, "
-                f"got strides {tuple(view.strides)} for shape {shape_text(view)}"
+                f"got strides {tuple(view.strides)} in bytes for shape {shape_text(view)}"
             )
         expected *= size
