@@ -103,6 +103,14 @@ class SwaGroup:
 class CanaryEvent:
     """One violation, decoded and mapped back to the engine's request and position.
 
+    ``group`` is ``"full"`` or ``"swa"``; ``phase`` the launch that recorded it: ``"head"``
+    (``before_forward``'s verify), ``"tail"`` (``after_forward``'s), ``"sweep"``, or ``"write"``
+    (``after_forward``'s fingerprinting, whose asserts check the tokens given). ``request`` is the
+    batch row's ``req_ids`` entry (its index in the batch where the batch has none) and ``position``
+    its position, both None where the row names no request; ``slot`` the slot checked or written;
+    ``violation`` the raw row, whose :class:`FailReason` names are ``reasons`` and whose launch tag
+    is ``tag``.
+
     ``step`` is the number of the forward whose launch recorded it, counted as
     :attr:`CanaryReport.forwards` counts (eager forwards and static forwards' runs, replays
     included; a sweep takes the number of the forward before it), or None where that cannot be
