@@ -137,11 +137,17 @@ class CanaryEvent:
     def reasons(self) -> tuple[str, ...]:
         return reason_names(self.violation.fail_reason)
 
+    def __repr__(self) -> str:
+        # the dataclass's own, but for a request id that cannot be shown (see _shown)
+        fields = ", ".join(f"{field.name}={(_shown if field.name == 'request' else repr)(getattr(self, field.name))}"
+                           for field in dataclasses.fields(self))
+        return f"{type(self).__qualname__}({fields})"
+
     def describe(self) -> str:
         tag = tag_name(self.tag)
         # an id from a NumPy array of ids (np.str_, np.int64) as the value it holds: 'a', not np.str_('a')
         request = self.request.item() if isinstance(self.request, np.generic) else self.request
-        where = "unknown request" if request is None else f"request {request!r}"
+        where = "unknown request" if request is None else f"request {_shown(request)}"
         pos = "?" if self.position is None else str(self.position)
         step = "?" if self.step is None else str(self.step)
         if self.slot == L.UNRESOLVED_SLOT:
@@ -195,7 +201,7 @@ class CanaryReport:
         except TypeError:
             unhashable = next(name for name in named if _unhashable(name))
             raise TypeError(f"{check.PREFIX}CanaryReport.requests needs hashable req_ids, got "
-                            f"{type(unhashable).__name__} {unhashable!r}: read each event's request instead") from None
+                            f"{type(unhashable).__name__} {_shown(unhashable)}: read each event's request instead") from None
 
     def counts_by_reason(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -223,6 +229,16 @@ class CanaryReport:
         if len(self.events) > limit:
             lines.append(f"  ... {len(self.events) - limit} more")
         return "\n".join(lines)
+
+
+def _shown(value: Any, what: str = "request id") -> str:
+    """``repr(value)``, or ``<unprintable request id of type X>`` where its ``__repr__`` raises or
+    returns no str: a request id is any object of the engine's, and one that cannot be shown must
+    not cost a poll its report (``describe()`` is the logged message and the CanaryViolation's)."""
+    try:
+        return str.__str__(repr(value))  # an exact str: a str subclass's own __str__ or __format__ is not run
+    except Exception:
+        return f"<unprintable {what} of type {type(value).__name__}>"
 
 
 def _unhashable(value: Any) -> bool:
@@ -478,7 +494,7 @@ def _req_ids(req_ids: Any, req_pool_indices: Any) -> None:
         return
     if not isinstance(req_ids, (list, tuple, np.ndarray)) or (isinstance(req_ids, np.ndarray) and req_ids.ndim != 1):
         raise TypeError(f"{check.PREFIX}req_ids must be None or a list, tuple or 1-D NumPy array (one per batch "
-                        f"row), got {type(req_ids).__name__} {req_ids!r}")
+                        f"row), got {type(req_ids).__name__} {_shown(req_ids, 'req_ids')}")
     rows = _batch_rows(req_pool_indices)
     if rows is not None and len(req_ids) > rows:
         raise ValueError(f"{check.PREFIX}req_ids must have at most one id per batch row (req_pool_indices has "

@@ -369,3 +369,25 @@ class DLPackOnly:
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
+
+
+class Unprintable:
+    """An engine's request object that cannot be shown: its ``__repr__`` and ``__str__`` raise, or
+    (``returns``) give something other than a str."""
+
+    def __init__(self, name: str, returns=None):
+        self.name = name
+        self.returns = returns
+
+    def __repr__(self):
+        if self.returns is None:
+            raise RuntimeError(f"request {self.name} cannot be shown")
+        return self.returns
+
+    __str__ = __repr__
+
+    def __eq__(self, other):
+        return isinstance(other, Unprintable) and other.name == self.name
+
+    def __hash__(self):
+        return hash(self.name)

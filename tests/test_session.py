@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, session_capacities
+from _builders import DLPackOnly, Unprintable, session_capacities
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
@@ -1722,6 +1722,10 @@ def test_rejected_before_forward_changes_nothing(device):
               "req_ids must have at most one id per batch row", "req_pool_indices has 1", "got 2")
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=np.array(5))), TypeError,
               "req_ids must be None or a list, tuple or 1-D NumPy array")
+    unprintable = np.empty((1, 1), object)
+    unprintable[0, 0] = Unprintable("a")  # named in the refusal by a placeholder, not by its failing repr
+    _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_ids=unprintable)), TypeError,
+              "req_ids must be None", "got ndarray <unprintable req_ids of type ndarray>")
     over = to_device(np.ones(eng.canary.capacities.write_req_capacity + 1, np.int64), device)
     _rejected(eng.canary, lambda: eng.canary.before_forward(_batch(device, req_pool_indices=over, prefix_lens=over,
                                                                    extend_seq_lens=over)),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, session_capacities
+from _builders import DLPackOnly, Unprintable, session_capacities
 from _devices import BACKENDS, to_device
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
@@ -465,6 +465,44 @@ def test_ids_from_a_numpy_array_are_described_by_their_value(device, ids, shown)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", ["log", "raise"])
+@pytest.mark.parametrize("returns", [None, 17])
+def test_a_request_id_that_cannot_be_shown_costs_no_report(device, mode, returns, caplog):
+    """An engine's request object whose ``__repr__`` raises (or returns no str) is the events'
+    request all the same; described, it is a placeholder naming its type, so that the logged
+    message and the CanaryViolation's are made and the report reaches the caller."""
+    eng = _Engine(device)
+    eng.canary.mode = mode
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slot = eng.requests["a"]["slots"][2]
+    eng.k[slot, 0, 0] += 1.0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    eng.table[1, 4] = 40
+    eng.sync()
+    request = Unprintable("a", returns)
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=[request])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        if mode == "raise":
+            with pytest.raises(kc.CanaryViolation) as info:
+                eng.canary.poll()
+            report, message = info.value.report, str(info.value)
+        else:
+            report = eng.canary.poll()
+            message = caplog.text
+    assert [(e.phase, e.request, e.position) for e in report] == [("head", request, 2), ("tail", request, 2)]
+    assert report.requests == {request}
+    shown = f"[HEAD_K_FULL step 2] request <unprintable request id of type Unprintable> position 2 slot {slot}"
+    assert report[0].describe().startswith(shown)
+    assert shown in message and report.describe() in message
+    assert "request=<unprintable request id of type Unprintable>, position=2" in repr(report)
+    assert not eng.canary.poll()  # the rows were reported once
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_request_ids_need_not_be_hashable(device):
     """An engine's own request objects as ids (a dataclass with ``eq``, hence unhashable) name the
     events, write rows included; only ``CanaryReport.requests``, a set, needs hashable ids."""
@@ -487,6 +525,14 @@ def test_request_ids_need_not_be_hashable(device):
     assert [(e.phase, e.request, e.position, e.reasons) for e in report] == [("write", Req("a"), 1, ("WRITE_TOKEN",))]
     with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got Req"):
         report.requests
+
+    class UnprintableReq(Unprintable):
+        __hash__ = None
+
+    unprintable = kc.CanaryReport((dataclasses.replace(report[0], request=UnprintableReq("a")),), total=1)
+    with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got "
+                                        r"UnprintableReq <unprintable request id of type UnprintableReq>"):
+        unprintable.requests
     assert not eng.canary.poll()  # the rings were emptied as ever
 
 
