@@ -606,6 +606,9 @@ class Canary:
         self._polled_at = 0  # _numbered at the previous poll
         self._sweeps = 0  # sweeps since the previous poll, which count toward the cap as forwards do
         self._unlogged = 0  # launches left out of the log since the previous poll
+        self._changed_launches = 0  # launches dropped from it since: their arrays changed in place
+        # The report of a poll interrupted once it had made it, which the next poll hands over.
+        self._unhanded: Optional[CanaryReport] = None
         # Closed static forwards let go of before a poll could map their runs (max_logged_forwards of
         # them wait): by count array, a mask of their cells, whose runs the next poll still counts.
         self._let_go: dict[int, int] = {}
@@ -1071,31 +1074,43 @@ class Canary:
 
         ``log`` mode logs a non-empty report; ``raise`` mode raises :class:`CanaryViolation`. While
         the canary is off it returns at once, once the first poll after the switch has decoded
-        (in the mode switched off from) what the launches before it left."""
+        (in the mode switched off from) what the launches before it left.
+
+        An exception that interrupts a poll (KeyboardInterrupt, MemoryError, a logger's
+        KeyboardInterrupt) loses no violation; at worst one is reported twice. Until its report is
+        made and logged (or its CanaryViolation made), a poll changes nothing the next one reads
+        but the log's launches whose arrays changed in place, which it drops as the next would:
+        interrupted there, it leaves every row to the next poll, which names them as it would
+        have. It then empties the rings and forgets the log and the counts, holding the report
+        until it is done: interrupted there, it leaves the report to the next poll, which hands it
+        over before its own events. Those get no step (the rings and the log it left need not
+        agree) and repeat the rows of a ring it had not emptied, and that poll's ``forwards`` may
+        count the graph replays of the interrupted span twice or not at all."""
         acting_mode = self._mode if self.enabled else self._owed_poll_mode
         if acting_mode is None:
             return CanaryReport(forwards=self._numbered)
-        self._owed_poll_mode = None
         events: list[CanaryEvent] = []
         total = dropped = overflows = 0
-        ran, runs, stray = self._static_forwards_ran()
-        replays, self._logged_runs = max(0, runs - self._logged_runs), 0
+        ran, runs, stray, counts_read = self._static_forwards_ran()
+        replays = max(0, runs - self._logged_runs)
         logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
-        changed = self._drop_changed_launches()
+        self._drop_changed_launches()
+        unhanded = self._unhanded
         # Replays leave no trace on the host: their places among the logged forwards are not known,
         # nor which of several is which; one replay alone since the previous poll is the next forward.
         # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
-        # fit the others' entries, whose steps are then not known either.
-        capped = self._unlogged > 0 or changed  # launches left out of the log: its rows' places are not known
+        # fit the others' entries, whose steps are then not known either. After a poll interrupted
+        # once it had made its report, the rings and the log may not agree.
+        capped = self._unlogged > 0 or self._changed_launches > 0 or unhanded is not None
         steps_known = not stray and not (replays and logged) and not capped
         mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None)
+        overflowed, recorded = [], []  # the groups whose counts and rings the poll empties
         for group in self.groups:
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
             if group_overflows:
                 overflows += group_overflows
-                assign(group.overflows, 0, group.device)
-                settle(group.device)
+                overflowed.append(group)
             if raw.total:
                 # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
                 named = mapper.resolve(group, raw.rows, raw.dropped > 0 or capped, ran)
@@ -1106,23 +1121,52 @@ class Canary:
                               for v, (phase, step, request, position) in zip(raw.rows, named))
                 total += raw.total
                 dropped += raw.dropped
-                group.ctx.clear_violations()
-            group.log.clear()
-        self._drop_closed_static_forwards()
-        self._numbered += replays
-        self._polled_at, self._sweeps, self._unlogged = self._numbered, 0, 0
-        report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered)
+                recorded.append(group)
+        report = CanaryReport(tuple(events), total, dropped, overflows, self._numbered + replays)
+        if unhanded is not None:  # found before this poll's rows
+            report = CanaryReport(unhanded.events + report.events, unhanded.total + report.total,
+                                  unhanded.dropped + report.dropped,
+                                  unhanded.capacity_overflows + report.capacity_overflows, report.forwards)
+        violation = None
         if report.total or report.capacity_overflows:
             if acting_mode == "raise" and report.total:
-                raise CanaryViolation(report)
-            self._warn(report.describe())
+                violation = CanaryViolation(report)
+            else:
+                self._warn(report.describe())
+        self._forget_polled(report, counts_read, replays, overflowed, recorded)
+        if violation is not None:
+            raise violation
         return report
 
-    def _drop_changed_launches(self) -> bool:
+    def _forget_polled(self, report: CanaryReport, counts_read: list, replays: int, overflowed: list,
+                       recorded: list) -> None:
+        """Once ``report`` is made: empty the rings it read, then forget the log, the closed static
+        forwards and the counts it was made from. The report is held meanwhile (``_unhanded``):
+        an interruption here leaves it to the next poll, whose own rows then get no step (the log
+        and the rings may not agree), and a ring not yet emptied has its rows reported again."""
+        self._unhanded = report
+        for group in recorded:
+            group.ctx.clear_violations()
+        for group in self.groups:
+            group.log.clear()
+        self._zero_run_counts(counts_read)
+        self._numbered += replays
+        self._drop_closed_static_forwards()
+        self._logged_runs = 0
+        self._polled_at, self._sweeps, self._unlogged, self._changed_launches = self._numbered, 0, 0, 0
+        for group in overflowed:
+            assign(group.overflows, 0, group.device)
+            settle(group.device)
+        self._owed_poll_mode = None
+        self._unhanded = None
+
+    def _drop_changed_launches(self) -> None:
         """Leave out of the log the eager launches whose batch arrays the engine reshaped or re-typed
         in place since their forward (a static forward's are views of its own), as the log leaves
         out launches past ``max_logged_forwards``: their rows are reported unplaced, rather than
-        this poll and every later one failing on arrays of another shape (said in a warning)."""
+        this poll and every later one failing on arrays of another shape (said in a warning).
+        Counted until a poll completes (``_changed_launches``), so that a poll after an
+        interrupted one knows its log is not whole."""
         dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked
         for group in self.groups:
             kept = []
@@ -1135,12 +1179,12 @@ class Canary:
                     kept.append(launch)
             dropped += len(group.log) - len(kept)
             group.log[:] = kept
+        self._changed_launches += dropped
         if dropped:
             self._warn(
                 f"kv-canary: {dropped} launch(es) since the last poll() read batch arrays that have been reshaped "
                 f"or re-typed in place since: their violations, if any, get no step and may name no request (keep "
                 f"a batch's arrays as they are until the poll after its forward)")
-        return dropped > 0
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the
@@ -1210,18 +1254,15 @@ class Canary:
             group.static_log[:] = [record for record in group.static_log
                                    if record.run_count_at not in run_counts_at]
 
-    def _static_forwards_ran(self) -> tuple[set, int, int]:
+    def _static_forwards_ran(self) -> tuple[set, int, int, list]:
         """The static forwards (by where their run counts lie) that ran since the previous poll,
-        their runs, and the runs counted in the cells of forwards let go (run by mistake), the run
-        counts cleared."""
+        their runs, the runs counted in the cells of forwards let go (run by mistake), and the
+        count arrays read, which the poll zeroes once its report is made (:meth:`_zero_run_counts`)."""
         live = [index for index, forwards in enumerate(self._live_run_counts) if forwards]
         if not live:
-            return set(), 0, 0
+            return set(), 0, 0, []
         self.context._wait_for_device()  # the counts are added on the streams the forwards ran on
-        counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed next
-        for index in live:
-            assign(self._run_counts[index], 0, self.device)
-        settle(self.device)
+        counts = {index: np.array(to_host(self._run_counts[index])) for index in live}  # copies: zeroed later
         ran, runs = set(), 0
         for group in self.groups:
             for record in group.static_log:
@@ -1231,7 +1272,14 @@ class Canary:
                     runs += int(counts[array][index])
         for array, cells in self._let_go.items():
             runs += sum(int(count) for index, count in enumerate(counts[array]) if cells >> index & 1)
-        return ran, runs, int(sum(int(count.sum()) for count in counts.values())) - runs
+        return ran, runs, int(sum(int(count.sum()) for count in counts.values())) - runs, live
+
+    def _zero_run_counts(self, arrays: list) -> None:
+        """Zero the run count arrays a poll read (indices into ``_run_counts``)."""
+        for index in arrays:
+            assign(self._run_counts[index], 0, self.device)
+        if arrays:
+            settle(self.device)
 
 
 class StaticForward:

@@ -171,18 +171,25 @@ def _workload(seed: int):
     return shape, run
 
 
-def _events(device, seed: int, every: int) -> list:
+def _events(device, seed: int, every: int, poll=lambda canary: canary.poll(), mode: str = "log") -> list:
     shape, run = _workload(seed)
     eng = _Engine(device, **shape)
+    eng.canary.mode = mode
     found, ticks = [], [0]
+
+    def polled():
+        try:
+            return poll(eng.canary)
+        except kc.CanaryViolation as violation:
+            return violation.report
 
     def tick():
         ticks[0] += 1
         if ticks[0] % every == 0:
-            found.extend(eng.canary.poll())
+            found.extend(polled())
 
     run(eng, tick)
-    found.extend(eng.canary.poll())
+    found.extend(polled())
     return sorted(((e.group, e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in found), key=repr)
 
 
@@ -195,6 +202,116 @@ def test_polling_every_few_forwards_names_what_polling_every_forward_names(devic
         found += bool(each)  # a fault no later forward reads finds nothing
         assert _events(device, seed, every) == each, seed
     assert found >= 25
+
+
+class _Interruption:
+    """``error`` raised once each armed poll, at the point where it is called (the ``skip`` calls
+    before let through); how many times it was raised is counted."""
+
+    def __init__(self, error: BaseException, skip: int = 0):
+        self.error = error
+        self.skip = skip
+        self.armed = False
+        self.skipping = 0
+        self.raised = 0
+
+    def arm(self) -> None:
+        self.armed, self.skipping = True, self.skip
+
+    def __call__(self) -> None:
+        if self.armed and self.skipping:
+            self.skipping -= 1
+        elif self.armed:
+            self.armed, self.raised = False, self.raised + 1
+            raise self.error
+
+    def warning(self, message) -> None:  # a logger, for the canary's logger
+        self()
+
+    def poll(self, canary):
+        """``canary.poll()``, interrupted once here, then polled again."""
+        self.arm()
+        try:
+            return canary.poll()
+        except type(self.error):
+            return canary.poll()
+        finally:
+            self.armed = False
+
+
+def _interrupt_at(where: str, interruption: _Interruption, monkeypatch) -> None:
+    """Make a poll raise ``interruption``'s exception, once armed: while it maps the rows of the last
+    group (the SWA group's after the full group's, when there is one), makes its report's message,
+    in the canary's logger, or as it empties a ring."""
+    if where == "mapping":
+        resolve = kc._mapping.RowMapper.resolve
+
+        def interrupted(mapper, group, *args):
+            if group is mapper.canary.groups[-1]:
+                interruption()
+            return resolve(mapper, group, *args)
+
+        monkeypatch.setattr(kc._mapping.RowMapper, "resolve", interrupted)
+    elif where == "describe":
+        describe = kc.CanaryReport.describe
+        monkeypatch.setattr(kc.CanaryReport, "describe", lambda report, *a: interruption() or describe(report, *a))
+    elif where == "logger":
+        monkeypatch.setattr(kc.session, "_LOG", interruption)  # the logger of every canary built from here on
+    else:
+        clear = kc.CanaryContext.clear_violations
+        monkeypatch.setattr(kc.CanaryContext, "clear_violations", lambda ctx: interruption() or clear(ctx))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("where, error, mode", [("mapping", KeyboardInterrupt, "log"),
+                                                ("describe", MemoryError, "log"),
+                                                ("describe", KeyboardInterrupt, "raise"),
+                                                ("logger", KeyboardInterrupt, "log")])
+def test_a_poll_interrupted_before_its_report_is_made_leaves_its_rows_to_the_next(device, where, error, mode,
+                                                                                  monkeypatch):
+    """Interrupted before it hands its report over (mapping the SWA group's rows after the full
+    group's, making the report's message or the CanaryViolation's, logging it), a poll has
+    changed nothing: the poll after it reports every row, named as polling after every forward
+    names them."""
+    interruption = _Interruption(error())
+    expected = {seed: _events(device, seed, 1) for seed in range(8)}
+    _interrupt_at(where, interruption, monkeypatch)
+    for seed, each in expected.items():
+        assert _events(device, seed, 1, interruption.poll, mode) == each, seed
+    assert interruption.raised >= 6
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("emptied", [0, 1])
+def test_a_poll_interrupted_while_it_empties_the_rings_loses_no_row(device, emptied, monkeypatch):
+    """Interrupted once its report is made, as it empties the rings (the first, or the SWA group's
+    with the full group's emptied), a poll leaves its report to the next one, which hands it over
+    first: no row is lost, and those of a ring it had not emptied are reported again, by the next
+    poll, with no step (the log and the rings it left need not agree)."""
+    interruption = _Interruption(KeyboardInterrupt(), skip=emptied)
+    expected = {seed: _events(device, seed, 1) for seed in range(8)}
+    _interrupt_at("clearing", interruption, monkeypatch)
+    interrupted = 0
+    for seed, each in expected.items():
+        raised = interruption.raised
+        found = _events(device, seed, 1, interruption.poll)
+        assert [event for event in found if event[2] is not None] == each, seed
+        again = {(group, phase, slot, reasons) for group, phase, step, _, _, slot, reasons in found if step is None}
+        assert again <= {(group, phase, slot, reasons) for group, phase, _, _, _, slot, reasons in each}, seed
+        assert bool(again) == (interruption.raised > raised), seed
+        interrupted += interruption.raised > raised
+    assert interrupted >= (6, 1)[emptied]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_replay_polled_alone_keeps_its_step_after_an_interrupted_poll(device, monkeypatch):
+    """A graph's replays are counted on the device; a poll interrupted before its report is made
+    leaves the counts to the next one, which numbers the replay as the interrupted one would have."""
+    interruption = _Interruption(KeyboardInterrupt())
+    _interrupt_at("logger", interruption, monkeypatch)
+    each = _static_decode_events(device, 1, replays=True, monkeypatch=monkeypatch, poll=interruption.poll)
+    assert each == [(phase, step, "a", 2) for step in (3, 4, 5) for phase in ("head", "tail")]
+    assert interruption.raised == 3
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -304,7 +421,8 @@ def test_a_full_ring_no_launch_explains_is_reported_unnamed():
     assert {e.slot for e in report} == set(int(s) for s in eng.requests["a"]["slots"][:30])
 
 
-def _static_decode_events(device, every: int, replays: bool = False, monkeypatch=None) -> list:
+def _static_decode_events(device, every: int, replays: bool = False, monkeypatch=None,
+                          poll=lambda canary: canary.poll()) -> list:
     """An eager prefill, then decode steps of one request through a static forward refilled in
     place (run eagerly, as on the CPU or before a capture; with ``replays``, unlogged as a graph's
     replays are), a KV fault after the first."""
@@ -333,8 +451,8 @@ def _static_decode_events(device, every: int, replays: bool = False, monkeypatch
         request["slots"].append(slot)
         request["len"] += 1
         if (number + 1) % every == 0:
-            found.extend(eng.canary.poll())
-    found.extend(report := eng.canary.poll())
+            found.extend(poll(eng.canary))
+    found.extend(report := poll(eng.canary))
     assert report.forwards == 5
     return [(e.phase, e.step, e.request, e.position) for e in found]
 
