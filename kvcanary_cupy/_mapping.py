@@ -506,12 +506,23 @@ def _one_name(launch, entries: list) -> tuple:
 
 
 def _distinct(names) -> list:
-    """``names`` without repeats, compared with ``==``: a request id need not be hashable."""
+    """``(request, position)`` ``names`` without repeats, the requests compared with ``==`` (an id
+    need not be hashable) or, where that raises or gives no truth value, told apart: an engine's
+    request object must not stop every later poll."""
     out: list = []
-    for name in names:
-        if name not in out:
-            out.append(name)
+    for request, position in names:
+        if not any(position == seen_position and _same_request(request, seen) for seen, seen_position in out):
+            out.append((request, position))
     return out
+
+
+def _same_request(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _verify_key(v) -> tuple:

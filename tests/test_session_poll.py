@@ -654,16 +654,35 @@ def test_request_ids_need_not_be_hashable(device):
     assert not eng.canary.poll()  # the rings were emptied as ever
 
 
+class _Incomparable:
+    """An engine's request object whose ``==`` raises against any other object."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __eq__(self, other):
+        if other is self:
+            return True
+        raise RuntimeError("request objects are not compared")
+
+    __hash__ = object.__hash__
+
+    def __str__(self):
+        return self.name
+
+
 @pytest.mark.parametrize("device", BACKENDS)
-def test_requests_past_the_batch_arrays_are_counted_per_forward(device):
+@pytest.mark.parametrize("id_kind", [str, _Incomparable])
+def test_requests_past_the_batch_arrays_are_counted_per_forward(device, id_kind):
     """Forward 1 has two requests whose entries reach past its arrays, forward 2 one: polled once,
-    forward 1's two rows cannot be told apart and name no request, forward 2's names its own."""
+    forward 1's two rows cannot be told apart and name no request, forward 2's names its own.
+    Telling them apart compares their ids: ids whose ``==`` raises are told apart all the same."""
     eng = _Engine(device)
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     for rows, extends, ids in (([1, 2], [2, 2], ["a", "b"]), ([3], [2], ["c"])):
         batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64([0] * len(rows)),
                                 extend_seq_lens=i64(extends), input_ids=i64([5]), positions=i64([0]),
-                                out_cache_loc=i64([10 + rows[0]]), req_ids=ids)
+                                out_cache_loc=i64([10 + rows[0]]), req_ids=[id_kind(name) for name in ids])
         eng.canary.before_forward(batch)
         eng.canary.after_forward(batch)
     assert sorted((e.phase, e.step, str(e.request), e.position) for e in eng.canary.poll()) == [
