@@ -185,7 +185,7 @@ class SimResult:
         if self.host_tier is not None:
             tier = self.host_tier
             lines.extend([f"  host tier of {tier['slots']} slots: {_counted(tier['offloads'], 'request')} offloaded, {tier['reloads']} "
-                         f"loaded back; {tier['prefix_stores']} evicted prefixes kept, {tier['prefix_loads']} loaded back",
+                         f"loaded back; {_counted(tier['prefix_stores'], 'evicted prefix', 'evicted prefixes')} kept, {tier['prefix_loads']} loaded back",
                          f"    copies {tier['kv_copy_ms']:.1f} ms of KV bytes, {tier['records_copy_ms']:.1f} ms of their records "
                          f"(kc.copy_records)"])
         if self.speculative is not None:
@@ -224,8 +224,8 @@ class SimResult:
         return "\n".join(lines)
 
 
-def _counted(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+def _counted(count: int, noun: str, plural: Optional[str] = None) -> str:
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def _attribute(events: Sequence[CanaryEvent], faults: Sequence[Fault], step: int):
