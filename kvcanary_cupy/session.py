@@ -523,8 +523,9 @@ class Canary:
     Parameters are the engine's facts: ``pool_slot_count`` KV slots (slot 0 is the padding slot),
     its :class:`Capacities`, the ``req_to_token`` table (``int32 [rows, max_len]``, referenced in
     place), the ``device``, the real-KV sources (see :mod:`kvcanary_cupy.layouts`) and hash mode, the
-    ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32 [rows, ctx]``, the
-    token id of every position, referenced in place) turns on expected-token checks in verify.
+    ring capacity and an optional :class:`SwaGroup`. ``expected_tokens`` (``int32``, at least
+    ``req_to_token``'s rows and columns: the token id of every position, referenced in place) turns
+    on expected-token checks in verify.
     ``mode`` is ``"off"`` (forwards, sweeps and polls return at once, but for the first poll after
     switching it off, which decodes what came before; ``static_forward`` still validates and binds
     its batch, so that the forward runs once the canary is on again), ``"log"`` (poll logs and
@@ -553,9 +554,14 @@ class Canary:
         req_to_token = _adopt("req_to_token", req_to_token, device, check.table, np.int32, keep=True)
         if expected_tokens is not None:
             expected_tokens = _adopt("expected_tokens", expected_tokens, device, check.table, np.int32, keep=True)
-            if expected_tokens.shape[0] < req_to_token.shape[0]:  # a row past it is never checked
+            # a row or a position past it is never checked, without a word
+            if expected_tokens.shape[0] < req_to_token.shape[0]:
                 raise ValueError(f"{check.PREFIX}expected_tokens must have a row for every req_to_token row: "
                                  f"rows >= {req_to_token.shape[0]}, got shape {check.shape_text(expected_tokens)}")
+            if expected_tokens.shape[1] < req_to_token.shape[1]:
+                raise ValueError(f"{check.PREFIX}expected_tokens must have a column for every req_to_token column "
+                                 f"(position): columns >= {req_to_token.shape[1]}, got shape "
+                                 f"{check.shape_text(expected_tokens)}")
         check_expected_token = (expected_tokens is not None if check_expected_token is None
                                 else check.boolean("check_expected_token", check_expected_token))
         if check_expected_token and expected_tokens is None:  # nothing to check against: no token would be

@@ -1880,6 +1880,8 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"expected_tokens": np.zeros(WIDTH, np.int32)}, ValueError, ("expected_tokens", "2-D")),
     ({"expected_tokens": np.zeros((ROWS - 1, WIDTH), np.int32)}, ValueError,
      ("expected_tokens must have a row for every req_to_token row", f"rows >= {ROWS}", f"({ROWS - 1}, {WIDTH})")),
+    ({"expected_tokens": np.zeros((ROWS, WIDTH - 1), np.int32)}, ValueError,
+     ("expected_tokens must have a column for every req_to_token column", f"columns >= {WIDTH}", f"({ROWS}, {WIDTH - 1})")),
     ({"token_offset": 1 << 63}, ValueError, ("token_offset", "int64")),
     ({"real_kv_sources": None}, TypeError, ("real_kv_sources", "NoneType")),
     ({"real_kv_sources": [object()]}, TypeError, ("real_kv_sources[0]", "RealKvSource")),
