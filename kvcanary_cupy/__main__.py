@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .sim import cli  # noqa: PLC0415
 
     demo = commands.add_parser("demo", help="simulate a serving engine, inject KV-cache faults, show what is caught",
-                               description=cli.DESCRIPTION)
+                               description=cli.DESCRIPTION, epilog=cli.EPILOG)
     cli.add_arguments(demo)
     demo.set_defaults(handler=cli.run_from_args)
     args = parser.parse_args(argv)

@@ -238,6 +238,21 @@ def test_demo_cli_exit_status_tells_a_failed_run(tmp_path, capsys, monkeypatch):
     assert "kv-canary: demo failed: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("entry", ["demo", "python -m kvcanary_cupy demo"])
+def test_demo_help_states_each_exit_status(entry, capsys):
+    """Both ways in to the demo (its own parser, the package's ``demo`` command) print the exit
+    statuses ``run_from_args`` returns, once, after the options."""
+    from kvcanary_cupy.__main__ import main as package_main
+
+    with pytest.raises(SystemExit) as done:
+        demo_main(["--help"]) if entry == "demo" else package_main(["demo", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("Exit status:") == 1 and text.index("--strict") < text.index("Exit status:")
+    for status in ("0 a clean run", "1 a false positive", "2 a refused option"):
+        assert status in text
+
+
 def test_demo_cli_strict_fails_on_a_class_named_and_never_caught(capsys):
     """--strict fails a run that never caught a class named in --faults, whatever kept it from being
     injected, and says why on standard error: such a run has not shown that the canary catches it.

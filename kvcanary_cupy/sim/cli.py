@@ -115,6 +115,9 @@ def _chart_path(text: str) -> str:
 
 DESCRIPTION = ("Simulate a serving engine, inject KV-cache faults and show which ones the canary catches, "
                "how fast, and at what cost.")
+EPILOG = ("Exit status: 0 a clean run; 1 a false positive (a violation no injected fault explains) or, with "
+          "--strict, a missed fault or a named class not caught; 2 a refused option or, after an otherwise clean "
+          "run, an output that could not be written.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-every", type=_at_least(1), default=10, help="steps between injected faults (default 10)")
     parser.add_argument("--hash-mode", default="all", choices=[m.name.lower() for m in HashMode],
                         help="how much real KV each slot fingerprints (default all: every fault class is "
-                             "visible; partial, the cheaper production mode, hashes each slot's first 16 bytes, "
-                             "so a bit flipped past them goes unseen: see docs/detection.md)")
+                             "visible; partial, the cheaper production mode, hashes the first 16 bytes of each "
+                             "slot in each hashed KV buffer, so a bit flipped past them goes unseen: see "
+                             "docs/detection.md)")
     parser.add_argument("--layout", default="paged", choices=LAYOUTS, help="KV pool layout (default paged)")
     parser.add_argument("--pool-slots", type=_at_least(1), default=8192,
                         help=f"KV slots in the pool, rounded down to whole pages (default 8192; at least one "
@@ -174,12 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a PNG chart (needs matplotlib: this package's plot extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--strict", action="store_true",
-                        help="exit 1 when an injected fault went unreported although its requests were done "
-                             "with before the run ended, or a class named in --faults was never caught (not "
-                             "injected; or each of its faults missed, in flight at the end or without effect; 'all' "
-                             "names no class), as well as on a false positive (exit status: 0 all well, 1 a false "
-                             "positive or, with --strict, a missed fault or a named class not caught, 2 a refused "
-                             "option or, after an otherwise clean run, an output that could not be written)")
+                        help="exit 1 also when an injected fault went unreported although its requests were done "
+                             "with before the run ended, or when a class named in --faults was never caught (not "
+                             "injected, or each of its faults missed, in flight at the end or without effect; 'all' "
+                             "names no class)")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -278,7 +280,7 @@ def _write_outputs(result, args: argparse.Namespace, say_to) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy demo", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m kvcanary_cupy demo", description=DESCRIPTION, epilog=EPILOG)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 
