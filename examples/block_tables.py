@@ -3,10 +3,10 @@
 Each request owns a row of a block table (block ids of its KV, ``block_size`` tokens a block) and
 the engine computes each new token's slot as ``block * block_size + offset``. The canary reads a
 per-position slot table, so the engine mirrors each block it hands a request into that table
-(``kc.block_tables.mirror``), when the block is given, not per forward, and describes each forward
-by cumulative token offsets and total lengths, int32 (``kc.ForwardBatch.from_offsets``). The KV cache is one tensor a
-layer with K and V stacked, ``[2, blocks, block_size, heads, head_dim]``. A prefix cache shares
-whole blocks between requests. Then an allocator bug frees a block that request "a" still uses and
+(``kc.block_tables.mirror``) when the block is given, not each forward. It describes each forward
+by cumulative token offsets and total lengths, in int32 (``kc.ForwardBatch.from_offsets``). The KV
+cache is one tensor a layer with K and V stacked, ``[2, blocks, block_size, heads, head_dim]``. A
+prefix cache shares whole blocks between requests. Then an allocator bug frees a block that request "a" still uses and
 hands it to a new request: the next forward that reads a's prefix reports it.
 
 Runs on the CPU by default; ``--device cuda`` (with CuPy) runs the same code on a GPU.
