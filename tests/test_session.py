@@ -919,6 +919,46 @@ def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplace
     assert later and {(e.step, e.request) for e in later} == {(3, "a")} and {e.position for e in later} == {2, 3}
 
 
+class _InterruptedOnce:
+    """A logger that raises KeyboardInterrupt at its first warning, as an engine's logger can when
+    the process is interrupted, and takes the later ones."""
+
+    def __init__(self):
+        self.interrupted = False
+        self.messages: list = []
+
+    def warning(self, message):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        self.messages.append(message)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_rows_of_a_batch_changed_in_place_are_not_given_the_step_of_a_clean_reader(device, interrupted):
+    """Forward 2 reads a's slot clean; it goes bad; forward 3 reads it, and its batch is reshaped in
+    place before the poll. Forward 3's launches are left out of the log, but its rows fit forward
+    2's entries as the tables are now: they name a's position and no step, not forward 2's. A poll
+    interrupted once it has left them out (its logger interrupted at the warning saying so) leaves
+    the next poll as unsure of its log's steps."""
+    logger = _InterruptedOnce() if interrupted else None
+    eng = Tiny(device, logger=logger)
+    eng.step({"a": 4})
+    eng.step({"a": 1})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    batch = eng.step({"a": 1})
+    batch.req_pool_indices.shape = (1, 1)
+    if interrupted:
+        with pytest.raises(KeyboardInterrupt):
+            eng.canary.poll()
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", None, "a", 1),
+                                                                         ("tail", None, "a", 1)]
+    eng.step({"a": 1})
+    assert {(e.step, e.request) for e in eng.canary.poll()} == {(4, "a")}
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("change", ["input_ids", "positions", "out_cache_loc"])
 def test_a_write_whose_token_arrays_changed_in_place_leaves_its_rows_unplaced(device, change, caplog):
