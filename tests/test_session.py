@@ -1029,6 +1029,30 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
         Tiny(device, max_logged_forwards=0)
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_graph_replays_a_poll_counted_leave_the_forwards_after_it_logged(device, monkeypatch, caplog):
+    """A graph's replays (unlogged here, as a replay is) are numbered among the forwards at the poll
+    that counts them, which starts the count toward ``max_logged_forwards`` again from there: the
+    forwards after it are logged up to the cap, and their rows keep their steps."""
+    eng = Tiny(device, bound=True, max_logged_forwards=2)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    monkeypatch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
+    for _ in range(3):
+        eng.step({"a": 1})
+    assert eng.canary.poll().forwards == 4
+    monkeypatch.undo()
+    eng.bound = eng.buffers = None  # eager forwards from here, over arrays of their own
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    with caplog.at_level(logging.WARNING, logger="kvcanary_cupy"):
+        eng.step({"a": 1})
+        eng.step({"a": 1})
+        report = eng.canary.poll()
+    assert "forwards and sweeps since the last poll()" not in caplog.text
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        (phase, step, "a", 1) for step in (5, 6) for phase in ("head", "tail")]
+
+
 @requires_gpu
 def test_a_static_forward_captured_in_a_graph_is_held_until_closed():
     """An engine that keeps only the CUDA graph of a static forward: the canary holds the forward
