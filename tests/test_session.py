@@ -1030,6 +1030,28 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_rows_past_max_logged_forwards_go_to_the_first_forwards_as_the_log_keeps_them(device):
+    """The log keeps the first forwards since the poll: the first rows of a slot are theirs, in
+    order, and the later ones are left unnamed. Here a and b (b shares a's first two tokens) read
+    a changed slot with the same records, a in forward 2, b in forward 3, a again in the two past
+    the cap: the rows name a, then b, then no one, never a later forward's row for a logged one."""
+    eng = Tiny(device, max_logged_forwards=2)
+    eng.step({"a": 4})
+    table = to_numpy(eng.table).copy()
+    table[eng.rows["b"], :2] = table[eng.rows["a"], :2]
+    eng.table[...] = to_device(table, device)
+    eng.lens["b"] = 2
+    assert not eng.canary.poll()
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    for extend in ({"a": 1}, {"b": 1}, {"a": 1}, {"a": 1}):
+        eng.step(extend)
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        (phase, None, request, position) for request, position in (("a", 1), ("b", 1), (None, None), (None, None))
+        for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_graph_replays_a_poll_counted_leave_the_forwards_after_it_logged(device, monkeypatch, caplog):
     """A graph's replays (unlogged here, as a replay is) are numbered among the forwards at the poll
     that counts them, which starts the count toward ``max_logged_forwards`` again from there: the
