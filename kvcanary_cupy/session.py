@@ -1090,8 +1090,9 @@ class Canary:
         have. It then empties the rings and forgets the log and the counts, holding the report
         until it is done: interrupted there, it leaves the report to the next poll, which hands it
         over before its own events. Those get no step (the rings and the log it left need not
-        agree) and repeat the rows of a ring it had not emptied, and that poll's ``forwards`` may
-        count the graph replays of the interrupted span twice or not at all."""
+        agree) and repeat the rows and the skipped verify launches of a group it had not emptied,
+        and that poll's ``forwards`` may count the graph replays of the interrupted span twice or
+        not at all."""
         acting_mode = self._mode if self.enabled else self._owed_poll_mode
         if acting_mode is None:
             return CanaryReport(forwards=self._numbered)
@@ -1146,13 +1147,18 @@ class Canary:
 
     def _forget_polled(self, report: CanaryReport, counts_read: list, replays: int, overflowed: list,
                        recorded: list) -> None:
-        """Once ``report`` is made: empty the rings it read, then forget the log, the closed static
-        forwards and the counts it was made from. The report is held meanwhile (``_unhanded``):
-        an interruption here leaves it to the next poll, whose own rows then get no step (the log
-        and the rings may not agree), and a ring not yet emptied has its rows reported again."""
+        """Once ``report`` is made: empty each group's ring and skipped-launch count it read, then
+        forget the log, the closed static forwards and the counts it was made from. The report is
+        held meanwhile (``_unhanded``): an interruption here leaves it to the next poll, whose own
+        rows then get no step (the log and the rings may not agree), and a group not yet emptied
+        has its rows and skipped launches reported again (so none is, once the groups are)."""
         self._unhanded = report
-        for group in recorded:
-            group.ctx.clear_violations()
+        for group in self.groups:
+            if group in recorded:
+                group.ctx.clear_violations()
+            if group in overflowed:
+                assign(group.overflows, 0, group.device)
+                settle(group.device)
         for group in self.groups:
             group.log.clear()
         self._zero_run_counts(counts_read)
@@ -1160,9 +1166,6 @@ class Canary:
         self._drop_closed_static_forwards()
         self._logged_runs = 0
         self._polled_at, self._sweeps, self._unlogged, self._changed_launches = self._numbered, 0, 0, 0
-        for group in overflowed:
-            assign(group.overflows, 0, group.device)
-            settle(group.device)
         self._owed_poll_mode = None
         self._unhanded = None
 

@@ -10,6 +10,8 @@ a batch, pad batches, sweep, check expected tokens and keep a sliding-window gro
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -312,6 +314,93 @@ def test_a_replay_polled_alone_keeps_its_step_after_an_interrupted_poll(device, 
     each = _static_decode_events(device, 1, replays=True, monkeypatch=monkeypatch, poll=interruption.poll)
     assert each == [(phase, step, "a", 2) for step in (3, 4, 5) for phase in ("head", "tail")]
     assert interruption.raised == 3
+
+
+def _interrupting(method, interruption: _Interruption):
+    """``method``, with ``interruption`` called first."""
+    def interrupted(self, *args):
+        interruption()
+        return method(self, *args)
+    return interrupted
+
+
+def _forget_interrupted_events(device, monkeypatch, mode: str, where: Optional[str]) -> list:
+    """Four spans of a decode of request a through a static forward run eagerly (its runs logged),
+    a KV fault more read in each, the first span with an eager forward past the verify capacity,
+    each span polled. With ``where`` (a method of the canary's), the first poll is interrupted in
+    it, once its report is made, as it forgets what it read, and the second poll as it makes its
+    report's message: the third hands over the first's report. What each poll that returned (or
+    raised CanaryViolation) reported, and a last poll's."""
+    interruptions = {name: _Interruption(KeyboardInterrupt() if name != "describe" else MemoryError())
+                     for name in ("_zero_run_counts", "_drop_closed_static_forwards", "describe")}
+    if where is not None:
+        for cls, name in ((kc.Canary, "_zero_run_counts"), (kc.Canary, "_drop_closed_static_forwards"),
+                          (kc.CanaryReport, "describe")):
+            monkeypatch.setattr(cls, name, _interrupting(getattr(cls, name), interruptions[name]))
+    eng = _Engine(device, verify_capacity=12)
+    eng.canary.mode = mode
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.add("b", 2)
+    eng.forward({"b": 8})
+    arrays = {name: to_device(np.zeros(1, np.int64), device) for name in
+              ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")}
+    decode = eng.canary.static_forward(kc.ForwardBatch(**arrays, req_ids=["a"]))
+
+    def decode_a():
+        request = eng.requests["a"]
+        slot, position = eng.next_slots(["a"])[0], request["len"]
+        for name, value in (("req_pool_indices", 1), ("prefix_lens", position), ("extend_seq_lens", 1),
+                            ("input_ids", 1000 + position), ("positions", position), ("out_cache_loc", slot)):
+            arrays[name][...] = to_device(np.array([value], np.int64), device)
+        decode.before()
+        eng.k[slot] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
+        decode.after()
+        request["slots"].append(slot)
+        request["len"] += 1
+
+    def poll():
+        try:
+            report = eng.canary.poll()
+        except kc.CanaryViolation as violation:
+            report = violation.report
+        return [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] + [
+            (report.total, report.dropped, report.capacity_overflows, report.forwards)]
+
+    found = []
+    assert not eng.canary.poll()
+    for span, interrupted in enumerate((where, "describe", None, None)):
+        eng.k[eng.requests["a"]["slots"][span], 0, 0] += 1.0
+        decode_a()
+        if span == 0:
+            eng.forward({"a": 1, "b": 1})  # 7 + 8 prefix entries, past the capacity: its verify checks nothing
+        if where is not None and interrupted is not None:
+            interruptions[interrupted].arm()
+            with pytest.raises((KeyboardInterrupt, MemoryError)):
+                eng.canary.poll()
+            continue
+        found.append(poll())
+    found.append(poll())
+    return found
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", ["log", "raise"])
+@pytest.mark.parametrize("where", ["_zero_run_counts", "_drop_closed_static_forwards"])
+def test_a_poll_interrupted_as_it_forgets_hands_its_report_over_once(device, monkeypatch, mode, where):
+    """Interrupted once it has made its report, as it forgets what it read (the rings emptied), a
+    poll leaves its report to the next poll that completes, a poll interrupted before its own
+    report in between: that one hands it over, its events first and its counts added, before its
+    own events (with no step). Nothing is reported twice: neither the rows nor the verify launches
+    skipped for capacity. The forwards are counted as ever, and the poll after names its rows
+    with their steps."""
+    first, second, third, fourth, last = _forget_interrupted_events(device, monkeypatch, mode, None)
+    assert first[-1][2] == 2 and all(event[1] is not None for event in first[:-1] + second[:-1] + third[:-1])
+    handed, after, quiet = _forget_interrupted_events(device, monkeypatch, mode, where)
+    own = [event[:1] + (None,) + event[2:] for event in second[:-1] + third[:-1]]
+    assert handed[:-1] == first[:-1] + own
+    assert handed[-1] == tuple(map(sum, zip(first[-1][:3], second[-1][:3], third[-1][:3]))) + third[-1][3:]
+    assert after == fourth and quiet == last == [(0, 0, 0, fourth[-1][-1])]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
