@@ -1001,6 +1001,59 @@ def test_a_write_whose_ids_or_positions_shrank_before_the_poll_leaves_its_rows_u
     assert later and {(e.step, e.request) for e in later} == {(3, "a")}
 
 
+def _next_token_of_a(eng: Tiny, **fields) -> kc.ForwardBatch:
+    """A batch of a's next token, its slot set in a's table row (and ``fields`` added), for a test
+    that calls the canary itself."""
+    position, slot = eng.lens["a"], eng.next_slot
+    table = to_numpy(eng.table).copy()
+    table[eng.rows["a"], position] = slot
+    eng.table[...] = to_device(table, eng.device)
+    eng.lens["a"], eng.next_slot = position + 1, slot + 1
+    eng.k[slot] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), eng.device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), eng.device)  # noqa: E731
+    return kc.ForwardBatch(req_pool_indices=i64([eng.rows["a"]]), prefix_lens=i64([position]),
+                           extend_seq_lens=i64([1]), input_ids=i64([1000 * eng.rows["a"] + position]),
+                           positions=i64([position]), out_cache_loc=i64([slot]), req_ids=["a"],
+                           **{name: i64(values) for name, values in fields.items()})
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_verify(device, caplog):
+    """A forward of ``after_forward`` alone logs its write before its TAIL verify, over one batch:
+    its token arrays reshaped before the poll leave the write out of the log, not the verify,
+    which reads neither, and whose row names a's position (with no step: the log is not whole)."""
+    eng = Tiny(device)
+    eng.step({"a": 4})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    batch = _next_token_of_a(eng)
+    eng.canary.after_forward(batch)
+    batch.input_ids.shape = (1, 1)
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = eng.canary.poll()
+    assert "kv-canary: 1 launch(es) since the last poll() read batch arrays that have been reshaped" in caplog.text
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", None, "a", 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_expected_valid_lens_changed_in_place_leave_the_forwards_rows_unplaced(device, caplog):
+    """A canary that checks expected tokens reads ``expected_valid_lens`` to name a row: resized in
+    place before the poll, it leaves its forward's launches out of the log, as the other arrays
+    the mapping reads do, with a warning."""
+    expected = np.add.outer(1000 * np.arange(ROWS), np.arange(WIDTH)).astype(np.int32)  # Tiny's tokens
+    eng = Tiny(device, expected_tokens=to_device(expected, device))
+    eng.step({"a": 4})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    batch = _next_token_of_a(eng, expected_valid_lens=[4])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    object.__setattr__(batch, "expected_valid_lens", to_device(np.array([4, 4], np.int64), device))
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        report = eng.canary.poll()
+    assert "re-typed in place since" in caplog.text
+    assert [(e.phase, e.step, e.request, e.reasons) for e in report] == [("head", None, None, ("REAL_KV_HASH",)),
+                                                                         ("tail", None, None, ("REAL_KV_HASH",))]
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
     """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
