@@ -801,6 +801,42 @@ def test_requests_past_the_batch_arrays_are_counted_per_forward(device, id_kind)
         ("write", 1, "None", None), ("write", 1, "None", None), ("write", 2, "c", 1)]
 
 
+def _pair(name: str):
+    """A request id as a small NumPy array, whose ``==`` gives an array: no truth value."""
+    return np.array([ord(name), 7])
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("id_kind", [str, _Incomparable, _pair])
+def test_requests_past_empty_arrays_share_a_position_and_name_neither(device, id_kind):
+    """a and b's entries all reach past a forward's empty arrays: each request's row is at the
+    first position past them, 0 for both, so their rows cannot be told apart and name neither,
+    whatever their ids: equal, ids whose ``==`` raises, or gives no truth value (the poll does
+    not fail on them)."""
+    eng = _Engine(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([2, 2]),
+                            input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]),
+                            req_ids=[id_kind("a"), id_kind("b")])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in report] == [("write", 1, None, None, -1)] * 2
+
+
+def test_names_are_told_apart_by_request_and_position():
+    """A row's candidate names, ``(request, position)``, are one name only where both agree: a
+    request at two positions is two names, and an id is its own request even where its ``==``
+    gives no truth value (a static forward's ids are the same objects at every run)."""
+    distinct = kc._mapping._distinct
+    assert distinct([("a", 1), ("a", 2)]) == [("a", 1), ("a", 2)]
+    assert distinct([("a", 1), ("b", 1), ("a", 1)]) == [("a", 1), ("b", 1)]
+    one = _pair("a")
+    (request, position), = distinct([(one, 1), (one, 1)])
+    assert request is one and position == 1
+    assert len(distinct([(one, 1), (_pair("a"), 1)])) == 2
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_full_ring_keeps_the_step_where_every_reader_recorded(device):
     """A ring of one row, filled by the only launch that could have recorded it (the TAIL check's
