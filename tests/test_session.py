@@ -2434,3 +2434,61 @@ def test_closed_static_forwards_let_go_still_count_their_replays(monkeypatch):
     assert report.total == 2 * 20 and {e.slot for e in report} == {bad}
     assert {e.phase for e in report} == {"head", "tail"} and all(e.request in ("a", None) for e in report)
     assert all(not group.static_log for group in eng.canary.groups)
+
+
+def _decode_forward_of_a(eng: Tiny) -> tuple:
+    """A static forward of request a's next token, over arrays of its own, and that token's slot."""
+    batch = _next_token_of_a(eng)
+    return eng.canary.static_forward(batch), int(to_numpy(batch.out_cache_loc)[0])
+
+
+def _run(eng: Tiny, forward: kc.session.StaticForward, slot: int) -> None:
+    forward.before()
+    for buffer in (eng.k, eng.v):
+        buffer[slot] = eng.rng.standard_normal((2, 8)).astype(np.float32)
+    forward.after()
+
+
+@pytest.mark.parametrize("max_logged_forwards", [8, 2])
+def test_a_count_array_whose_forwards_a_poll_let_go_is_read_no_more(max_logged_forwards):
+    """Static forwards run and closed (past ``max_logged_forwards``, some let go before the poll)
+    fill a count array alone; the poll after them lets go of them all, and no later poll reads
+    that array: a closed forward run again by mistake afterwards is not counted, as its close()
+    says, and leaves the next forward's rows their step."""
+    eng = Tiny("cpu", max_logged_forwards=max_logged_forwards)
+    eng.step({"a": 4})
+    closed = []
+    for _ in range(4):
+        forward, slot = _decode_forward_of_a(eng)
+        _run(eng, forward, slot)
+        forward.close()
+        closed.append((forward, slot))
+    assert eng.canary.poll().forwards == 5
+    forward, slot = closed[0]
+    forward.before()  # by mistake: it writes its token's record again as it was
+    forward.after()
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert report.forwards == 6
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 6, "a", 1), ("tail", 6, "a", 1)]
+
+
+def test_the_runs_of_a_static_forward_beside_closed_ones_let_go_are_counted_once(monkeypatch):
+    """A static forward kept open beside forwards closed and let go of in the same count array: a
+    poll counts the let-go forwards' runs from their cells and the open forward's from its own,
+    each once (their graph replays unlogged here, as a replay is)."""
+    eng = Tiny("cpu", max_logged_forwards=2)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    monkeypatch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
+    kept, kept_slot = _decode_forward_of_a(eng)
+    _run(eng, kept, kept_slot)
+    for _ in range(4):
+        forward, slot = _decode_forward_of_a(eng)
+        _run(eng, forward, slot)
+        forward.close()
+    for _ in range(2):
+        _run(eng, kept, kept_slot)
+    report = eng.canary.poll()
+    assert report.total == 0 and report.forwards == 1 + 3 + 4
