@@ -359,18 +359,21 @@ def test_a_logger_that_raises_loses_no_report_and_no_launch(device, caplog):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_capacity_overflow_is_reported(device):
-    """The verify launches skipped for capacity since the previous poll: a poll counts them once."""
-    eng = Tiny(device, verify_capacity=4)
+@pytest.mark.parametrize("swa", [False, True])
+def test_capacity_overflow_is_reported(device, swa):
+    """The verify launches skipped for capacity since the previous poll, in every group: a poll
+    counts them once."""
+    eng = Tiny(device, verify_capacity=3, swa=swa)
     eng.step({"a": 6})
-    eng.step({"a": 1})  # 6 prefix entries > capacity 4: verify skipped, and said so
+    eng.step({"a": 1})  # 6 prefix entries (the SWA group's window: 4) > capacity 3: verify skipped, and said so
     report = eng.canary.poll()
-    assert report.capacity_overflows == 2  # HEAD and TAIL of step 2 (step 1 has no prefix)
+    skipped = 2 * len(eng.canary.groups)  # HEAD and TAIL of step 2 (step 1 has no prefix)
+    assert report.capacity_overflows == skipped
     assert report.total == 0
     assert "capacity" in report.describe()
     assert eng.canary.poll().capacity_overflows == 0
     eng.step({"a": 1})
-    assert eng.canary.poll().capacity_overflows == 2
+    assert eng.canary.poll().capacity_overflows == skipped
 
 
 @pytest.mark.parametrize("device", BACKENDS)
