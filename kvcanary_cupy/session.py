@@ -1226,9 +1226,9 @@ class Canary:
         self._forget_static_forwards(closed)
         for array, _ in closed:
             self._live_run_counts[array] -= 1
-        for array, cells in self._let_go.items():
+        while self._let_go:  # each taken out before it is subtracted: interrupted, a count stays high, never low
+            array, cells = self._let_go.popitem()
             self._live_run_counts[array] -= bin(cells).count("1")
-        self._let_go.clear()
 
     def _hold_closed_static_forwards(self) -> None:
         """When a static forward is built or closed: keep at most ``max_logged_forwards`` closed
