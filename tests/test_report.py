@@ -16,11 +16,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "2026-12-01-h200.json"
 
 
-def _report():
-    spec = importlib.util.spec_from_file_location("kvcanary_bench_report", ROOT / "benchmarks" / "report.py")
+def _load(name: str, path: pathlib.Path):
+    """A benchmarks module loaded from its file (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _report():
+    return _load("kvcanary_bench_report", ROOT / "benchmarks" / "report.py")
 
 
 def test_table_counts_the_targets_of_the_committed_run():
@@ -196,10 +201,7 @@ TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz
 
 
 def _bench_conftest():
-    spec = importlib.util.spec_from_file_location("kvcanary_bench_conftest", ROOT / "benchmarks" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("kvcanary_bench_conftest", ROOT / "benchmarks" / "conftest.py")
 
 
 def _harness(conftest, device: str, scale: float, ceilings: dict):

@@ -671,12 +671,9 @@ def test_describe_shows_at_most_limit_events_and_counts_the_rest(device):
             report.describe(limit)
 
 
-@pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("ids, shown", [(np.array(["a"]), "request 'a'"), (np.array([17]), "request 17")])
-def test_ids_from_a_numpy_array_are_described_by_their_value(device, ids, shown):
-    """``req_ids`` may be a 1-D NumPy array: each event's request is its element, and describe()
-    shows the value it holds (not ``np.str_('a')`` or ``np.int64(17)``)."""
-    eng = _Engine(device)
+def _decode_over_a_changed_slot(eng, device, req_ids) -> int:
+    """Request "a" prefilled 4 tokens, then one decode forward (named by ``req_ids``) after the KV
+    of its position 2 changed: both its checks find that slot, which is returned."""
     eng.add("a", 1)
     eng.forward({"a": 4})
     slot = eng.requests["a"]["slots"][2]
@@ -685,9 +682,19 @@ def test_ids_from_a_numpy_array_are_described_by_their_value(device, ids, shown)
     eng.table[1, 4] = 40
     eng.sync()
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
-                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=ids)
+                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=req_ids)
     eng.canary.before_forward(batch)
     eng.canary.after_forward(batch)
+    return slot
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("ids, shown", [(np.array(["a"]), "request 'a'"), (np.array([17]), "request 17")])
+def test_ids_from_a_numpy_array_are_described_by_their_value(device, ids, shown):
+    """``req_ids`` may be a 1-D NumPy array: each event's request is its element, and describe()
+    shows the value it holds (not ``np.str_('a')`` or ``np.int64(17)``)."""
+    eng = _Engine(device)
+    slot = _decode_over_a_changed_slot(eng, device, ids)
     report = eng.canary.poll()
     assert [(e.phase, e.request, e.position) for e in report] == [("head", ids[0], 2), ("tail", ids[0], 2)]
     assert report.requests == {ids[0]}
@@ -703,18 +710,8 @@ def test_a_request_id_that_cannot_be_shown_costs_no_report(device, mode, returns
     message and the CanaryViolation's are made and the report reaches the caller."""
     eng = _Engine(device)
     eng.canary.mode = mode
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    slot = eng.requests["a"]["slots"][2]
-    eng.k[slot, 0, 0] += 1.0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    eng.table[1, 4] = 40
-    eng.sync()
     request = Unprintable("a", returns)
-    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
-                            input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=[request])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    slot = _decode_over_a_changed_slot(eng, device, [request])
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         if mode == "raise":
             with pytest.raises(kc.CanaryViolation) as info:
