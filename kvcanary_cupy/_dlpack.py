@@ -122,11 +122,9 @@ def parse_device(spec: Any) -> Device:
     if isinstance(spec, bool):
         raise TypeError(f"kv-canary: device must be {_DEVICE_FORMS}, got {spec!r}")
     if type(spec).__module__ == "torch" and type(spec).__name__ == "device":
-        if spec.type == "cpu":
-            return CPU
-        if spec.type == "cuda":
-            return Device("cuda", _current_cuda_device() if spec.index is None else int(spec.index))
-        raise ValueError(f"kv-canary: device must be a torch.device of type 'cpu' or 'cuda', got {spec!r}")
+        if spec.type not in ("cpu", "cuda"):
+            raise ValueError(f"kv-canary: device must be a torch.device of type 'cpu' or 'cuda', got {spec!r}")
+        spec = str(spec)  # 'cpu', 'cuda' or 'cuda:N', read as those strings are below
     if isinstance(spec, (int, np.integer)):
         if int(spec) < 0:
             raise ValueError(f"kv-canary: device index must be non-negative, got {int(spec)}")
