@@ -228,3 +228,38 @@ def test_the_differential_fuzz_fails_a_backend_that_differs_only_where_the_ring_
     assert status == 1 and ops["write"]["mismatches"]
     assert all(problems == ["canary (every row kept)"] for problems in
                (example["problems"] for example in ops["write"]["examples"]))
+
+
+def test_the_differential_fuzz_fails_a_backend_that_stores_past_an_output(tmp_path, monkeypatch):
+    """Every array a case hands the package lies between guard bands: a backend that stores one
+    byte past the last array it was given is a mismatch, which names the array, although every
+    output it returns agrees. The bands are gone once the run ends."""
+
+    def past_the_end(op, case, outputs):
+        F._guarded[-1][0][-1] ^= 0xFF
+        return outputs
+
+    status, ops = _differential_fuzz(tmp_path, monkeypatch, past_the_end, *F.MAKERS)
+    assert status == 1
+    for summary in ops.values():
+        assert summary["mismatches"] == 12
+        assert all(any(problem.startswith("bytes after a cpu array of shape") for problem in example["problems"])
+                   for example in summary["examples"])
+    assert F._guarded is None
+
+
+def test_guard_bands_see_a_store_on_either_side_and_nothing_inside():
+    F.guard_arrays(True)
+    try:
+        rng = np.random.default_rng(5)
+        values = rng.integers(1, 1 << 40, size=(3, 5), dtype=np.int64)
+        inside, _, after = (F._to(values, "cpu") for _ in range(3))
+        assert inside.shape == values.shape and np.array_equal(inside, values)
+        inside[...] = rng.integers(1, 1 << 40, size=inside.shape)
+        F._guarded[1][0][F.GUARD_BYTES - 1] ^= 1
+        F._guarded[2][0][F.GUARD_BYTES + after.nbytes] ^= 1
+        assert F.guard_problems() == ["bytes before a cpu array of shape (3, 5) and dtype int64 were written",
+                                      "bytes after a cpu array of shape (3, 5) and dtype int64 were written"]
+        assert F.guard_problems() == []
+    finally:
+        F.guard_arrays(False)

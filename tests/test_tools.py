@@ -329,3 +329,32 @@ def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_pa
     _events_changed(monkeypatch, lambda event: {} if event.position is None else {"position": event.position + shift})
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert any(said in row["misnamed"] for row in rows)
+
+
+def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tmp_path):
+    """tools/kernel_mutants.py: every CUDA source has changes to draw, each one line's; a change is
+    made in a worker's copy of the sources, which a check's package reads in place of its own, and
+    undone once the check has judged it."""
+    import sys
+    import time
+
+    (mutants,) = import_tools("kernel_mutants")
+    drawn = mutants.candidates()
+    assert {m.filename for m in drawn} == set(mutants.OPS_BY_FILE)
+    for m in drawn:
+        source = (mutants.REPO / mutants.KERNELS / m.filename).read_text().splitlines()
+        assert source[m.line - 1] == m.before != m.after
+    change = next(m for m in drawn if m.filename == "verify.cu" and m.operator == "<")
+    worker = mutants.Worker(tmp_path / "w0")
+    pristine = (worker.kernels / "verify.cu").read_text()
+    probe = tmp_path / "probe.py"
+    probe.write_text("from kvcanary_cupy.rawkernels import _loader\n"
+                     f"assert {change.after!r} in _loader._read('verify.cu').splitlines()\n")
+
+    class ReadsTheChange(mutants.Checks):
+        def commands(self, mutant, seed):
+            return [("fuzz", "reads the change", [sys.executable, str(probe)])]
+
+    row = worker.judge(change, ReadsTheChange(cases=1, memcheck=False, tests=False), 0, 120, time.perf_counter() + 120)
+    assert row["verdict"] == "survived", row["tail"]  # the probe passed: it read the changed line
+    assert (worker.kernels / "verify.cu").read_text() == pristine

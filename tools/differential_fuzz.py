@@ -12,6 +12,11 @@ thread a request, or with real-KV sources a group of lanes a request), or kvc_wr
 warps a request (by default the host picks from the batch's shape and sources: decode-shaped cases
 get kvc_write_decode, or one warp a request when they have sources and more than a token a request;
 the rest two warps).
+Every array a case hands the package sits between guard bands of known bytes (``_fuzzcases``),
+and a case whose bands changed is a mismatch: a store past an output's end shows. With
+``--exact-allocations`` there are no bands and CuPy's memory pool is off, so that each array is
+an allocation of its exact size: under compute-sanitizer's memcheck a read one element past an
+input shows too (the sanitizer runs use it; it is slower).
 """
 
 from __future__ import annotations
@@ -42,46 +47,58 @@ def main(argv=None) -> int:
     parser.add_argument("--write-team", choices=("auto", "thread", "one", "two"), default="auto",
                         help="threads or warps a request in the CUDA write (write and step): as the "
                              "host picks, or forced for every batch")
+    parser.add_argument("--exact-allocations", action="store_true",
+                        help="no guard bands, and CuPy's memory pool off (for compute-sanitizer)")
     args = parser.parse_args(argv)
+    F.guard_arrays(not args.exact_allocations)
+    if args.exact_allocations and args.device != "cpu":
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.set_allocator(None)
     if args.write_team != "auto":
         from kvcanary_cupy.ops.backends._cuda import write as cuda_write
         cuda_write.decode_form = lambda *_, thread=args.write_team == "thread": thread
         cuda_write.paired = lambda *_, two=args.write_team == "two": two
 
-    summary = {"device": args.device, "seed": args.seed, "write_team": args.write_team, "ops": {}}
-    failed = False
-    for op in args.ops:
-        rng = np.random.default_rng([args.seed, list(F.MAKERS).index(op)])
-        started = time.time()
-        mismatches, examples, largest, entries = 0, [], 0, 0
-        for i in range(args.cases):
-            cap = args.max_entries if i % args.large_every == args.large_every - 1 else args.small_entries
-            case = F.MAKERS[op](rng, cap)
-            oracle = F.RUNNERS[op](case, "cpu")
-            whole = None
-            if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
-                # The ring keeps only the rows recorded first (on a GPU, mostly the first blocks'):
-                # the case runs again with a ring that keeps every row, and those are compared too.
-                whole = F.with_ring(case, oracle["write_index"])
-                whole_oracle = F.RUNNERS[op](whole, "cpu")
-                case["_full_rows"] = Counter(map(tuple, whole_oracle["ring"].tolist()))
-            other = F.RUNNERS[op](case, args.device)
-            size = _size(op, case)
-            largest, entries = max(largest, size), entries + size
-            problems = F.compare(op, case, oracle, other)
-            if whole is not None:
-                problems += [f"{problem} (every row kept)" for problem in
-                             F.compare(op, whole, whole_oracle, F.RUNNERS[op](whole, args.device))]
-            if problems:
-                mismatches += 1
-                if len(examples) < 5:
-                    examples.append({"case": i, "size": size, "problems": problems})
-            if (i + 1) % max(1, args.cases // 10) == 0:
-                print(f"  {op}: {i + 1}/{args.cases} cases, {mismatches} mismatches", flush=True)
-        summary["ops"][op] = {"cases": args.cases, "mismatches": mismatches, "largest_case_entries": largest,
-                              "total_entries": entries, "seconds": round(time.time() - started, 1),
-                              "examples": examples}
-        failed |= mismatches > 0
+    try:
+        summary = {"device": args.device, "seed": args.seed, "write_team": args.write_team,
+                   "exact_allocations": args.exact_allocations, "ops": {}}
+        failed = False
+        for op in args.ops:
+            rng = np.random.default_rng([args.seed, list(F.MAKERS).index(op)])
+            started = time.time()
+            mismatches, examples, largest, entries = 0, [], 0, 0
+            for i in range(args.cases):
+                cap = args.max_entries if i % args.large_every == args.large_every - 1 else args.small_entries
+                case = F.MAKERS[op](rng, cap)
+                oracle = F.RUNNERS[op](case, "cpu")
+                whole = None
+                if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
+                    # The ring keeps only the rows recorded first (on a GPU, mostly the first blocks'):
+                    # the case runs again with a ring that keeps every row, and those are compared too.
+                    whole = F.with_ring(case, oracle["write_index"])
+                    whole_oracle = F.RUNNERS[op](whole, "cpu")
+                    case["_full_rows"] = Counter(map(tuple, whole_oracle["ring"].tolist()))
+                other = F.RUNNERS[op](case, args.device)
+                size = _size(op, case)
+                largest, entries = max(largest, size), entries + size
+                problems = F.compare(op, case, oracle, other)
+                if whole is not None:
+                    problems += [f"{problem} (every row kept)" for problem in
+                                 F.compare(op, whole, whole_oracle, F.RUNNERS[op](whole, args.device))]
+                problems += F.guard_problems()
+                if problems:
+                    mismatches += 1
+                    if len(examples) < 5:
+                        examples.append({"case": i, "size": size, "problems": problems})
+                if (i + 1) % max(1, args.cases // 10) == 0:
+                    print(f"  {op}: {i + 1}/{args.cases} cases, {mismatches} mismatches", flush=True)
+            summary["ops"][op] = {"cases": args.cases, "mismatches": mismatches, "largest_case_entries": largest,
+                                  "total_entries": entries, "seconds": round(time.time() - started, 1),
+                                  "examples": examples}
+            failed |= mismatches > 0
+    finally:
+        F.guard_arrays(False)
     print(f"{'op':10} {'cases':>7} {'mismatches':>10} {'largest':>9} {'seconds':>8}")
     for op, row in summary["ops"].items():
         print(f"{op:10} {row['cases']:>7} {row['mismatches']:>10} {row['largest_case_entries']:>9} {row['seconds']:>8}")

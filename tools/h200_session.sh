@@ -46,10 +46,13 @@ if has fuzz; then
   done
 fi
 if has sanitize; then
+  # Every array an allocation of its exact size (CuPy's pool off), with a gap after each where this
+  # compute-sanitizer can pad: memcheck then sees a read or store one element past an array.
+  padding=$(compute-sanitizer --help 2>&1 | grep -q -- --padding && echo "--padding 64")
   for tool in memcheck racecheck initcheck; do
-    timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all \
+    timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all $padding \
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
-      > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
+      --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
   done
 fi
 if has demo; then

@@ -1,0 +1,337 @@
+"""How well the GPU checks guard the CUDA sources: small deliberate changes to the kernels, one at a
+time, each run against the checks that should notice it.
+
+    python tools/kernel_mutants.py --mutants 150 --workers 8 --json out.json      # needs a GPU
+    python tools/kernel_mutants.py --list                                         # no GPU needed
+
+A change flips one comparison (``<`` and ``<=``, ``==`` and ``!=``, ...), swaps ``&&`` and ``||``,
+turns a binary ``+`` into ``-`` or the reverse, or drops one statement that stores, counts or calls.
+The candidates are every such place in ``kvcanary_cupy/rawkernels`` outside comments and preprocessor
+lines; ``--mutants`` of them are drawn with ``--seed`` and judged in the order drawn. Each worker
+owns a copy of the kernel sources (the package's Python is the repository's), so the unchanged
+sources of its copy compile once and then load from CuPy's cache.
+
+Each change runs the differential fuzz (``tools/differential_fuzz.py``) of the ops its file feeds,
+with the write's three forced forms for the write's sources; the session kernels run the session
+fuzz (``tools/canary_fuzz.py``) and the block-table kernels their GPU tests. A change that survives
+the fuzz then runs the GPU tests of its ops. Verdicts: ``fuzz``, ``tests`` (caught by that check),
+``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn`` (NVRTC refused it; not
+counted), ``unfinished`` (cut short by ``--limit``; not counted) and ``survived``. A survivor is
+either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
+change by change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import queue
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KERNELS = "kvcanary_cupy/rawkernels"
+
+# What each source feeds: the fuzz's ops, and the GPU test files that exercise it.
+OPS_BY_FILE = {
+    "canary_common.cuh": ("verify", "write", "plan", "scatter", "step", "records"),
+    "verify_entry.cuh": ("verify", "step"),
+    "verify.cu": ("verify",),
+    "write_request.cuh": ("write", "step"),
+    "write.cu": ("write",),
+    "write_decode.cu": ("write",),
+    "batch_plan.cuh": ("plan", "step"),
+    "plan.cu": ("plan",),
+    "scatter.cu": ("scatter",),
+    "step.cu": ("step",),
+    "records.cu": ("records",),
+    "session.cu": (),
+    "block_tables.cu": (),
+}
+TESTS_BY_OP = {
+    "verify": "tests/test_verify.py",
+    "write": "tests/test_write.py",
+    "plan": "tests/test_plan.py",
+    "scatter": "tests/test_scatter.py",
+    "step": "tests/test_step.py",
+    "records": "tests/test_copy_records.py",
+}
+WRITE_SOURCES = ("write_request.cuh", "write.cu", "write_decode.cu", "canary_common.cuh")
+
+SWAPS = {" < ": " <= ", " <= ": " < ", " > ": " >= ", " >= ": " > ", " == ": " != ", " != ": " == ",
+         " && ": " || ", " || ": " && ", " + ": " - ", " - ": " + "}
+SWAP_PATTERN = re.compile("|".join(re.escape(token) for token in SWAPS))
+# A whole statement that stores, counts or calls: dropped by the deletion operator. Declarations
+# (a type before the name) do not match: the name must start the statement.
+STATEMENT = re.compile(r"^\s*(?:atomic\w+\(|kvc_\w+\(|\*?[A-Za-z_][\w.\[\]>-]*\s*(?:=|\+=|\|=|&=)\s)[^;]*;\s*$")
+SKIPPED_LINE = re.compile(r"^\s*(#|//|\*|/\*|static_assert|template|namespace|constexpr)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    ident: int
+    filename: str
+    line: int         # 1-based
+    before: str
+    after: str
+    operator: str     # the token swapped, or "drop"
+
+
+def candidates() -> list[Mutant]:
+    """Every single-place change of every source, in file and line order."""
+    found = []
+    for path in sorted((REPO / KERNELS).glob("*.cu*")):
+        in_block_comment = False
+        for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if "/*" in text and "*/" not in text:
+                in_block_comment = True
+            if in_block_comment:
+                in_block_comment = "*/" not in text
+                continue
+            if SKIPPED_LINE.match(text):
+                continue
+            code, _, comment = text.partition("//")
+            tail = "//" + comment if comment else ""
+            for match in SWAP_PATTERN.finditer(code):
+                token = match.group(0)
+                changed = code[:match.start()] + SWAPS[token] + code[match.end():]
+                found.append((path.name, number, text, changed + tail, token.strip()))
+            if STATEMENT.match(code) and not code.rstrip().endswith("{"):
+                indent = code[:len(code) - len(code.lstrip())]
+                found.append((path.name, number, text, indent + ";  // dropped", "drop"))
+    return [Mutant(i, *fields) for i, fields in enumerate(found)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """Which checks a change runs, in order, the first that fails giving the verdict."""
+
+    cases: int            # differential fuzz cases an op
+    memcheck: bool        # the fuzz again under compute-sanitizer's memcheck, exact allocations
+    tests: bool           # the GPU tests of the change's ops
+
+    def commands(self, mutant: Mutant, seed: int) -> list:
+        """(verdict if it fails, name, argv) for each check of ``mutant``."""
+        python = sys.executable
+        ops = OPS_BY_FILE[mutant.filename]
+        pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
+        stages = []
+        if ops:
+            fuzz = [python, "tools/differential_fuzz.py", "--seed", str(seed), "--ops"]
+            stages.append(("fuzz", "fuzz " + " ".join(ops), fuzz + [*ops, "--cases", str(self.cases)]))
+            if mutant.filename in WRITE_SOURCES:
+                for team in ("thread", "one", "two"):
+                    stages.append(("fuzz", f"fuzz write {team}", fuzz + ["write", "--write-team", team,
+                                                                        "--cases", str(max(1, self.cases // 2))]))
+            if self.memcheck:
+                sanitized = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding(),
+                             *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10",
+                             "--exact-allocations"]
+                stages.append(("memcheck", "memcheck fuzz " + " ".join(ops), sanitized))
+        elif mutant.filename == "session.cu":
+            stages.append(("fuzz", "canary fuzz", [python, "tools/canary_fuzz.py", "--device", "cuda", "--seeds",
+                                                   "12", "--start", str(seed), "--forwards", "40"]))
+        if mutant.filename == "block_tables.cu":
+            stages.append(("tests", "tests", pytest + ["tests/test_block_tables.py"]))
+        elif self.tests and mutant.filename == "session.cu":
+            stages.append(("tests", "tests", pytest + ["tests/test_session.py", "tests/test_session_poll.py"]))
+        elif self.tests:
+            stages.append(("tests", "tests", pytest + sorted({TESTS_BY_OP[op] for op in ops})))
+        return stages
+
+
+@functools.lru_cache(maxsize=None)
+def memcheck_padding() -> tuple[str, ...]:
+    """compute-sanitizer's gap after each allocation, where its version has the option: a read one
+    past an array's end then lands in no allocation, whatever the next cudaMalloc returned."""
+    try:
+        shown = subprocess.run(["compute-sanitizer", "--help"], capture_output=True, text=True)
+    except FileNotFoundError:
+        return ()
+    return ("--padding", "64") if "--padding" in shown.stdout + shown.stderr else ()
+
+
+# Runs a script or module (``-m``) with the package's kernel sources read from another directory.
+PRELUDE = """
+import pathlib, runpy, sys
+from kvcanary_cupy.rawkernels import _loader
+_loader.RAWKERNEL_DIR = pathlib.Path(sys.argv.pop(1))
+if sys.argv[1] == "-m":
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class Worker:
+    """A copy of the kernel sources: a change is made in the copy and undone after its run. The
+    package's Python (and so numba's cache of the CPU oracle) is the repository's own."""
+
+    def __init__(self, root: pathlib.Path):
+        self.kernels = root / "rawkernels"
+        shutil.copytree(REPO / KERNELS, self.kernels, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        self.env.pop("KVCANARY_CONFORMANCE", None)
+
+    def run(self, argv, timeout: float) -> tuple[str, str]:
+        """('pass' | 'fail' | 'hang' | 'stillborn', the output's tail)."""
+        at = argv.index(sys.executable) + 1  # after a wrapper's own arguments (compute-sanitizer's)
+        argv = [*argv[:at], "-c", PRELUDE, str(self.kernels), *argv[at:]]
+        try:
+            done = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            out = (expired.stdout or b"")
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            return "hang", out[-600:]
+        out = done.stdout + done.stderr
+        if done.returncode == 0:
+            return "pass", out[-300:]
+        if "CompileException" in out or "NVRTC_ERROR" in out:
+            return "stillborn", out[-600:]
+        return "fail", out[-600:]
+
+    def judge(self, mutant: Mutant, checks: Checks, seed: int, timeout: float, end: float) -> dict:
+        """The change's verdict; no check runs past ``end`` (a perf_counter time): one cut short
+        by it leaves the verdict ``unfinished``."""
+        source = self.kernels / mutant.filename
+        original = source.read_text(encoding="utf-8")
+        lines = original.splitlines(keepends=True)
+        lines[mutant.line - 1] = mutant.after + "\n"
+        source.write_text("".join(lines), encoding="utf-8")
+        start = time.perf_counter()
+        verdict, by, tail = "survived", "", ""
+        try:
+            for caught, name, argv in checks.commands(mutant, seed):
+                left = end - time.perf_counter()
+                outcome, tail = self.run(argv, min(timeout, max(left, 0.0)))
+                if outcome == "hang" and left < timeout:
+                    outcome = "unfinished"
+                if outcome != "pass":
+                    verdict, by = (caught if outcome == "fail" else outcome), name
+                    break
+        finally:
+            source.write_text(original, encoding="utf-8")
+        return {**dataclasses.asdict(mutant), "verdict": verdict, "by": by,
+                "seconds": round(time.perf_counter() - start, 1),
+                "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
+
+
+def replayed(path: str) -> list[Mutant]:
+    """The changes that survived an earlier run (its ``--json``), each still where it was."""
+    rows = [row for row in json.loads(pathlib.Path(path).read_text())["rows"] if row["verdict"] == "survived"]
+    mutants = []
+    for row in rows:
+        source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
+        if row["line"] <= len(source) and source[row["line"] - 1] == row["before"]:
+            mutants.append(Mutant(row["ident"], row["filename"], row["line"], row["before"], row["after"],
+                                  row["operator"]))
+        else:
+            print(f"{row['filename']}:{row['line']} changed since: not replayed")
+    return mutants
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mutants", type=int, default=150, help="changes drawn from the candidates")
+    parser.add_argument("--seed", type=int, default=1, help="which changes are drawn")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--cases", type=int, default=120, help="fuzz cases an op, each change")
+    parser.add_argument("--timeout", type=float, default=150, help="seconds a check may run")
+    parser.add_argument("--deadline", type=float, default=400, help="no change starts after this many seconds")
+    parser.add_argument("--limit", type=float, default=560, help="no check runs past this many seconds")
+    parser.add_argument("--files", nargs="*", help="draw only from these sources")
+    parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
+    parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
+    parser.add_argument("--replay", help="judge again the changes that survived this earlier --json")
+    parser.add_argument("--memcheck", action="store_true",
+                        help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
+    parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
+    args = parser.parse_args()
+    checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests)
+
+    pool = [m for m in candidates() if not args.files or m.filename in args.files]
+    if args.replay:
+        pool = drawn = replayed(args.replay)
+    else:
+        # in drawn order, so that the changes judged before the deadline are a random sample too
+        drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))
+    if args.list:
+        for m in sorted(drawn, key=lambda m: (m.filename, m.line)):
+            print(f"{m.ident:4d} {m.filename}:{m.line} [{m.operator}] {m.after.strip()}")
+        print(f"{len(drawn)} of {len(pool)} candidates")
+        return 0
+
+    began = time.perf_counter()
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvc_mutants_"))
+    workers: queue.Queue = queue.Queue()
+    copies = [Worker(scratch / f"w{k}") for k in range(args.workers)]
+    # numba's oracle jits once, into the repository's cache; then each copy's unchanged sources
+    # compile once, before any change
+    jitted = subprocess.run([sys.executable, "tools/differential_fuzz.py", "--device", "cpu", "--cases", "4"],
+                            cwd=REPO, env=copies[0].env, capture_output=True, text=True)
+    if jitted.returncode != 0:
+        print("the CPU oracle fails its own fuzz:", jitted.stdout[-600:], jitted.stderr[-600:])
+        return 2
+    warm_up = [sys.executable, "tools/differential_fuzz.py", "--cases", "4"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(copies)) as executor:
+        warmed = list(executor.map(lambda worker: worker.run(warm_up, args.timeout), copies))
+    for outcome, tail in warmed:
+        if outcome != "pass":
+            print("the unchanged sources fail their own fuzz:", tail)
+            return 2
+    for worker in copies:
+        workers.put(worker)
+    print(f"[{time.perf_counter() - began:.0f} s] unchanged sources pass; {len(drawn)} changes, "
+          f"{args.workers} workers", flush=True)
+    results: list = []
+    lock = threading.Lock()
+
+    def one(mutant: Mutant):
+        if time.perf_counter() - began > args.deadline:
+            return None
+        worker = workers.get()
+        try:
+            row = worker.judge(mutant, checks, 7000 + mutant.ident, args.timeout, began + args.limit)
+        finally:
+            workers.put(worker)
+        with lock:
+            results.append(row)
+            if args.json:
+                pathlib.Path(args.json).write_text(json.dumps({"rows": results}, indent=1))
+            print(f"[{time.perf_counter() - began:.0f} s] {len(results)}/{len(drawn)} "
+                  f"{mutant.filename}:{mutant.line} [{mutant.operator}] {row['verdict']} {row['by']}", flush=True)
+        return row
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.workers) as executor:
+        list(executor.map(one, drawn))
+    counts: dict = {}
+    for row in results:
+        counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
+    summary = {"drawn": len(drawn), "judged": len(results), "candidates": len(pool), "seed": args.seed,
+               "checks": dataclasses.asdict(checks), "replay": args.replay, "verdicts": counts, "wall_s": round(time.perf_counter() - began, 1)}
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"summary": summary, "rows": results}, indent=1))
+    print(json.dumps(summary))
+    for row in results:
+        if row["verdict"] == "survived":
+            print(f"survived {row['filename']}:{row['line']} [{row['operator']}] {row['after'].strip()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
