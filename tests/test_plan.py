@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+import _fuzzcases as F
 from _builders import pipeline, random_batch, ring_rows
-from _devices import BACKENDS, to_device, to_numpy
+from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 UNRESOLVED = kc.UNRESOLVED_SLOT
 
@@ -431,3 +432,38 @@ def test_expected_pool_narrower_and_shorter_than_valid_lens(device, offset):
     assert [e[1] for e in want[8:11]] == [-1] * 3 and [e[1] for e in want[17:]] == [-1] * 2
     # request 0 (valid 9) reads columns offset .. offset + 7, past the pool's 5: those expect -1 too
     assert [e[1] for e in want[:8]].count(-1) == {0: 3, 1: 4, -2: 2 + 1}[offset]
+
+
+def _past_one_grid_pass(op: str, seed: int) -> dict:
+    """A fuzz case of ``op`` (plan or step) with more verify entries than one pass of the largest
+    grid a GPU holds at once (2048 threads an SM), all within its verify capacity."""
+    from kvcanary_cupy.ops.backends._cuda import sm_count
+
+    one_pass = 2048 * sm_count(0)
+    rng = np.random.default_rng([seed, len(op)])
+    for _ in range(400):
+        case = F.MAKERS[op](rng, 8 * one_pass)
+        total = F.verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
+        if one_pass < total <= case["verify_capacity"]:
+            return case
+    raise AssertionError(f"no {op} case past {one_pass} entries")
+
+
+@requires_gpu
+@pytest.mark.parametrize("op, lut", [("plan", False), ("plan", True), ("step", False)],
+                         ids=["plan", "plan_swa_lut", "step"])
+def test_more_verify_entries_than_one_pass_of_the_grid_equal_the_cpu_backend(op, lut):
+    """The plan kernel's verify blocks and the step's stride over a batch's entries, a block taking
+    every grid-th stride: batches of more entries than one pass of any grid the GPU holds at once
+    equal the CPU backend (the plan's LUT form too, with a window past every prefix). The fuzz's
+    cases are rarely that large."""
+    for seed in (71, 72):
+        case = _past_one_grid_pass(op, seed)
+        if lut:
+            cells = int(case["req_to_token"].max(initial=0)) + 1
+            case["full_to_swa_index_mapping"] = np.random.default_rng(seed).integers(-1, 1 << 40, size=cells)
+            case["swa_window_size"] = 1 << 40
+        oracle = F.RUNNERS[op](case, "cpu")
+        if op == "step" and oracle["write_index"] > oracle["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
+        assert F.compare(op, case, oracle, F.RUNNERS[op](case, "cuda")) == [], f"seed {seed}"

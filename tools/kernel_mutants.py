@@ -265,7 +265,7 @@ def main() -> int:
 
     pool = [m for m in candidates() if not args.files or m.filename in args.files]
     if args.replay:
-        pool = drawn = replayed(args.replay)
+        pool = drawn = [m for m in replayed(args.replay) if not args.files or m.filename in args.files]
     else:
         # in drawn order, so that the changes judged before the deadline are a random sample too
         drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))
