@@ -1731,7 +1731,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--forwards", type=int, default=40, help="forwards a run, before its final sweeps")
     parser.add_argument("--json", help="write every seed's row and the totals here")
+    parser.add_argument("--exact-allocations", action="store_true",
+                        help="CuPy's memory pool off: every CuPy array an allocation of its exact size, so that "
+                             "compute-sanitizer's memcheck sees a read or store one past it")
     args = parser.parse_args(argv)
+    if args.exact_allocations and args.device != "cpu":
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.set_allocator(None)
     dev = Device(args.device)
     rows, started, shown = [], time.perf_counter(), time.perf_counter()
     for seed in range(args.start, args.start + args.seeds):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
-# compute-sanitizer (memcheck, racecheck, initcheck) and the demo on the GPU, the independent parts
-# concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
+# compute-sanitizer (memcheck, racecheck, initcheck over the differential fuzz with exact allocations,
+# memcheck over a few kc.Canary runs) and the demo on the GPU, the independent parts concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
 # tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them in CANARY_PARTS
 # processes). FUZZ_SEED and CANARY_START move the fuzzes to cases no earlier run made (the defaults
@@ -23,7 +23,7 @@ summary="$OUT/summary.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: ${KVCANARY_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-  echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START"
+  echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START (under memcheck from $((CANARY_START + 900000)))"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
 } > "$summary" 2>&1
@@ -54,6 +54,10 @@ if has sanitize; then
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
       --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
   done
+  # the session's own kernels (the SWA group's slot translation, its counts), which only kc.Canary runs
+  timeout "$STAGE_TIMEOUT" compute-sanitizer --tool memcheck --target-processes all $padding \
+    python3 tools/canary_fuzz.py --device cuda --seeds 8 --start $((CANARY_START + 900000)) --forwards 30 \
+    --exact-allocations > "$LOGS/sanitize-memcheck-session.log" 2>&1 & pids+=($!)
 fi
 if has demo; then
   timeout "$STAGE_TIMEOUT" python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
@@ -81,6 +85,7 @@ if has sanitize; then
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
     echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"
   done
+  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(tail -n 1 "$LOGS/sanitize-memcheck-session.log")" >> "$summary"
 fi
 if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; fi
 if has bench; then

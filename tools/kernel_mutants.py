@@ -140,8 +140,12 @@ class Checks:
                              "--exact-allocations"]
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops), sanitized))
         elif mutant.filename == "session.cu":
-            stages.append(("fuzz", "canary fuzz", [python, "tools/canary_fuzz.py", "--device", "cuda", "--seeds",
-                                                   "12", "--start", str(seed), "--forwards", "40"]))
+            session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
+            stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
+            if self.memcheck:
+                stages.append(("memcheck", "memcheck canary fuzz",
+                               ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding(),
+                                *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
         if mutant.filename == "block_tables.cu":
             stages.append(("tests", "tests", pytest + ["tests/test_block_tables.py"]))
         elif self.tests and mutant.filename == "session.cu":
