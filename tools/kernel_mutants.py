@@ -257,7 +257,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=150, help="seconds a check may run")
     parser.add_argument("--deadline", type=float, default=400, help="no change starts after this many seconds")
     parser.add_argument("--limit", type=float, default=560, help="no check runs past this many seconds")
-    parser.add_argument("--files", nargs="*", help="draw only from these sources")
+    parser.add_argument("--files", nargs="*", help="draw only from these sources (with --replay: FILE or FILE:LINE)")
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", help="judge again the changes that survived this earlier --json")
@@ -269,7 +269,8 @@ def main() -> int:
 
     pool = [m for m in candidates() if not args.files or m.filename in args.files]
     if args.replay:
-        pool = drawn = [m for m in replayed(args.replay) if not args.files or m.filename in args.files]
+        pool = drawn = [m for m in replayed(args.replay)
+                        if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
         # in drawn order, so that the changes judged before the deadline are a random sample too
         drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))
