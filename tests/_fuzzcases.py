@@ -301,15 +301,6 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     with_assert = rng.random() < 0.5
     expected_tokens = np.where(rng.random(n) < 0.03, input_ids + 1, input_ids) if with_assert else None
     expected_positions = np.where(rng.random(n) < 0.03, positions - 1, positions) if with_assert else None
-    if num_requests > 1 and rng.random() < 0.1:
-        # The requests in the reverse order of their entries, each followed by an empty request (its
-        # begin past its end): spans out of order, none overlapping another. A write plan need not
-        # come from kc.plan, and a kernel that reads a request's span early must read the right one.
-        spans = [(offsets[r], offsets[r + 1], seeds[r]) for r in range(num_requests)][::-1]
-        offsets = np.array([bound for b, e, _ in spans for bound in (b, e)], np.int64)
-        seeds = np.array([seed for _, _, s in spans for seed in (s, -1)][:-1], np.int64)
-        num_requests = len(seeds)
-    capacity = num_requests + int(rng.choice([0, 0, 2]))
     if rng.random() < 0.05 and n:  # offsets past the entry arrays
         offsets[-1] = n + int(rng.integers(1, 10))
     if rng.random() < 0.03:  # spans past int64, at the ends only: two requests covering one entry race on a GPU
@@ -317,6 +308,17 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
             offsets[0] = rng.choice(HUGE_OFFSETS[:2])  # the first request begins before the entries
         if rng.random() < 0.7:
             offsets[-1] = rng.choice(HUGE_OFFSETS[2:])  # the last one runs past them
+    if num_requests > 1 and rng.random() < 0.1:
+        # The requests in the reverse order of their entries, each followed by an empty request (its
+        # begin past its end): spans out of order, none overlapping another (the request that may
+        # begin before the entries comes last, the one that may run past them first). A write plan
+        # need not come from kc.plan, and a kernel that reads a request's span early must read the
+        # right one.
+        spans = [(offsets[r], offsets[r + 1], seeds[r]) for r in range(num_requests)][::-1]
+        offsets = np.array([bound for b, e, _ in spans for bound in (b, e)], np.int64)
+        seeds = np.array([seed for _, _, s in spans for seed in (s, -1)][:-1], np.int64)
+        num_requests = len(seeds)
+    capacity = num_requests + int(rng.choice([0, 0, 2]))
     full_offsets = np.concatenate([offsets, np.full(capacity - num_requests, offsets[-1])]).astype(np.int64)
     full_seeds = np.concatenate([seeds, np.full(capacity - num_requests, -1)]).astype(np.int64)
     return {
