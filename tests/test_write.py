@@ -292,6 +292,8 @@ def test_seed_out_of_range(device, seed):
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("offsets,stored", [([0, 5], 3), ([-2, 1], 0), ([2, 7, 0], 1),
+                                            # -1: where negative indices count from the end, the last entry
+                                            ([-1, 2], 0),
                                             # spans of 2**63 or more: no int64 length may wrap
                                             ([-2, 2**63 - 1], 0), ([1, 2**63 - 1], 2), ([-2**63, 2], 0)])
 def test_offsets_outside_entries(device, offsets, stored):
