@@ -151,6 +151,62 @@ def test_write_agrees(seed):
     _assert_same(ctx, expected)
 
 
+@pytest.mark.parametrize("enable", [2, -1, 2**31 - 1])
+def test_verify_agrees_for_any_non_zero_enable(enable):
+    """SPEC §3.2 step 1 stops only when ``enable == 0``: the model checks a plan whose ``enable`` holds
+    any other value, as the backend does, and finds the damage in it."""
+    rng = np.random.default_rng(1500 + enable % 97)
+    num_slots = 24
+    specs = _sources(rng, num_slots)
+    mode = kc.HashMode.ALL
+    buf = _random_buffer(rng, num_slots, 32, specs, mode)
+    words = buf.view(np.int64)
+    slots = rng.permutation(np.arange(1, num_slots)).astype(np.int64)
+    prevs = np.array([_index(rng, -1, num_slots, extras=(0,), p_extra=0.2) for _ in slots], np.int64)
+    positions = words[slots, 1] + (rng.random(slots.shape[0]) < 0.3)  # some positions are off by one
+    tokens = words[slots, 0].copy()
+    ctx = _context(rng, num_slots, specs, mode, 64, 32, buf)
+    expected = _reference_state(ctx)
+    plan = dict(slots=slots, expected_tokens=tokens, expected_positions=positions, prev_slots=prevs,
+                num_valid=np.array([slots.shape[0]], np.int32), enable=np.array([enable], np.int32))
+    ref.verify(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
+               check_expected_token=True, tag=3, **plan)
+    assert int(expected[2][0]) > 0  # rows were found: the model did not skip the step
+    assert int(expected[3][0]) == 7 + slots.shape[0]
+    kc.verify(ctx, kc.VerifyPlan(slot_indices=slots, expected_tokens=tokens, expected_positions=positions,
+                                 prev_slot_indices=prevs, num_valid=plan["num_valid"], enable=plan["enable"]),
+              tag=3, check_expected_token=True)
+    _assert_same(ctx, expected)
+
+
+def test_write_agrees_past_the_int64_maximum_position():
+    """SPEC §2 (arithmetic wraps modulo 2^64): with the chain position assert on, an entry after a
+    predecessor at position 2^63 - 1 is expected at -2^63, in the model as in the backend; any other
+    position is recorded with that expectation."""
+    rng = np.random.default_rng(2063)
+    num_slots = 8
+    low, high = -(1 << 63), (1 << 63) - 1
+    buf = np.zeros((num_slots, 32), np.uint8)
+    words = buf.view(np.int64)
+    words[1, :3] = [int(rng.integers(1, 2**31)), high, int(rng.integers(1, 2**62))]  # the seed, at the maximum
+    ids = rng.integers(1, 2**31, size=4).astype(np.int64)
+    pos = np.array([low, low + 1, int(rng.integers(1, 10**9)), high], np.int64)
+    loc = np.array([2, 3, 4, 5], np.int64)
+    write = dict(offsets=np.array([0, 2, 3, 4], np.int64), seed_slots=np.array([1, 1, 1], np.int64),
+                 num_valid_reqs=np.array([3], np.int32), input_ids=ids, positions=pos, out_cache_loc=loc)
+    ctx = _context(rng, num_slots, [], kc.HashMode.NONE, 8, 32, buf, assert_flag=1)
+    expected = _reference_state(ctx)
+    ref.write(expected[0], [], expected[1], expected[2], expected[3], expected[4], expected_tokens=None,
+              expected_positions=None, chain_position_assert=np.array([1], np.int32), tag=2, **write)
+    rows = expected[1][:int(expected[2][0])]
+    assert [(int(r[1]), int(r[6]), int(r[7])) for r in rows] == [(4, low, int(kc.FailReason.WRITE_POSITION)),
+                                                                (5, low, int(kc.FailReason.WRITE_POSITION))]
+    kc.write(ctx, kc.WritePlan(offsets=write["offsets"], seed_slot_indices=write["seed_slots"],
+                               num_valid_reqs=write["num_valid_reqs"]),
+             tag=2, input_ids=ids, positions=pos, out_cache_loc=loc)
+    _assert_same(ctx, expected)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_plan_agrees(seed):
     rng = np.random.default_rng(3000 + seed)
