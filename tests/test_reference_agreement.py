@@ -186,7 +186,7 @@ def test_write_agrees_past_the_int64_maximum_position():
     rng = np.random.default_rng(2063)
     num_slots = 8
     low, high = -(1 << 63), (1 << 63) - 1
-    buf = np.zeros((num_slots, 32), np.uint8)
+    buf = rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8)
     words = buf.view(np.int64)
     words[1, :3] = [int(rng.integers(1, 2**31)), high, int(rng.integers(1, 2**62))]  # the seed, at the maximum
     ids = rng.integers(1, 2**31, size=4).astype(np.int64)
