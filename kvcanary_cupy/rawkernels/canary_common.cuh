@@ -41,6 +41,9 @@
 #ifndef KVC_RING_COLUMNS
 #error "kv-canary: KVC_RING_COLUMNS is not defined (pass _layout.nvrtc_defines())"
 #endif
+#ifndef KVC_RING_COL_FAIL_BITS
+#error "kv-canary: KVC_RING_COL_FAIL_BITS is not defined (pass _layout.nvrtc_defines())"
+#endif
 #ifndef KVC_PARTIAL_READ_BYTES
 #error "kv-canary: KVC_PARTIAL_READ_BYTES is not defined (pass _layout.nvrtc_defines())"
 #endif
@@ -258,14 +261,14 @@ __device__ __forceinline__ void kvc_record(const KvcRing& ring, kvc_i64 kind, kv
     const int i = atomicAdd(ring.write_index, 1);
     if (i < 0 || (kvc_i64)i >= ring.capacity) return;
     kvc_i64* row = ring.rows + (kvc_i64)i * KVC_RING_COLUMNS;
-    row[0] = kind;
-    row[1] = slot;
-    row[2] = position;
-    row[3] = stored_token;
-    row[4] = expected_token;
-    row[5] = stored_chain;
-    row[6] = expected_aux;
-    row[7] = bits;
+    row[KVC_RING_COL_KERNEL_KIND] = kind;
+    row[KVC_RING_COL_SLOT] = slot;
+    row[KVC_RING_COL_POSITION] = position;
+    row[KVC_RING_COL_STORED_TOKEN] = stored_token;
+    row[KVC_RING_COL_EXPECTED_TOKEN] = expected_token;
+    row[KVC_RING_COL_STORED_CHAIN_HASH] = stored_chain;
+    row[KVC_RING_COL_EXPECTED_AUX] = expected_aux;
+    row[KVC_RING_COL_FAIL_BITS] = bits;
 }
 
 // kvc_record out of line, for a kernel that records from many places on its short path: its code

@@ -414,14 +414,14 @@ def record(ring, write_index, kind, slot, position, stored_token, expected_token
     write_index[0] = index + 1
     if 0 <= index < ring.shape[0]:
         row = ring[index]
-        row[0] = kind
-        row[1] = slot
-        row[2] = position
-        row[3] = stored_token
-        row[4] = expected_token
-        row[5] = chain_hash
-        row[6] = aux
-        row[7] = bits
+        row[L.RING_COL_KERNEL_KIND] = kind
+        row[L.RING_COL_SLOT] = slot
+        row[L.RING_COL_POSITION] = position
+        row[L.RING_COL_STORED_TOKEN] = stored_token
+        row[L.RING_COL_EXPECTED_TOKEN] = expected_token
+        row[L.RING_COL_STORED_CHAIN_HASH] = chain_hash
+        row[L.RING_COL_EXPECTED_AUX] = aux
+        row[L.RING_COL_FAIL_BITS] = bits
 
 
 _EMPTY_SOURCE = np.zeros(1, dtype=np.uint64)
