@@ -85,7 +85,7 @@ if has sanitize; then
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
     echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"
   done
-  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(tail -n 1 "$LOGS/sanitize-memcheck-session.log")" >> "$summary"
+  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)" >> "$summary"
 fi
 if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; fi
 if has bench; then
