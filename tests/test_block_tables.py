@@ -458,6 +458,14 @@ def _rows_shifted_by_one(batch, given):
     return dataclasses.replace(batch, req_pool_indices=memory[:5]), dict(given, req_pool_indices=memory[1:])
 
 
+def _rows_backward_over_the_last_prefix_len(batch, given):
+    """The batch's prefix lengths in cells 0-4 of a buffer of 9, the rows given backwards over cells
+    4-8: they share cell 4 alone, the lowest the backward view reaches, not the one it starts at."""
+    device = "cpu" if isinstance(batch.req_pool_indices, np.ndarray) else "cuda"
+    memory = to_device(np.full(9, -77, np.int64), device)
+    return dataclasses.replace(batch, prefix_lens=memory[:5]), dict(given, req_pool_indices=memory[4:][::-1])
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("spoil, words", [
     (lambda batch, given: (batch, dict(given, req_pool_indices=batch.prefix_lens)),
@@ -472,6 +480,8 @@ def _rows_shifted_by_one(batch, given):
      "batch.req_pool_indices and req_pool_indices must be the same array"),
     (lambda batch, given: _rows_shifted_by_one(batch, given),
      "batch.req_pool_indices and req_pool_indices must be the same array"),
+    (lambda batch, given: _rows_backward_over_the_last_prefix_len(batch, given),
+     "batch.prefix_lens and req_pool_indices must not share memory (batch.prefix_lens is stored into)"),
     (lambda batch, given: (batch, dict(given, req_pool_indices=_as_strided(
         batch.req_pool_indices, (5,), (0,), "cpu" if isinstance(batch.req_pool_indices, np.ndarray) else "cuda"))),
      "batch.req_pool_indices and req_pool_indices must be the same array"),
@@ -494,6 +504,24 @@ def test_refill_refuses_a_batch_it_cannot_fill_and_changes_nothing(device, spoil
     if not isinstance(batch, str):
         for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids"):
             assert (to_numpy(getattr(batch, name)) == -77).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_refuses_the_rows_of_a_one_request_batch_read_as_int32(device):
+    """One request's row read in place must be the batch's own int64 cell: an int32 view of it has
+    the same address, length and (unused) stride, but reads half the cell it stores."""
+    rng = np.random.default_rng(91)
+    count = int(rng.integers(2, 6))
+    batch = _bound_batch(device, 1, count)
+    given = dict(query_start_loc=np.array([0, count], np.int64), seq_lens=np.array([count + 7], np.int64),
+                 input_ids=rng.integers(1, 32000, size=count), positions=rng.integers(0, 200, size=count),
+                 out_cache_loc=rng.integers(1, 4000, size=count))
+    given = {name: to_device(array, device) for name, array in given.items()}
+    with pytest.raises(ValueError, match=r"^kv-canary: batch\.req_pool_indices and req_pool_indices must be the same "
+                                         r"array \(same dtype"):
+        kc.block_tables.refill(batch, **given, req_pool_indices=batch.req_pool_indices.view(np.int32)[:1])
+    for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids"):
+        assert (to_numpy(getattr(batch, name)) == -77).all()
 
 
 @requires_gpu

@@ -106,6 +106,13 @@ CONSTRUCTION = [
     ("source read_bytes not x16", _source(read_bytes=8), ValueError, r"RealKvSource\.read_bytes .*got 8"),
     ("source read_bytes zero", _source(read_bytes=0), ValueError, r"RealKvSource\.read_bytes .*got 0"),
     ("source rows too short", _source(page_size=4), ValueError, r"RealKvSource\.tensor rows must hold .*128"),
+    # a row short of one token by a part of its bytes, or rows overlapping by one, are as wrong as any
+    ("source rows a part short", _source(tensor=_u8(4, 48), page_size=2), ValueError,
+     r"RealKvSource\.tensor rows must hold page_size \* num_bytes_per_token = 64 bytes, got 48 bytes per row"),
+    ("source rows overlap by a part", lambda: kc.RealKvSource(
+        tensor=np.lib.stride_tricks.as_strided(_u8(1, 4096)[0], shape=(8, 64), strides=(48, 1)),
+        page_size=1, num_bytes_per_token=64, read_bytes=64), ValueError,
+     r"RealKvSource.tensor rows must not overlap: row stride >= page_size \* num_bytes_per_token = 64 bytes, got 48"),
     ("source row stride not x16", _source(tensor=_u8(4, 40)[:, :32]), ValueError,
      r"RealKvSource\.tensor row stride must be a multiple of 16 bytes, got 40"),
     ("source misaligned", _source(tensor=_misaligned()), ValueError, r"RealKvSource\.tensor must be 16-byte aligned"),
@@ -215,6 +222,13 @@ CONSTRUCTION = [
     ("wplan host seeds float array", lambda: kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=np.zeros(1),
                                                                     num_valid_reqs=1), TypeError,
      r"seed_slot_indices must hold integers, got dtype float64"),
+    ("wplan host seeds bool array", lambda: kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=np.array([True]),
+                                                                   num_valid_reqs=1), TypeError,
+     r"seed_slot_indices must hold integers, got dtype bool$"),
+    # an unsigned value one past int64's maximum would wrap to its minimum
+    ("wplan host unsigned past int64", lambda: kc.WritePlan.from_host(offsets=np.array([0, 2**63], np.uint64),
+                                                                      seed_slot_indices=[-1], num_valid_reqs=1),
+     ValueError, r"offsets must fit in int64, got 9223372036854775808$"),
     ("layouts v_buffers None", lambda: kc.layouts.per_layer([np.zeros((4, 2, 8))], None), TypeError,
      r"v_buffers must be a list or tuple"),
     ("layouts interleaved 0-d", lambda: kc.layouts.interleaved([np.zeros(())]), ValueError,
@@ -497,6 +511,12 @@ OPS = [
      r"req_to_token must be 2-D"),
     ("plan table column stride", lambda w: w.plan(req_to_token=w.put(np.zeros((3, 12), np.int32))[:, ::2]),
      ValueError, r"req_to_token must have a contiguous last dimension, got strides \(48, 8\) in bytes$"),
+    # the rules hold for the smallest tables too: two rows laid out backwards, two columns apart
+    ("plan table rows reversed", lambda w: w.plan(req_to_token=w.table[:2][::-1]), ValueError,
+     r"req_to_token must have a non-negative row stride, got -24$"),
+    ("plan table of two strided columns", lambda w: w.plan(req_to_token=w.table[:, :4:2]), ValueError,
+     r"req_to_token must have a contiguous last dimension, got strides \(24, 8\) in bytes$"),
+    ("write ids None", lambda w: w.write(input_ids=None), TypeError, r"input_ids must be an array, got None$"),
     ("plan prefix length", lambda w: w.plan(prefix_lens=_d(w, np.arange(3))), ValueError,
      r"prefix_lens must have length 2"),
     ("plan extend dtype", lambda w: w.plan(extend_seq_lens=_d(w, np.arange(2, dtype=np.int32))), TypeError,
@@ -902,3 +922,54 @@ def test_a_raw_stream_handle_takes_every_pointer_value_on_the_cpu(handle):
     w.verify(stream=np.uint64(handle))
     with pytest.raises(ValueError, match=r"^kv-canary: stream, a raw CUDA stream handle, must be in \[0, 2\*\*64\)"):
         w.verify(stream=2**64)
+
+
+def test_a_table_whose_row_stride_splits_an_element_is_refused():
+    """A row stride that is no whole number of int32 cells puts every other row's cells across
+    element boundaries, though the table starts aligned: refused as such."""
+    cells = np.random.default_rng(87).integers(1, 9, size=64).astype(np.int32)
+    table = np.lib.stride_tricks.as_strided(cells, shape=(3, 4), strides=(18, 4))
+    vplan, wplan = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(2)
+    before = snapshot(*plan_arrays(vplan, wplan))
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token row stride must be a whole number of elements, "
+                                         r"got 18 bytes$"):
+        kc.plan(vplan, wplan, req_pool_indices=np.array([1]), prefix_lens=np.array([2]),
+                extend_seq_lens=np.array([1]), req_to_token=table)
+    assert all(np.array_equal(old, new) for old, new in zip(before, snapshot(*plan_arrays(vplan, wplan))))
+
+
+def test_an_empty_array_shares_no_memory_wherever_it_points():
+    """An empty array holds no byte: a ring of no row whose address lies inside the canary buffer's
+    memory (a slice of one arena) shares nothing with it, and the write stores into the buffer."""
+    arena = np.random.default_rng(88).integers(1, 2**40, size=64, dtype=np.int64)
+    ctx = kc.CanaryContext(canary_buf=arena[:32].view(np.uint8).reshape(8, 32),
+                           violation_ring=np.ndarray((0, 8), np.int64, buffer=arena, offset=64),
+                           violation_write_index=np.zeros(1, np.int32),
+                           slot_run_counter=np.zeros(1, np.int64), kernel_run_counter=np.zeros(1, np.int64),
+                           chain_position_assert=np.zeros(1, np.int32))
+    wplan = kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=1)
+    kc.write(ctx, wplan, tag=0, input_ids=np.array([77]), positions=np.array([0]), out_cache_loc=np.array([3]))
+    assert ctx.slot_fields(3)["token"] == 77 and ctx.ring_capacity == 0
+
+
+def test_a_source_of_no_rows_is_taken_wherever_it_points():
+    """A source of no rows has no byte to align: its address, whatever it is, is not refused."""
+    raw = np.random.default_rng(89).integers(1, 256, size=128, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 16 + 8
+    source = kc.RealKvSource(tensor=np.ndarray((0, 32), np.uint8, buffer=raw, offset=start), page_size=1,
+                             num_bytes_per_token=32, read_bytes=32)
+    assert source.num_rows == 0 and source.base_address % 16 == 8
+
+
+def test_an_array_starting_inside_the_last_element_of_another_shares_its_memory():
+    """An array's memory runs to the end of its last element: a pool whose first int32 cell is the
+    upper half of the flat ids' last int64 would be stored over ids still to be read."""
+    arena = np.random.default_rng(90).integers(1, 2**40, size=16, dtype=np.int64)
+    flat_in = arena[:4]
+    pool_out = arena[3:8].view(np.int32)[1:9].reshape(2, 4)
+    before = arena.copy()
+    with pytest.raises(ValueError, match=r"^kv-canary: scatter_req_token_ids pool_out and scatter_req_token_ids flat_in "
+                                         r"must not share memory"):
+        kc.scatter_req_token_ids(flat_in=flat_in, offsets=np.array([0, 2, 4]), req_pool_indices=np.array([0, 1]),
+                                 pool_out=pool_out)
+    assert np.array_equal(arena, before)
