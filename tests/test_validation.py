@@ -92,6 +92,16 @@ def _wplan_arrays(**kw):
     return lambda: kc.WritePlan(**args)
 
 
+def _misaligned_bytes(rows, cols):
+    raw = _noise(rows * cols + 16, np.uint8)
+    start = (-raw.ctypes.data) % 8 + 4
+    return raw[start:start + rows * cols].reshape(rows, cols)
+
+
+def _noise(shape, dtype):
+    return np.random.default_rng(93).integers(1, 100, size=shape).astype(dtype)
+
+
 # memory two arrays of one bundle would share
 _CELL64, _CELL32, _VEC, _BUF = np.zeros(1, np.int64), np.zeros(1, np.int32), np.zeros(8, np.int64), np.zeros((16, 32), np.uint8)
 
@@ -171,6 +181,16 @@ CONSTRUCTION = [
      r"canary_buf must be C-contiguous"),
     ("ctx ring columns", _ctx_arrays(violation_ring=np.zeros((4, 7), np.int64)), ValueError,
      r"violation_ring must have 8 columns"),
+    # the caller's own arrays past int32 (views of a few cells: refused before any cell is read)
+    ("ctx own ring past int32", _ctx_arrays(violation_ring=np.lib.stride_tricks.as_strided(
+        _noise(8, np.int64), shape=(2**31, 8), strides=(64, 8))), ValueError,
+     r"violation_ring capacity must fit in int32 \(<= 2147483647\), got 2147483648$"),
+    ("ctx ring of too many columns", _ctx_arrays(violation_ring=_noise((4, 9), np.int64)), ValueError,
+     r"violation_ring must have 8 columns, got shape \(4, 9\)$"),
+    ("ctx buf slots of 24 bytes", _ctx_arrays(canary_buf=_noise((8, 24), np.uint8)), ValueError,
+     r"canary_buf slot_stride_bytes \(shape\[1\]\) must be >= 32 and a multiple of 8, got 24$"),
+    ("ctx buf misaligned", _ctx_arrays(canary_buf=_misaligned_bytes(8, 32)), ValueError,
+     r"canary_buf must be 8-byte aligned, got address"),
     ("ctx ring dtype", _ctx_arrays(violation_ring=np.zeros((4, 8), np.int32)), TypeError,
      r"violation_ring must have dtype int64"),
     ("ctx write index dtype", _ctx_arrays(violation_write_index=np.zeros(1, np.int64)), TypeError,
