@@ -138,7 +138,7 @@ class CanaryContext:
             raise ValueError(f"{check.PREFIX}violation_ring must have {L.RING_COLUMNS} columns, got shape "
                              f"{tuple(ring.shape)}")
         check.fits_int32("violation_ring capacity", int(ring.shape[0]))
-        check.fits_int32("canary_buf num_slots", int(buf.shape[0]) - 1)
+        check.slot_count("canary_buf num_slots", int(buf.shape[0]))  # allocate's rule, the slots as received
         check.scalar_cell("violation_write_index", self.violation_write_index, np.int32)
         check.scalar_cell("slot_run_counter", self.slot_run_counter, np.int64)
         check.scalar_cell("kernel_run_counter", self.kernel_run_counter, np.int64)

@@ -185,6 +185,9 @@ CONSTRUCTION = [
     ("ctx own ring past int32", _ctx_arrays(violation_ring=np.lib.stride_tricks.as_strided(
         _noise(8, np.int64), shape=(2**31, 8), strides=(64, 8))), ValueError,
      r"violation_ring capacity must fit in int32 \(<= 2147483647\), got 2147483648$"),
+    ("ctx own buf past int32 slots", _ctx_arrays(canary_buf=np.lib.stride_tricks.as_strided(
+        _noise(32, np.uint8), shape=(2**31 + 1, 32), strides=(32, 1))), ValueError,
+     r"canary_buf num_slots must be <= 2\*\*31 \(slot indices fit in int32\), got 2147483649$"),
     ("ctx ring of too many columns", _ctx_arrays(violation_ring=_noise((4, 9), np.int64)), ValueError,
      r"violation_ring must have 8 columns, got shape \(4, 9\)$"),
     ("ctx buf slots of 24 bytes", _ctx_arrays(canary_buf=_noise((8, 24), np.uint8)), ValueError,
