@@ -87,6 +87,8 @@ def test_bad_types(name):
     (dict(cuda_graph_max_bs=2**31), "cuda_graph_max_bs", "max_bs"),
     (dict(speculative_num_draft_tokens=2**30), "speculative_num_draft_tokens", "write_entry_capacity"),
     (dict(max_prefill_tokens=2**31, chunked_prefill_size=None), "max_prefill_tokens", "write_entry_capacity"),
+    # the chunk is the smaller of the two: past int32 only through the one the engine set lower
+    (dict(chunked_prefill_size=2**31, max_prefill_tokens=2**32), "chunked_prefill_size", "write_entry_capacity"),
 ])
 def test_int32_bound_names_the_argument(arguments, named, derived):
     """A derived capacity past int32 is reported against the argument the user passed."""
