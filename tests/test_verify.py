@@ -344,6 +344,27 @@ def test_first_slot_past_a_token_per_row_source_is_out_of_range(device, mode):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_source_of_no_rows_puts_every_slot_out_of_range(device):
+    """SPEC §4: a source of no rows holds no slot's row. It stays one of the context's sources, so
+    every slot it would be read for gets bit 64 (its fold 0), by the write and by the verify."""
+    rng = np.random.default_rng(92)
+    empty = kc.RealKvSource(tensor=to_device(rng.integers(1, 256, size=(4, 32), dtype=np.uint8), device)[:0],
+                            page_size=1, num_bytes_per_token=32, read_bytes=32)
+    ctx = kc.CanaryContext.allocate(8, device=device, real_kv_sources=(empty,), hash_mode=kc.HashMode.PARTIAL)
+    ids = [int(t) for t in rng.integers(1, 2**40, size=2)]
+    wplan = kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put([0, 1]), out_cache_loc=put([3, 5]))
+    buf = ctx.canary_buf
+    assert sorted(ring_rows(ctx)) == sorted([(0, 3, 0, ids[0], ids[0], signed(ANCHOR_LINK), 0, 64),
+                                             (0, 5, 1, ids[1], ids[1], link_of(buf, 3), 1, 64)])
+    ctx.clear_violations()
+    kc.verify(ctx, host_verify_plan([3, 5], [-1, -1], [0, 1], [-1, 3], device=device), tag=TAG)
+    assert sorted(ring_rows(ctx)) == sorted([(TAG, 3, 0, ids[0], -1, signed(ANCHOR_LINK), signed(ANCHOR_LINK), 64),
+                                             (TAG, 5, 1, ids[1], -1, link_of(buf, 3), link_of(buf, 3), 64)])
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("num_valid,active", [(-5, 0), (0, 0), (2, 2), (4, 4), (100, 4)])
 def test_num_valid_clamped(device, num_valid, active):
     ctx = _chain(device)
