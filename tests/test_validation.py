@@ -188,6 +188,11 @@ CONSTRUCTION = [
     ("ctx own buf past int32 slots", _ctx_arrays(canary_buf=np.lib.stride_tricks.as_strided(
         _noise(32, np.uint8), shape=(2**31 + 1, 32), strides=(32, 1))), ValueError,
      r"canary_buf num_slots must be <= 2\*\*31 \(slot indices fit in int32\), got 2147483649$"),
+    ("ctx own arrays hash_mode bool", _ctx_arrays(hash_mode=True), TypeError, r"hash_mode must be a HashMode, got bool True$"),
+    ("wplan count dtype", _wplan_arrays(num_valid_reqs=_noise(1, np.int64)), TypeError,
+     r"WritePlan\.num_valid_reqs must have dtype int32, got int64$"),
+    ("wplan count length", _wplan_arrays(num_valid_reqs=_noise(2, np.int32)), ValueError,
+     r"WritePlan\.num_valid_reqs must have length 1 \(a single cell\), got 2$"),
     ("ctx ring of too many columns", _ctx_arrays(violation_ring=_noise((4, 9), np.int64)), ValueError,
      r"violation_ring must have 8 columns, got shape \(4, 9\)$"),
     ("ctx buf slots of 24 bytes", _ctx_arrays(canary_buf=_noise((8, 24), np.uint8)), ValueError,
@@ -720,7 +725,9 @@ def test_own_arrays_changed_in_place_through_their_attributes_are_refused(device
              (vplan, "expected_positions", (2, 2), None, lambda: kc.plan(vplan, wplan, **batch)),
              # slot indices read as twice the plan's capacity: every other field read past its end
              (vplan, "slot_indices", None, np.int32, lambda: kc.verify(ctx, vplan, tag=1)),
-             (wplan, "offsets", (3, 1), None, lambda: kc.write(ctx, wplan, tag=1, **entries))]
+             (wplan, "offsets", (3, 1), None, lambda: kc.write(ctx, wplan, tag=1, **entries)),
+             # re-typed to another dtype of its size: the same shape and strides, cells read as floats
+             (ctx, "slot_run_counter", None, np.float64, lambda: kc.verify(ctx, vplan, tag=1))]
     for owner, field, shape, dtype, call in cases:
         array = getattr(owner, field)
         attribute, changed = ("shape", shape) if shape is not None else ("dtype", dtype)
@@ -996,3 +1003,20 @@ def test_an_array_starting_inside_the_last_element_of_another_shares_its_memory(
         kc.scatter_req_token_ids(flat_in=flat_in, offsets=np.array([0, 2, 4]), req_pool_indices=np.array([0, 1]),
                                  pool_out=pool_out)
     assert np.array_equal(arena, before)
+
+
+@pytest.mark.parametrize("flag", [1, 0, None, "yes"])
+def test_the_chain_position_flag_is_set_from_a_bool_only(flag):
+    """``set_chain_position_assert`` takes a bool, as ``allocate(chain_position_assert=)`` does: an
+    int or anything else is refused and the device flag stays as it was."""
+    ctx = kc.CanaryContext.allocate(4, chain_position_assert=True)
+    with pytest.raises(TypeError, match=rf"^kv-canary: enabled must be a bool, got {type(flag).__name__} "):
+        ctx.set_chain_position_assert(flag)
+    assert to_numpy(ctx.chain_position_assert).tolist() == [1]
+
+
+def test_slot_fields_refuse_a_negative_slot():
+    """A negative slot is no slot of the buffer (NumPy would read it from the end): refused."""
+    ctx = kc.CanaryContext.allocate(4)
+    with pytest.raises(ValueError, match=r"^kv-canary: slot must be in \[0, 4\), got -1$"):
+        ctx.slot_fields(-1)
