@@ -276,6 +276,10 @@ CONSTRUCTION = [
     ("layouts paged rank", lambda: kc.layouts.paged([np.zeros((4, 16), np.uint8)]), ValueError,
      r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(4, 16\) \(one token a row, "
      r"\[slots, heads, head_dim\], is kc.layouts.per_layer; other shapes, kc.layouts.from_buffer with page_size=\)$"),
+    ("layouts paged of five dimensions", lambda: kc.layouts.paged([_noise((4, 2, 2, 8, 16), np.uint8)]), ValueError,
+     r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(4, 2, 2, 8, 16\) "),
+    ("layouts interleaved halves not x16", lambda: kc.layouts.interleaved([_noise((4, 2, 24), np.uint8)]), ValueError,
+     r"buffers\[0\] rows must split into two halves \(K, V\) of a multiple of 16 bytes, got 48 bytes per row$"),
     ("layouts paged per-layer buffer", lambda: kc.layouts.paged([np.zeros((16, 2, 8), np.float16)]), ValueError,
      r"k_buffers\[0\] must be 4-D \[pages, page_size, heads, head_dim\], got shape \(16, 2, 8\) "),
     ("layouts broadcast rows", lambda: kc.layouts.per_layer([np.broadcast_to(np.ones((1, 16), np.uint8), (4, 16))]),
