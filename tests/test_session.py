@@ -2004,6 +2004,15 @@ def _construct(**overrides) -> kc.Canary:
     return kc.Canary(**args)
 
 
+def _said_to_be_on_the_gpu(sources: tuple) -> tuple:
+    """Copies of host ``sources`` that say their tensors live on the first GPU (a host with none
+    cannot hold one there): the device rule reads what a source says."""
+    moved = tuple(copy.copy(source) for source in sources)
+    for source in moved:
+        object.__setattr__(source, "device", kc._dlpack.cuda_device(0))
+    return moved
+
+
 def _swa(**overrides) -> kc.SwaGroup:
     fields = dict(window=4, lut=np.arange(SLOTS + 1, dtype=np.int64), num_slots=SLOTS)
     fields.update(overrides)
@@ -2037,6 +2046,7 @@ def _swa(**overrides) -> kc.SwaGroup:
     ({"swa": _swa(num_slots=0)}, ValueError, ("SwaGroup.num_slots", "0")),
     ({"swa": {"window": 4}}, TypeError, ("swa", "SwaGroup", "dict")),
     ({"swa": _swa(window=1 << 64)}, ValueError, ("SwaGroup.window", "int64")),
+    ({"swa": _swa(window=0)}, ValueError, ("SwaGroup.window must be positive", "got 0")),
     ({"pool_slot_count": 1 << 63}, ValueError, ("pool_slot_count", "2**31")),
     ({"swa": _swa(num_slots=1 << 40)}, ValueError, ("SwaGroup.num_slots", "2**31")),
     ({"logger": "x"}, TypeError, ("logger", "str")),
@@ -2048,6 +2058,10 @@ def _swa(**overrides) -> kc.SwaGroup:
      ("real_kv_sources[0] must hold the KV of every slot of its pool", f"= {SLOTS - 1} slots", f"pool's {SLOTS}")),
     ({"swa": _swa(real_kv_sources=kc.layouts.paged([np.zeros((3, 4, 2, 8), np.float32)]))}, ValueError,
      ("SwaGroup.real_kv_sources[0]", "3 rows x page_size 4 = 12 slots")),
+    # an SWA group's sources on another device are named as such, before the full group is allocated
+    ({"swa": _swa(real_kv_sources=_said_to_be_on_the_gpu(kc.layouts.per_layer([np.ones((SLOTS, 2, 8), np.float32)])))},
+     ValueError, ("all arrays of one call must be on one device", "the canary on cpu",
+                  "SwaGroup.real_kv_sources[0].tensor on cuda:0")),
 ])
 def test_construction_checks_before_allocating(monkeypatch, overrides, error, names):
     def no_allocation(*args, **kwargs):
