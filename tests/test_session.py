@@ -292,6 +292,7 @@ def test_off_mode_does_nothing():
     eng.step({"a": 3})
     eng.canary.context.canary_buf[eng.slot("a", 1), :8] = 0xAB
     eng.step({"a": 1})
+    eng.canary.sweep(kc.LiveRequests(req_pool_indices=np.array([1], np.int64), seq_lens=np.array([4], np.int64)))
     assert eng.canary.poll().total == 0
     assert eng.canary.stats()["full"]["kernel_run_counter"] == 0
 
@@ -782,6 +783,21 @@ def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, sta
         eng.canary.after_forward(batch)
     assert "had no after" not in caplog.text
     assert eng.canary.poll().forwards == 4
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_after_forward_while_off_ends_the_forward_before_it(device, caplog):
+    """A forward planned while on whose ``after_forward`` came while off is over: switched on, the
+    next forward's ``before_forward`` warns of nothing, and its tokens are fingerprinted."""
+    eng, forward = _decode_of_a(device)
+    eng.canary.before_forward(forward.batch)
+    eng.canary.mode = "off"
+    eng.canary.after_forward(forward.batch)
+    eng.canary.mode = "log"
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        eng.step({"b": 3})
+    assert "had no after" not in caplog.text
+    assert eng.canary.context.slot_fields(eng.slot("b", 2))["token"] == 2002
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -1970,6 +1986,9 @@ def test_a_sweep_takes_every_live_request_past_a_forwards_request_capacity(devic
     eng.canary.sweep(live)
     report = eng.canary.poll()
     assert report.requests == {"b"} and {event.position for event in report.events} == {1}
+    for group in eng.canary.groups:  # the sweep's write plan holds every request it took
+        assert to_numpy(group.sweep_wplan.num_valid_reqs).tolist() == [2]
+        assert to_numpy(group.sweep_wplan.offsets)[:3].tolist() == [0, 0, 0] and group.sweep_wplan.capacity >= 2
     rows = to_device(np.arange(ROWS + 1, dtype=np.int64) % ROWS, device)
     too_many = kc.LiveRequests(req_pool_indices=rows, seq_lens=to_device(np.ones(ROWS + 1, np.int64), device))
     _rejected(eng.canary, lambda: eng.canary.sweep(too_many), ValueError,
@@ -1992,6 +2011,17 @@ def test_rejected_sweep_changes_nothing(device):
     for live, error, name in cases:  # the first sweep would allocate the sweep plans: it must not
         _rejected(eng.canary, lambda: eng.canary.sweep(live), error, name)
     assert all(group.sweep_vplan is None for group in eng.canary.groups)
+
+
+@pytest.mark.parametrize("stream", ["bogus", 1.5])
+def test_a_sweep_of_no_request_still_checks_its_stream(stream):
+    """A sweep with nothing to check launches nothing, but its arguments are checked all the same:
+    a stream a GPU would refuse is refused here too, whatever the batch."""
+    eng = Tiny("cpu")
+    eng.step({"a": 3})
+    empty = kc.LiveRequests(req_pool_indices=np.zeros(0, np.int64), seq_lens=np.zeros(0, np.int64))
+    _rejected(eng.canary, lambda: eng.canary.sweep(empty, stream=stream), TypeError, "stream must be None")
+    eng.canary.sweep(empty)
 
 
 def _construct(**overrides) -> kc.Canary:
