@@ -786,6 +786,57 @@ def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, sta
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_report_whose_rows_the_ring_dropped_is_true(device):
+    """A ring of no row keeps none of what it counts: the report has no event, but it found
+    violations, and says so."""
+    eng = Tiny(device, ring_capacity=0)
+    eng.step({"a": 3})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert report and not report.events and report.dropped == report.total == 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_before_while_off_ends_the_forward_planned_before_it(device):
+    """A static forward's ``before()`` while off is a forward of its own, as a ``before_forward``
+    while off is: the ``after_forward`` of the batch planned before it, once on again, plans that
+    batch and counts a forward of its own."""
+    eng, forward = _decode_of_a(device)
+    eng.canary.before_forward(forward.batch)  # a forward the engine dropped before it ran
+    eng.canary.mode = "off"
+    forward.before()
+    eng.canary.mode = "log"
+    for buffer in (eng.k, eng.v):
+        buffer[60] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
+    eng.canary.after_forward(forward.batch)
+    assert eng.canary.poll().forwards == 3
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_static_after_behind_another_batchs_before_forward_plans_its_own(device):
+    """``after()`` whose ``before()`` did not run last (another batch's ``before_forward`` did, a
+    forward dropped before it ran) plans its own batch, a forward of its own, rather than write with
+    the other batch's plans: its token is fingerprinted where it belongs."""
+    eng, forward = _decode_of_a(device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    table = to_numpy(eng.table).copy()
+    table[2, :2] = [61, 62]
+    eng.table[...] = to_device(table, device)
+    eng.canary.before_forward(kc.ForwardBatch(
+        req_pool_indices=i64([2]), prefix_lens=i64([0]), extend_seq_lens=i64([2]), input_ids=i64([2000, 2001]),
+        positions=i64([0, 1]), out_cache_loc=i64([61, 62]), req_ids=["b"]))
+    for buffer in (eng.k, eng.v):
+        buffer[60] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
+    forward.after()
+    eng.lens["a"], eng.next_slot = 5, 63
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert not report and report.forwards == 4
+    assert eng.canary.context.slot_fields(60)["position"] == 4
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_an_after_forward_while_off_ends_the_forward_before_it(device, caplog):
     """A forward planned while on whose ``after_forward`` came while off is over: switched on, the
     next forward's ``before_forward`` warns of nothing, and its tokens are fingerprinted."""
