@@ -188,7 +188,8 @@ CONSTRUCTION = [
     ("ctx own buf past int32 slots", _ctx_arrays(canary_buf=np.lib.stride_tricks.as_strided(
         _noise(32, np.uint8), shape=(2**31 + 1, 32), strides=(32, 1))), ValueError,
      r"canary_buf num_slots must be <= 2\*\*31 \(slot indices fit in int32\), got 2147483649$"),
-    ("ctx own arrays hash_mode bool", _ctx_arrays(hash_mode=True), TypeError, r"hash_mode must be a HashMode, got bool True$"),
+    ("ctx own arrays hash_mode bool", _ctx_arrays(hash_mode=True), TypeError,
+     r"hash_mode must be a HashMode, got bool True$"),
     ("wplan count dtype", _wplan_arrays(num_valid_reqs=_noise(1, np.int64)), TypeError,
      r"WritePlan\.num_valid_reqs must have dtype int32, got int64$"),
     ("wplan count length", _wplan_arrays(num_valid_reqs=_noise(2, np.int32)), ValueError,
@@ -1002,8 +1003,8 @@ def test_an_array_starting_inside_the_last_element_of_another_shares_its_memory(
     flat_in = arena[:4]
     pool_out = arena[3:8].view(np.int32)[1:9].reshape(2, 4)
     before = arena.copy()
-    with pytest.raises(ValueError, match=r"^kv-canary: scatter_req_token_ids pool_out and scatter_req_token_ids flat_in "
-                                         r"must not share memory"):
+    with pytest.raises(ValueError, match=r"^kv-canary: scatter_req_token_ids pool_out and "
+                                         r"scatter_req_token_ids flat_in must not share memory"):
         kc.scatter_req_token_ids(flat_in=flat_in, offsets=np.array([0, 2, 4]), req_pool_indices=np.array([0, 1]),
                                  pool_out=pool_out)
     assert np.array_equal(arena, before)
