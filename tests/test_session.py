@@ -837,13 +837,17 @@ def test_a_static_after_behind_another_batchs_before_forward_plans_its_own(devic
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_an_after_forward_while_off_ends_the_forward_before_it(device, caplog):
-    """A forward planned while on whose ``after_forward`` came while off is over: switched on, the
-    next forward's ``before_forward`` warns of nothing, and its tokens are fingerprinted."""
+@pytest.mark.parametrize("static", [False, True])
+def test_an_after_forward_while_off_ends_the_forward_before_it(device, static, caplog):
+    """A forward planned while on whose ``after_forward`` (or ``after()``) came while off is over:
+    switched on, the next forward's ``before_forward`` warns of nothing, and its tokens are
+    fingerprinted."""
     eng, forward = _decode_of_a(device)
-    eng.canary.before_forward(forward.batch)
+    before, after = (forward.before, forward.after) if static else (
+        lambda: eng.canary.before_forward(forward.batch), lambda: eng.canary.after_forward(forward.batch))
+    before()
     eng.canary.mode = "off"
-    eng.canary.after_forward(forward.batch)
+    after()
     eng.canary.mode = "log"
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         eng.step({"b": 3})
@@ -2073,6 +2077,34 @@ def test_a_sweep_of_no_request_still_checks_its_stream(stream):
     empty = kc.LiveRequests(req_pool_indices=np.zeros(0, np.int64), seq_lens=np.zeros(0, np.int64))
     _rejected(eng.canary, lambda: eng.canary.sweep(empty, stream=stream), TypeError, "stream must be None")
     eng.canary.sweep(empty)
+
+
+@pytest.mark.parametrize("stream", ["bogus", 1.5])
+def test_forward_calls_refuse_a_stream_of_no_form(stream):
+    """Each call checks its ``stream=`` before it launches anything, on the CPU too (where a stream
+    is otherwise ignored): a refused one changes nothing."""
+    eng = _warm("cpu")
+    batch = _next_token_of_a(eng)
+    live = kc.LiveRequests(req_pool_indices=np.array([1], np.int64), seq_lens=np.array([3], np.int64))
+    for call in (lambda: eng.canary.before_forward(batch, stream=stream),
+                 lambda: eng.canary.after_forward(batch, stream=stream),
+                 lambda: eng.canary.sweep(live, stream=stream)):
+        _rejected(eng.canary, call, TypeError, "stream must be None")
+    eng.canary.before_forward(batch)
+    _rejected(eng.canary, lambda: eng.canary.after_forward(batch, stream=stream), TypeError, "stream must be None")
+
+
+def test_expected_valid_lens_are_ignored_without_expected_tokens():
+    """``ForwardBatch.expected_valid_lens`` bound the expected-token pool: a canary that expects no
+    token ignores them, whatever they hold, and checks the forward as any other."""
+    eng = Tiny("cpu")
+    eng.step({"a": 3})
+    batch = _next_token_of_a(eng, expected_valid_lens=[7, 7])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert not report and report.forwards == 2
+    assert eng.canary.context.slot_fields(eng.slot("a", 3))["token"] == 1003
 
 
 def _construct(**overrides) -> kc.Canary:
