@@ -2094,6 +2094,20 @@ def test_forward_calls_refuse_a_stream_of_no_form(stream):
     _rejected(eng.canary, lambda: eng.canary.after_forward(batch, stream=stream), TypeError, "stream must be None")
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_expected_tokens_with_the_check_off_are_not_planned(device):
+    """``check_expected_token=False`` with an expected-token pool: verify checks no token and its
+    rows expect none (-1), however the pool disagrees with the tokens written."""
+    pool = np.random.default_rng(94).integers(1, 30000, size=(ROWS, WIDTH)).astype(np.int32)
+    eng = Tiny(device, expected_tokens=to_device(pool, device), check_expected_token=False)
+    eng.step({"a": 3})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert [(e.phase, e.position, e.reasons, e.violation.expected_token) for e in report] == [
+        ("head", 1, ("REAL_KV_HASH",), -1), ("tail", 1, ("REAL_KV_HASH",), -1)]
+
+
 def test_expected_valid_lens_are_ignored_without_expected_tokens():
     """``ForwardBatch.expected_valid_lens`` bound the expected-token pool: a canary that expects no
     token ignores them, whatever they hold, and checks the forward as any other."""
