@@ -128,6 +128,8 @@ def test_clean_forwards_and_sweep(device):
     report = eng.canary.poll()
     assert not report and report.total == 0 and report.capacity_overflows == 0
     assert report.forwards == 5 and eng.canary.forwards == 5  # a sweep is no forward
+    eng.canary.after_forward(_next_token_of_a(eng))  # an after_forward alone is a forward of its own
+    assert eng.canary.forwards == 6 and not eng.canary.poll()
 
 
 @pytest.mark.parametrize("device", BACKENDS)
