@@ -2078,7 +2078,9 @@ def test_a_sweep_of_no_request_still_checks_its_stream(stream):
     eng.step({"a": 3})
     empty = kc.LiveRequests(req_pool_indices=np.zeros(0, np.int64), seq_lens=np.zeros(0, np.int64))
     _rejected(eng.canary, lambda: eng.canary.sweep(empty, stream=stream), TypeError, "stream must be None")
+    before = _state(eng.canary)
     eng.canary.sweep(empty)
+    _assert_same(before, _state(eng.canary))  # nothing to check: nothing launched, nothing logged
 
 
 @pytest.mark.parametrize("stream", ["bogus", 1.5])

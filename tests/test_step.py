@@ -90,6 +90,7 @@ def test_step_rejects_bad_arguments_and_changes_nothing(device):
                                           ctx.slot_run_counter, ctx.kernel_run_counter)]
     bad = [
         (dict(verify_capacity=-1), ValueError, "verify_capacity must be non-negative, got -1"),
+        (dict(verify_capacity=2**31), ValueError, "verify_capacity must fit in int32 (<= 2147483647), got 2147483648"),
         (dict(verify_tag=12), ValueError, "tag must be a LaunchTag (a value in [0, 11]), got 12"),
         (dict(write_tag="x"), TypeError, "tag must be a LaunchTag"),
         (dict(check_expected_token=1), TypeError, "check_expected_token must be a bool"),

@@ -629,6 +629,19 @@ def test_a_step_whose_context_became_read_only_launches_nothing(field):
         assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
 
 
+@pytest.mark.parametrize("field", ["canary_buf", "violation_ring", "slot_run_counter"])
+def test_a_step_over_a_context_made_read_only_is_refused_when_built(field):
+    """A step is validated when it is built (a GPU launch checks nothing again): a context an
+    output of which NumPy marks read-only is refused there, and nothing changes."""
+    w = World("cpu")
+    _read_only(getattr(w.ctx, field))
+    before = snapshot(*w.buffers())
+    with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
+        w.build_step()
+    for index, (old, new) in enumerate(zip(before, w.buffers())):
+        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+
+
 @pytest.mark.parametrize("call,field", [(lambda ctx: ctx.clear_violations(), "violation_write_index"),
                                         (lambda ctx: ctx.set_chain_position_assert(False), "chain_position_assert")])
 def test_context_methods_refuse_read_only_arrays_whole(call, field):
