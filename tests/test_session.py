@@ -409,6 +409,48 @@ def test_swa_group(device):
         ("swa", kc.LaunchTag.TAIL_K_SWA, 3, "a", 5, swa_slot, ("REAL_KV_HASH",))]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_swa_sweeps_are_tagged_and_counted_as_the_swa_groups(device):
+    """A sweep's rows in the SWA group carry the SWA sweep tag, ``stats`` counts each group's
+    launches and entries, and each group's ring holds ``ring_capacity`` rows."""
+    eng = Tiny(device, swa=True, ring_capacity=8)
+    assert eng.canary.context.ring_capacity == eng.canary.swa_context.ring_capacity == 8
+    eng.step({"a": 6})
+    lut = to_numpy(eng.lut)
+    swa_slot = int(lut[eng.slot("a", 4)])
+    eng.swa_k[swa_slot, 0, 0] += 1.0
+    eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([1], np.int64), device),
+                                     seq_lens=to_device(np.array([6], np.int64), device), req_ids=["a"]))
+    stats = eng.canary.stats()
+    report = eng.canary.poll()
+    assert [(e.group, e.tag, e.phase, e.request, e.position, e.slot) for e in report] == [
+        ("swa", kc.LaunchTag.SWEEP_K_SWA, "sweep", "a", 4, swa_slot)]
+    assert set(stats) == {"full", "swa"}
+    # the prompt's head and tail (no prefix: no entry) and write (6 tokens), then the sweep (the window's 4)
+    assert stats["swa"] == {"kernel_run_counter": 4, "slot_run_counter": 0 + 6 + 0 + 4, "violations": 1}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_expected_tokens_are_read_at_the_token_offset(device):
+    """``token_offset=1`` (an EAGLE draft's pool, a position's token one cell on): each position is
+    checked against the pool's next cell, so a pool laid out that way reports nothing."""
+    pool = np.random.default_rng(95).integers(1, 30000, size=(ROWS, WIDTH)).astype(np.int32)
+    for row in range(ROWS):
+        pool[row, 1:] = 1000 * row + np.arange(WIDTH - 1)  # the token Tiny writes at position p, in cell p + 1
+    eng = Tiny(device, expected_tokens=to_device(pool, device), token_offset=1)
+    eng.step({"a": 3, "b": 2})
+    eng.step({"a": 1, "b": 1})
+    eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), device),
+                                     seq_lens=to_device(np.array([4, 3], np.int64), device)))
+    assert not eng.canary.poll()
+    token_7 = np.frombuffer(np.int64(7).tobytes(), np.uint8)
+    eng.canary.context.canary_buf[eng.slot("a", 1), :8] = to_device(token_7, device)
+    eng.step({"a": 1})
+    tokens = {(e.phase, e.position, e.violation.expected_token)
+              for e in eng.canary.poll() if "VERIFY_TOKEN" in e.reasons}
+    assert tokens == {("head", 1, 1001), ("tail", 1, 1001)}  # the next position's chain breaks too
+
+
 def _overflow_swa_and_sweep(eng: Tiny) -> kc.CanaryReport:
     eng.step({"a": 6, "b": 2})
     eng.step({"a": 1, "b": 1})
@@ -2503,16 +2545,18 @@ def _static_decodes_closed(eng: Tiny, count: int, run: bool, poll: bool, rng: np
     return refs
 
 
-def test_closed_static_forwards_are_let_go_while_the_canary_is_off():
+def test_closed_static_forwards_are_let_go_while_the_canary_is_off(caplog):
     """An engine that switches the canary off and builds (and closes) static forwards meanwhile, as
     one that captures its graphs again to stop paying for the canary does, must not pile them up
     for weeks: its polls return at once, so the closed forwards' arrays are held to
-    ``max_logged_forwards`` like any forward's."""
+    ``max_logged_forwards`` like any forward's, without a word (no run of theirs is left unnamed)."""
     eng = Tiny("cpu", max_logged_forwards=4)
     eng.step({"a": 4})
     assert not eng.canary.poll()
     eng.canary.mode = "off"
-    refs = _static_decodes_closed(eng, 40, run=False, poll=True, rng=np.random.default_rng(11))
+    with caplog.at_level("WARNING", logger="kvcanary_cupy"):
+        refs = _static_decodes_closed(eng, 40, run=False, poll=True, rng=np.random.default_rng(11))
+    assert "closed static forwards" not in caplog.text
     assert sum(ref() is not None for ref in refs) <= 4
     assert all(len(group.static_log) <= 4 for group in eng.canary.groups)
     # on again: forwards let go of without a run leave the next poll's names and steps as they were
