@@ -208,6 +208,22 @@ def test_kv_corruption_names_request_and_position(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_counts_by_reason_count_every_reason_of_an_event(device):
+    """A slot whose position and KV both changed fails two checks in one row: each reason counts."""
+    eng = Tiny(device)
+    eng.step({"a": 3})
+    slot = eng.slot("a", 1)
+    eng.canary.context.canary_buf[slot, 8:16] = to_device(np.frombuffer(np.int64(9).tobytes(), np.uint8), device)
+    eng.k[slot, 0, 0] += 1.0
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert {(e.phase, e.position, e.reasons) for e in report} == {
+        (phase, 1, ("POSITION", "REAL_KV_HASH")) for phase in ("head", "tail")} | {
+        (phase, 2, ("CHAIN_HASH",)) for phase in ("head", "tail")}
+    assert report.counts_by_reason() == {"POSITION": 2, "REAL_KV_HASH": 2, "CHAIN_HASH": 2}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_alias_resolves_to_the_reading_request(device):
     eng = Tiny(device)
     eng.step({"a": 6, "b": 6})
@@ -390,6 +406,7 @@ def test_capacity_overflow_alone_is_logged_and_not_raised(device, mode, caplog):
         eng.step({"a": 1})
         report = eng.canary.poll()
     assert (report.total, report.capacity_overflows) == (0, 2)
+    assert not report  # skipped launches are no violation
     assert "2 verify launch(es) skipped: plan capacity exceeded" in caplog.text
 
 
