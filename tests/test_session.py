@@ -223,6 +223,18 @@ def test_counts_by_reason_count_every_reason_of_an_event(device):
     assert report.counts_by_reason() == {"POSITION": 2, "REAL_KV_HASH": 2, "CHAIN_HASH": 2}
 
 
+def test_a_verify_row_of_slot_minus_one_is_described_by_its_slot():
+    """A table cell of -1 read by a verify is out of range, its slot -1 shown as such: only a write
+    row's slot -1 means entries past ``input_ids``."""
+    eng = Tiny("cpu")
+    eng.step({"a": 3})
+    eng.table[1, 1] = -1
+    eng.step({"a": 1})
+    events = [e for e in eng.canary.poll() if e.slot == -1]
+    assert [(e.phase, e.position) for e in events] == [("head", 1), ("tail", 1)]
+    assert all(" slot -1: OUT_OF_RANGE " in e.describe() for e in events)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_alias_resolves_to_the_reading_request(device):
     eng = Tiny(device)
