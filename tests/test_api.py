@@ -164,6 +164,17 @@ def test_violations_decode_rows_with_named_fields():
     assert list(report) == [row] and row in report and report.index(row) == 0 and report[-1:] == (row,)
 
 
+def test_violations_of_a_ring_that_kept_no_row_are_true():
+    """A ring of no row counts what it cannot keep: the report has no row, but it is true."""
+    ctx = kc.CanaryContext.allocate(4, ring_capacity=0)
+    plan = kc.VerifyPlan(slot_indices=np.array([9]), expected_tokens=np.array([5]), expected_positions=np.array([2]),
+                         prev_slot_indices=np.array([1]), num_valid=np.array([1], np.int32),
+                         enable=np.array([1], np.int32))
+    kc.verify(ctx, plan, tag=kc.LaunchTag.HEAD_K_FULL)
+    report = ctx.violations()
+    assert report and len(report) == 0 and (report.total, report.dropped) == (1, 1)
+
+
 def test_counters_and_violations_count_past_int32_alike():
     """Past 2**31 rows the int32 write index reads negative: ``counters()`` counts the rows as
     ``violations()`` does, not as a negative number."""

@@ -194,6 +194,17 @@ def test_on_a_busy_non_blocking_stream():
     assert np.array_equal(to_numpy(dst.canary_buf), expected)
 
 
+def test_contexts_that_hash_nothing_copy_records_whatever_their_sources():
+    """In mode NONE no source is read: a context with sources and one without hash a slot's KV
+    alike (not at all), so records go from one to the other."""
+    kv = np.random.default_rng(96).integers(1, 256, size=(8, 32), dtype=np.uint8)
+    src = kc.CanaryContext.allocate(8, real_kv_sources=kc.layouts.per_layer([kv]), hash_mode=kc.HashMode.NONE)
+    dst = kc.CanaryContext.allocate(8)
+    src.canary_buf[3] = np.random.default_rng(97).integers(1, 256, size=32, dtype=np.uint8)
+    kc.copy_records(src=src, dst=dst, src_slots=np.array([3], I64), dst_slots=np.array([5], I64))
+    assert np.array_equal(dst.canary_buf[5], src.canary_buf[3])
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda s, d: kc.copy_records(src=s.canary_buf, dst=d, src_slots=np.array([1], I64), dst_slots=np.array([1], I64)),
      TypeError, r"^kv-canary: src must be a CanaryContext, got ndarray"),

@@ -310,11 +310,12 @@ def test_raise_mode_raises(device):
     assert "kv-canary" in str(info.value)
     assert "request 'a' position 2" in str(info.value)
     # an engine whose scheduler runs in a worker process hands the exception to its parent
-    # (pickled), or copies it: it keeps its report and its message
+    # (pickled), or copies it: it keeps its report, its message and what was added to it
+    info.value.worker = "scheduler 3"
     for again in (pickle.loads(pickle.dumps(info.value)), copy.copy(info.value), copy.deepcopy(info.value)):
         assert type(again) is kc.CanaryViolation
         assert again.report == info.value.report and again.report.requests == {"a"}
-        assert str(again) == str(info.value)
+        assert str(again) == str(info.value) and again.worker == "scheduler 3"
 
 
 def test_off_mode_does_nothing():
