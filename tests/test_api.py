@@ -175,6 +175,19 @@ def test_violations_of_a_ring_that_kept_no_row_are_true():
     assert report and len(report) == 0 and (report.total, report.dropped) == (1, 1)
 
 
+def test_a_row_of_no_launch_tag_keeps_its_kind():
+    """A ring row whose kind is no LaunchTag (a ring of the caller's own, written by something else)
+    decodes with its kind as the number it is, not as some tag."""
+    ring = np.random.default_rng(98).integers(1, 50, size=(2, 8))
+    ring[0, 0], ring[0, 7] = 99, int(kc.FailReason.CHAIN_HASH)
+    ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
+                           violation_write_index=np.array([1], np.int32), slot_run_counter=np.zeros(1, np.int64),
+                           kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+    row = ctx.violations()[0]
+    assert row.kernel_kind == 99 and not isinstance(row.kernel_kind, kc.LaunchTag)
+    assert row.describe().startswith("99: ")
+
+
 def test_counters_and_violations_count_past_int32_alike():
     """Past 2**31 rows the int32 write index reads negative: ``counters()`` counts the rows as
     ``violations()`` does, not as a negative number."""
