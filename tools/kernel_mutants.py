@@ -240,8 +240,11 @@ def replayed(path: str) -> list[Mutant]:
     mutants = []
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
-        if row["line"] <= len(source) and source[row["line"] - 1] == row["before"]:
-            mutants.append(Mutant(row["ident"], row["filename"], row["line"], row["before"], row["after"],
+        # the line where it was, else the one line that now holds its text (lines above it moved)
+        same = [row["line"]] if source[row["line"] - 1:row["line"]] == [row["before"]] else \
+            [number for number, text in enumerate(source, start=1) if text == row["before"]]
+        if len(same) == 1:
+            mutants.append(Mutant(row["ident"], row["filename"], same[0], row["before"], row["after"],
                                   row["operator"]))
         else:
             print(f"{row['filename']}:{row['line']} changed since: not replayed")
