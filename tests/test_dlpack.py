@@ -373,3 +373,55 @@ def test_a_torch_device_is_read_as_its_string():
     with pytest.raises(ValueError, match=r"^kv-canary: device must be a torch.device of type 'cpu' or 'cuda', "
                                          r"got device\(type='meta'\)"):
         kc.CanaryContext.allocate(8, device=torch.device("meta"))
+
+
+class _Managed:
+    """Names DLPack's CUDA-managed device type (unified memory): a CUDA device's array."""
+
+    shape = (4,)
+
+    def __dlpack_device__(self):
+        return (13, 1)
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a mixed-device call must be refused before any view is taken")
+
+
+def test_managed_memory_is_its_cuda_devices():
+    with pytest.raises(ValueError, match=r"^kv-canary: .* on cuda:1 and .* on cpu|^kv-canary: .* on cpu and .* "
+                                         r"on cuda:1"):
+        kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0, input_ids=_Managed(),
+                 positions=np.zeros(4, np.int64), out_cache_loc=np.zeros(4, np.int64))
+
+
+@pytest.mark.skipif(kc._dlpack.cupy_module() is not None, reason="CuPy is installed")
+def test_a_cuda_device_without_cupy_is_a_bad_device_value():
+    """SPEC 4: a device the machine cannot serve is a bad value (ValueError), as well as a missing
+    part of the environment (RuntimeError)."""
+    for error in (ValueError, RuntimeError):
+        with pytest.raises(error, match=r"^kv-canary: device: a CUDA device needs CuPy"):
+            kc.CanaryContext.allocate(4, device="cuda:0")
+
+
+def test_a_failing_import_is_told_apart_from_a_missing_module():
+    from kvcanary_cupy._dlpack import error_text, installed_but_failing
+    missing = ModuleNotFoundError("No module named 'numba'", name="numba")
+    dependency = ModuleNotFoundError("No module named 'llvmlite'", name="llvmlite")
+    assert installed_but_failing(None, "numba") is None
+    assert installed_but_failing(missing, "numba") is None  # not installed: advise an install
+    assert installed_but_failing(dependency, "numba") == "No module named 'llvmlite'"
+    assert installed_but_failing(ImportError("numba needs NumPy <= 2.1"), "numba") == "numba needs NumPy <= 2.1"
+    assert error_text(ImportError("  ")) == "ImportError" and error_text(OSError()) == "OSError"
+
+
+def test_a_last_dimension_of_one_element_has_no_stride_to_keep():
+    """A tensor of a dtype NumPy lacks is viewed as bytes only where its last dimension is
+    contiguous; a last dimension of one element is, whatever stride it is given."""
+    from kvcanary_cupy._dlpack import native_view
+    parent = torch.from_numpy(np.random.default_rng(43).integers(1, 2**15, size=(6, 4), dtype=np.int16))
+    column = parent.view(torch.bfloat16)[:, 1::4]  # shape (6, 1), strides (4, 4)
+    view = native_view(column, "tensor")
+    assert view.shape == (6, 2) and (view.view(np.int16)[:, 0] == parent[:, 1].numpy()).all()
+    with pytest.raises(ValueError, match=r"^kv-canary: tensor must have a contiguous last dimension, got strides "
+                                         r"\[8, 4\] in bytes"):
+        native_view(parent.view(torch.bfloat16)[:, ::2], "tensor")  # shape (6, 2), strides (4, 2)
