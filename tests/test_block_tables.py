@@ -974,3 +974,95 @@ def test_refill_leaves_a_view_of_the_batchs_own_token_array_as_it_is(device):
                            out_cache_loc=to_device(inputs["out_cache_loc"][:13], device))
     assert (to_numpy(batch.input_ids) == inputs["input_ids"][:13]).all()
     assert to_numpy(batch.extend_seq_lens).tolist() == counts.tolist()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_checks_the_width_for_each_first_block_and_block_size(device):
+    """A call alike to one that passed but for ``first_block`` or ``block_size`` reaches other
+    columns: the slot table's width is checked again, and nothing is stored past it."""
+    rng = np.random.default_rng(97)
+    start = rng.integers(1, 2**20, size=(4, 16), dtype=np.int32)
+    target = to_device(start, device)
+    table = to_device(rng.integers(1, 90, size=(3, 2), dtype=np.int32), device)
+    kc.block_tables.mirror(target, block_table=table, block_size=4, first_block=2)
+    written = to_numpy(target).copy()
+    for bad in (dict(block_size=4, first_block=3), dict(block_size=8, first_block=2)):
+        with pytest.raises(ValueError, match=r"^kv-canary: req_to_token must be at least \(first_block \+ blocks\) "
+                                             r"\* block_size"):
+            kc.block_tables.mirror(target, block_table=table, **bad)
+        assert (to_numpy(target) == written).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_mirror_refuses_a_block_table_it_cannot_step_in_whole_elements(device):
+    rng = np.random.default_rng(98)
+    target = to_device(rng.integers(1, 2**20, size=(4, 16), dtype=np.int32), device)
+    memory = to_device(rng.integers(1, 90, size=64, dtype=np.int32), device)
+    odd_rows = _as_strided(memory, (3, 2), (10, 4), device)  # a row every 2.5 elements
+    with pytest.raises(ValueError, match=r"^kv-canary: block_table must have strides that are whole elements "
+                                         r"\(4 bytes\), got \(10, 4\)"):
+        kc.block_tables.mirror(target, block_table=odd_rows, block_size=4)
+    raw = to_device(rng.integers(1, 255, size=26, dtype=np.uint8), device)
+    misaligned = raw[2:].view(np.int32).reshape(3, 2)
+    with pytest.raises(ValueError, match=r"^kv-canary: block_table must be 4-byte aligned"):
+        kc.block_tables.mirror(target, block_table=misaligned, block_size=4)
+
+
+def test_forward_batch_refuses_an_unknown_keyword_as_python_does():
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(99))
+    with pytest.raises(TypeError, match=r"^kv-canary: forward_batch takes ForwardBatch's optional fields .* got "
+                                        r"'flip'"):
+        kc.ForwardBatch.from_offsets(**inputs, flip=np.ones(3))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_refuses_an_int32_view_of_the_batchs_own_token_array(device):
+    """Only the batch's own int64 array is left in place; an int32 view of its memory is another
+    array stored over by the copy, and refused."""
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(100))
+    batch = _bound_batch(device, 5, 40)
+    given = {name: to_device(array, device) for name, array in inputs.items()}
+    given["input_ids"] = batch.input_ids.view(np.int32)[:16]
+    with pytest.raises(ValueError, match=r"^kv-canary: .*input_ids"):
+        kc.block_tables.refill(batch, **given)
+    for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions"):
+        assert (to_numpy(getattr(batch, name)) == -77).all()
+
+
+def test_host_calls_refuse_a_stream_of_no_known_form():
+    rng = np.random.default_rng(101)
+    inputs, _, _ = _offsets_inputs(rng)
+    target = rng.integers(1, 2**20, size=(4, 16), dtype=np.int32)
+    with pytest.raises(TypeError, match=r"^kv-canary: stream must be None"):
+        kc.block_tables.mirror(target.copy(), block_table=np.ones((2, 2), np.int32), block_size=4, stream="s")
+    bound = kc.block_tables.Refill(_bound_batch("cpu", 5, 20), **inputs)
+    with pytest.raises(TypeError, match=r"^kv-canary: stream must be None"):
+        bound.launch(stream="s")
+
+
+def test_refill_on_the_host_refuses_offsets_that_do_not_fit_and_changes_nothing():
+    inputs, _, _ = _offsets_inputs(np.random.default_rng(102))
+    batch = _bound_batch("cpu", 5, 20)
+    inputs["query_start_loc"] = inputs["query_start_loc"] + 1
+    with pytest.raises(ValueError, match=r"^kv-canary: query_start_loc must start at 0"):
+        kc.block_tables.refill(batch, **inputs)
+    for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids"):
+        assert (getattr(batch, name) == -77).all()
+
+
+def test_offsets_refused_on_the_host_are_shown_whole_up_to_twelve():
+    """The message names the shortest token arrays, and shows twelve offsets whole, more as their
+    first six and last three."""
+    rng = np.random.default_rng(103)
+    for requests, shown in ((11, None), (13, "[0, 1, 2, 3, 4, 5, ..., 11, 12, 99]")):
+        starts = np.arange(requests + 1, dtype=np.int64)
+        starts[-1] = 99
+        tokens = int(rng.integers(20, 30))
+        with pytest.raises(ValueError) as caught:
+            kc.ForwardBatch.from_offsets(query_start_loc=starts, seq_lens=np.full(requests, 200),
+                                         input_ids=rng.integers(1, 999, size=tokens),
+                                         positions=rng.integers(1, 999, size=tokens),
+                                         out_cache_loc=rng.integers(1, 999, size=tokens + 1))
+        message = str(caught.value)
+        assert f"end within the {tokens} tokens of input_ids and positions, got " in message
+        assert message.endswith(shown or str(starts.tolist()))
