@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
@@ -490,3 +491,16 @@ def test_source_counts_are_bounded_at_65536_inclusive(monkeypatch):
     assert warmed == [[2, 65536]]
     with pytest.raises(ValueError, match=r"^kv-canary: source_counts item must be at most 65536"):
         kc.compile_kernels(device="cpu", source_counts=[65537])
+
+
+def test_cli_without_a_command_shows_its_help_on_stderr_and_fails(capsys):
+    assert cli_main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage:" in captured.err and "compile" in captured.err
+
+
+def test_cli_refuses_a_source_count_past_the_bound_in_one_line(capsys):
+    count = int(np.random.default_rng(104).integers(65_537, 10**6))
+    assert cli_main(["compile", "--device", "cpu", "--source-counts", f"0,{count}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"kv-canary: source_counts item must be at most 65536 (a context's "
+                                               f"number of real-KV sources), got {count}")
