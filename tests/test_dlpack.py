@@ -425,3 +425,43 @@ def test_a_last_dimension_of_one_element_has_no_stride_to_keep():
     with pytest.raises(ValueError, match=r"^kv-canary: tensor must have a contiguous last dimension, got strides "
                                          r"\[8, 4\] in bytes"):
         native_view(parent.view(torch.bfloat16)[:, ::2], "tensor")  # shape (6, 2), strides (4, 2)
+
+
+class _HandMade:
+    """A producer that exports a DLPack tensor over ``array``'s bytes as it is told to: any type
+    code and bits, no strides (row-major) and a byte offset."""
+
+    def __init__(self, array, shape, *, code, bits, byte_offset=0):
+        import ctypes
+        from kvcanary_cupy import _dlpack as D
+        self.array, self.ndim = array, len(shape)
+        self.shape_cells = (ctypes.c_int64 * len(shape))(*shape)
+        self.managed = D._DLManagedTensor()
+        tensor = self.managed.dl_tensor
+        tensor.data, tensor.ndim, tensor.byte_offset = array.ctypes.data, len(shape), byte_offset
+        tensor.device.device_type, tensor.device.device_id = 1, 0
+        tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = code, bits, 1
+        tensor.shape = self.shape_cells
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self._new = new
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kwargs):
+        import ctypes
+        return self._new(ctypes.addressof(self.managed), b"dltensor", None)
+
+
+def test_a_hand_made_dlpack_tensor_is_viewed_at_its_offset_and_row_major():
+    from kvcanary_cupy._dlpack import byte_view_dtype, native_view
+    raw = np.random.default_rng(105).integers(1, 256, size=64, dtype=np.uint8)
+    view = native_view(_HandMade(raw, (3, 2, 4), code=4, bits=16, byte_offset=8), "tensor")  # bfloat16
+    assert view.shape == (3, 2, 8) and (view == raw[8:56].reshape(3, 2, 8)).all()
+    assert byte_view_dtype(view) == "bfloat16"
+    assert byte_view_dtype(native_view(_HandMade(raw, (4,), code=99, bits=8), "tensor")) == \
+        "DLPack type code 99 of 8 bits"
+    with pytest.raises(TypeError, match=r"^kv-canary: tensor must have elements of at least one byte, got a DLPack "
+                                        r"dtype of 0 bits x 1 lanes"):
+        native_view(_HandMade(raw, (4,), code=4, bits=0), "tensor")
