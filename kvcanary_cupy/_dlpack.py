@@ -504,15 +504,18 @@ def raw_byte_view(obj: Any, name: str):
         raise ValueError(f"kv-canary: {name} must export a DLPack capsule from __dlpack__(), got "
                          f"{type(capsule).__name__}: {error}") from None
     tensor = _DLManagedTensor.from_address(address).dl_tensor
-    itemsize = (tensor.dtype.bits * tensor.dtype.lanes + 7) // 8
+    element_bits = int(tensor.dtype.bits) * int(tensor.dtype.lanes)
+    itemsize = element_bits // 8
     ndim = int(tensor.ndim)
     if ndim == 0:  # a shape error, as for a 0-d array NumPy can view
         dtype_name = _dtype_name(obj, int(tensor.dtype.code), int(tensor.dtype.bits))
         raise ValueError(f"kv-canary: {name} must be an array with at least one dimension, got shape () "
                          f"(a 0-d {dtype_name} array)")
-    if itemsize == 0:
-        raise TypeError(f"kv-canary: {name} must have elements of at least one byte, got a DLPack dtype of "
-                        f"{tensor.dtype.bits} bits x {tensor.dtype.lanes} lanes")
+    if itemsize == 0 or element_bits % 8:
+        # Values of fewer bits than a byte may be packed several to a byte, which the shape alone
+        # does not say: a view by the shape could reach past the data.
+        raise TypeError(f"kv-canary: {name} must have elements of whole bytes (at least one), got a DLPack dtype "
+                        f"of {tensor.dtype.bits} bits x {tensor.dtype.lanes} lanes (pass a uint8 view of its bytes)")
     shape = [int(tensor.shape[i]) for i in range(ndim)]
     if tensor.strides:
         strides = [int(tensor.strides[i]) * itemsize for i in range(ndim)]

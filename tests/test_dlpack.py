@@ -462,6 +462,18 @@ def test_a_hand_made_dlpack_tensor_is_viewed_at_its_offset_and_row_major():
     assert byte_view_dtype(view) == "bfloat16"
     assert byte_view_dtype(native_view(_HandMade(raw, (4,), code=99, bits=8), "tensor")) == \
         "DLPack type code 99 of 8 bits"
-    with pytest.raises(TypeError, match=r"^kv-canary: tensor must have elements of at least one byte, got a DLPack "
-                                        r"dtype of 0 bits x 1 lanes"):
+    with pytest.raises(TypeError, match=r"^kv-canary: tensor must have elements of whole bytes \(at least one\), got a "
+                                        r"DLPack dtype of 0 bits x 1 lanes"):
         native_view(_HandMade(raw, (4,), code=4, bits=0), "tensor")
+
+
+@pytest.mark.parametrize("code, bits", [(17, 4), (15, 6), (16, 6), (1, 12)])
+def test_a_dlpack_dtype_of_part_bytes_is_refused(code, bits):
+    """Values of fewer bits than a byte (4-bit and 6-bit floats) may be packed several to a byte,
+    which a shape alone does not say: a view by the shape could reach past the data, so such a
+    dtype is refused and a uint8 view of the bytes asked for."""
+    from kvcanary_cupy._dlpack import native_view
+    raw = np.random.default_rng(code).integers(1, 256, size=8, dtype=np.uint8)
+    with pytest.raises(TypeError, match=rf"^kv-canary: tensor must have elements of whole bytes \(at least one\), "
+                                        rf"got a DLPack dtype of {bits} bits x 1 lanes \(pass a uint8 view"):
+        native_view(_HandMade(raw, (16,), code=code, bits=bits), "tensor")
