@@ -885,3 +885,291 @@ def test_per_class_counts_a_detected_fault_only_as_detected():
     row = SimResult.per_class(result)["kv_bitflip"]
     assert (row["injected"], row["detected"], row["in_flight"], row["no_effect"]) == (4, 1, 1, 1)
     assert SimResult.missed.fget(result) == [faults[2]]
+
+
+# --- the demo's options reach the run ----------------------------------------------------------------
+def _demo_json(argv, capsys) -> dict:
+    """A short demo run's JSON, written to standard output."""
+    assert demo_main(["--device", "cpu", "--no-progress", *argv, "--json", "-"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_demo_options_are_the_settings_the_run_used(capsys):
+    """Each option that shapes the engine reaches the run: its JSON settings are the options given."""
+    settings = _demo_json(["--steps", "3", "--faults", "none", "--layout", "mla", "--swa-window", "24",
+                           "--sweep-every", "5", "--no-expected-checks", "--split-batches"], capsys)["settings"]
+    assert (settings["layout"], settings["swa_window"], settings["sweep_every"]) == ("mla", 24, 5)
+    assert settings["expected_checks"] is False and settings["split_batches"] is True
+    defaults = _demo_json(["--steps", "3", "--faults", "none"], capsys)["settings"]
+    assert (defaults["layout"], defaults["swa_window"], defaults["sweep_every"]) == ("paged", 0, 16)
+    assert defaults["expected_checks"] is True and defaults["split_batches"] is False
+
+
+def test_demo_faults_all_names_every_class_and_none_names_none(capsys):
+    assert _demo_json(["--steps", "3", "--faults", "all"], capsys)["settings"]["faults"] == list(FAULT_CLASSES)
+    assert _demo_json(["--steps", "3", "--faults", "none"], capsys)["settings"]["faults"] == []
+
+
+def test_demo_offload_chance_takes_both_ends_of_its_range(capsys):
+    """0 and 1 are chances: 1 offloads a request every step it can, and 0 asks for no offload, so it
+    runs beside --host-slots 0 (only a chance above 0 needs a host tier)."""
+    data = _demo_json(["--steps", "12", "--faults", "none", "--offload-prob", "1"], capsys)
+    assert data["settings"]["offload_prob"] == 1.0 and data["host_tier"]["offloads"] >= 3
+    data = _demo_json(["--steps", "3", "--faults", "none", "--offload-prob", "0", "--host-slots", "0"], capsys)
+    assert data["settings"]["offload_prob"] == 0.0 and data["host_tier"] is None
+
+
+def test_demo_runs_on_a_gpu_by_default_where_one_is_seen(monkeypatch):
+    from kvcanary_cupy.sim import cli
+
+    parser = cli.argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for count, device in ((1, "cuda"), (0, "cpu")):
+        monkeypatch.setattr(cli, "cuda_device_count", lambda count=count: count)
+        assert cli.config_from_args(parser.parse_args([])).device == device
+        assert cli.config_from_args(parser.parse_args(["--device", "cpu"])).device == "cpu"
+
+
+def test_demo_json_to_standard_output_needs_no_file_named_dash(tmp_path, monkeypatch, capsys):
+    """``--json -`` is standard output, not a file: a folder named ``-`` where the demo runs is no
+    reason to refuse it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").mkdir()
+    assert _demo_json(["--steps", "3", "--faults", "none"], capsys)["steps"] == 3
+
+
+def test_demo_refuses_json_and_chart_in_one_file_under_two_names(tmp_path, capsys):
+    """Two names of one file (a link to it) are one file: refused before the run, the file untouched."""
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "run.png"
+    chart.write_text("kept")
+    (tmp_path / "link.png").symlink_to(chart)
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--json", str(tmp_path / "link.png"),
+                      "--chart", str(chart)]) == 2
+    assert "kv-canary: --json and --chart must name two files" in capsys.readouterr().err
+    assert chart.read_text() == "kept"
+
+
+def test_demo_chart_path_ends_in_png_in_any_case_and_needs_matplotlib(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    from kvcanary_cupy.sim import cli
+
+    path = tmp_path / "RUN.PNG"
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--faults", "none", "--chart",
+                      str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "matplotlib" else find_spec(name, *args))
+    with pytest.raises(SystemExit) as refused:
+        demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--chart", str(tmp_path / "other.png")])
+    assert refused.value.code == 2
+    assert "argument --chart: needs matplotlib, not installed here" in capsys.readouterr().err
+    assert not (tmp_path / "other.png").exists()
+
+
+def test_demo_json_to_standard_output_with_a_chart_keeps_standard_output_json(tmp_path, capsys):
+    """With ``--json -`` standard output is the JSON alone: the chart's line goes where the summary goes."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "run.png"
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--faults", "none", "--json", "-",
+                      "--chart", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["steps"] == 3 and f"wrote {path}" in err and path.exists()
+
+
+def test_demo_chart_that_cannot_be_written_is_named_and_exits_2(tmp_path, monkeypatch, capsys):
+    """A chart not written after a clean run (matplotlib not importing, the disk full) is said with
+    its own path, and the status is 2; the JSON written before it stays."""
+    pytest.importorskip("matplotlib")
+    from kvcanary_cupy.sim import chart
+
+    summary, path = tmp_path / "run.json", tmp_path / "run.png"
+    argv = ["--device", "cpu", "--no-progress", "--steps", "3", "--faults", "none", "--json", str(summary),
+            "--chart", str(path)]
+    monkeypatch.setattr(chart, "write_chart", lambda result, where: False)
+    assert demo_main(argv) == 2
+    assert "kv-canary: cannot write the chart: matplotlib does not import" in capsys.readouterr().err
+
+    def disk_full(result, where):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(chart, "write_chart", disk_full)
+    assert demo_main(argv) == 2
+    assert f"kv-canary: cannot write {path}: No space left on device" in capsys.readouterr().err
+    assert json.loads(summary.read_text())["steps"] == 3
+
+
+def test_demo_failed_run_still_exits_1_when_its_reader_has_gone(monkeypatch):
+    """Piped into a reader that stops early (a broken pipe), the status still tells a failed run."""
+    import io
+    import sys
+
+    class GoneReader(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+    argv = ["--device", "cpu", "--no-progress", "--steps", "40", "--hash-mode", "none", "--faults", "kv_bitflip"]
+    for extra, status in (([], 0), (["--strict"], 1)):
+        monkeypatch.setattr(sys, "stdout", GoneReader())
+        monkeypatch.setattr(sys, "stderr", io.StringIO())
+        assert demo_main([*argv, *extra]) == status, extra
+
+
+def test_demo_failed_run_without_strict_counts_no_missed_faults(monkeypatch, capsys):
+    """Missed faults fail only --strict runs, so only those say how many were missed."""
+    from kvcanary_cupy.sim import runner
+
+    monkeypatch.setattr(runner, "_attribute", lambda events, faults, step: (list(events), set()))
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "30", "--faults", "kv_bitflip",
+                      "--hash-mode", "all"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"kv-canary: demo failed: [1-9]\d* false positive\(s\)\n", err) and "missed" not in err
+
+
+# --- the fault injector's cadence and victims ----------------------------------------------------------
+def test_demo_injects_a_fault_every_fault_every_steps_from_step_10(capsys):
+    """The cadence asked for, and said in the settings that run it again."""
+    data = _demo_json(["--steps", "40", "--faults", "kv_bitflip", "--fault-every", "7", "--hash-mode", "all"], capsys)
+    assert [fault["step"] for fault in data["fault_log"]] == [10, 17, 24, 31, 38]
+    assert (data["settings"]["fault_every"], data["settings"]["fault_start"]) == (7, 10)
+    faults = run(SimConfig(steps=30), ["kv_bitflip"], fault_every=7, fault_start=3).faults
+    assert [fault.step for fault in faults] == [3, 10, 17, 24]
+
+
+def test_a_batch_fault_with_no_request_to_hurt_waits_for_the_next_step_not_its_next_turn():
+    """With one request running, a step may hold no request a batch fault can hurt (too near its
+    end, or hurt already): the fault comes a step or more later, and no turn is lost."""
+    for cls in ("token_swap", "stale_position"):
+        steps = [f.step for f in run(SimConfig(steps=120, max_running=1, hash_mode=kc.HashMode.ALL), [cls]).faults]
+        assert any(step % 10 for step in steps), steps  # some came late
+        assert all(any(due <= step < due + 10 for step in steps) for due in range(10, 120, 10)), steps
+
+
+def test_a_fault_that_leaves_its_slots_intact_hurts_only_its_own_request():
+    """A slot_alias or a use_after_free corrupts its victim's table or page list, not the slots: the
+    request whose slot is aliased, or that is handed the freed page, reads what it wrote and is no
+    victim (nor aborted when the fault is reported)."""
+    result = run(SimConfig(steps=120, max_running=4, hash_mode=kc.HashMode.NONE), ["slot_alias", "use_after_free"],
+                 fault_every=2)
+    assert len(result.faults) > 30 and result.false_positives == []
+    assert all(len(fault.victims) == 1 for fault in result.faults), [f.victims for f in result.faults]
+
+
+def test_per_class_rates_and_latencies_are_of_the_faults_injected_and_caught():
+    """A class's detection rate is its faults caught over its faults injected; its median and its
+    most steps to detection are those of the faults caught, as the summary's row shows them."""
+    from kvcanary_cupy.sim.faults import Fault
+    from kvcanary_cupy.sim.runner import SimResult
+
+    faults = [Fault(fid, "token_swap", 10 * fid, {fid}, {fid + 1}, {}, detected_step=None if latency is None
+                    else 10 * fid + latency, closed=True) for fid, latency in enumerate([0, 4, None, 1, 9])]
+    result = SimResult(SimConfig(steps=60), 60, 1, 1, 1, 0, 0, 0, 1.0, 0.5, faults, [], [0] * 60)
+    row = result.per_class()["token_swap"]
+    assert (row["injected"], row["detected"], row["detection_rate"]) == (5, 4, 0.8)
+    assert (row["median_steps_to_detection"], row["max_steps_to_detection"]) == (2.5, 9)
+    assert re.search(r"\n  token_swap +5 +4 +80% +2\.5\n", result.summary())
+
+
+def test_an_event_belongs_to_the_latest_fault_naming_its_request_else_an_open_one_on_its_slot():
+    """The first event of a fault marks it caught at that step (later ones leave it so), and every
+    victim of the fault is hit; an event naming no victim belongs to an open fault that touched its
+    full-group slot (a closed fault's slots, or an SWA slot of the same number, explain nothing)."""
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.sim.faults import Fault
+    from kvcanary_cupy.sim.runner import _attribute
+
+    def event(request, slot, group="full"):
+        return SimpleNamespace(request=request, slot=slot, group=group)
+
+    closed = Fault(0, "kv_bitflip", 5, {4}, {400}, {}, closed=True)
+    older = Fault(1, "kv_bitflip", 10, {1}, {100}, {}, detected_step=12)
+    newer = Fault(2, "stale_position", 20, {1, 2}, {200}, {})
+    freed = Fault(3, "use_after_free", 21, {3}, {300, 301}, {}, took_effect=False)
+    first, second, on_freed = event(1, 7), event(2, 8), event(9, 300)
+    unexplained, hit = _attribute([first, second, on_freed, event(9, 400), event(9, 301, "swa")],
+                                  [closed, older, newer, freed], 25)
+    assert (older.detected_step, newer.detected_step, newer.first_event) == (12, 25, first)
+    assert (freed.detected_step, freed.first_event, freed.took_effect) == (25, on_freed, True)
+    assert [(e.slot, e.group) for e in unexplained] == [(400, "full"), (301, "swa")]
+    assert hit == {1, 2, 3}
+
+
+def test_demo_json_counts_are_the_runs_own():
+    """Each count of the JSON and the summary is the run's count of that name."""
+    from kvcanary_cupy.sim.faults import Fault
+    from kvcanary_cupy.sim.runner import SimResult
+
+    caught = Fault(0, "offload_bitflip", 10, {7}, set(), {"position": 3}, detected_step=13, closed=True)
+    result = SimResult(SimConfig(steps=20, static_decode=True), 20, 101, 202, 3, 4, 5, 6, 1.0, 0.5, [caught],
+                       [(11, None), (12, None)], [0] * 20)
+    data = result.to_json()
+    assert {key: data[key] for key in ("tokens", "verified_entries", "requests_finished", "requests_aborted",
+                                       "shared_prefix_tokens", "reused_pages", "false_positives")} == dict(
+        tokens=101, verified_entries=202, requests_finished=3, requests_aborted=4, shared_prefix_tokens=5,
+        reused_pages=6, false_positives=2)
+    assert data["split_batches"] is True  # implied by static decode
+    assert data["fault_log"] == [{"class": "offload_bitflip", "step": 10, "victims": [7], "detected_step": 13,
+                                  "took_effect": True, "detail": {"position": 3}}]
+    assert re.search(r"\n  false positives +2$", result.summary())
+    assert "requests finished 3, aborted on detection 4; prefix-shared tokens 5; reused pages 6" in result.summary()
+
+
+def test_a_fault_whose_request_waits_in_the_host_tier_at_the_end_is_in_flight_not_missed():
+    """An offloaded request still runs (it is loaded back later): a fault in its host KV left unreported
+    at the end is in flight, not missed, and the summary says so."""
+    result = run(SimConfig(steps=23, hash_mode=kc.HashMode.ALL), ["offload_bitflip"], fault_every=6)
+    last = result.faults[-1]
+    assert last.step == 22 and not last.detected and not last.closed
+    assert result.missed == [] and result.per_class()["offload_bitflip"]["in_flight"] == 1
+    assert "1 undetected fault still in flight at the end" in result.summary()
+
+
+def test_the_last_step_polls_whatever_the_poll_interval():
+    """Polled every 4 steps, a run of 11 still polls its last step: a fault injected there is caught."""
+    result = run(SimConfig(steps=11, poll_every=4, hash_mode=kc.HashMode.ALL), ["kv_bitflip"])
+    assert [(f.step, f.detected_step) for f in result.faults] == [(10, 10)]
+    assert result.violations_per_step[-1] > 0 and sum(result.violations_per_step[:-1]) == 0
+
+
+def test_sweeps_run_every_sweep_every_steps(monkeypatch):
+    from kvcanary_cupy import session
+
+    swept, sweep = [], session.Canary.sweep
+
+    def counted(canary, live):
+        swept.append(len(live.req_ids))
+        return sweep(canary, live)
+
+    monkeypatch.setattr(session.Canary, "sweep", counted)
+    steps = []
+    swept_run = run(SimConfig(steps=40, sweep_every=16), [], on_step=lambda step: steps.append(len(swept)))
+    assert steps[14:17] == [0, 1, 1] and steps[30:33] == [1, 2, 2] and all(swept)
+    unswept = run(SimConfig(steps=40, sweep_every=0), [])
+    assert len(swept) == 2 and swept_run.verified_entries > unswept.verified_entries
+
+
+def test_a_first_forward_verifies_nothing_it_only_writes():
+    """Verified entries count what the canary checked, not the tokens it fingerprinted: a run's first
+    forward writes its prompts' tokens and has nothing yet to verify."""
+    result = run(SimConfig(steps=1), [])
+    assert result.tokens > 0 and result.verified_entries == 0
+
+
+def test_a_speculative_forward_fingerprints_only_the_tokens_it_keeps(monkeypatch):
+    """The canary's ``after_forward`` is given each request's pending token and its accepted drafts:
+    the tokens it fingerprints are the tokens the run wrote, not every draft it verified."""
+    from kvcanary_cupy import session
+
+    fingerprinted, after_forward = [], session.Canary.after_forward
+
+    def counted(canary, batch, **kwargs):
+        fingerprinted.append(int(batch.out_cache_loc.shape[0]))
+        return after_forward(canary, batch, **kwargs)
+
+    monkeypatch.setattr(session.Canary, "after_forward", counted)
+    result = run(SimConfig(steps=40, speculative=3), [])
+    spec = result.to_json()["speculative"]
+    assert spec["accepted"] < spec["verified"] and sum(fingerprinted) == result.tokens
