@@ -459,7 +459,8 @@ def test_every_class_asked_for_is_injected_or_says_why_not():
     never comes, and the classes after it wait behind it; a run too short for every turn says so."""
     crowded = run(SimConfig(steps=100, page_size=513, pool_slots=1026, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
     assert [f.cls for f in crowded.faults] == ["kv_bitflip"]
-    assert "never offered it a place" in crowded.not_injectable["slot_alias"]
+    assert crowded.not_injectable["slot_alias"] == ("its turn came, but the engine never offered it a place "
+                                                    "(e.g. too few requests running)")
     assert all(crowded.not_injectable[cls] == "its turn did not come: slot_alias waited for a place before it"
                for cls in FAULT_CLASSES[2:])
     short = run(SimConfig(steps=25, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
@@ -1173,3 +1174,86 @@ def test_a_speculative_forward_fingerprints_only_the_tokens_it_keeps(monkeypatch
     result = run(SimConfig(steps=40, speculative=3), [])
     spec = result.to_json()["speculative"]
     assert spec["accepted"] < spec["verified"] and sum(fingerprinted) == result.tokens
+
+
+def test_the_host_tier_reports_each_move_by_its_own_count():
+    """Offloads, reloads, prefixes kept and prefixes loaded back are four counts, each said apart."""
+    from kvcanary_cupy.sim.host_tier import HostTier
+
+    tier = HostTier(SimConfig(host_slots=1024), 1024, with_swa=False)
+    tier.offloads, tier.reloads, tier.prefix_stores, tier.prefix_loads = 7, 5, 3, 2
+    data = tier.to_json()
+    assert (data["slots"], data["offloads"], data["reloads"], data["prefix_stores"], data["prefix_loads"]) == (
+        1024, 7, 5, 3, 2)
+
+
+def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
+    """The chart's bars are the violations reported at each step; each fault is a line at its step,
+    solid when it was caught and dotted when it was not."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from kvcanary_cupy.sim.chart import write_chart
+    from kvcanary_cupy.sim.faults import Fault
+    from kvcanary_cupy.sim.runner import SimResult
+
+    lines, bars = {}, []
+    axvline, bar = Axes.axvline, Axes.bar
+
+    def record_line(axes, x=0, *args, **kwargs):
+        lines[x] = kwargs.get("linestyle")
+        return axvline(axes, x, *args, **kwargs)
+
+    def record_bar(axes, x, height, *args, **kwargs):
+        bars.append(list(height))
+        return bar(axes, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "axvline", record_line)
+    monkeypatch.setattr(Axes, "bar", record_bar)
+    faults = [Fault(0, "kv_bitflip", 1, {1}, {17}, {}, detected_step=1, closed=True),
+              Fault(1, "kv_bitflip", 3, {2}, {18}, {}, closed=True)]
+    result = SimResult(SimConfig(steps=5), 5, 1, 1, 1, 0, 0, 0, 1.0, 0.5, faults, [], [0, 2, 0, 1, 0])
+    assert write_chart(result, str(tmp_path / "run.png"))
+    assert lines == {1: "-", 3: ":"} and bars[0] == [0, 2, 0, 1, 0] and bars[1] == [0.5]
+
+
+def test_reused_pages_count_only_pages_handed_out_again():
+    assert run(SimConfig(steps=3), []).reused_pages == 0  # every page taken so far is a first use
+
+
+def test_a_request_can_move_to_the_host_tier_when_the_tier_has_room_for_every_token_it_holds():
+    """A tier with exactly as many free slots as the request's cached tokens takes it, one fewer does
+    not; a request that lost a page (freed under it) cannot move, as it does not hold all it uses."""
+    from kvcanary_cupy.sim.engine import _FREED, Engine
+
+    engine = Engine(SimConfig(seed=1))
+    engine.admit_arrivals()
+    engine.advance(engine.schedule())
+    request = engine.running[0]
+    assert request.seq_len > 0
+    while len(engine.tier.free) > request.seq_len:
+        engine.tier.free.pop()
+    assert engine.can_offload(request)
+    engine.tier.free.pop()
+    assert not engine.can_offload(request)
+    engine.tier.free.append(0)
+    request.pages[0] = _FREED
+    assert not engine.can_offload(request)
+
+
+def test_aborting_a_request_running_or_offloaded_counts_it_once():
+    """Each request aborted is counted, whether it runs or waits in the host tier (whose slots it
+    gives back); one already gone is not."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    engine = Engine(SimConfig(seed=1))
+    engine.admit_arrivals()
+    engine.advance(engine.schedule())
+    running, offloaded = engine.running[:2]
+    free = len(engine.tier.free)
+    engine.offload(offloaded)
+    assert len(engine.tier.free) == free - offloaded.seq_len
+    assert engine.abort(running.rid) and engine.aborted == 1 and running not in engine.running
+    assert engine.abort(offloaded.rid) and engine.aborted == 2
+    assert len(engine.tier.free) == free and offloaded.rid not in engine.offloaded
+    assert not engine.abort(running.rid) and not engine.abort(offloaded.rid) and engine.aborted == 2
