@@ -1257,3 +1257,24 @@ def test_aborting_a_request_running_or_offloaded_counts_it_once():
     assert engine.abort(offloaded.rid) and engine.aborted == 2
     assert len(engine.tier.free) == free and offloaded.rid not in engine.offloaded
     assert not engine.abort(running.rid) and not engine.abort(offloaded.rid) and engine.aborted == 2
+
+
+def test_demo_summary_says_no_fault_was_injected_and_where_its_json_went(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    assert demo_main(["--device", "cpu", "--no-progress", "--steps", "3", "--faults", "none", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "  (none injected)\n" in out and out.rstrip("\n").endswith(f"wrote {path}") and path.exists()
+
+
+def test_a_full_host_tier_takes_no_more_slots_nor_an_evicted_prefix():
+    """The tier hands out slots only while it has them all; an evicted prefix it has no room for is
+    dropped rather than kept (a later request computes it again)."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    engine = Engine(SimConfig(seed=1, host_slots=1024))
+    tier = engine.tier
+    assert tier.take(len(tier.free) + 1) is None and len(tier.free) == 1023
+    held = tier.take(len(tier.free) - 15)
+    assert len(held) == 1008 and len(tier.free) == 15
+    engine._store_prefix(0, [1])  # a page of 16 slots: one more than the tier has
+    assert engine.host_prefixes == {} and tier.prefix_stores == 0 and len(tier.free) == 15
