@@ -126,6 +126,7 @@ class Checks:
         python = sys.executable
         ops = OPS_BY_FILE[mutant.filename]
         pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
+        memcheck = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding()]
         stages = []
         if ops:
             fuzz = [python, "tools/differential_fuzz.py", "--seed", str(seed), "--ops"]
@@ -135,8 +136,7 @@ class Checks:
                     stages.append(("fuzz", f"fuzz write {team}", fuzz + ["write", "--write-team", team,
                                                                         "--cases", str(max(1, self.cases // 2))]))
             if self.memcheck:
-                sanitized = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding(),
-                             *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10",
+                sanitized = [*memcheck, *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10",
                              "--exact-allocations"]
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops), sanitized))
         elif mutant.filename == "session.cu":
@@ -144,8 +144,7 @@ class Checks:
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
             if self.memcheck:
                 stages.append(("memcheck", "memcheck canary fuzz",
-                               ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding(),
-                                *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
+                               [*memcheck, *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
         if mutant.filename == "block_tables.cu":
             stages.append(("tests", "tests", pytest + ["tests/test_block_tables.py"]))
         elif self.tests and mutant.filename == "session.cu":
@@ -270,11 +269,11 @@ def main() -> int:
     args = parser.parse_args()
     checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests)
 
-    pool = [m for m in candidates() if not args.files or m.filename in args.files]
     if args.replay:
         pool = drawn = [m for m in replayed(args.replay)
                         if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
+        pool = [m for m in candidates() if not args.files or m.filename in args.files]
         # in drawn order, so that the changes judged before the deadline are a random sample too
         drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))
     if args.list:
