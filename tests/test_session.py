@@ -771,6 +771,17 @@ def _decode_of_a(device, **tiny) -> tuple[Tiny, kc.StaticForward]:
         positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
 
 
+def _next_decode_of_a_is_clean(eng: Tiny, *, next_slot: int, forwards: int) -> None:
+    """a's token at position 5 decoded eagerly into ``next_slot`` after :func:`_decode_of_a`'s
+    forward: the poll reports nothing after ``forwards`` forwards, and slot 60 holds position 4 as
+    that forward wrote it."""
+    eng.lens["a"], eng.next_slot = 5, next_slot
+    eng.step({"a": 1})
+    report = eng.canary.poll()
+    assert not report and report.forwards == forwards
+    assert eng.canary.context.slot_fields(60)["position"] == 4
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_batch(device):
     """``before()`` while the canary is off plans nothing; switched on, ``after()`` plans its batch
@@ -781,11 +792,7 @@ def test_a_static_forward_switched_on_between_before_and_after_plans_its_own_bat
     forward.before()
     eng.canary.mode = "log"
     forward.after()
-    eng.lens["a"], eng.next_slot = 5, 61
-    eng.step({"a": 1})
-    report = eng.canary.poll()
-    assert not report and report.forwards == 3
-    assert eng.canary.context.slot_fields(60)["position"] == 4
+    _next_decode_of_a_is_clean(eng, next_slot=61, forwards=3)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -903,11 +910,7 @@ def test_a_static_after_behind_another_batchs_before_forward_plans_its_own(devic
     for buffer in (eng.k, eng.v):
         buffer[60] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), device)
     forward.after()
-    eng.lens["a"], eng.next_slot = 5, 63
-    eng.step({"a": 1})
-    report = eng.canary.poll()
-    assert not report and report.forwards == 4
-    assert eng.canary.context.slot_fields(60)["position"] == 4
+    _next_decode_of_a_is_clean(eng, next_slot=63, forwards=4)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

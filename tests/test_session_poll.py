@@ -403,17 +403,24 @@ def test_a_poll_interrupted_as_it_forgets_hands_its_report_over_once(device, mon
     assert after == fourth and quiet == last == [(0, 0, 0, fourth[-1][-1])]
 
 
+def _position_2_bad_then_decoded(device, *, ring: int, decodes: int) -> "_Engine":
+    """An engine of ``ring`` ring rows: a's 6-token prompt, the K bytes of its position 2 changed,
+    then ``decodes`` decode forwards, each of which reads the bad slot."""
+    eng = _Engine(device, ring=ring)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    for _ in range(decodes):
+        eng.forward({"a": 1})
+    return eng
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_full_ring_a_poll_read_before_it_was_interrupted_is_handed_over_whole(device, monkeypatch):
     """A ring that dropped rows, read by a poll interrupted as it forgets (the rings emptied): the
     next poll hands over the report, the rows the ring dropped counted, and the one after it has
     nothing to report."""
-    eng = _Engine(device, ring=2)
-    eng.add("a", 1)
-    eng.forward({"a": 6})
-    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
-    for _ in range(3):
-        eng.forward({"a": 1})
+    eng = _position_2_bad_then_decoded(device, ring=2, decodes=3)
     interruption = _Interruption(KeyboardInterrupt())
     monkeypatch.setattr(kc.Canary, "_zero_run_counts", _interrupting(kc.Canary._zero_run_counts, interruption))
     interruption.arm()
@@ -431,12 +438,7 @@ def test_a_full_ring_names_its_rows_without_a_step(device):
     """The ring keeps the rows it stored first and drops the rest: the forwards that recorded the
     kept rows cannot be told from those that read the slot before it went bad, so the rows name
     their request and position and no step."""
-    eng = _Engine(device, ring=4)
-    eng.add("a", 1)
-    eng.forward({"a": 6})
-    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
-    for _ in range(4):
-        eng.forward({"a": 1})
+    eng = _position_2_bad_then_decoded(device, ring=4, decodes=4)
     report = eng.canary.poll()
     assert report.dropped == 4 and [(e.phase, e.step, e.request, e.position) for e in report] == [
         ("head", None, "a", 2), ("tail", None, "a", 2)] * 2
