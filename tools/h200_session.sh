@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
 # compute-sanitizer (memcheck, racecheck, initcheck over the differential fuzz with exact allocations,
-# memcheck over a few kc.Canary runs) and the demo on the GPU, the independent parts concurrently. Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
+# memcheck over a few kc.Canary runs) and the demo on the GPU, the independent parts concurrently.
+# Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
 # tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them in CANARY_PARTS
 # processes). FUZZ_SEED and CANARY_START move the fuzzes to cases no earlier run made (the defaults
