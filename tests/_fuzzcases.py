@@ -281,7 +281,8 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     cuts = np.sort(rng.integers(0, n + 1, size=num_requests - 1))
     offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
     seeds = np.where(rng.random(num_requests) < 0.7, prefix_slots, -1).astype(np.int64)
-    seeds[rng.random(num_requests) < 0.05] = num_slots + 3
+    past_pool = rng.random(num_requests) < 0.05  # the first index past the pool among them
+    seeds[past_pool] = rng.choice([num_slots, num_slots, num_slots + 3, UNRESOLVED], size=int(past_pool.sum()))
     seeds[rng.random(num_requests) < 0.05] = -7
     seeds[rng.random(num_requests) < 0.03] = 0  # the padding slot (an SWA predecessor's LUT cell): read, not written
     locs = fresh.astype(np.int64)

@@ -224,6 +224,19 @@ def test_cuda_rows_of_many_strides_match_the_model(monkeypatch, form, seed):
     _check_cuda_against_model(rng, lens, n, rpi, rows, width)
 
 
+@requires_gpu
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_cuda_requests_of_one_row_past_the_remembered_writers_leave_each_column_to_its_last(monkeypatch, form):
+    """100 requests of one pool row, each writing one column fewer than the request before it: column
+    199 - r is written last by request r, and every request before it writes it too. The first 35
+    have more later writers than the kernel remembers (64) and look them up in the batch instead;
+    each must store the column it is the last writer of, and no other request that column."""
+    _force_form(monkeypatch, form)
+    bs = 100
+    lens = np.arange(200, 200 - bs, -1)
+    _check_cuda_against_model(np.random.default_rng(9), lens, int(lens.sum()), [1] * bs, 3, 256)
+
+
 def test_long_rows_form_is_picked_for_rows_of_two_strides_on_average():
     from kvcanary_cupy.ops.backends._cuda.scatter import long_rows
 

@@ -358,3 +358,26 @@ def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tm
     row = worker.judge(change, ReadsTheChange(cases=1, memcheck=False, tests=False), 0, 120, time.perf_counter() + 120)
     assert row["verdict"] == "survived", row["tail"]  # the probe passed: it read the changed line
     assert (worker.kernels / "verify.cu").read_text() == pristine
+
+
+def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
+    """``--replay`` of several runs: their survivors, a change two runs share judged once, a
+    survivor whose line moved found by its text, and the changes another verdict met left out."""
+    import json
+
+    (mutants,) = import_tools("kernel_mutants")
+    drawn = mutants.candidates()
+    first, second, third = [m for m in drawn if m.filename == "verify.cu"][:3]
+
+    def row(m, verdict, line=None):
+        return {"ident": m.ident, "filename": m.filename, "line": line or m.line, "before": m.before,
+                "after": m.after, "operator": m.operator, "verdict": verdict}
+
+    runs = []
+    for k, rows in enumerate([[row(first, "survived"), row(second, "fuzz")],
+                              [row(first, "survived"), row(third, "survived", line=third.line + 3)]]):
+        runs.append(tmp_path / f"run{k}.json")
+        runs[-1].write_text(json.dumps({"summary": {}, "rows": rows}))
+    again = mutants.replayed([str(p) for p in runs])
+    assert [(m.filename, m.line, m.after) for m in again] == [(first.filename, first.line, first.after),
+                                                               (third.filename, third.line, third.after)]

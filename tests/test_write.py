@@ -629,13 +629,25 @@ def _long_requests_case(rng: np.random.Generator) -> dict:
                 slots=slots, expected=(expected_ids, positions))
 
 
-@requires_gpu
-@pytest.mark.parametrize("team", ["thread", "one", "two"])
-def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
+def _force_write_team(monkeypatch, team: str) -> None:
+    """Every batch through one CUDA write form: a thread a request (kvc_write_decode), a warp a
+    request or a pair of warps a request (kvc_write)."""
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write
 
     monkeypatch.setattr(cuda_write, "decode_form", lambda *_: team == "thread")
     monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
+
+
+def _end_state(ctx):
+    """What a write leaves: the canary's words, the counters and the ring's rows (as a multiset: a
+    GPU records a launch's rows in its threads' order)."""
+    return slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx))
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["thread", "one", "two"])
+def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
+    _force_write_team(monkeypatch, team)
     case = _long_requests_case(np.random.default_rng(11))
     results = {}
     for device in ("cpu", "cuda"):
@@ -644,7 +656,7 @@ def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
         ctx.set_chain_position_assert(True)
         _write(ctx, case["offsets"], case["seeds"], case["ids"], case["positions"], case["slots"], device=device,
                expected=case["expected"])
-        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+        results[device] = _end_state(ctx)
     cpu, gpu = results["cpu"], results["cuda"]
     assert cpu[2], "the case records violations"
     assert np.array_equal(cpu[0], gpu[0])
@@ -658,10 +670,7 @@ def test_cuda_write_forms_take_begins_near_int64_max(team, begin, monkeypatch):
     """A request whose entries begin far past the arrays (a hostile or wrapped write plan) records
     its one row and stops (SPEC §4) in every CUDA form: a begin plus a chunk must not wrap past
     2^63, where the pair of warps walking one request would walk different chunk counts."""
-    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
-
-    monkeypatch.setattr(cuda_write, "decode_form", lambda *_: team == "thread")
-    monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
+    _force_write_team(monkeypatch, team)
     rng = np.random.default_rng(begin % 1000)
     n = 100
     ids, positions = _tokens(rng, n), list(range(n))
@@ -671,9 +680,76 @@ def test_cuda_write_forms_take_begins_near_int64_max(team, begin, monkeypatch):
         ctx = _ctx(device, 256, ring_capacity=16)
         _write(ctx, [0, 1], [-1], [12345], [3], [7], device=device)  # the second request's seed
         _write(ctx, [0, begin, L_INT64_MAX], [-1, 7], ids, positions, slots, device=device)
-        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+        results[device] = _end_state(ctx)
     cpu, gpu = results["cpu"], results["cuda"]
     assert [row[1] for row in cpu[2]] == [-1, -1] and cpu[1]["slot_run_counter"] == 1 + n
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["thread", "one", "two"])
+def test_cuda_write_forms_take_seeds_at_the_pool_end(team, monkeypatch):
+    """SPEC §4: a seed at or past num_slots records its bit-64 row and its request chains from the
+    anchor, in every CUDA form. The seed num_slots itself is the first index past the pool: taken
+    for a slot, it would read one record past the canary buffer."""
+    _force_write_team(monkeypatch, team)
+    rng = np.random.default_rng(17)
+    num_slots = 64
+    seeds = [num_slots, 5, num_slots + 1, UNRESOLVED, num_slots]
+    counts = [1, 3, 2, 1, 40]  # a long request (more than a chunk) among short ones
+    starts = [0, 3, 10, 7, 100]  # request 1 continues its seed's chain (position 2)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    n = offsets[-1]
+    slots = [int(s) for s in rng.permutation(np.arange(8, num_slots))[:n]]
+    ids = [int(t) for t in rng.integers(0, 50_000, size=n)]
+    positions = [p for start, count in zip(starts, counts) for p in range(start, start + count)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, num_slots, ring_capacity=16)
+        _write(ctx, [0, 1], [-1], [9], [2], [5], device=device)
+        ctx.set_chain_position_assert(True)
+        _write(ctx, offsets, seeds, ids, positions, slots, device=device)
+        results[device] = _end_state(ctx)
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert cpu[2] == sorted((TAG, seed, 0, 0, 0, 0, 0, 64) for seed in seeds if seed != 5)
+    for request in (0, 2, 3, 4):  # each chains from the anchor after its seed's row
+        assert cpu[0][slots[offsets[request]], 2] == signed(ANCHOR_LINK)
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["one", "two"])
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_cuda_write_hashes_a_long_request_past_the_first_block_of_requests(team, mode, monkeypatch):
+    """kvc_write's blocks find the long requests (more than 32 entries: the whole grid hashes their
+    sources) by reading every request's offsets, a thread a request, striding by the block. Here the
+    one long request lies past the block's threads, and the request a block's stride before it is
+    empty but begins near the long one's end: taken with that begin, the long request would look
+    short, and its slots would be stored without their real-KV hashes."""
+    from kvcanary_cupy.ops.backends._cuda.write import _BLOCK
+
+    _force_write_team(monkeypatch, team)
+    rng = np.random.default_rng(30 + int(mode) + len(team))
+    num_slots, n = 512, 200
+    bs, long_request, neighbour = _BLOCK + 44, _BLOCK + 24, 24
+    # requests before the neighbour: [195, 195); the neighbour: [195, 100); then [100, 100) up to
+    # [100, 0); the long request: [0, 200); the rest: [200, 200). Every one empty but the long one.
+    offsets = [195] * (neighbour + 1) + [100] * (long_request - neighbour - 1) + [0] + [n] * (bs - long_request)
+    specs = [random_source(rng, num_slots, num_bytes_per_token=48, read_bytes=32),
+             random_source(rng, num_slots, num_bytes_per_token=16)]
+    slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))[:n]]
+    ids = [int(t) for t in rng.integers(0, 50_000, size=n)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, num_slots, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=mode)
+        _write(ctx, offsets, [-1] * bs, ids, list(range(n)), slots, device=device)
+        results[device] = _end_state(ctx)
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert cpu[1] == {"slot_run_counter": n, "kernel_run_counter": 1, "violations": 0}
+    for slot in (slots[0], slots[n // 2], slots[-1]):
+        assert cpu[0][slot, 3] == expected_kv_hash(specs, mode, slot) != 0
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]
 
@@ -726,7 +802,7 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
         _write(ctx, [0, 40], [-1], list(range(40)), list(range(40)), seed_pool.tolist(), device=device)
         ctx.set_chain_position_assert(True)
         _write(ctx, offsets, seeds, ids, positions, slots, device=device, expected=(expected_ids, positions))
-        results[device] = (slot_words(ctx.canary_buf).copy(), ctx.counters(), sorted(ring_rows(ctx)))
+        results[device] = _end_state(ctx)
     cpu, gpu = results["cpu"], results["cuda"]
     reads = [16 if mode == kc.HashMode.PARTIAL else spec.read_bytes for spec in specs]
     short = num_sources <= _DECODE_LANES and max(reads) <= 32

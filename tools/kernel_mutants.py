@@ -233,16 +233,20 @@ class Worker:
                 "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
 
 
-def replayed(path: str) -> list[Mutant]:
-    """The changes that survived an earlier run (its ``--json``), each still where it was."""
-    rows = [row for row in json.loads(pathlib.Path(path).read_text())["rows"] if row["verdict"] == "survived"]
-    mutants = []
+def replayed(paths: list[str]) -> list[Mutant]:
+    """The changes that survived earlier runs (their ``--json``), each still where it was, each once."""
+    rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
+            if row["verdict"] == "survived"]
+    mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
         # the line where it was, else the one line that now holds its text (lines above it moved)
         same = [row["line"]] if source[row["line"] - 1:row["line"]] == [row["before"]] else \
             [number for number, text in enumerate(source, start=1) if text == row["before"]]
+        if len(same) == 1 and (row["filename"], same[0], row["after"]) in seen:
+            continue
         if len(same) == 1:
+            seen.add((row["filename"], same[0], row["after"]))
             mutants.append(Mutant(row["ident"], row["filename"], same[0], row["before"], row["after"],
                                   row["operator"]))
         else:
@@ -262,7 +266,8 @@ def main() -> int:
     parser.add_argument("--files", nargs="*", help="draw only from these sources (with --replay: FILE or FILE:LINE)")
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
-    parser.add_argument("--replay", help="judge again the changes that survived this earlier --json")
+    parser.add_argument("--replay", nargs="+", metavar="JSON",
+                        help="judge again the changes that survived these earlier --json runs")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
