@@ -643,6 +643,8 @@ def make_records_case(rng: np.random.Generator, max_entries: int) -> dict:
     if where == "one":
         dst_slots_count = src_slots_count = max(src_slots_count, dst_slots_count)
     src_slots = rng.integers(0, src_slots_count, size=n)
+    if rng.random() < 0.5:  # the last record, whose words end where the canary buffer does
+        src_slots[rng.integers(0, n)] = src_slots_count - 1
     dst_slots = rng.permutation(dst_slots_count)[:n] - int(rng.integers(0, 3))  # a few below 0
     for slots, count in ((src_slots, src_slots_count), (dst_slots, dst_slots_count)):
         hostile = rng.random(n) < 0.02
