@@ -381,3 +381,18 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
     again = mutants.replayed([str(p) for p in runs])
     assert [(m.filename, m.line, m.after) for m in again] == [(first.filename, first.line, first.after),
                                                                (third.filename, third.line, third.after)]
+
+
+def test_kernel_mutants_skip_leaves_out_the_first_changes_of_a_seed_drawn():
+    """``--skip K`` goes on where a run of the same seed stopped: the changes it lists are those the
+    seed draws past its first K."""
+    import subprocess
+    import sys
+
+    def listed(*extra):
+        run = subprocess.run([sys.executable, str(TOOLS / "kernel_mutants.py"), "--seed", "2", "--mutants", "30",
+                              "--list", *extra], capture_output=True, text=True, check=True)
+        return set(run.stdout.splitlines()[:-1])
+
+    every, rest = listed(), listed("--skip", "12")
+    assert len(every) == 30 and len(rest) == 18 and rest < every

@@ -258,6 +258,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mutants", type=int, default=150, help="changes drawn from the candidates")
     parser.add_argument("--seed", type=int, default=1, help="which changes are drawn")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first SKIP changes drawn (judged by an earlier run of this seed)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--cases", type=int, default=120, help="fuzz cases an op, each change")
     parser.add_argument("--timeout", type=float, default=150, help="seconds a check may run")
@@ -280,7 +282,7 @@ def main() -> int:
     else:
         pool = [m for m in candidates() if not args.files or m.filename in args.files]
         # in drawn order, so that the changes judged before the deadline are a random sample too
-        drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))
+        drawn = random.Random(args.seed).sample(pool, min(args.mutants, len(pool)))[args.skip:]
     if args.list:
         for m in sorted(drawn, key=lambda m: (m.filename, m.line)):
             print(f"{m.ident:4d} {m.filename}:{m.line} [{m.operator}] {m.after.strip()}")
