@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 import kvcanary_cupy as kc
-from _tools import TOOLS, import_tools
+from _tools import ROOT, TOOLS, import_tools
 
 
 @pytest.mark.parametrize("name", TOOLS)
@@ -390,7 +390,7 @@ def test_kernel_mutants_skip_leaves_out_the_first_changes_of_a_seed_drawn():
     import sys
 
     def listed(*extra):
-        run = subprocess.run([sys.executable, str(TOOLS / "kernel_mutants.py"), "--seed", "2", "--mutants", "30",
+        run = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_mutants.py"), "--seed", "2", "--mutants", "30",
                               "--list", *extra], capture_output=True, text=True, check=True)
         return set(run.stdout.splitlines()[:-1])
 
