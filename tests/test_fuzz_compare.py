@@ -180,7 +180,7 @@ CHANGED_KEY = {"verify": "canary", "write": "slot_run_counter", "step": "write_i
                "records": "dst", "scatter": "pool_out"}
 
 
-def _differential_fuzz(tmp_path, monkeypatch, change, *ops: str) -> tuple[int, dict]:
+def _differential_fuzz(tmp_path, monkeypatch, change, *ops: str, cases: int = 12) -> tuple[int, dict]:
     """tools/differential_fuzz.py over a few small cases of ``ops``, against a backend ("other")
     that is the CPU one with its outputs passed through ``change(op, case, outputs)``: its exit
     status and its summary by op."""
@@ -197,7 +197,7 @@ def _differential_fuzz(tmp_path, monkeypatch, change, *ops: str) -> tuple[int, d
     for op in cpu:
         monkeypatch.setitem(F.RUNNERS, op, other(op))
     out = tmp_path / "fuzz.json"
-    status = fuzz.main(["--device", "other", "--cases", "12", "--small-entries", "64", "--max-entries", "64",
+    status = fuzz.main(["--device", "other", "--cases", str(cases), "--small-entries", "64", "--max-entries", "64",
                         "--ops", *ops, "--json", str(out)])
     return status, json.loads(out.read_text())["ops"]
 
@@ -224,7 +224,8 @@ def test_the_differential_fuzz_fails_a_backend_that_differs_only_where_the_ring_
     monkeypatch.setattr(F, "with_ring", lambda case, capacity: dict(with_ring(case, capacity), _every_row=True))
     status, ops = _differential_fuzz(
         tmp_path, monkeypatch,
-        lambda op, case, outputs: _changed(outputs, "canary") if case.get("_every_row") else outputs, "write")
+        lambda op, case, outputs: _changed(outputs, "canary") if case.get("_every_row") else outputs, "write",
+        cases=80)  # enough that several rings overflow (a few in a hundred of these small cases)
     assert status == 1 and ops["write"]["mismatches"]
     assert all(problems == ["canary (every row kept)"] for problems in
                (example["problems"] for example in ops["write"]["examples"]))
