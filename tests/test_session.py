@@ -156,12 +156,14 @@ def test_events_carry_the_step_of_the_forward_that_found_them(device, sweep):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_cells_outside_the_table_name_their_request(device):
-    """A pool row past ``req_to_token`` resolves no slot: each verify entry and the write's seed are
-    reported with the request and the position of the cell, and the slot said to be unresolved."""
+@pytest.mark.parametrize("lost_row", [ROWS, ROWS + 3])
+def test_cells_outside_the_table_name_their_request(device, lost_row):
+    """A pool row past ``req_to_token`` (the first one past it too) resolves no slot: each verify
+    entry and the write's seed are reported with the request and the position of the cell, and the
+    slot said to be unresolved."""
     eng = Tiny(device)
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    batch = kc.ForwardBatch(req_pool_indices=i64([1, ROWS + 3]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
                             input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]), out_cache_loc=i64([1, 2, 3]),
                             req_ids=["a", "lost"])
     eng.canary.before_forward(batch)
@@ -1642,7 +1644,7 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
                                    max_prefill_tokens=64)
     table = np.zeros((ROWS, WIDTH), np.int32)
-    table[1, :4] = [SLOTS + 9, SLOTS + 10, SLOTS + 11, 4]
+    table[1, :4] = [SLOTS + 1, SLOTS + 10, SLOTS + 11, 4]  # the first cell the LUT's length itself
     canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=to_device(table, device), device=device,
                        swa=kc.SwaGroup(window=4, lut=i64(np.arange(SLOTS + 1)), num_slots=SLOTS))
     for prefix, extend, slots in ((0, 3, [1, 2, 3]), (3, 1, [4])):
@@ -1657,7 +1659,7 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
     assert [(e.phase, e.position) for e in swa if e.phase == "head"] == [("head", 0), ("head", 1), ("head", 2)]
     assert ("write", 2) in [(e.phase, e.position) for e in swa]  # the seed, position prefix - 1
     assert "slot unresolved (no cell of req_to_token or the LUT)" in report.describe()
-    assert {e.slot for e in report if e.group == "full" and e.phase == "head"} == {SLOTS + 9, SLOTS + 10, SLOTS + 11}
+    assert {e.slot for e in report if e.group == "full" and e.phase == "head"} == {SLOTS + 1, SLOTS + 10, SLOTS + 11}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
