@@ -1100,3 +1100,71 @@ def test_a_request_past_the_ids_given_is_named_by_its_batch_row(device):
     eng.canary.after_forward(batch)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
         ("head", 2, 1, 1, flipped), ("tail", 2, 1, 1, flipped)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_cell_past_a_requests_length_is_not_taken_for_an_entry(device):
+    """A table row may hold cells past its request's length (a page shared whole with a longer
+    request, as a radix cache shares them): verify checks only the positions below the length, so
+    a row of the slot such a cell holds is named for the request that read it."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.add("b", 2, share="a", shared=3)
+    flipped = eng.requests["a"]["slots"][3]
+    eng.table[2, 3] = flipped  # b's row one cell past its length: a's slot, behind the same chain
+    eng.sync()
+    eng.k[flipped, 0, 1] += 1.0
+    eng.forward({"a": 1, "b": 0})
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
+        ("head", 2, "a", 3, flipped), ("tail", 2, "a", 3, flipped)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_requests_of_one_token_count_toward_the_verify_capacity(device):
+    """A request of one cached token is one verify entry (SPEC 3.3): a forward whose single-token
+    requests take its plan past the capacity checked nothing, and the rows stay with the forward
+    that recorded them."""
+    eng = _Engine(device, verify_capacity=8)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.add("c", 3)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})  # 6 entries
+    eng.forward({"b": 1, "c": 1})  # no prefix: writes only
+    eng.forward({"a": 1, "b": 1, "c": 1})  # 7 + 1 + 1 entries: past the capacity
+    report = eng.canary.poll()
+    assert report.capacity_overflows == 2  # its HEAD and TAIL verify
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_first_position_checked_against_its_expected_token_is_named(device):
+    """Position 0 has an expected token like any other (SPEC 3.3: the pool's cell at the position
+    plus the token offset): a row found there carries it, and poll, judging the row by that
+    token, names its request."""
+    eng = _Engine(device, expected=True)
+    eng.add("a", 1)
+    eng.forward({"a": 3})
+    first = eng.requests["a"]["slots"][0]
+    eng.k[first, 0, 1] += 1.0
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.violation.expected_token) for e in report] == [
+        ("head", 2, "a", 0, first, 1000), ("tail", 2, "a", 0, first, 1000)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_seed_at_position_0_past_the_pool_is_named_by_its_request(device):
+    """A request of one cached token seeds its write from position 0 (SPEC 4): a cell there past
+    the pool is reported by the write as its seed, named by the request at position 0, as each
+    verify entry that read it is."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 1})
+    eng.table[1, 0] = SLOTS
+    eng.sync()
+    eng.forward({"a": 1})
+    assert sorted((e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()) == [
+        ("head", 2, "a", 0, SLOTS), ("tail", 2, "a", 0, SLOTS), ("write", 2, "a", 0, SLOTS)]
