@@ -1168,3 +1168,22 @@ def test_a_seed_at_position_0_past_the_pool_is_named_by_its_request(device):
     eng.forward({"a": 1})
     assert sorted((e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()) == [
         ("head", 2, "a", 0, SLOTS), ("tail", 2, "a", 0, SLOTS), ("write", 2, "a", 0, SLOTS)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_swa_row_whose_predecessor_moved_in_the_lut_keeps_its_request(device):
+    """In an SWA group the predecessor of a window's first position lies outside the window, and
+    the engine may move its LUT entry to another slot once the window has passed it. A row that
+    found its chain whole then cannot be judged by the chain as the LUT is now: poll names it by
+    its request and step all the same."""
+    eng = _Engine(device, swa_window=2)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slots = eng.requests["a"]["slots"]
+    bad = int(eng.lut[slots[2]])
+    eng.swa_k[bad, 0, 1] += 1.0
+    eng.forward({"a": 1})  # its SWA verify checks positions 2 and 3
+    eng.lut[slots[1]] = eng.swa_free.pop()  # position 1's SWA slot, moved once past the window
+    eng.sync()
+    swa = [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll() if e.group == "swa"]
+    assert swa == [("head", 2, "a", 2, bad), ("tail", 2, "a", 2, bad)]
