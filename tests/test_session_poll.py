@@ -1187,3 +1187,31 @@ def test_an_swa_row_whose_predecessor_moved_in_the_lut_keeps_its_request(device)
     eng.sync()
     swa = [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll() if e.group == "swa"]
     assert swa == [("head", 2, "a", 2, bad), ("tail", 2, "a", 2, bad)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_write_row_two_forwards_could_record_goes_to_the_forward_of_the_rows_before_it(device):
+    """a's prompt token at position 0 goes to a slot in forward 1; a finishes, and in forward 2 c,
+    the same prompt, takes the slot with the token the engine did not expect. Either write could
+    have recorded c's row (same slot, token and position): ring order tells it, since the rows
+    before it in the ring, b's bad slot as forward 2's HEAD read it, are forward 2's."""
+    eng = _Engine(device)
+    eng.add("a", 1, prompt=7000)
+    eng.add("b", 2)
+    eng.forward({"a": 1, "b": 3})
+    reused = eng.requests["a"]["slots"][0]
+    flipped = eng.requests["b"]["slots"][1]
+    eng.k[flipped, 0, 1] += 1.0
+    eng.finish("a")
+    eng.add("c", 3, prompt=7000)
+    loc = eng.next_slots(["c", "b"])
+    assert loc[0] == reused
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([3, 2]), prefix_lens=i64([0, 3]), extend_seq_lens=i64([1, 1]),
+                            input_ids=i64([7000, 2003]), positions=i64([0, 3]), out_cache_loc=i64(loc),
+                            req_ids=["c", "b"], expected_input_tokens=i64([7777, 2003]),
+                            expected_input_positions=i64([0, 3]))
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
+        ("head", 2, "b", 1, flipped), ("write", 2, "c", 0, reused), ("tail", 2, "b", 1, flipped)]
