@@ -26,7 +26,8 @@ class _Engine:
     """Requests in pool rows over a 128-slot pool with one layer of K, on ``device``; host mirrors
     of the tables, copied to the device after each change."""
 
-    def __init__(self, device, *, swa_window=0, expected=False, ring=1024, verify_capacity=None):
+    def __init__(self, device, *, swa_window=0, expected=False, ring=1024, verify_capacity=None,
+                 chain_position_assert=False):
         self.device = device
         self.rng = np.random.default_rng(0)
         self.table = np.zeros((ROWS, WIDTH), np.int32)
@@ -45,7 +46,8 @@ class _Engine:
         self.expected_dev = None if self.expected is None else to_device(self.expected, device)
         self.canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=self.table_dev, device=device,
                                 real_kv_sources=kc.layouts.per_layer([self.k]), hash_mode=kc.HashMode.ALL,
-                                ring_capacity=ring, swa=swa, expected_tokens=self.expected_dev)
+                                ring_capacity=ring, swa=swa, expected_tokens=self.expected_dev,
+                                chain_position_assert=chain_position_assert)
         self.free = list(range(1, SLOTS))
         self.requests: dict = {}
 
@@ -1215,3 +1217,24 @@ def test_a_write_row_two_forwards_could_record_goes_to_the_forward_of_the_rows_b
     eng.canary.after_forward(batch)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
         ("head", 2, "b", 1, flipped), ("write", 2, "c", 0, reused), ("tail", 2, "b", 1, flipped)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_entry_recording_two_alike_rows_has_both_named(device):
+    """An engine that repeats a's position 3 for its next token, expecting position 4, with both
+    write asserts on: the input assert and the chain position assert record alike rows for the one
+    entry (SPEC 3.1: same token, chain and expected position), and both are named by it."""
+    eng = _Engine(device, chain_position_assert=True)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    loc = eng.next_slots(["a"])
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
+                            input_ids=i64([1004]), positions=i64([3]), out_cache_loc=i64(loc), req_ids=["a"],
+                            expected_input_tokens=i64([1004]), expected_input_positions=i64([4]))
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    report = eng.canary.poll()
+    assert len({e.violation for e in report}) == 1
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
+        ("write", 2, "a", 4, loc[0], ("WRITE_POSITION",))] * 2
