@@ -1238,3 +1238,20 @@ def test_an_entry_recording_two_alike_rows_has_both_named(device):
     assert len({e.violation for e in report}) == 1
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
         ("write", 2, "a", 4, loc[0], ("WRITE_POSITION",))] * 2
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_one_request_past_the_verify_capacity_overflows_its_plan(device):
+    """A single request whose prefix alone passes the verify capacity overflows the plan (SPEC
+    3.3): that forward checked nothing, and the rows stay with the forwards that recorded them."""
+    eng = _Engine(device, verify_capacity=8)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})  # 6 entries
+    eng.forward({"a": 3})  # 7 entries
+    eng.forward({"a": 1})  # 10 entries: past the capacity
+    report = eng.canary.poll()
+    assert report.capacity_overflows == 2  # its HEAD and TAIL verify
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", 2, "a", 2), ("tail", 2, "a", 2), ("head", 3, "a", 2), ("tail", 3, "a", 2)]
