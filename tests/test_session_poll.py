@@ -1255,3 +1255,21 @@ def test_one_request_past_the_verify_capacity_overflows_its_plan(device):
     assert report.capacity_overflows == 2  # its HEAD and TAIL verify
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [
         ("head", 2, "a", 2), ("tail", 2, "a", 2), ("head", 3, "a", 2), ("tail", 3, "a", 2)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_outside_the_table_are_named_only_within_their_window(device):
+    """Two requests whose pool rows lie past ``req_to_token`` resolve nothing: in the SWA group each
+    verify entry of its window records an unresolved row at its position (SPEC 3.3), and the
+    positions before a window are none of that request's, so each row names the one request whose
+    window holds it."""
+    eng = _Engine(device, swa_window=2)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([ROWS, ROWS + 1]), prefix_lens=i64([6, 2]),
+                            extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]),
+                            out_cache_loc=i64([]), req_ids=["far", "near"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    swa = [(e.phase, e.request, e.position) for e in eng.canary.poll() if e.group == "swa"]
+    assert sorted(swa) == sorted((phase, request, position) for phase in ("head", "tail")
+                                 for request, position in (("far", 4), ("far", 5), ("near", 0), ("near", 1)))
