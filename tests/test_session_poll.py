@@ -1273,3 +1273,36 @@ def test_rows_outside_the_table_are_named_only_within_their_window(device):
     swa = [(e.phase, e.request, e.position) for e in eng.canary.poll() if e.group == "swa"]
     assert sorted(swa) == sorted((phase, request, position) for phase in ("head", "tail")
                                  for request, position in (("far", 4), ("far", 5), ("near", 0), ("near", 1)))
+
+
+def _a_slot_written_twice_events(device, every_forward: bool) -> tuple[int, list]:
+    """a (prompt 7000) reads its position 3 bad in forward 2; the engine hands the slot out twice
+    more while a's pool row still names it: to c, the same prompt, at the same position (the same
+    record), then to d at position 0, and each reads it clean in the forward after its write."""
+    eng = _Engine(device)
+    found = []
+    eng.add("a", 1, prompt=7000)
+    eng.forward({"a": 4})
+    slot = eng.requests["a"]["slots"][3]
+    eng.k[slot, 0, 1] += 1.0
+    eng.forward({"a": 1})
+    for rid, row, count in (("c", 2, 4), ("d", 3, 1)):
+        if every_forward:
+            found.extend(eng.canary.poll())
+        eng.free.insert(count - 1, slot)  # the slot of its last prefill position
+        eng.add(rid, row, prompt=7000)
+        eng.forward({rid: count})
+        eng.forward({rid: 1})
+    found.extend(eng.canary.poll())
+    return slot, [(e.phase, e.step, e.request, e.position, e.slot) for e in found]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_of_a_slot_written_twice_are_not_given_to_a_clean_reader(device):
+    """Polled after every forward, a's rows name a at step 2. Polled once, they show the record
+    c wrote as well as a's: with the slot written more than once since, which reader saw them is
+    not told, and they go to neither (c read the slot clean)."""
+    slot, events = _a_slot_written_twice_events(device, True)
+    assert events == [("head", 2, "a", 3, slot), ("tail", 2, "a", 3, slot)]
+    slot, events = _a_slot_written_twice_events(device, False)
+    assert events == [("head", None, None, None, slot), ("tail", None, None, None, slot)]
