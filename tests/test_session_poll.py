@@ -1306,3 +1306,37 @@ def test_rows_of_a_slot_written_twice_are_not_given_to_a_clean_reader(device):
     assert events == [("head", 2, "a", 3, slot), ("tail", 2, "a", 3, slot)]
     slot, events = _a_slot_written_twice_events(device, False)
     assert events == [("head", None, None, None, slot), ("tail", None, None, None, slot)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_negative_extend_takes_nothing_from_the_slots_written(device):
+    """A request's non-positive extend writes nothing (SPEC 3.3): it takes nothing from the
+    entries of the requests after it. c, a's prompt, takes a's freed slots in a batch led by such a
+    request: its write of the slot a read bad is still seen, so a's rows are not given to c, which
+    read the slot clean."""
+    eng = _Engine(device)
+    eng.add("a", 1, prompt=7000)
+    eng.forward({"a": 6})
+    flipped = eng.requests["a"]["slots"][3]
+    eng.k[flipped, 0, 0] += 1.0
+    eng.forward({"a": 1})
+    row = eng.table[1].copy()
+    eng.finish("a")
+    eng.table[1] = row  # the engine leaves a's cells in its pool row
+    eng.add("c", 3, prompt=7000)
+    c = eng.requests["c"]
+    loc = [eng.free.pop(0) for _ in range(7)]
+    eng.table[3, :7] = loc
+    eng.sync()
+    assert loc[3] == flipped
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([4, 3]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([-5, 7]),
+                            input_ids=i64(range(7000, 7007)), positions=i64(range(7)), out_cache_loc=i64(loc),
+                            req_ids=["x", "c"])
+    eng.canary.before_forward(batch)
+    eng.k[i64(loc)] = to_device(eng.rng.standard_normal((7, 2, 8)).astype(np.float32), device)
+    eng.canary.after_forward(batch)
+    c["len"] = 7
+    eng.forward({"c": 1})
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
+        ("head", 2, "a", 3), ("tail", 2, "a", 3)]
