@@ -7,6 +7,7 @@ every row shows it."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -47,6 +48,41 @@ def test_an_overflowing_ring_is_not_judged_without_every_row(op):
     last = _copy(oracle)
     last["ring"][-1, L.RING_COL_POSITION] += 1000
     assert F.compare(op, case, oracle, last) == ["kept ring rows are not violations of this launch"]
+
+
+@pytest.mark.parametrize("op", ["write", "step"])
+def test_a_ring_one_row_short_is_judged_against_every_row(op):
+    """A launch that records one row more than its ring keeps overflowed: the kept rows are judged
+    against every row of the launch, each as often as it was recorded (a row kept twice that the
+    launch recorded once is no row of it)."""
+    case = F.with_ring(_overflowing(op, 7), 1)
+    total = F.RUNNERS[op](case, "cpu")["write_index"]
+    short = F.with_ring(case, total - 1)
+    oracle = F.RUNNERS[op](short, "cpu")
+    assert oracle["write_index"] == total == oracle["ring"].shape[0] + 1
+    with pytest.raises(ValueError, match="_full_rows"):
+        F.compare(op, short, oracle, _copy(oracle))
+    short["_full_rows"] = F.full_rows(op, short, total)
+    assert F.compare(op, short, oracle, _copy(oracle)) == []
+    moved = _copy(oracle)
+    moved["ring"][0, L.RING_COL_POSITION] += 1000
+    assert F.compare(op, short, oracle, moved) == ["kept ring rows are not violations of this launch"]
+    first, second = map(tuple, oracle["ring"][:2].tolist())
+    assert first != second and short["_full_rows"][first] == 1
+    twice = _copy(oracle)
+    twice["ring"][1] = oracle["ring"][0]
+    assert F.compare(op, short, oracle, twice) == ["kept ring rows are not violations of this launch"]
+
+
+@pytest.mark.parametrize("op", ["verify", "write", "step"])
+def test_full_rows_are_every_row_of_the_launch_as_often_as_recorded(op):
+    case = _overflowing(op, 7) if op != "verify" else _with_rows(op, 11)[0]
+    total = F.RUNNERS[op](case, "cpu")["write_index"]
+    roomy = F.RUNNERS[op](F.with_ring(case, 2 * total), "cpu")
+    assert roomy["write_index"] == total
+    every = F.full_rows(op, case, total)
+    assert sum(every.values()) == total
+    assert every == Counter(map(tuple, roomy["ring"][:total].tolist()))
 
 
 def _step_with_both(seed: int, overflow: bool) -> tuple[dict, dict]:
@@ -90,9 +126,10 @@ def test_an_overflowing_step_ring_keeps_the_verify_rows_first():
     case["_full_rows"] = F.full_rows("step", case, total)
     every = F.run_step(F.with_ring(case, total), "cpu")["ring"]
     write_row = every[every[:, L.RING_COL_KERNEL_KIND] == case["write_tag"]][0]
-    overtaken = _copy(oracle)
-    overtaken["ring"][-1] = write_row
-    assert F.compare("step", case, oracle, overtaken) == ["ring rows' tags out of launch order"]
+    for kept_row in (0, -1):
+        overtaken = _copy(oracle)
+        overtaken["ring"][kept_row] = write_row
+        assert F.compare("step", case, oracle, overtaken) == ["ring rows' tags out of launch order"]
 
 
 def _changed(outputs: dict, key: str) -> dict:
@@ -139,6 +176,9 @@ def test_each_output_of_a_launch_that_differs_is_told(op):
     past = _copy(oracle)
     past["ring"][n, L.RING_COL_POSITION] += 1
     assert F.compare(op, case, oracle, past) == ["ring rows past the write index"]
+    last = _copy(oracle)
+    last["ring"][-1, L.RING_COL_POSITION] += 1
+    assert F.compare(op, case, oracle, last) == ["ring rows past the write index"]
     # a launch may record one row twice (a slot in two entries): how often each row comes counts
     twice = _copy(oracle)
     twice["ring"][1] = oracle["ring"][0]
