@@ -6,6 +6,7 @@ every row shows it."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 
@@ -14,6 +15,7 @@ import pytest
 
 import _fuzzcases as F
 from _tools import import_tools
+import kvcanary_cupy as kc
 from kvcanary_cupy import _layout as L
 
 
@@ -294,13 +296,120 @@ def test_guard_bands_see_a_store_on_either_side_and_nothing_inside():
     try:
         rng = np.random.default_rng(5)
         values = rng.integers(1, 1 << 40, size=(3, 5), dtype=np.int64)
-        inside, _, after = (F._to(values, "cpu") for _ in range(3))
+        inside, before, after = (F._to(values, "cpu") for _ in range(3))
         assert inside.shape == values.shape and np.array_equal(inside, values)
         inside[...] = rng.integers(1, 1 << 40, size=inside.shape)
-        F._guarded[1][0][F.GUARD_BYTES - 1] ^= 1
-        F._guarded[2][0][F.GUARD_BYTES + after.nbytes] ^= 1
+        _next_to(before, "before")[0] ^= 1  # a store through the array's own memory, as a backend's
+        _next_to(after, "after")[0] ^= 1
         assert F.guard_problems() == ["bytes before a cpu array of shape (3, 5) and dtype int64 were written",
                                       "bytes after a cpu array of shape (3, 5) and dtype int64 were written"]
         assert F.guard_problems() == []
     finally:
         F.guard_arrays(False)
+
+
+CONTEXT_OUTPUTS = ("canary", "write_index", "slot_run_counter", "kernel_run_counter")
+
+
+def _context_buffers(ctx) -> dict:
+    return dict(zip(CONTEXT_OUTPUTS, (ctx.canary_buf, ctx.violation_write_index, ctx.slot_run_counter,
+                                      ctx.kernel_run_counter)))
+
+
+# each op's call in the package, and the buffers it stores to (by the name of the output that shows them)
+_CALLS = {
+    "verify": (kc, "verify", lambda args, kwargs: _context_buffers(args[0])),
+    "write": (kc, "write", lambda args, kwargs: _context_buffers(args[0])),
+    "step": (kc.CanaryStep, "launch", lambda args, kwargs: _context_buffers(args[0].ctx)),
+    "plan": (kc, "plan", lambda args, kwargs: {
+        **{name: getattr(args[0], name) for name in ("slot_indices", "expected_tokens", "expected_positions",
+                                                      "prev_slot_indices", "num_valid", "enable")},
+        **{name: getattr(args[1], name) for name in ("offsets", "seed_slot_indices", "num_valid_reqs")}}),
+    "scatter": (kc, "scatter_req_token_ids", lambda args, kwargs: {"pool_out": kwargs["pool_out"]}),
+    "records": (kc, "copy_records", lambda args, kwargs: {"src": kwargs["src"].canary_buf,
+                                                          "dst": kwargs["dst"].canary_buf}),
+}
+
+
+def _case_with_buffers_apart(op: str) -> dict:
+    rng = np.random.default_rng(11)
+    while True:
+        case = F.MAKERS[op](rng, 60)
+        if op != "records" or case["where"] != "one":
+            return case
+
+
+@pytest.mark.parametrize("op", list(F.MAKERS))
+def test_each_runner_returns_what_its_call_stored(op, monkeypatch):
+    """A backend whose call stores one wrong value into any buffer it writes is a difference, named
+    by that buffer: each runner returns the buffers the call itself wrote, after it ran, not the
+    case's inputs or copies made before."""
+    case = _case_with_buffers_apart(op)
+    oracle = F.RUNNERS[op](case, "cpu")
+    owner, name, buffers_of = _CALLS[op]
+    call = getattr(owner, name)
+    changed = []
+
+    def wrong(*args, **kwargs):
+        call(*args, **kwargs)
+        buffer = buffers_of(args, kwargs)[target]
+        buffer.reshape(-1)[-1] += 1
+        changed.append(target)
+
+    monkeypatch.setattr(owner, name, wrong)
+    for target in sorted(oracle) if op in ("plan", "scatter", "records") else CONTEXT_OUTPUTS:
+        other = F.RUNNERS[op](case, "cpu")
+        assert changed[-1:] == [target]
+        assert target in F.compare(op, case, oracle, other)
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.parametrize("op", list(F.MAKERS))
+def test_a_runner_leaves_its_case_as_it_was(op, guarded):
+    """The oracle runs first: had it stored into the case's own arrays (a canary it wrote records
+    into), the backend judged after it would start from the oracle's results, and one that stores
+    nothing would agree."""
+    case = _case_with_buffers_apart(op)
+    before = copy.deepcopy(case)
+    F.guard_arrays(guarded)
+    try:
+        first = F.RUNNERS[op](case, "cpu")
+        second = F.RUNNERS[op](case, "cpu")
+    finally:
+        F.guard_arrays(False)
+    assert _same(case, before)
+    assert F.compare(op, case, first, second) == []
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+def test_plan_cells_past_the_entries_are_compared():
+    """A plan leaves the cells past its entries as they were: the runner fills them with a value
+    no plan writes, so that a backend storing zeros (or anything) there is a difference."""
+    rng = np.random.default_rng(3)
+    while True:
+        case = F.make_plan_case(rng, 60)
+        oracle = F.RUNNERS["plan"](case, "cpu")
+        if 0 <= oracle["num_valid"][0] < case["verify_capacity"]:
+            break
+    left = slice(int(oracle["num_valid"][0]), None)
+    for key in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices"):
+        zeroed = _copy(oracle)
+        zeroed[key][left] = 0
+        assert F.compare("plan", case, oracle, zeroed) == [key]
+
+
+def _next_to(array: np.ndarray, side: str) -> np.ndarray:
+    """The element just before or just after ``array``'s memory, as a view to store into."""
+    flat = array.reshape(-1)
+    if side == "before":
+        return np.lib.stride_tricks.as_strided(flat, shape=(2,), strides=(-flat.itemsize,))[1:]
+    return np.lib.stride_tricks.as_strided(flat, shape=(flat.size + 1,), strides=flat.strides)[-1:]
