@@ -187,6 +187,7 @@ COUNTER_BUGS = {
     "eager forwards": (_forwards_counted_twice, "Canary.forwards"),
     "forwards reported": (lambda mp: polls_changed(mp, lambda r: dataclasses.replace(r, forwards=r.forwards + 1)),
                           "CanaryReport.forwards"),
+    "violations": (lambda mp: _counted_twice(mp, "violations"), "['violations']"),
     "overflows reported": (lambda mp: polls_changed(
         mp, lambda r: dataclasses.replace(r, capacity_overflows=r.capacity_overflows + 1)), "capacity_overflows"),
 }
@@ -227,6 +228,31 @@ def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(
     assert all(error.startswith("fault run: ") for row in rows for error in row["counter_errors"])
 
 
+def test_canary_fuzz_records_a_crash_of_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
+    """A canary that fails only once a fault is injected is a crash of that seed, not a pass."""
+    (fuzz,) = import_tools("canary_fuzz")
+    faulty = weakref.WeakSet()
+    build, poll = fuzz.FuzzEngine.build_canary, kc.Canary.poll
+
+    def build_canary(engine):
+        canary = build(engine)
+        if engine.fault is not None:
+            faulty.add(canary)
+        return canary
+
+    def failing_poll(canary):
+        if canary in faulty:
+            raise RuntimeError("a poll that fails")
+        return poll(canary)
+
+    monkeypatch.setattr(fuzz.FuzzEngine, "build_canary", build_canary)
+    monkeypatch.setattr(kc.Canary, "poll", failing_poll)
+    printed, rows, total, _ = run_broken_fuzz(tmp_path, capsys)
+    faulted = [row for row in rows if row["fault"] != "none"]
+    assert faulted and all(row["crash"].startswith("fault run: ") for row in faulted)
+    assert total["crashes"] == len(faulted) and "crash: RuntimeError: a poll that fails" in printed
+
+
 def test_canary_fuzz_fails_a_canary_that_writes_records_while_off(tmp_path, capsys, monkeypatch):
     original = kc.Canary.after_forward
 
@@ -251,6 +277,23 @@ def test_canary_fuzz_fails_reports_that_do_not_add_up(tmp_path, capsys, monkeypa
     polls_changed(monkeypatch, lambda report: dataclasses.replace(report, total=report.total + 1))
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert any("dropped != total" in error for row in rows for error in row["counter_errors"])
+
+
+def test_canary_fuzz_fails_reports_that_drop_more_rows_than_they_count(tmp_path, capsys, monkeypatch):
+    """A report whose events and dropped rows come to more than its total."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, dropped=report.dropped + 1))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("dropped != total" in error for row in rows for error in row["counter_errors"])
+
+
+def test_canary_fuzz_fails_a_report_holding_one_row_of_a_group_more_than_its_ring(tmp_path, capsys, monkeypatch):
+    """The first event given twice (the total counted to match): one row more than a ring of one
+    keeps."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(report, events=report.events + report.events[:1],
+                                                                  total=report.total + len(report.events[:1])))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("past the ring's" in error for row in rows for error in row["counter_errors"]
+               if row["config"]["ring_capacity"] == 1)
 
 
 def test_canary_fuzz_fails_a_report_holding_more_rows_of_a_group_than_its_ring(tmp_path, capsys, monkeypatch):
@@ -329,6 +372,51 @@ def test_canary_fuzz_on_the_cpu_finds_events_that_name_the_wrong_position(tmp_pa
     _events_changed(monkeypatch, lambda event: {} if event.position is None else {"position": event.position + shift})
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert any(said in row["misnamed"] for row in rows)
+
+
+def test_canary_fuzz_fails_events_that_name_the_victim_only_at_one_wrong_position(tmp_path, capsys, monkeypatch):
+    """Every event that names a position naming one far past any the fault harms: the one position
+    named is judged as several would be."""
+    _events_changed(monkeypatch, lambda event: {} if event.position is None else {"position": 1 << 20})
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("no event named a victim at position" in row["misnamed"] for row in rows)
+
+
+def test_canary_fuzz_table_and_totals_count_each_column_from_its_own_field(tmp_path, capsys, monkeypatch):
+    """Seeds' rows of known outcomes (a pass, a false positive, a counter mismatch, a missed, a
+    misnamed, a crash, a fault that found no place): each failing seed is described by what
+    failed, and each column of the table and the totals counts its own field."""
+    (fuzz,) = import_tools("canary_fuzz")
+    passed = {"config": {}, "examples": [], "fault": "kv_flip", "fault_where": "slot 3", "false_positives": 0,
+              "counter_errors": [], "injected": True, "detected": True, "missed": False, "misnamed": "", "crash": None}
+    outcomes = [({}, {"injected": 1}),
+                ({"false_positives": 1}, {"false+": 1, "injected": 1}),
+                ({"counter_errors": ["stats() off by one"]}, {"counters": 1, "injected": 1}),
+                ({"detected": False, "missed": True}, {"injected": 1, "missed": 1}),
+                ({"misnamed": "no event named a victim"}, {"injected": 1, "misnamed": 1}),
+                ({"injected": False, "detected": False, "crash": "clean run: Traceback\nRuntimeError: boom\n"},
+                 {"crashes": 1}),
+                ({"injected": False, "detected": False}, {})]
+    monkeypatch.setattr(fuzz, "run_seed", lambda seed, dev, forwards: dict(
+        passed, **outcomes[seed][0], seed=seed, features=["layout=paged", f"outcome={seed}"]))
+    out = tmp_path / "fuzz.json"
+    status = fuzz.main(["--device", "cpu", "--seeds", str(len(outcomes)), "--forwards", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert status == 1
+    for seed, (_, counted) in enumerate(outcomes):
+        assert result["by_feature"][f"outcome={seed}"] == {column: counted.get(column, int(column == "runs"))
+                                                             for column in fuzz.TABLE_COLUMNS}
+    assert result["by_feature"]["layout=paged"] == {"runs": 7, "false+": 1, "counters": 1, "injected": 5,
+                                                    "missed": 1, "misnamed": 1, "crashes": 1}
+    total = result["total"]
+    assert (total["false_positives"], total["counter_errors"], total["injected"], total["not_injected"],
+            total["missed"], total["misnamed"], total["crashes"]) == (1, 1, 5, 2, 1, 1, 1)
+    failures = [line for line in printed.splitlines() if "FAILED" in line]
+    assert [line.split()[1] for line in failures] == ["1", "2", "3", "4", "5"]
+    for line, said in zip(failures, ("1 false positive(s)", "counters: stats() off by one", "missed kv_flip (slot 3)",
+                                     "misnamed kv_flip (slot 3): no event named a victim", "crash: RuntimeError: boom")):
+        assert line.endswith(said)
 
 
 def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tmp_path):
