@@ -202,6 +202,37 @@ def test_canary_fuzz_fails_a_canary_whose_counters_disagree_with_the_engine(tmp_
     assert sum(any(said in error for error in row["counter_errors"]) for row in rows) >= 10
 
 
+def test_canary_fuzz_judges_the_counters_of_every_group(tmp_path, capsys, monkeypatch):
+    """A kernel run counted twice in an SWA group's counters only is a counter mismatch."""
+    stats = kc.Canary.stats
+
+    def swa_counted_twice(canary):
+        counted = stats(canary)
+        return {group: dict(counts, kernel_run_counter=2 * counts["kernel_run_counter"] + 1) if i else counts
+                for i, (group, counts) in enumerate(counted.items())}
+
+    monkeypatch.setattr(kc.Canary, "stats", swa_counted_twice)
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    with_swa = [row for row in rows if row["config"]["swa_window"]]
+    assert with_swa and all(any("['kernel_run_counter']" in error for error in row["counter_errors"])
+                            for row in with_swa)
+
+
+def test_canary_fuzz_fails_victims_named_off_the_position_beside_a_stranger_named_on_it(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Each event given twice: naming its request two positions on, and naming a request the fault
+    did not harm at its own position. Where strays are let pass (polled every few forwards), the
+    victims' positions alone are judged, not the stranger's."""
+    polls_changed(monkeypatch, lambda report: dataclasses.replace(
+        report, events=tuple(event if event.position is None else dataclasses.replace(event, position=event.position + 2)
+                             for event in report.events)
+        + tuple(dataclasses.replace(event, request="stranger") for event in report.events),
+        total=report.total + len(report.events)))
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("no event named a victim at position" in row["misnamed"] for row in rows
+               if row["config"]["poll_every"] > 1)
+
+
 def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
     """The counters of the run with a fault are judged too (a dropped write's entry counted as
     stored would be wrong there only)."""
@@ -253,21 +284,27 @@ def test_canary_fuzz_records_a_crash_of_the_run_with_a_fault(tmp_path, capsys, m
     assert total["crashes"] == len(faulted) and "crash: RuntimeError: a poll that fails" in printed
 
 
-def test_canary_fuzz_fails_a_canary_that_writes_records_while_off(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("swa_kept", [True, False])
+def test_canary_fuzz_fails_a_canary_that_writes_records_while_off(tmp_path, capsys, monkeypatch, swa_kept):
+    """Records written while off into every group's buffer are seen, and so are records written
+    by a canary with an SWA group into its full group's buffer alone (the SWA group's wiped)."""
     original = kc.Canary.after_forward
 
     def after_forward(self, batch, *, stream=None):
-        if self.mode != "off":
+        if self.mode != "off" or not swa_kept and self.swa_context is None:
             return original(self, batch, stream=stream)
         self.mode = "log"
         try:
             original(self, batch, stream=stream)
         finally:
             self.mode = "off"
+        if not swa_kept and self.swa_context is not None:
+            self.swa_context.canary_buf[...] = 0
 
     monkeypatch.setattr(kc.Canary, "after_forward", after_forward)
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     off = [row for row in rows if row["config"]["mode"] == "off"]
+    off = [row for row in off if swa_kept or row["config"]["swa_window"]]
     assert off and all(any("yet a canary buffer holds records" in error for error in row["counter_errors"])
                        for row in off)
 
