@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, SourceSpec, expected_kv_hash, fields, link_of, ring_rows, signed
+from _builders import DLPackOnly, SourceSpec, expected_kv_hash, fields, link_of, plan_arrays, ring_rows, signed
 
 torch = pytest.importorskip("torch")
 
@@ -208,6 +208,33 @@ def test_generic_dlpack_objects():
     assert buf.view(np.int64)[4, 2] == link_of(buf, 2)
     assert buf.view(np.int64)[2, 2] == signed(0xDE7FAE23A9A1B716)
 
+
+
+def _optional_arrays_run(wrap):
+    """A write whose second entry is not what the engine meant (one input-assert row), then a plan
+    with a SWA window and expected tokens; every array given through ``wrap``."""
+    a = lambda v: wrap(np.array(v, dtype=np.int64))  # noqa: E731
+    ctx = kc.CanaryContext.allocate(8, device="cpu")
+    kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 2], seed_slot_indices=[-1], num_valid_reqs=1), tag=0,
+             input_ids=a([5, 6]), positions=a([0, 1]), out_cache_loc=a([2, 4]),
+             expected_input_tokens=a([5, 7]), expected_input_positions=a([0, 1]))
+    vplan, wplan = kc.VerifyPlan.allocate(8), kc.WritePlan.allocate(1)
+    kc.plan(vplan, wplan, req_pool_indices=a([1]), prefix_lens=a([2]), extend_seq_lens=a([1]),
+            req_to_token=wrap(np.array([[0, 0, 0, 0], [2, 4, 6, 0]], np.int32)), swa_window_size=2,
+            full_to_swa_index_mapping=a([7, 6, 5, 4, 3, 2, 1, 0]),
+            req_to_verify_expected_tokens=wrap(np.array([[0, 0, 0, 0], [5, 9, 0, 0]], np.int32)),
+            req_to_verify_expected_tokens_valid_lens=a([2]))
+    return ring_rows(ctx), [np.asarray(x).tolist() for x in plan_arrays(vplan, wplan)]
+
+
+def test_generic_dlpack_objects_as_the_optional_arrays():
+    """The optional arrays (write's expected inputs, plan's LUT and expected tokens) are taken from
+    any DLPack object as the required ones are."""
+    rows, plans = _optional_arrays_run(DLPackOnly)
+    assert [row[:5] for row in rows] == [(0, 4, 1, 6, 7)]
+    assert plans[:6] == [[5, 3, 0, 0, 0, 0, 0, 0], [5, 9, 0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0],
+                         [-1, 5, 0, 0, 0, 0, 0, 0], [2], [1]]
+    assert (rows, plans) == _optional_arrays_run(lambda array: array)
 
 def test_numpy_in_place():
     ring = np.zeros((2, 8), np.int64)
