@@ -12,9 +12,19 @@ def test_keeps_the_most_recent_and_drops_the_least():
     assert "b" not in cache and len(cache) == 3
     assert [cache.get(key) for key in "acd"] == ["A", "C", "D"]
     assert cache.values() == ["A", "C", "D"]
-    assert "c" in cache  # a membership test is a use too
+    assert "a" in cache  # a membership test is a use too: the least recent becomes the most
     cache.put("e")
-    assert "a" not in cache and "c" in cache and "e" in cache and cache.get("e") is None
+    assert cache.values() == ["D", "A", None]
+    assert "c" not in cache and "a" in cache and "e" in cache and cache.get("e") is None
+
+
+def test_putting_a_kept_key_again_makes_it_the_most_recent():
+    cache = RecentlyUsed(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.put("a", 3) == 3
+    cache.put("c", 4)
+    assert "b" not in cache and cache.values() == [3, 4]
 
 
 def test_pop_says_whether_the_key_was_there_and_stored_none_counts():
