@@ -817,12 +817,18 @@ def test_valid_world_calls_run(device):
 
 @pytest.mark.parametrize("stream", ["bogus", 1.5, True, object()])
 def test_stream_forms_refused_on_the_cpu_too(stream):
-    """A stream= a GPU would refuse is refused on the CPU as well, where it is otherwise ignored."""
+    """A stream= a GPU would refuse is refused on the CPU as well, where it is otherwise ignored,
+    by every op, which then changes nothing."""
     w = World("cpu")
     pattern = r"^kv-canary: stream must be None, a CuPy or torch stream, a raw CUDA stream handle"
-    with pytest.raises(TypeError, match=pattern):
-        w.verify(stream=stream)
     i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
+    before = snapshot(*w.buffers())
+    for call in (w.verify, w.write, w.plan, w.scatter,
+                 lambda stream: kc.copy_records(src=w.ctx, dst=w.ctx, src_slots=i64([1]), dst_slots=i64([2]),
+                                                stream=stream)):
+        with pytest.raises(TypeError, match=pattern):
+            call(stream=stream)
+    assert all(np.array_equal(old, to_numpy(new)) for old, new in zip(before, w.buffers()))
     step = kc.CanaryStep(w.ctx, verify_capacity=4, verify_tag=0, write_tag=2, req_pool_indices=i64([1]),
                          prefix_lens=i64([0]), extend_seq_lens=i64([1]), req_to_token=np.zeros((2, 4), np.int32),
                          input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([1]))
