@@ -472,6 +472,11 @@ class World:
         args.update(kw)
         return kc.CanaryStep(args.pop("ctx", self.ctx), **args)
 
+    def copy(self, **kw):
+        args = dict(src=self.ctx, dst=self.ctx, src_slots=self.put(np.array([1])), dst_slots=self.put(np.array([2])))
+        args.update(kw)
+        kc.copy_records(**args)
+
     def scatter(self, **kw):
         args = dict(flat_in=self.flat, offsets=self.put(np.array([0, 2, 4])), req_pool_indices=self.rpi,
                     pool_out=self.pool)
@@ -572,6 +577,8 @@ OPS = [
      r"flat_in must be 1-D"),
     ("scatter rows dtype", lambda w: w.scatter(req_pool_indices=_d(w, np.arange(2, dtype=np.int32))), TypeError,
      r"req_pool_indices must have dtype int64"),
+    ("copy src type", lambda w: w.copy(src=w.vplan), TypeError, r"src must be a CanaryContext, got VerifyPlan"),
+    ("copy dst type", lambda w: w.copy(dst=w.wplan), TypeError, r"dst must be a CanaryContext, got WritePlan"),
 ]
 
 
@@ -599,6 +606,7 @@ READ_ONLY_OUTPUTS = [
     ("plan", "wplan", "offsets", r"WritePlan\.offsets must be writable"),
     ("plan", "wplan", "num_valid_reqs", r"WritePlan\.num_valid_reqs must be writable"),
     ("scatter", None, "pool", r"scatter_req_token_ids pool_out must be writable"),
+    ("copy", "ctx", "canary_buf", r"dst canary_buf must be writable"),
     ("step", "ctx", "canary_buf", r"CanaryContext\.canary_buf must be writable"),
     ("step", "ctx", "violation_write_index", r"CanaryContext\.violation_write_index must be writable"),
 ]
