@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import SourceSpec, context_arrays, plan_arrays, snapshot
+from _builders import SourceSpec, context_arrays, expected_kv_hash, fields, plan_arrays, snapshot
 from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 # --- the SPEC's four messages, verbatim -----------------------------------------------------------
@@ -76,6 +76,25 @@ def _ctx_arrays(**kw):
     args.update(kw)
     return lambda: kc.CanaryContext(**args)
 
+
+
+@pytest.mark.parametrize("build", ["allocate", "own arrays"])
+def test_a_context_keeps_the_sources_it_was_given(build):
+    """The caller's list of sources, changed after the context was built, changes neither the
+    context's sources nor what a write hashes."""
+    rng = np.random.default_rng(44)
+    specs = [SourceSpec(rng.integers(1, 256, size=(8, 32), dtype=np.uint8), 1, 32, 32) for _ in range(2)]
+    given = [specs[0].build("cpu")]
+    kwargs = dict(real_kv_sources=given, hash_mode=kc.HashMode.ALL)
+    ctx = kc.CanaryContext.allocate(8, **kwargs) if build == "allocate" else _ctx_arrays(**kwargs)()
+    given.append(specs[1].build("cpu"))
+    given[0] = given[1]
+    assert isinstance(ctx.real_kv_sources, tuple) and len(ctx.real_kv_sources) == 1
+    assert ctx.kv_read_lengths == (32,)
+    kc.write(ctx, kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=1),
+             tag=kc.LaunchTag.HEAD_K_FULL, input_ids=np.array([7]), positions=np.array([0]),
+             out_cache_loc=np.array([3]))
+    assert fields(ctx.canary_buf, 3)[3] == expected_kv_hash(specs[:1], kc.HashMode.ALL, 3)
 
 def _vplan_arrays(**kw):
     args = dict(slot_indices=np.zeros(4, np.int64), expected_tokens=np.zeros(4, np.int64),
