@@ -233,12 +233,12 @@ def test_canary_fuzz_fails_victims_named_off_the_position_beside_a_stranger_name
                if row["config"]["poll_every"] > 1)
 
 
-def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
-    """The counters of the run with a fault are judged too (a dropped write's entry counted as
-    stored would be wrong there only)."""
+def _canaries_of_fault_runs(monkeypatch) -> weakref.WeakSet:
+    """The canaries the session fuzz builds for its runs with a fault, as they are built (the clean
+    run of a seed builds its own)."""
     (fuzz,) = import_tools("canary_fuzz")
     faulty = weakref.WeakSet()
-    build, stats = fuzz.FuzzEngine.build_canary, kc.Canary.stats
+    build = fuzz.FuzzEngine.build_canary
 
     def build_canary(engine):
         canary = build(engine)
@@ -246,12 +246,21 @@ def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(
             faulty.add(canary)
         return canary
 
+    monkeypatch.setattr(fuzz.FuzzEngine, "build_canary", build_canary)
+    return faulty
+
+
+def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
+    """The counters of the run with a fault are judged too (a dropped write's entry counted as
+    stored would be wrong there only)."""
+    faulty = _canaries_of_fault_runs(monkeypatch)
+    stats = kc.Canary.stats
+
     def slot_runs_plus_one(canary):
         counted = stats(canary)
         return {group: dict(counts, slot_run_counter=counts["slot_run_counter"] + (canary in faulty))
                 for group, counts in counted.items()}
 
-    monkeypatch.setattr(fuzz.FuzzEngine, "build_canary", build_canary)
     monkeypatch.setattr(kc.Canary, "stats", slot_runs_plus_one)
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     faulted = [row for row in rows if row["fault"] != "none"]
@@ -261,22 +270,14 @@ def test_canary_fuzz_fails_a_canary_that_miscounts_only_in_the_run_with_a_fault(
 
 def test_canary_fuzz_records_a_crash_of_the_run_with_a_fault(tmp_path, capsys, monkeypatch):
     """A canary that fails only once a fault is injected is a crash of that seed, not a pass."""
-    (fuzz,) = import_tools("canary_fuzz")
-    faulty = weakref.WeakSet()
-    build, poll = fuzz.FuzzEngine.build_canary, kc.Canary.poll
-
-    def build_canary(engine):
-        canary = build(engine)
-        if engine.fault is not None:
-            faulty.add(canary)
-        return canary
+    faulty = _canaries_of_fault_runs(monkeypatch)
+    poll = kc.Canary.poll
 
     def failing_poll(canary):
         if canary in faulty:
             raise RuntimeError("a poll that fails")
         return poll(canary)
 
-    monkeypatch.setattr(fuzz.FuzzEngine, "build_canary", build_canary)
     monkeypatch.setattr(kc.Canary, "poll", failing_poll)
     printed, rows, total, _ = run_broken_fuzz(tmp_path, capsys)
     faulted = [row for row in rows if row["fault"] != "none"]
