@@ -208,6 +208,131 @@ def test_summary_steps_are_the_best_of_eager_and_graph_judged_by_the_peer_target
     assert sum(bar["met"] is False for bar in bars) == 1
 
 
+def _row(case, op, shape, time_us, entries, entries_per_s, gbps, pct_copy, targets=(), mode="eager", **extra):
+    """A row's extra_info as the harness records it, with only the fields the report reads."""
+    return dict(case=case, op=op, mode=mode, device="cuda", scale=1.0, shape=shape, time_us=time_us,
+                entries=entries, entries_per_s=entries_per_s, gbps=gbps, pct_copy_ceiling=pct_copy,
+                targets=[dict(name=n, achieved=a, target=t, met=m) for n, a, t, m in targets], **extra)
+
+
+def _small_run() -> dict:
+    """A run of a few rows, out of the report's order, whose every figure is worked out by hand in
+    the tests below: a step slower than the peer's with no graph replay, a verify of exactly the
+    rows the summary reads against a ceiling (500,000 entries) and a plan one short of it, and
+    an ALL-hash write exactly 1.2× its twin without hashing, whose row does not carry that check."""
+    decode = "bs256 prefix4096 decode"
+    empty, peer, naive = "x empty kernel (decode-shaped)", "x faster than peer step", "x faster than naive"
+    infos = [
+        dict(case="ceilings", op="ceilings", device="cuda", scale=1.0, device_name="NVIDIA H200", copy_gbps=4000.0,
+             gather32_entries_per_s=3.0e10, gather32_gbps=960.0, read32_entries_per_s=4.0e10, empty_kernel_us=2.5,
+             empty_graph_us=2.25, empty_launch_host_us=5.0),
+        _row("plan_bs1024_prefix4096", "plan", "bs1024 prefix4096", 100.0, 4_194_304, 4.194304e10, 2200.0, 55.0,
+             [("plan % copy ceiling", 55.0, ">= 50", True)], wall_us_per_call=120.0, x_naive=30.0,
+             pct_plan_stream=51.0),
+        _row("e2e_decode_steady_hash", "write", decode, 6.0, 256, 256 / 6e-6, 1.5, 0.0375,
+             [(empty, 2.4, "<= 2", False)], wall_us_per_call=90.0, x_naive=250.0, x_naive_wall=12.5,
+             x_empty_kernel=2.4),
+        _row("e2e_decode_tail", "step", "bs128 prefix8192 decode", 50.0, 4096, 8.192e7, 3.2, 0.08,
+             [(peer, 0.8, ">= 2", False)], wall_us_per_call=40.0, x_peer=0.8, x_empty_kernel=20.0),
+        _row("e2e_decode_steady", "write", decode, 5.0, 256, 5.12e7, 1.8, 0.045, [(empty, 2.0, "<= 2", True)],
+             wall_us_per_call=88.0, x_naive=300.0, x_empty_kernel=2.0),
+        _row("e2e_decode_steady", "verify", decode, 25.0, 500_000, 2.0e10, 1120.0, 28.0,
+             [(naive, 16.0, ">= 5", True)], wall_us_per_call=33.0, x_naive=16.0, x_naive_wall=24.0,
+             x_empty_kernel=10.0, random_sectors_per_entry=1, random_sectors_per_s=2.0e10, pct_random_read=50.0),
+        _row("e2e_decode_steady", "step", decode, 38.0, 1_040_000, 1_040_000 / 38e-6, 2100.0, 52.5,
+             [(peer, 3.0, ">= 2", True)], mode="graph", graph_wall_us=20.0, wall_us_per_call=999.0, x_peer=3.0,
+             random_sectors_per_entry=1, random_sectors_per_s=2.7e10, pct_random_read=68.4),
+        dict(case="e2e_decode_steady", op="scatter", mode="eager"),  # a benchmark that failed before it was timed
+        _row("e2e_decode_steady", "plan", decode, 10.0, 499_999, 4.99999e10, 1800.0, 45.0, wall_us_per_call=80.0,
+             x_naive=60.0, x_empty_kernel=4.0),
+        _row("e2e_decode_steady", "step", decode, 40.0, 1_040_000, 2.6e10, 2000.0, 50.0,
+             [(peer, 2.5, ">= 2", True)], wall_us_per_call=30.0, x_naive=100.0, x_peer=2.5, x_empty_kernel=16.0,
+             random_sectors_per_entry=1, random_sectors_per_s=2.6e10, pct_random_read=65.0),
+        dict(case="ceilings", op="ceilings_end", empty_kernel_us=3.0),
+    ]
+    return dict(datetime="2026-12-03T10:00:00+00:00", commit_info=dict(id="0123456789abcdef"),
+                benchmarks=[dict(name=f"test_{i}", extra_info=info) for i, info in enumerate(infos)])
+
+
+def _written(tmp_path, data: dict) -> str:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+SMALL_RUN_TABLE = """\
+**Device:** NVIDIA H200 · scale 1.0 · 2026-12-03T10:00:00+00:00 · commit 0123456789
+
+**Ceilings:** copy 4000 GB/s (read+write) · random 32-B gather 30.00 G entries/s (960 GB/s) · random 32-B read, \
+nothing written 40.00 G entries/s · empty kernel 2.50 µs device (3.00 µs at the end of the run), 2.25 µs as graph \
+replay, 5.00 µs host per launch
+
+| case | shape | op | time µs | host µs | entries/s | GB/s | % copy | × naive | × peer | targets |
+|---|---|---|---|---|---|---|---|---|---|---|
+| e2e_decode_steady | bs256 prefix4096 decode | step | 40.00 | 30.0 | 26.00 G | 2000.0 | 50.0 | 100.0 | 2.50 | \
+✅ x faster than peer step 2.5 (want >= 2) |
+| e2e_decode_steady | bs256 prefix4096 decode | step (graph) | 38.00 | 20.0 | 27.37 G | 2100.0 | 52.5 | – | 3.00 | \
+✅ x faster than peer step 3 (want >= 2) |
+| e2e_decode_steady | bs256 prefix4096 decode | plan | 10.00 | 80.0 | 50.00 G | 1800.0 | 45.0 | 60.0 | – |  |
+| e2e_decode_steady | bs256 prefix4096 decode | verify | 25.00 | 33.0 | 20.00 G | 1120.0 | 28.0 | 16.0 / 24.0 | – | \
+✅ x faster than naive 16 (want >= 5) |
+| e2e_decode_steady | bs256 prefix4096 decode | write | 5.00 | 88.0 | 51.20 M | 1.8 | 0.0 | 300.0 | – | \
+✅ x empty kernel (decode-shaped) 2 (want <= 2) |
+| e2e_decode_tail | bs128 prefix8192 decode | step | 50.00 | 40.0 | 81.92 M | 3.2 | 0.1 | – | 0.80 | \
+❌ x faster than peer step 0.8 (want >= 2) |
+| e2e_decode_steady_hash | bs256 prefix4096 decode | write | 6.00 | 90.0 | 42.67 M | 1.5 | 0.0 | 250.0 / 12.5 | – | \
+❌ x empty kernel (decode-shaped) 2.4 (want <= 2) |
+| plan_bs1024_prefix4096 | bs1024 prefix4096 | plan | 100.00 | 120.0 | 41.94 G | 2200.0 | 55.0 | 30.0 | – | \
+✅ plan % copy ceiling 55 (want >= 50) |
+
+**Random reads.** The random 32-byte sectors that a verify or step row's verify entries read (each its slot, and \
+the sectors each source hashed spans) a second, against the bare kernels:
+
+| case | op | sectors an entry | G sectors/s | % random read | % random gather |
+|---|---|---|---|---|---|
+| e2e_decode_steady | step | 1 | 26.00 | 65 | 87 |
+| e2e_decode_steady | verify | 1 | 20.00 | 50 | 67 |
+
+**Targets:** 6 of 8 met
+
+| row | target | achieved | wanted | met |
+|---|---|---|---|---|
+| e2e_decode_steady step | x faster than peer step | 2.5 | >= 2 | yes |
+| e2e_decode_steady step (graph) | x faster than peer step | 3 | >= 2 | yes |
+| e2e_decode_steady verify | x faster than naive | 16 | >= 5 | yes |
+| e2e_decode_steady write | x empty kernel (decode-shaped) | 2 | <= 2 | yes |
+| e2e_decode_tail step | x faster than peer step | 0.8 | >= 2 | **no** |
+| e2e_decode_steady_hash write | x empty kernel (decode-shaped) | 2.4 | <= 2 | **no** |
+| plan_bs1024_prefix4096 plan | plan % copy ceiling | 55 | >= 50 | yes |
+| cross-case | write e2e_decode_steady_hash / e2e_decode_steady | 1.2 | <= 1.2 | yes |
+"""
+
+
+def test_a_small_run_gives_the_table_worked_out_by_hand(tmp_path):
+    """Rows in the suite's order of cases, eager before graph; each figure in its column and
+    precision; a graph row's host time its replay's wall time; the random reads of the eager
+    verify and step rows alone, against the bare read and gather rates (26 G sectors/s: 65 % of
+    40 G, 87 % of 30 G); an ALL-hash write at exactly 1.2× its twin met; a row never timed left out."""
+    report = _report()
+    assert report.markdown(*report.load(_written(tmp_path, _small_run()))) == SMALL_RUN_TABLE
+
+
+def test_a_run_without_the_ceilings_benchmark_has_a_table_without_them(tmp_path):
+    """A run selected with -k may hold the empty kernel timed at its end but not the ceilings: the
+    table names the device the rows ran on, and reads no row against a ceiling it lacks."""
+    report = _report()
+    data = _small_run()
+    data["benchmarks"] = [b for b in data["benchmarks"] if b["extra_info"]["op"] != "ceilings"]
+    text = report.markdown(*report.load(_written(tmp_path, data)))
+    assert text.startswith("**Device:** cuda · scale 1.0 · ")
+    assert "**Ceilings:**" not in text and "**Random reads.**" not in text and "**Targets:** 6 of 8 met" in text
+
+
+def test_large_counts_take_the_unit_they_reach():
+    report = _report()
+    assert [report._si(v) for v in (None, 640.4, 1e3, 1e9, 2.5e12)] == ["–", "640", "1.00 k", "1.00 G", "2.50 T"]
+
+
 # --- the harness's targets (benchmarks/conftest.py) -------------------------------------------
 # The latest full run whose rows hold every input of the targets set on them (x_naive_wall came later)
 TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz"
