@@ -333,6 +333,25 @@ def test_large_counts_take_the_unit_they_reach():
     assert [report._si(v) for v in (None, 640.4, 1e3, 1e9, 2.5e12)] == ["–", "640", "1.00 k", "1.00 G", "2.50 T"]
 
 
+def test_a_small_run_gives_the_summary_worked_out_by_hand(tmp_path):
+    """Each case's step at the better of eager and graph replay, or its eager ratio alone where it
+    has no graph row, however far below the peer; the eager rows of 500,000 entries or more
+    against their ceiling (a plan against copy, a step or verify against random reads); the rows
+    with a decode-shaped target against the empty kernel, green or red by that target."""
+    report = _report()
+    panels = report.summary_panels(*report.load(_written(tmp_path, _small_run()))[:2])
+    bars = [[(b["label"], b["value"], b["met"]) for b in panel["bars"]] for panel in panels]
+    assert bars == [
+        [("e2e_decode_steady", 3.0, True), ("e2e_decode_tail", 0.8, False)],
+        [("e2e_decode_steady · step (of random reads)", 65.0, None),
+         ("e2e_decode_steady · verify (of random reads)", 50.0, None),
+         ("plan_bs1024_prefix4096 · plan (of copy)", 55.0, None)],
+        [("e2e_decode_steady · write", 2.0, True), ("e2e_decode_steady_hash · write", 2.4, False)],
+    ]
+    assert [(p["line"], p["log"]) for p in panels] == [(2.0, True), (100.0, False), (2.0, False)]
+    assert panels[2]["title"].endswith("(empty kernel 2.50 µs)")
+
+
 # --- the harness's targets (benchmarks/conftest.py) -------------------------------------------
 # The latest full run whose rows hold every input of the targets set on them (x_naive_wall came later)
 TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz"
