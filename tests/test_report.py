@@ -352,6 +352,66 @@ def test_a_small_run_gives_the_summary_worked_out_by_hand(tmp_path):
     assert panels[2]["title"].endswith("(empty kernel 2.50 µs)")
 
 
+class _OpenFigures:
+    """pyplot, but the figures drawn through it stay open to be read back."""
+
+    def __init__(self, pyplot):
+        self.pyplot, self.figures = pyplot, []
+
+    def subplots(self, *args, **kwargs):
+        figure, axes = self.pyplot.subplots(*args, **kwargs)
+        self.figures.append(figure)
+        return figure, axes
+
+    def close(self, figure):
+        pass
+
+
+def _drawn(report, monkeypatch, draw, *args):
+    """The figure that ``draw`` makes of ``args`` (it writes its PNG too)."""
+    pytest.importorskip("matplotlib")
+    pyplot = _OpenFigures(report._pyplot())
+    monkeypatch.setattr(report, "_pyplot", lambda: pyplot)
+    assert draw(*args) is True
+    (figure,) = pyplot.figures
+    return figure
+
+
+def test_the_chart_draws_each_row_at_its_bandwidth_against_the_ceilings(tmp_path, monkeypatch):
+    """A bar per row that has a bandwidth, in the table's order and at its GB/s, the graph rows
+    hatched over theirs; the copy ceiling and the random gather as lines at their GB/s."""
+    from matplotlib.colors import to_hex  # noqa: PLC0415 (importorskip in _drawn)
+    report = _report()
+    ceilings, rows, _ = report.load(_written(tmp_path, _small_run()))
+    out = tmp_path / "chart.png"
+    (ax,) = _drawn(report, monkeypatch, report.chart, ceilings, rows, str(out)).axes
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bars = ax.containers[0]
+    assert [round(b.get_width(), 6) for b in bars] == [2000.0, 2100.0, 1800.0, 1120.0, 1.8, 3.2, 1.5, 2200.0]
+    assert [t.get_text() for t in ax.get_yticklabels()][:2] == ["e2e_decode_steady · step",
+                                                                "e2e_decode_steady · step (graph)"]
+    assert to_hex(bars[4].get_facecolor()) == "#c44e52" and to_hex(bars[2].get_facecolor()) == "#dd8452"
+    (hatched,) = ax.containers[1]
+    assert hatched.get_hatch() == "//" and hatched.get_width() == 2100.0
+    assert sorted(line.get_xdata()[0] for line in ax.lines) == [960.0, 4000.0]
+
+
+def test_the_summary_chart_colours_each_bar_by_its_target(tmp_path, monkeypatch):
+    """Each panel's bars at their values, green where the target is met, red where missed, blue
+    where the panel holds no target; the target line where the panel puts it; the steps on a log
+    scale."""
+    from matplotlib.colors import to_hex  # noqa: PLC0415 (importorskip in _drawn)
+    report = _report()
+    ceilings, rows, _ = report.load(_written(tmp_path, _small_run()))
+    axes = _drawn(report, monkeypatch, report.summary_chart, ceilings, rows, str(tmp_path / "summary.png")).axes
+    green, red, blue = "#55a868", "#c44e52", "#4c72b0"
+    drawn = [[(round(b.get_width(), 6), to_hex(b.get_facecolor())) for b in ax.containers[0]] for ax in axes]
+    assert drawn == [[(3.0, green), (0.8, red)], [(65.0, blue), (50.0, blue), (55.0, blue)],
+                     [(2.0, green), (2.4, red)]]
+    assert [line.get_xdata()[0] for ax in axes for line in ax.lines] == [2.0, 100.0, 2.0]
+    assert [ax.get_xscale() for ax in axes] == ["log", "linear", "linear"]
+
+
 # --- the harness's targets (benchmarks/conftest.py) -------------------------------------------
 # The latest full run whose rows hold every input of the targets set on them (x_naive_wall came later)
 TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz"
