@@ -412,6 +412,27 @@ def test_the_summary_chart_colours_each_bar_by_its_target(tmp_path, monkeypatch)
     assert [ax.get_xscale() for ax in axes] == ["log", "linear", "linear"]
 
 
+def test_the_index_written_through_the_command_line_is_the_committed_one(tmp_path):
+    """The command benchmarks/README.md gives for INDEX.md writes it as committed: every run's
+    JSON, gzipped or not, and it reports success."""
+    report = _report()
+    folder = ROOT / "benchmarks" / "results"
+    out = tmp_path / "INDEX.md"
+    assert report.main(["--index", str(folder), "--markdown", str(out)]) == 0
+    assert out.read_text() == (folder / "INDEX.md").read_text()
+
+
+def test_a_file_without_rows_of_the_suite_is_a_failure(tmp_path, capsys):
+    """A JSON of the ceilings alone (or of another suite) has no table to make: it says so and
+    fails, writing nothing."""
+    report = _report()
+    data = _small_run()
+    data["benchmarks"] = [b for b in data["benchmarks"] if b["extra_info"]["case"] == "ceilings"]
+    out = tmp_path / "table.md"
+    assert report.main([_written(tmp_path, data), "--markdown", str(out)]) == 1
+    assert "no benchmark rows of this suite" in capsys.readouterr().err and not out.exists()
+
+
 # --- the harness's targets (benchmarks/conftest.py) -------------------------------------------
 # The latest full run whose rows hold every input of the targets set on them (x_naive_wall came later)
 TARGETS_RUN = ROOT / "benchmarks" / "results" / "2026-12-02-h200-32ed251.json.gz"
