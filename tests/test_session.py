@@ -225,6 +225,22 @@ def test_counts_by_reason_count_every_reason_of_an_event(device):
     assert report.counts_by_reason() == {"POSITION": 2, "REAL_KV_HASH": 2, "CHAIN_HASH": 2}
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_an_event_of_two_reasons_is_described_by_its_own_position_and_both_reasons(device):
+    """A verify row failing POSITION and REAL_KV_HASH at position 1 of forward 2: its line names
+    position 1 (not the step), both reasons, and the position the record holds; a verify row's
+    ``expected_aux`` is its predecessor's chain, not a position, and is not shown as one."""
+    eng = Tiny(device)
+    eng.step({"a": 3})
+    slot = eng.slot("a", 1)
+    eng.canary.context.canary_buf[slot, 8:16] = to_device(np.frombuffer(np.int64(9).tobytes(), np.uint8), device)
+    eng.k[slot, 0, 0] += 1.0
+    eng.step({"a": 1})
+    (event,) = [e for e in eng.canary.poll() if e.phase == "head" and e.position == 1]
+    assert event.describe() == (f"[HEAD_K_FULL step 2] request 'a' position 1 slot {slot}: POSITION|REAL_KV_HASH "
+                                f"(stored token {event.violation.stored_token} position 9)")
+
+
 def test_a_verify_row_of_slot_minus_one_is_described_by_its_slot():
     """A table cell of -1 read by a verify is out of range, its slot -1 shown as such: only a write
     row's slot -1 means entries past ``input_ids``."""
@@ -269,6 +285,8 @@ def test_write_assert_names_entry(device):
     assert [(e.request, e.position, e.slot) for e in writes] == [("b", 4, 41)]
     assert "WRITE_POSITION" in writes[0].reasons
     # what the write stored, and the position its chain wanted (the predecessor's 3, plus 1)
+    # the slot it wrote (only a write row's slot -1 means entries past input_ids)
+    assert " request 'b' position 4 slot 41: " in writes[0].describe()
     assert writes[0].describe().endswith("(stored token 8 position 2, expected position 4)")
 
 
