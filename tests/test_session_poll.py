@@ -439,11 +439,12 @@ def test_a_full_ring_a_poll_read_before_it_was_interrupted_is_handed_over_whole(
 def test_a_full_ring_names_its_rows_without_a_step(device):
     """The ring keeps the rows it stored first and drops the rest: the forwards that recorded the
     kept rows cannot be told from those that read the slot before it went bad, so the rows name
-    their request and position and no step."""
+    their request and position and no step. The kept ones are counted by launch."""
     eng = _position_2_bad_then_decoded(device, ring=4, decodes=4)
     report = eng.canary.poll()
     assert report.dropped == 4 and [(e.phase, e.step, e.request, e.position) for e in report] == [
         ("head", None, "a", 2), ("tail", None, "a", 2)] * 2
+    assert report.counts_by_tag() == {"HEAD_K_FULL": 2, "TAIL_K_FULL": 2}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -765,6 +766,42 @@ def test_request_ids_need_not_be_hashable(device):
                                         r"UnprintableReq <unprintable request id of type UnprintableReq>"):
         unprintable.requests
     assert not eng.canary.poll()  # the rings were emptied as ever
+
+
+def test_requests_refused_for_an_unhashable_id_names_that_id():
+    """A report whose first event's id is hashable and a later one's is not: the TypeError shows
+    the id that cannot be hashed, the one the engine must change."""
+
+    @dataclasses.dataclass
+    class Req:
+        rid: str
+
+    eng = _Engine("cpu")
+    _decode_over_a_changed_slot(eng, "cpu", ["a"])
+    head, tail = eng.canary.poll()
+    report = kc.CanaryReport((head, dataclasses.replace(tail, request=Req("b"))), total=2)
+    with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got "
+                                        r"Req \S*Req\(rid='b'\): read each event's request instead$"):
+        report.requests
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_dropped_by_each_groups_ring_are_all_counted(device):
+    """The full and the SWA group's rings, 2 rows each, both fill: the report counts every row
+    recorded and every row dropped, of both groups."""
+    eng = _Engine(device, swa_window=8, ring=2)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    slot = eng.requests["a"]["slots"][2]
+    eng.k[slot, 0, 0] += 1.0
+    eng.swa_k[int(eng.lut[slot]), 0, 0] += 1.0
+    for _ in range(3):
+        eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert (report.total, report.dropped, len(report)) == (12, 8, 4)
+    assert {(e.group, e.request, e.position) for e in report} == {("full", "a", 2), ("swa", "a", 2)}
+    assert report.describe().splitlines()[0] == ("kv-canary: 12 violation(s) since the previous poll (4 forward(s) "
+                                                 "so far), 8 dropped by the ring")
 
 
 class _Incomparable:
