@@ -734,6 +734,29 @@ def test_a_request_id_that_cannot_be_shown_costs_no_report(device, mode, returns
     assert not eng.canary.poll()  # the rows were reported once
 
 
+class _Unformattable(str):
+    """A str whose own ``__str__`` and ``__format__`` raise: what an engine's ``__repr__`` may return."""
+
+    def __str__(self):
+        raise RuntimeError("not formatted")
+
+    def __format__(self, spec):
+        raise RuntimeError("not formatted")
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_request_id_shown_as_a_str_subclass_is_described_by_its_text(device):
+    """A request id whose ``__repr__`` gives a str subclass that cannot be formatted is shown by the
+    text it holds: the report is described and returned."""
+    eng = _Engine(device)
+    request = Unprintable("a", _Unformattable("<request a>"))
+    slot = _decode_over_a_changed_slot(eng, device, [request])
+    report = eng.canary.poll()
+    assert [(e.phase, e.request) for e in report] == [("head", request), ("tail", request)]
+    assert report[0].describe().startswith(f"[HEAD_K_FULL step 2] request <request a> position 2 slot {slot}")
+    assert "request=<request a>, position=2" in repr(report)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_request_ids_need_not_be_hashable(device):
     """An engine's own request objects as ids (a dataclass with ``eq``, hence unhashable) name the
