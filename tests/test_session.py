@@ -1189,11 +1189,13 @@ def _next_token_of_a(eng: Tiny, **fields) -> kc.ForwardBatch:
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_verify(device, caplog):
+@pytest.mark.parametrize("swa", [False, True])
+def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_verify(device, swa, caplog):
     """A forward of ``after_forward`` alone logs its write before its TAIL verify, over one batch:
     its token arrays reshaped before the poll leave the write out of the log, not the verify,
-    which reads neither, and whose row names a's position (with no step: the log is not whole)."""
-    eng = Tiny(device)
+    which reads neither, and whose row names a's position (with no step: the log is not whole).
+    The warning counts the writes left out in every group."""
+    eng = Tiny(device, swa=swa)
     eng.step({"a": 4})
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     batch = _next_token_of_a(eng)
@@ -1201,7 +1203,8 @@ def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_v
     batch.input_ids.shape = (1, 1)
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         report = eng.canary.poll()
-    assert "kv-canary: 1 launch(es) since the last poll() read batch arrays that have been reshaped" in caplog.text
+    assert (f"kv-canary: {2 if swa else 1} launch(es) since the last poll() read batch arrays that have been "
+            f"reshaped") in caplog.text
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [("tail", None, "a", 1)]
 
 
