@@ -1064,21 +1064,22 @@ def test_a_static_forwards_arrays_retyped_in_place_are_polled_as_they_were_bound
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("change", ["retyped", "reshaped", "resized"])
+@pytest.mark.parametrize("change", ["retyped", "retyped-float", "reshaped", "resized"])
 def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplaced(device, change, caplog):
-    """An engine that re-types, reshapes or resizes a batch's array object in place between the
-    forward and the poll: that forward's launches are left out of the log, as those past
-    ``max_logged_forwards`` are (a warning says so), so its rows are reported without a step or a
-    request, and the polls after it work and name requests again."""
+    """An engine that re-types (to another integer type or to floats), reshapes or resizes a batch's
+    array object in place between the forward and the poll: that forward's launches are left out
+    of the log, as those past ``max_logged_forwards`` are (a warning says so), so its rows are
+    reported without a step or a request, and the polls after it work and name requests again."""
     eng = Tiny(device)
     eng.step({"a": 4})
     eng.canary.context.canary_buf[eng.slot("a", 1), 0] ^= 1
     batch = eng.step({"a": 1})
     rows = batch.req_pool_indices
-    if change == "retyped":
+    if change.startswith("retyped"):
         if device != "cpu":
             pytest.skip("CuPy arrays cannot be re-typed in place")
-        rows.dtype = np.int32  # two rows now, beside one prefix length
+        # two rows now, beside one prefix length; or the same row's bytes, read as a float
+        rows.dtype = np.int32 if change == "retyped" else np.float64
     elif change == "reshaped":
         rows.shape = (1, 1)
     else:  # an engine's buffer grown for a larger batch: its object now holds other rows
