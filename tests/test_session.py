@@ -1191,17 +1191,24 @@ def _next_token_of_a(eng: Tiny, **fields) -> kc.ForwardBatch:
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("swa", [False, True])
-def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_verify(device, swa, caplog):
+@pytest.mark.parametrize("change", ["reshaped", "grown"])
+def test_a_forward_of_after_forward_alone_whose_token_arrays_changed_keeps_its_verify(device, swa, change, caplog):
     """A forward of ``after_forward`` alone logs its write before its TAIL verify, over one batch:
-    its token arrays reshaped before the poll leave the write out of the log, not the verify,
-    which reads neither, and whose row names a's position (with no step: the log is not whole).
-    The warning counts the writes left out in every group."""
+    its token arrays reshaped (or grown in place, for a larger batch: no longer one per slot
+    written) before the poll leave the write out of the log, not the verify, which reads neither,
+    and whose row names a's position (with no step: the log is not whole). The warning counts the
+    writes left out in every group."""
     eng = Tiny(device, swa=swa)
     eng.step({"a": 4})
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     batch = _next_token_of_a(eng)
     eng.canary.after_forward(batch)
-    batch.input_ids.shape = (1, 1)
+    if change == "reshaped":
+        batch.input_ids.shape = (1, 1)
+    elif device != "cpu":
+        pytest.skip("CuPy arrays cannot be grown in place")
+    else:
+        batch.input_ids.resize(3, refcheck=False)
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         report = eng.canary.poll()
     assert (f"kv-canary: {2 if swa else 1} launch(es) since the last poll() read batch arrays that have been "
