@@ -209,15 +209,22 @@ def test_kv_corruption_names_request_and_position(device):
     assert eng.canary.poll().total == 0, "poll clears the ring"
 
 
-@pytest.mark.parametrize("device", BACKENDS)
-def test_counts_by_reason_count_every_reason_of_an_event(device):
-    """A slot whose position and KV both changed fails two checks in one row: each reason counts."""
+def _position_and_kv_of_a_1_changed(device):
+    """Request a's position 1, whose record's position (now 9) and KV both changed after forward 1,
+    read by forward 2: the engine and the slot."""
     eng = Tiny(device)
     eng.step({"a": 3})
     slot = eng.slot("a", 1)
     eng.canary.context.canary_buf[slot, 8:16] = to_device(np.frombuffer(np.int64(9).tobytes(), np.uint8), device)
     eng.k[slot, 0, 0] += 1.0
     eng.step({"a": 1})
+    return eng, slot
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_counts_by_reason_count_every_reason_of_an_event(device):
+    """A slot whose position and KV both changed fails two checks in one row: each reason counts."""
+    eng, slot = _position_and_kv_of_a_1_changed(device)
     report = eng.canary.poll()
     assert {(e.phase, e.position, e.reasons) for e in report} == {
         (phase, 1, ("POSITION", "REAL_KV_HASH")) for phase in ("head", "tail")} | {
@@ -230,12 +237,7 @@ def test_an_event_of_two_reasons_is_described_by_its_own_position_and_both_reaso
     """A verify row failing POSITION and REAL_KV_HASH at position 1 of forward 2: its line names
     position 1 (not the step), both reasons, and the position the record holds; a verify row's
     ``expected_aux`` is its predecessor's chain, not a position, and is not shown as one."""
-    eng = Tiny(device)
-    eng.step({"a": 3})
-    slot = eng.slot("a", 1)
-    eng.canary.context.canary_buf[slot, 8:16] = to_device(np.frombuffer(np.int64(9).tobytes(), np.uint8), device)
-    eng.k[slot, 0, 0] += 1.0
-    eng.step({"a": 1})
+    eng, slot = _position_and_kv_of_a_1_changed(device)
     (event,) = [e for e in eng.canary.poll() if e.phase == "head" and e.position == 1]
     assert event.describe() == (f"[HEAD_K_FULL step 2] request 'a' position 1 slot {slot}: POSITION|REAL_KV_HASH "
                                 f"(stored token {event.violation.stored_token} position 9)")
