@@ -243,14 +243,14 @@ def replayed(paths: list[str]) -> list[Mutant]:
         # the line where it was, else the one line that now holds its text (lines above it moved)
         same = [row["line"]] if source[row["line"] - 1:row["line"]] == [row["before"]] else \
             [number for number, text in enumerate(source, start=1) if text == row["before"]]
-        if len(same) == 1 and (row["filename"], same[0], row["after"]) in seen:
+        if len(same) != 1:
+            print(f"{row['filename']}:{row['line']} changed since: not replayed")
             continue
-        if len(same) == 1:
-            seen.add((row["filename"], same[0], row["after"]))
+        change = (row["filename"], same[0], row["after"])
+        if change not in seen:  # a change two runs drew is judged once
+            seen.add(change)
             mutants.append(Mutant(row["ident"], row["filename"], same[0], row["before"], row["after"],
                                   row["operator"]))
-        else:
-            print(f"{row['filename']}:{row['line']} changed since: not replayed")
     return mutants
 
 
