@@ -344,6 +344,30 @@ def test_canary_fuzz_fails_a_report_holding_more_rows_of_a_group_than_its_ring(t
                if row["config"]["ring_capacity"] in (1, 4))
 
 
+def test_canary_fuzz_fails_a_report_holding_more_rows_of_one_group_than_its_ring_beside_another_group(
+        tmp_path, capsys, monkeypatch):
+    """Each report of a canary with an SWA group replaced by five rows of the full group and one of
+    the SWA group (the total counted to match): the ring bounds each group, so the full group's
+    rows are past a ring of one or four though the SWA group's one row is within it."""
+    poll = kc.Canary.poll
+
+    def one_group_flooded(canary):
+        try:
+            report = poll(canary)
+        except kc.CanaryViolation as caught:
+            report = caught.report
+        if canary.swa_context is None or not report.events:
+            return report
+        first = report.events[0]
+        events = (dataclasses.replace(first, group="full"),) * 5 + (dataclasses.replace(first, group="swa"),)
+        return dataclasses.replace(report, events=events, total=report.total - len(report.events) + len(events))
+
+    monkeypatch.setattr(kc.Canary, "poll", one_group_flooded)
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert any("past the ring's" in error for row in rows for error in row["counter_errors"]
+               if row["config"]["swa_window"] and row["config"]["ring_capacity"] in (1, 4))
+
+
 def _events_changed(monkeypatch, change) -> None:
     """Every CanaryEvent the canary makes passed through ``change(event)`` (fields set in place)."""
     from kvcanary_cupy import session
