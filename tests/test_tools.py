@@ -113,13 +113,15 @@ def test_canary_fuzz_takes_a_record_written_over_whole_named_at_the_next_positio
     assert rows[0]["fault_where"].endswith("position 0 slot 20") and rows[0]["detected"]
 
 
-def run_broken_fuzz(tmp_path, capsys) -> tuple[str, list, dict, dict]:
-    """Seeds 84-95 of tools/canary_fuzz.py (the canary off in one, both faults of a draft model)
-    on the CPU against a canary made wrong on purpose: what it printed, its rows, its totals and
-    its table by feature, once it failed (exit status 1) and printed a failing seed."""
+def run_broken_fuzz(tmp_path, capsys, start: int = 84, seeds: int = 12,
+                    forwards: int = 16) -> tuple[str, list, dict, dict]:
+    """Seeds of tools/canary_fuzz.py, by default 84-95 (the canary off in one, both faults of a
+    draft model), on the CPU against a canary made wrong on purpose: what it printed, its rows, its
+    totals and its table by feature, once it failed (exit status 1) and printed a failing seed."""
     (fuzz,) = import_tools("canary_fuzz")
     out = tmp_path / "fuzz.json"
-    status = fuzz.main(["--device", "cpu", "--start", "84", "--seeds", "12", "--forwards", "16", "--json", str(out)])
+    status = fuzz.main(["--device", "cpu", "--start", str(start), "--seeds", str(seeds), "--forwards", str(forwards),
+                        "--json", str(out)])
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert status == 1, printed[-3000:]
@@ -400,6 +402,40 @@ def test_canary_fuzz_fails_events_that_name_a_bystander_beside_the_victim(tmp_pa
         total=report.total + len(report.events)))
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert any("nor thieves" in row["misnamed"] for row in rows if row["config"]["poll_every"] == 1)
+
+
+def test_canary_fuzz_fails_a_slot_steal_whose_events_name_only_the_thief(tmp_path, capsys, monkeypatch):
+    """Once a slot is stolen, every event naming the request it was handed to (the thief): the
+    thief may be named beside a holder of the slot, never instead of one."""
+    (fuzz,) = import_tools("canary_fuzz")
+    engines = weakref.WeakKeyDictionary()
+    for name in ("build_canary", "build_draft_canary"):
+        def build(engine, build=getattr(fuzz.FuzzEngine, name)):
+            canary = build(engine)
+            engines[canary] = weakref.ref(engine)
+            return canary
+
+        monkeypatch.setattr(fuzz.FuzzEngine, name, build)
+
+    poll = kc.Canary.poll
+
+    def poll_naming_the_thief(canary):
+        try:
+            report = poll(canary)
+        except kc.CanaryViolation as caught:
+            report = caught.report
+        fault = engines[canary]().fault
+        if fault is None or fault.kind != "slot_steal" or not fault.bystanders:
+            return report
+        (thief,) = fault.bystanders
+        return dataclasses.replace(report, events=tuple(dataclasses.replace(event, request=thief)
+                                                        for event in report.events))
+
+    monkeypatch.setattr(kc.Canary, "poll", poll_naming_the_thief)
+    # seed 398496 hands the slot of its request 19 to request 20, which held none of it
+    _, (row,), _, _ = run_broken_fuzz(tmp_path, capsys, start=398496, seeds=1, forwards=60)
+    assert row["fault"] == "slot_steal" and row["victims"] == [19] and row["named"] == ["20"]
+    assert row["misnamed"].startswith("no event named a victim")
 
 
 @pytest.mark.parametrize("shift", [1, -1])
