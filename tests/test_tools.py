@@ -204,6 +204,24 @@ def test_canary_fuzz_fails_a_canary_whose_counters_disagree_with_the_engine(tmp_
     assert sum(any(said in error for error in row["counter_errors"]) for row in rows) >= 10
 
 
+def test_canary_fuzz_fails_a_canary_whose_forwards_go_back_after_reading_right(tmp_path, capsys, monkeypatch):
+    """A poll with no forward since the previous one reporting a forward fewer: the final polls
+    after each sweep read the count right first, then one less, and the last one read is judged."""
+    poll, polled = kc.Canary.poll, weakref.WeakKeyDictionary()
+
+    def poll_going_back(canary):
+        try:
+            report = poll(canary)
+        except kc.CanaryViolation as caught:
+            report = caught.report
+        again, polled[canary] = report.forwards == polled.get(canary), report.forwards
+        return dataclasses.replace(report, forwards=report.forwards - 1) if again and report.forwards else report
+
+    monkeypatch.setattr(kc.Canary, "poll", poll_going_back)
+    _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
+    assert sum(any("CanaryReport.forwards" in error for error in row["counter_errors"]) for row in rows) >= 10
+
+
 def test_canary_fuzz_judges_the_counters_of_every_group(tmp_path, capsys, monkeypatch):
     """A kernel run counted twice in an SWA group's counters only is a counter mismatch."""
     stats = kc.Canary.stats
