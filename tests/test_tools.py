@@ -129,8 +129,9 @@ def run_broken_fuzz(tmp_path, capsys, start: int = 84, seeds: int = 12,
     return printed, result["rows"], result["total"], result["by_feature"]
 
 
-def polls_changed(monkeypatch, change) -> None:
-    """kc.Canary.poll returning ``change(report)`` for its report, raising nothing in mode "raise"."""
+def polls_changed(monkeypatch, change, *, of_canary: bool = False) -> None:
+    """kc.Canary.poll returning ``change(report)`` (``change(report, canary)`` with ``of_canary``)
+    for its report, raising nothing in mode "raise"."""
     original = kc.Canary.poll
 
     def poll(self):
@@ -138,7 +139,7 @@ def polls_changed(monkeypatch, change) -> None:
             report = original(self)
         except kc.CanaryViolation as caught:
             report = caught.report
-        return change(report)
+        return change(report, self) if of_canary else change(report)
 
     monkeypatch.setattr(kc.Canary, "poll", poll)
 
@@ -207,17 +208,13 @@ def test_canary_fuzz_fails_a_canary_whose_counters_disagree_with_the_engine(tmp_
 def test_canary_fuzz_fails_a_canary_whose_forwards_go_back_after_reading_right(tmp_path, capsys, monkeypatch):
     """A poll with no forward since the previous one reporting a forward fewer: the final polls
     after each sweep read the count right first, then one less, and the last one read is judged."""
-    poll, polled = kc.Canary.poll, weakref.WeakKeyDictionary()
+    polled = weakref.WeakKeyDictionary()
 
-    def poll_going_back(canary):
-        try:
-            report = poll(canary)
-        except kc.CanaryViolation as caught:
-            report = caught.report
+    def going_back(report, canary):
         again, polled[canary] = report.forwards == polled.get(canary), report.forwards
         return dataclasses.replace(report, forwards=report.forwards - 1) if again and report.forwards else report
 
-    monkeypatch.setattr(kc.Canary, "poll", poll_going_back)
+    polls_changed(monkeypatch, going_back, of_canary=True)
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert sum(any("CanaryReport.forwards" in error for error in row["counter_errors"]) for row in rows) >= 10
 
@@ -369,20 +366,14 @@ def test_canary_fuzz_fails_a_report_holding_more_rows_of_one_group_than_its_ring
     """Each report of a canary with an SWA group replaced by five rows of the full group and one of
     the SWA group (the total counted to match): the ring bounds each group, so the full group's
     rows are past a ring of one or four though the SWA group's one row is within it."""
-    poll = kc.Canary.poll
-
-    def one_group_flooded(canary):
-        try:
-            report = poll(canary)
-        except kc.CanaryViolation as caught:
-            report = caught.report
+    def one_group_flooded(report, canary):
         if canary.swa_context is None or not report.events:
             return report
         first = report.events[0]
         events = (dataclasses.replace(first, group="full"),) * 5 + (dataclasses.replace(first, group="swa"),)
         return dataclasses.replace(report, events=events, total=report.total - len(report.events) + len(events))
 
-    monkeypatch.setattr(kc.Canary, "poll", one_group_flooded)
+    polls_changed(monkeypatch, one_group_flooded, of_canary=True)
     _, rows, _, _ = run_broken_fuzz(tmp_path, capsys)
     assert any("past the ring's" in error for row in rows for error in row["counter_errors"]
                if row["config"]["swa_window"] and row["config"]["ring_capacity"] in (1, 4))
@@ -435,13 +426,7 @@ def test_canary_fuzz_fails_a_slot_steal_whose_events_name_only_the_thief(tmp_pat
 
         monkeypatch.setattr(fuzz.FuzzEngine, name, build)
 
-    poll = kc.Canary.poll
-
-    def poll_naming_the_thief(canary):
-        try:
-            report = poll(canary)
-        except kc.CanaryViolation as caught:
-            report = caught.report
+    def naming_the_thief(report, canary):
         fault = engines[canary]().fault
         if fault is None or fault.kind != "slot_steal" or not fault.bystanders:
             return report
@@ -449,7 +434,7 @@ def test_canary_fuzz_fails_a_slot_steal_whose_events_name_only_the_thief(tmp_pat
         return dataclasses.replace(report, events=tuple(dataclasses.replace(event, request=thief)
                                                         for event in report.events))
 
-    monkeypatch.setattr(kc.Canary, "poll", poll_naming_the_thief)
+    polls_changed(monkeypatch, naming_the_thief, of_canary=True)
     # seed 398496 hands the slot of its request 19 to request 20, which held none of it
     _, (row,), _, _ = run_broken_fuzz(tmp_path, capsys, start=398496, seeds=1, forwards=60)
     assert row["fault"] == "slot_steal" and row["victims"] == [19] and row["named"] == ["20"]
