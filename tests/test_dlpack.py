@@ -13,12 +13,16 @@ torch = pytest.importorskip("torch")
 
 
 class FakeCuda:
-    """Claims to live on CUDA device 0 (never dereferenced: the device check comes first)."""
+    """Claims to live on CUDA device 0, or on the DLPack device given (never dereferenced: the device
+    check comes first)."""
 
     shape = (4,)
 
+    def __init__(self, dlpack_device: tuple = (2, 0)):
+        self.dlpack_device = dlpack_device
+
     def __dlpack_device__(self):
-        return (2, 0)
+        return self.dlpack_device
 
     def __dlpack__(self, **kwargs):
         raise AssertionError("a mixed-device call must be refused before any view is taken")
@@ -402,22 +406,11 @@ def test_a_torch_device_is_read_as_its_string():
         kc.CanaryContext.allocate(8, device=torch.device("meta"))
 
 
-class _Managed:
-    """Names DLPack's CUDA-managed device type (unified memory): a CUDA device's array."""
-
-    shape = (4,)
-
-    def __dlpack_device__(self):
-        return (13, 1)
-
-    def __dlpack__(self, **kwargs):
-        raise AssertionError("a mixed-device call must be refused before any view is taken")
-
-
 def test_managed_memory_is_its_cuda_devices():
+    """DLPack's CUDA-managed device type (unified memory, 13) names a CUDA device's array."""
     with pytest.raises(ValueError, match=r"^kv-canary: .* on cuda:1 and .* on cpu|^kv-canary: .* on cpu and .* "
                                          r"on cuda:1"):
-        kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0, input_ids=_Managed(),
+        kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0, input_ids=FakeCuda((13, 1)),
                  positions=np.zeros(4, np.int64), out_cache_loc=np.zeros(4, np.int64))
 
 

@@ -605,6 +605,12 @@ OPS = [
 ]
 
 
+def _assert_unchanged(before: list, buffers) -> None:
+    """Every buffer as ``before`` holds it: a rejected call changed nothing."""
+    for index, (old, new) in enumerate(zip(before, buffers)):
+        assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("name,call,exc,pattern", OPS, ids=[c[0] for c in OPS])
 def test_op_rules_change_nothing(device, name, call, exc, pattern):
@@ -615,8 +621,7 @@ def test_op_rules_change_nothing(device, name, call, exc, pattern):
     assert type(info.value) is exc
     assert str(info.value).startswith("kv-canary: ")
     assert re.search(pattern, str(info.value)), str(info.value)
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
 
 
 READ_ONLY_OUTPUTS = [
@@ -647,8 +652,7 @@ def test_read_only_outputs_change_nothing(op, owner, field, pattern):
     before = snapshot(*w.buffers())
     with pytest.raises(ValueError, match="^kv-canary: " + pattern):
         getattr(w, op)()
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
 
 
 @pytest.mark.parametrize("field", ["canary_buf", "violation_ring", "kernel_run_counter"])
@@ -661,8 +665,7 @@ def test_a_step_whose_context_became_read_only_launches_nothing(field):
     before = snapshot(*w.buffers())
     with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
         step.launch()
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
 
 
 @pytest.mark.parametrize("field", ["canary_buf", "violation_ring", "slot_run_counter"])
@@ -674,8 +677,7 @@ def test_a_step_over_a_context_made_read_only_is_refused_when_built(field):
     before = snapshot(*w.buffers())
     with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
         w.build_step()
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
 
 
 @pytest.mark.parametrize("call,field", [(lambda ctx: ctx.clear_violations(), "violation_write_index"),
@@ -688,8 +690,7 @@ def test_context_methods_refuse_read_only_arrays_whole(call, field):
     before = snapshot(*w.buffers())
     with pytest.raises(ValueError, match=rf"^kv-canary: CanaryContext\.{field} must be writable"):
         call(w.ctx)
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, new), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
 
 
 def _narrower(array):
@@ -818,8 +819,7 @@ def test_misaligned_cuda_arrays_refused():
     for call, pattern in calls:
         with pytest.raises(ValueError, match="^kv-canary: .*" + pattern):
             call()
-    for index, (old, new) in enumerate(zip(before, w.buffers())):
-        assert np.array_equal(old, to_numpy(new)), f"buffer {index} changed by a rejected call"
+    _assert_unchanged(before, w.buffers())
     w.write()  # the context still works
     assert w.ctx.counters()["kernel_run_counter"] == 7
 
