@@ -17,6 +17,17 @@ def requires_gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")(test))
 
 
+def force_write_team(team: str, set_attribute=setattr) -> None:
+    """Every batch through one CUDA write form (write and step): ``thread``, a thread a request
+    (kvc_write_decode); ``one`` or ``two``, a warp or a pair of warps a request (kvc_write).
+    ``set_attribute`` is pytest's ``monkeypatch.setattr`` in a test, so that the host's choice
+    comes back after it; a tool's run keeps the forced form to its end."""
+    from kvcanary_cupy.ops.backends._cuda import write as cuda_write  # noqa: PLC0415
+
+    set_attribute(cuda_write, "decode_form", lambda *_: team == "thread")
+    set_attribute(cuda_write, "paired", lambda *_: team == "two")
+
+
 def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
     """A copy of ``array`` on ``device``; ``keep_strides`` copies the parent memory so strided
     views stay strided (used for real-KV sources with padded rows)."""

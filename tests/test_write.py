@@ -11,7 +11,7 @@ from kvcanary_cupy import reference as ref
 from _builders import (ANCHOR_LINK, BIT, SourceSpec, assert_only_views_changed, assert_rows, expected_kv_hash, fields,
                        guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source, ring_rows,
                        signed, slot_words)
-from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
+from _devices import BACKENDS, force_write_team, requires_gpu, spin_kernel, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.HEAD_V_FULL)
 L_INT64_MAX = (1 << 63) - 1
@@ -629,15 +629,6 @@ def _long_requests_case(rng: np.random.Generator) -> dict:
                 slots=slots, expected=(expected_ids, positions))
 
 
-def _force_write_team(monkeypatch, team: str) -> None:
-    """Every batch through one CUDA write form: a thread a request (kvc_write_decode), a warp a
-    request or a pair of warps a request (kvc_write)."""
-    from kvcanary_cupy.ops.backends._cuda import write as cuda_write
-
-    monkeypatch.setattr(cuda_write, "decode_form", lambda *_: team == "thread")
-    monkeypatch.setattr(cuda_write, "paired", lambda *_: team == "two")
-
-
 def _end_state(ctx):
     """What a write leaves: the canary's words, the counters and the ring's rows (as a multiset: a
     GPU records a launch's rows in its threads' order)."""
@@ -647,7 +638,7 @@ def _end_state(ctx):
 @requires_gpu
 @pytest.mark.parametrize("team", ["thread", "one", "two"])
 def test_cuda_write_forms_equal_the_cpu_backend(team, monkeypatch):
-    _force_write_team(monkeypatch, team)
+    force_write_team(team, monkeypatch.setattr)
     case = _long_requests_case(np.random.default_rng(11))
     results = {}
     for device in ("cpu", "cuda"):
@@ -670,7 +661,7 @@ def test_cuda_write_forms_take_begins_near_int64_max(team, begin, monkeypatch):
     """A request whose entries begin far past the arrays (a hostile or wrapped write plan) records
     its one row and stops (SPEC §4) in every CUDA form: a begin plus a chunk must not wrap past
     2^63, where the pair of warps walking one request would walk different chunk counts."""
-    _force_write_team(monkeypatch, team)
+    force_write_team(team, monkeypatch.setattr)
     rng = np.random.default_rng(begin % 1000)
     n = 100
     ids, positions = _tokens(rng, n), list(range(n))
@@ -693,7 +684,7 @@ def test_cuda_write_forms_take_seeds_at_the_pool_end(team, monkeypatch):
     """SPEC §4: a seed at or past num_slots records its bit-64 row and its request chains from the
     anchor, in every CUDA form. The seed num_slots itself is the first index past the pool: taken
     for a slot, it would read one record past the canary buffer."""
-    _force_write_team(monkeypatch, team)
+    force_write_team(team, monkeypatch.setattr)
     rng = np.random.default_rng(17)
     num_slots = 64
     seeds = [num_slots, 5, num_slots + 1, UNRESOLVED, num_slots]
@@ -730,7 +721,7 @@ def test_cuda_write_hashes_a_long_request_past_the_first_block_of_requests(team,
     short, and its slots would be stored without their real-KV hashes."""
     from kvcanary_cupy.ops.backends._cuda.write import _BLOCK
 
-    _force_write_team(monkeypatch, team)
+    force_write_team(team, monkeypatch.setattr)
     rng = np.random.default_rng(30 + int(mode) + len(team))
     num_slots, n = 512, 200
     bs, long_request, neighbour = _BLOCK + 44, _BLOCK + 24, 24

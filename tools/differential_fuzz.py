@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import _fuzzcases as F  # noqa: E402
+from _devices import force_write_team  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -56,9 +57,7 @@ def main(argv=None) -> int:
 
         cupy.cuda.set_allocator(None)
     if args.write_team != "auto":
-        from kvcanary_cupy.ops.backends._cuda import write as cuda_write
-        cuda_write.decode_form = lambda *_, thread=args.write_team == "thread": thread
-        cuda_write.paired = lambda *_, two=args.write_team == "two": two
+        force_write_team(args.write_team)
 
     try:
         summary = {"device": args.device, "seed": args.seed, "write_team": args.write_team,
