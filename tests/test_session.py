@@ -1694,6 +1694,36 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_one_entry_swa_lut_resolves_its_cell_and_nothing_past_it(device):
+    """A full pool of one slot has a LUT of one entry: cell 0 resolves through it, a cell past it is
+    unresolved, and poll names the rows of both by request and position, as the plan resolved them."""
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    width, swa_slots, swa_slot = 8, 8, 5
+    caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=width, pool_slot_count=1,
+                                   max_prefill_tokens=width)
+    table = np.zeros((ROWS, width), np.int32)
+    table[1, :2] = [0, 6]  # position 1's cell past the pool and the LUT (a corrupted table)
+    swa_k = to_device(np.random.default_rng(0).standard_normal((swa_slots, 2, 8)).astype(np.float32), device)
+    canary = kc.Canary(pool_slot_count=1, capacities=caps, req_to_token=to_device(table, device), device=device,
+                       swa=kc.SwaGroup(window=4, lut=i64([swa_slot]), num_slots=swa_slots,
+                                       real_kv_sources=kc.layouts.per_layer([swa_k])), hash_mode=kc.HashMode.ALL)
+    for position, cell in enumerate(table[1, :2]):
+        batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([position]), extend_seq_lens=i64([1]),
+                                input_ids=i64([100 + position]), positions=i64([position]),
+                                out_cache_loc=i64([cell]), req_ids=["a"])
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+        if position == 0:
+            swa_k[swa_slot, 0, 0] += 1.0  # position 0's SWA bytes, changed after its write
+    canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([2]), req_ids=["a"]))
+    swa = [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in canary.poll() if e.group == "swa"]
+    assert sorted(swa) == [("head", 2, "a", 0, swa_slot, ("REAL_KV_HASH",)),
+                           ("sweep", 2, "a", 0, swa_slot, ("REAL_KV_HASH",)),
+                           ("sweep", 2, "a", 1, kc.UNRESOLVED_SLOT, ("OUT_OF_RANGE",)),
+                           ("tail", 2, "a", 0, swa_slot, ("REAL_KV_HASH",))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_swa_window_of_a_length_past_the_table_starts_where_the_plan_starts(device):
     """A request whose length reaches past its req_to_token row has its SWA window counted from that
     length, as the plan counts it: its last cells inside the row, the rest unresolved. The positions
