@@ -912,6 +912,30 @@ def test_a_full_ring_keeps_the_step_where_every_reader_recorded(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_full_ring_keeps_the_steps_of_a_slots_first_reader_and_of_another_reader_after_it(device):
+    """a's slot at position 3 goes bad and b's cell 3 is pointed at it: a, b and a again read it. The
+    ring keeps the first reads' rows (a's HEAD and TAIL row, b's HEAD row). The first HEAD row kept
+    fits as many HEAD entries (a's at steps 3 and 5) as the ring kept HEAD rows of the slot, so the
+    HEAD rows go to the first readers with their steps; the TAIL row, one kept of the two TAIL
+    entries it fits, has none."""
+    eng = _Engine(device, ring=3)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 6})
+    eng.forward({"b": 4})
+    bad = eng.requests["a"]["slots"][3]
+    eng.k[bad, 0, 0] += 1.0
+    eng.table[2, 3] = bad
+    eng.sync()
+    eng.forward({"a": 1})  # step 3
+    eng.forward({"b": 1})  # step 4: b's row also breaks the chain (its predecessor is b's own slot)
+    eng.forward({"a": 1})  # step 5: its rows dropped
+    report = eng.canary.poll()
+    assert report.dropped == 3 and [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", 3, "a", 3), ("tail", None, "a", 3), ("head", 4, "b", 3)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_slot_past_the_pool_written_then_read_is_reported_and_cleared(device):
     """An allocator hands out slot 200 of a 128-slot pool; a forward writes it and the next reads
     it as prefix. Poll reports the slot as OUT_OF_RANGE, named by its request, and a second poll
