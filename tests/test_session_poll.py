@@ -1276,6 +1276,29 @@ def test_an_swa_row_whose_predecessor_moved_in_the_lut_keeps_its_request(device)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_an_swa_row_fitting_but_for_the_chain_is_not_given_an_entry_another_row_fits_exactly(device):
+    """a and c share a prompt's slots. a's forward reads the bad SWA slot at position 2 with its
+    chain whole; then position 1's SWA slot moves in the LUT, and c's forward reads the slot with
+    its chain broken. c's row fits c's entry exactly; a's row fits it only but for the chain, and
+    an entry records one row, so a's row is a's, named without a step (c's entry fits it too but
+    for the chain)."""
+    eng = _Engine(device, swa_window=2)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("c", 3, share="a", shared=4)
+    slots = eng.requests["a"]["slots"]
+    bad = int(eng.lut[slots[2]])
+    eng.swa_k[bad, 0, 1] += 1.0
+    eng.forward({"a": 1})  # step 2: its SWA verify checks positions 2 and 3
+    eng.lut[slots[1]] = eng.swa_free.pop()
+    eng.sync()
+    eng.forward({"c": 1})  # step 3
+    swa = [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll() if e.group == "swa"]
+    assert swa == [("head", None, "a", 2, bad), ("tail", None, "a", 2, bad),
+                   ("head", 3, "c", 2, bad), ("tail", 3, "c", 2, bad)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_write_row_two_forwards_could_record_goes_to_the_forward_of_the_rows_before_it(device):
     """a's prompt token at position 0 goes to a slot in forward 1; a finishes, and in forward 2 c,
     the same prompt, takes the slot with the token the engine did not expect. Either write could
