@@ -1000,6 +1000,28 @@ def test_a_row_whose_predecessor_its_forward_wrote_keeps_the_step(device, every_
         ("tail", 3, "b", position, position + 1) for position in (2, 3, 4, 5)]
 
 
+def _a_bad_slot_read_by_two_chains(eng: "_Engine") -> int:
+    """a and b prefill six tokens each, polled clean; b's cell at position 3 is pointed at a's slot
+    there, whose KV then goes bad, and b's next slot is a's slot at position 2 (a page freed while
+    in use). The next forward, ``{"b": 1, "a": 1}``, reads the bad slot for b (its chain broken) and
+    for a (its chain whole), in that order, then writes b's token over a's predecessor of it.
+    Returns the bad slot."""
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 6, "b": 6})
+    slots = eng.requests["a"]["slots"]
+    eng.table[2, 3] = slots[3]
+    eng.sync()
+    assert eng.canary.poll().total == 0
+    eng.k[slots[3], 0, 0] += 1.0
+    eng.free.insert(0, slots[2])
+    return slots[3]
+
+
+def _events_of_slot(report, slot: int) -> list:
+    return sorted(((e.phase, e.step, e.request, e.position, e.reasons) for e in report if e.slot == slot), key=repr)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
     """b reads its stale row in forwards 3 and 4, slot 3 written in forward 4 after its HEAD check.

@@ -22,7 +22,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _devices import BACKENDS, to_device, to_numpy
-from test_session_poll import _Engine, _workload
+from test_session_poll import _a_bad_slot_read_by_two_chains, _Engine, _events_of_slot, _workload
 
 _FIELDS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids", "positions", "out_cache_loc")
 _PER_ROW = _FIELDS[:3]
@@ -427,3 +427,19 @@ def test_a_padded_tail_holding_a_bad_slot_leaves_its_rows_their_steps_and_names(
     assert report.forwards == 4
     assert sorted(((e.step, e.phase, e.request, e.position) for e in report), key=str) == [
         (step, phase, "a", 2) for step in (2, 3, 4) for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_replayed_row_whose_predecessor_its_forward_wrote_is_named_for_its_own_reader(device):
+    """A replay's HEAD reads a bad slot for b, its chain broken, and for a, its chain whole (see
+    _a_bad_slot_read_by_two_chains). a's row fits a's entry only but for the chain (a's predecessor
+    written by the forward since); b's entry, whose predecessor the forward did not write, is judged
+    by the chain, so the row is a's alone."""
+    eng = _Engine(device)
+    bad = _a_bad_slot_read_by_two_chains(eng)
+    eng.canary = driven = _StaticForwards(eng.canary, device, replays="all")
+    eng.forward({"b": 1, "a": 1})
+    report = driven.poll()
+    assert report.forwards == 2 and _events_of_slot(report, bad) == [
+        ("head", 2, "a", 3, ("REAL_KV_HASH",)), ("head", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH")),
+        ("tail", 2, "a", 3, ("CHAIN_HASH", "REAL_KV_HASH")), ("tail", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH"))]
