@@ -359,10 +359,11 @@ class RowMapper:
                 dropped: bool, placed: dict) -> None:
         """The rows ``pending`` of ``key`` given to the launches ``order`` (oldest first) that
         checked its slot while it held one content (see :meth:`place_verify_rows`): first to the
-        entries they fit, then the rows left to entries they fit but for the chain, whose
-        predecessor may have changed since (an entry takes one row). A row of the second kind has
-        its launch's step only where no launch of another forward among ``readers`` (every launch
-        that checked the slot) has an entry it fits but for the chain: the chain, which would
+        entries they fit, then the rows left to entries they fit, or fit but for the chain, whose
+        predecessor may have changed since (an entry takes one row; the first pass stops at a row
+        of the second kind, which may hide rows of the same launch before it). A row of the second
+        kind has its launch's step only where no launch of another forward among ``readers`` (every
+        launch that checked the slot) has an entry it fits but for the chain: the chain, which would
         tell such launches apart, is what it cannot be judged by."""
         log = group.log
         if not order or not pending:
@@ -375,21 +376,25 @@ class RowMapper:
                 launch, taken = log[index], []
                 while pending:
                     i = pending[0] if dropped else pending[-1]
-                    fit = self._fitting(group, launch, key, rows[i], self.written_after(group, index) if loose else None)
-                    entry = next((e for e in fit if e not in used.get(index, ()) and e not in [t[1] for t in taken]),
-                                 None)
+                    held = used.get(index, set()) | {entry for _, entry, _, _ in taken}
+                    fit = self._fitting(group, launch, key, rows[i])
+                    judged = any(e not in held for e in fit)
+                    if loose and not judged:
+                        fit = self._fitting(group, launch, key, rows[i], self.written_after(group, index))
+                    entry = next((e for e in fit if e not in held), None)
                     if entry is None:
                         break  # this row, and those before it, came from other launches
-                    taken.append((i, entry, fit))
+                    taken.append((i, entry, fit, judged))
                     pending.remove(i)
-                used.setdefault(index, set()).update(entry for _, entry, _ in taken)
+                used.setdefault(index, set()).update(entry for _, entry, _, _ in taken)
                 # fewer rows than entries fitting them: some fit only as the tables are now, and a
                 # row is named only where all its fitting entries agree
-                alike = len(taken) == len({e for _, _, fit in taken for e in fit})
-                for i, entry, fit in taken:
-                    name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike and not loose \
+                judged_fits = [fit for _, _, fit, judged in taken if judged]
+                alike = len(judged_fits) == len({e for fit in judged_fits for e in fit})
+                for i, entry, fit, judged in taken:
+                    name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike and judged \
                         else _one_name(launch, fit)
-                    known = self._one_forward(group, key, rows[i], launch.step, readers) if loose else exact
+                    known = exact if judged else self._one_forward(group, key, rows[i], launch.step, readers)
                     placed[i] = (index, (launch.phase, launch.step if known else None, name, position))
                 if not pending:
                     return

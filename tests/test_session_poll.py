@@ -1023,6 +1023,19 @@ def _events_of_slot(report, slot: int) -> list:
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_row_fitting_its_entry_is_named_beside_one_fitting_but_for_the_chain(device):
+    """Polled after the forward, a's HEAD row of the bad slot fits a's entry only but for the chain
+    (a's predecessor written later in the forward), and b's row, before it in the ring, fits b's
+    entry exactly: each row keeps its request, position and step."""
+    eng = _Engine(device)
+    bad = _a_bad_slot_read_by_two_chains(eng)
+    eng.forward({"b": 1, "a": 1})
+    assert _events_of_slot(eng.canary.poll(), bad) == [
+        ("head", 2, "a", 3, ("REAL_KV_HASH",)), ("head", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH")),
+        ("tail", 2, "a", 3, ("CHAIN_HASH", "REAL_KV_HASH")), ("tail", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH"))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
     """b reads its stale row in forwards 3 and 4, slot 3 written in forward 4 after its HEAD check.
     Polled after each forward, every row has its step. Polled once, forward 4's HEAD row of slot 4
