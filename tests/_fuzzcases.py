@@ -375,7 +375,8 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.3:  # strided rows (a slice of a wider table)
         req_to_token = np.concatenate([req_to_token, np.zeros((rows, 3), np.int32)], axis=1)[:, :width]
     pool_rows = rng.integers(0, rows, size=bs)
-    pool_rows[rng.random(bs) < 0.03] = rows + 2
+    past = rng.random(bs) < 0.03  # the first row past the table, or one further
+    pool_rows[past] = rows + 2 * rng.integers(0, 2, size=int(past.sum()))
     pool_rows[rng.random(bs) < 0.02] = -1
     prefix = rng.integers(0, per_request + 1, size=bs)
     prefix[rng.random(bs) < 0.02] = width + 5
@@ -448,7 +449,8 @@ def make_scatter_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.2:  # rows named by several requests: a later one's columns win
         pool_rows = rng.integers(0, max(1, int(rng.choice([1, 2, rows]))), size=bs)
     pool_rows = pool_rows.astype(np.int64)
-    pool_rows[rng.random(bs) < 0.03] = rows + 1
+    past = rng.random(bs) < 0.03  # the first row past pool_out, or one further
+    pool_rows[past] = rows + rng.integers(0, 2, size=int(past.sum()))
     return {
         "op": "scatter",
         "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
@@ -500,7 +502,8 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     pool_rows = (rng.permutation(rows - 1) + 1)[:bs] if bs <= rows - 1 else rng.integers(1, rows, size=bs)
     pool_rows = pool_rows.astype(np.int64)
     pool_rows[rng.random(bs) < 0.05] = 0                 # padding requests
-    pool_rows[rng.random(bs) < 0.01] = rows + 2          # past the table
+    past = rng.random(bs) < 0.01                         # past the table: its first row past, or one further
+    pool_rows[past] = rows + 2 * rng.integers(0, 2, size=int(past.sum()))
     cells = int(rows * width)
     num_slots = max(8, int(cells * rng.uniform(1.05, 1.5)) + 8)
     pool = make_pool(rng, num_slots)

@@ -235,6 +235,22 @@ def test_unresolved_markers(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_the_first_pool_row_past_a_table_view_resolves_nothing(device):
+    """req_to_token is the first three rows of a larger table, so the row after it holds slots in
+    memory: request 0 names pool row 3, the first past the view, and its entries, predecessors and
+    seed are UNRESOLVED; request 1 (row 2, the view's last) resolves."""
+    whole = to_device(np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], dtype=np.int32), device)
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    vplan = kc.VerifyPlan.allocate(8, device=device)
+    wplan = kc.WritePlan.allocate(2, device=device)
+    kc.plan(vplan, wplan, req_pool_indices=put([3, 2]), prefix_lens=put([2, 2]), extend_seq_lens=put([1, 1]),
+            req_to_token=whole[:3])
+    U = UNRESOLVED
+    assert _plan_entries(vplan) == [(U, -1, 0, -1), (U, -1, 1, U), (7, -1, 0, -1), (8, -1, 1, 7)]
+    assert to_numpy(wplan.seed_slot_indices).tolist() == [U, 8]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_padding_requests_ignored(device):
     table = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
     put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
