@@ -585,3 +585,27 @@ def test_kernel_mutants_skip_leaves_out_the_first_changes_of_a_seed_drawn():
 
     every, rest = listed(), listed("--skip", "12")
     assert len(every) == 30 and len(rest) == 18 and rest < every
+
+
+def test_kernel_mutants_cubins_tell_a_change_the_compiler_drops_from_one_it_keeps():
+    """``--cubins``: the store loop of scatter's copy ahead run one past its local array (an extra
+    store that is never made) leaves every image as it was; the row store one column past the
+    request's alters scatter's image, and only scatter's (no other source includes scatter.cu). A
+    header belongs to every source that includes it."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    (mutants,) = import_tools("kernel_mutants")
+    scatter = [m for m in mutants.candidates() if m.filename == "scatter.cu" and m.operator == "<"]
+    store_loop = next(m for m in scatter if m.after.strip() == "for (int u = 0; u <= kCopyAhead; ++u) {"
+                      and "row[col]" in _line_after(m))
+    store = next(m for m in scatter if m.after.strip() == "if (col <= j_hi) row[col] = v[u];")
+    assert mutants.compiled_differences(store_loop) == []
+    assert mutants.compiled_differences(store) == ["sm_80:scatter.cu", "sm_90:scatter.cu"]
+    sources = {p.name: p.read_text() for p in (ROOT / "kvcanary_cupy" / "rawkernels").glob("*.cu*")}
+    assert "canary_common.cuh" in mutants._included("verify.cu", sources)
+    assert "scatter.cu" not in mutants._included("verify.cu", sources)
+
+
+def _line_after(mutant, lines: int = 3) -> str:
+    """The source lines just after a change's line."""
+    text = (ROOT / "kvcanary_cupy" / "rawkernels" / mutant.filename).read_text().splitlines()
+    return "\n".join(text[mutant.line:mutant.line + lines])

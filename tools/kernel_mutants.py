@@ -19,6 +19,12 @@ the fuzz then runs the GPU tests of its ops. Verdicts: ``fuzz``, ``tests`` (caug
 counted), ``unfinished`` (cut short by ``--limit``; not counted) and ``survived``. A survivor is
 either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
 change by change.
+
+    python tools/kernel_mutants.py --replay out.json --cubins                    # no GPU needed
+
+``--cubins`` runs no check: it compiles each change with NVRTC (``cuda-bindings``) for sm_80 and
+sm_90 and says whether every kernel image of the sources that include its file is byte for byte
+the unchanged sources' (``same``: equivalent as compiled, whatever the checks) or which differ.
 """
 
 from __future__ import annotations
@@ -233,6 +239,59 @@ class Worker:
                 "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
 
 
+CUBIN_ARCHES = ("sm_80", "sm_90")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _included(filename: str, sources: dict) -> set:
+    """``filename`` and every source it includes, directly or through another."""
+    seen, todo = set(), [filename]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in sources:
+            continue
+        seen.add(name)
+        todo.extend(INCLUDE.findall(sources[name]))
+    return seen
+
+
+def _cubin(spec, arch: str, root: str, code: str) -> bytes:
+    from kvcanary_cupy.rawkernels import _ptxas  # noqa: PLC0415
+
+    options = [f"-I{root}" if o.startswith("-I") else o for o in spec.options]  # the digest stays the unchanged one
+    compiled = _ptxas.nvrtc_compile(code, spec.filename, spec.name_expressions, [*options, f"--gpu-architecture={arch}"])
+    return compiled.cubin if compiled.ok else b"refused: " + compiled.log.encode()
+
+
+@functools.lru_cache(maxsize=None)
+def _unchanged_cubin(spec, arch: str) -> bytes:
+    return _cubin(spec, arch, str(REPO / KERNELS), spec.code)
+
+
+def compiled_differences(mutant: Mutant) -> list[str]:
+    """``arch:kernel source`` of each image that the change alters (empty: equivalent as compiled).
+    Every source that includes the changed file is compiled for CUBIN_ARCHES, changed and not."""
+    from kvcanary_cupy.rawkernels import _loader  # noqa: PLC0415
+
+    kernels = REPO / KERNELS
+    sources = {p.name: p.read_text(encoding="utf-8") for p in kernels.glob("*.cu*")}
+    lines = sources[mutant.filename].splitlines(keepends=True)
+    lines[mutant.line - 1] = mutant.after + "\n"
+    with tempfile.TemporaryDirectory(prefix="kvc_cubins_") as root:
+        for name, text in sources.items():
+            pathlib.Path(root, name).write_text("".join(lines) if name == mutant.filename else text, encoding="utf-8")
+        changed = pathlib.Path(root, mutant.filename).read_text(encoding="utf-8")
+        differ = []
+        for spec in _loader.compile_specs():
+            if mutant.filename not in _included(spec.filename, sources):
+                continue
+            code = changed if spec.filename == mutant.filename else spec.code
+            for arch in CUBIN_ARCHES:
+                if _cubin(spec, arch, root, code) != _unchanged_cubin(spec, arch):
+                    differ.append(f"{arch}:{spec.filename}")
+    return differ
+
+
 def replayed(paths: list[str]) -> list[Mutant]:
     """The changes that survived earlier runs (their ``--json``), each still where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
@@ -273,6 +332,8 @@ def main() -> int:
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
+    parser.add_argument("--cubins", action="store_true",
+                        help="no checks: whether each change leaves every kernel image as it was (no GPU needed)")
     args = parser.parse_args()
     checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests)
 
@@ -287,6 +348,13 @@ def main() -> int:
         for m in sorted(drawn, key=lambda m: (m.filename, m.line)):
             print(f"{m.ident:4d} {m.filename}:{m.line} [{m.operator}] {m.after.strip()}")
         print(f"{len(drawn)} of {len(pool)} candidates")
+        return 0
+
+    if args.cubins:
+        for m in drawn:
+            differ = compiled_differences(m)
+            print(f"{m.filename}:{m.line} [{m.operator}] " + ("differs: " + " ".join(differ) if differ else "same"),
+                  flush=True)
         return 0
 
     began = time.perf_counter()
