@@ -549,6 +549,19 @@ def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tm
     assert (worker.kernels / "verify.cu").read_text() == pristine
 
 
+def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_before_the_tests():
+    (mutants,) = import_tools("kernel_mutants")
+    change = next(m for m in mutants.candidates() if m.filename == "batch_plan.cuh")
+    every = mutants.Checks(cases=8, memcheck=True, tests=True, racecheck=True).commands(change, 3)
+    assert [name for _, name, _ in every] == ["fuzz plan step", "memcheck fuzz plan step", "racecheck fuzz plan step",
+                                              "tests"]
+    assert [caught for caught, _, _ in every] == ["fuzz", "memcheck", "racecheck", "tests"]
+    raced = every[2][2]
+    assert raced[:3] == ["compute-sanitizer", "--tool", "racecheck"] and raced[raced.index("--ops") + 1:][:2] == ["plan", "step"]
+    plain = mutants.Checks(cases=8, memcheck=False, tests=False).commands(change, 3)
+    assert [name for _, name, _ in plain] == ["fuzz plan step"]
+
+
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
     """``--replay`` of several runs: their survivors, a change two runs share judged once, a
     survivor whose line moved found by its text, and the changes another verdict met left out."""

@@ -14,9 +14,12 @@ sources of its copy compile once and then load from CuPy's cache.
 Each change runs the differential fuzz (``tools/differential_fuzz.py``) of the ops its file feeds,
 with the write's three forced forms for the write's sources; the session kernels run the session
 fuzz (``tools/canary_fuzz.py``) and the block-table kernels their GPU tests. A change that survives
-the fuzz then runs the GPU tests of its ops. Verdicts: ``fuzz``, ``tests`` (caught by that check),
-``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn`` (NVRTC refused it; not
-counted), ``unfinished`` (cut short by ``--limit``; not counted) and ``survived``. A survivor is
+the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--memcheck``: every
+array an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no
+fixed order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``,
+``tests`` (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught),
+``stillborn`` (NVRTC refused it; not counted), ``unfinished`` (cut short by ``--limit``; not
+counted) and ``survived``. A survivor is
 either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
 change by change.
 
@@ -126,6 +129,7 @@ class Checks:
     cases: int            # differential fuzz cases an op
     memcheck: bool        # the fuzz again under compute-sanitizer's memcheck, exact allocations
     tests: bool           # the GPU tests of the change's ops
+    racecheck: bool = False  # the fuzz again under racecheck: shared-memory accesses of two warps unordered
 
     def commands(self, mutant: Mutant, seed: int) -> list:
         """(verdict if it fails, name, argv) for each check of ``mutant``."""
@@ -133,6 +137,7 @@ class Checks:
         ops = OPS_BY_FILE[mutant.filename]
         pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
         memcheck = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding()]
+        racecheck = ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1"]
         stages = []
         if ops:
             fuzz = [python, "tools/differential_fuzz.py", "--seed", str(seed), "--ops"]
@@ -145,6 +150,9 @@ class Checks:
                 sanitized = [*memcheck, *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10",
                              "--exact-allocations"]
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops), sanitized))
+            if self.racecheck:
+                raced = [*racecheck, *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]
+                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), raced))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
@@ -331,11 +339,13 @@ def main() -> int:
                         help="judge again the changes that survived these earlier --json runs")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
+    parser.add_argument("--racecheck", action="store_true",
+                        help="after the fuzz, the fuzz again under compute-sanitizer's racecheck")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
     parser.add_argument("--cubins", action="store_true",
                         help="no checks: whether each change leaves every kernel image as it was (no GPU needed)")
     args = parser.parse_args()
-    checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests)
+    checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests, racecheck=args.racecheck)
 
     if args.replay:
         pool = drawn = [m for m in replayed(args.replay)
