@@ -267,7 +267,8 @@ def _cubin(spec, arch: str, root: str, code: str) -> bytes:
     from kvcanary_cupy.rawkernels import _ptxas  # noqa: PLC0415
 
     options = [f"-I{root}" if o.startswith("-I") else o for o in spec.options]  # the digest stays the unchanged one
-    compiled = _ptxas.nvrtc_compile(code, spec.filename, spec.name_expressions, [*options, f"--gpu-architecture={arch}"])
+    compiled = _ptxas.nvrtc_compile(code, spec.filename, spec.name_expressions,
+                                    [*options, f"--gpu-architecture={arch}"])
     return compiled.cubin if compiled.ok else b"refused: " + compiled.log.encode()
 
 
