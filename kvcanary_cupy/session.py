@@ -198,7 +198,7 @@ class CanaryReport:
         named = [e.request for e in self.events if e.request is not None]
         try:
             return set(named)
-        except TypeError:
+        except Exception:  # an engine's id whose __hash__ raises what it likes
             unhashable = next(name for name in named if _unhashable(name))
             raise TypeError(f"{check.PREFIX}CanaryReport.requests needs hashable req_ids, got "
                             f"{type(unhashable).__name__} {_shown(unhashable)}: read each event's request instead") from None
@@ -244,7 +244,7 @@ def _shown(value: Any, what: str = "request id") -> str:
 def _unhashable(value: Any) -> bool:
     try:
         hash(value)
-    except TypeError:
+    except Exception:
         return True
     return False
 

@@ -808,6 +808,27 @@ def test_requests_refused_for_an_unhashable_id_names_that_id():
         report.requests
 
 
+def test_requests_refused_for_an_id_whose_hash_raises_names_that_id():
+    """An id whose ``__hash__`` raises another error than TypeError (an engine's object whose hash
+    reads a field not set yet) is refused as an unhashable one is, with the package's message."""
+
+    class HalfBuilt:
+        def __hash__(self):
+            raise AttributeError("rid")
+
+        def __repr__(self):
+            return "HalfBuilt()"
+
+    eng = _Engine("cpu")
+    _decode_over_a_changed_slot(eng, "cpu", ["a"])
+    head, tail = eng.canary.poll()
+    report = kc.CanaryReport((head, dataclasses.replace(tail, request=HalfBuilt())), total=2)
+    with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got "
+                                        r"HalfBuilt HalfBuilt\(\): read each event's request instead$"):
+        report.requests
+    assert "HalfBuilt()" in report.describe()
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_rows_dropped_by_each_groups_ring_are_all_counted(device):
     """The full and the SWA group's rings, 2 rows each, both fill: the report counts every row
