@@ -614,6 +614,7 @@ def test_kernel_mutants_cubins_tell_a_change_the_compiler_drops_from_one_it_keep
     store = next(m for m in scatter if m.after.strip() == "if (col <= j_hi) row[col] = v[u];")
     assert mutants.compiled_differences(store_loop) == []
     assert mutants.compiled_differences(store) == ["sm_80:scatter.cu", "sm_90:scatter.cu"]
+    assert (mutants.images_of(store_loop), mutants.images_of(store)) == ("same", "changed")  # a survivor's row
     sources = {p.name: p.read_text() for p in (ROOT / "kvcanary_cupy" / "rawkernels").glob("*.cu*")}
     assert "canary_common.cuh" in mutants._included("verify.cu", sources)
     assert "scatter.cu" not in mutants._included("verify.cu", sources)

@@ -21,7 +21,8 @@ fixed order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, `
 ``stillborn`` (NVRTC refused it; not counted), ``unfinished`` (cut short by ``--limit``; not
 counted) and ``survived``. A survivor is
 either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
-change by change.
+change by change. Each survivor's row also says whether its kernel images are the unchanged ones
+(``images``: ``same``, ``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
 
     python tools/kernel_mutants.py --replay out.json --cubins                    # no GPU needed
 
@@ -301,6 +302,16 @@ def compiled_differences(mutant: Mutant) -> list[str]:
     return differ
 
 
+def images_of(mutant: Mutant) -> str:
+    """A survivor's kernel images against the unchanged ones: ``same`` (equivalent as compiled),
+    ``changed``, or ``unknown`` where NVRTC cannot be driven here (no ``cuda-bindings``)."""
+    try:
+        import cuda.bindings.nvrtc  # noqa: F401, PLC0415
+    except ImportError:
+        return "unknown"
+    return "changed" if compiled_differences(mutant) else "same"
+
+
 def replayed(paths: list[str]) -> list[Mutant]:
     """The changes that survived earlier runs (their ``--json``), each still where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
@@ -401,12 +412,15 @@ def main() -> int:
             row = worker.judge(mutant, checks, 7000 + mutant.ident, args.timeout, began + args.limit)
         finally:
             workers.put(worker)
+        if row["verdict"] == "survived":
+            row["images"] = images_of(mutant)
         with lock:
             results.append(row)
             if args.json:
                 pathlib.Path(args.json).write_text(json.dumps({"rows": results}, indent=1))
             print(f"[{time.perf_counter() - began:.0f} s] {len(results)}/{len(drawn)} "
-                  f"{mutant.filename}:{mutant.line} [{mutant.operator}] {row['verdict']} {row['by']}", flush=True)
+                  f"{mutant.filename}:{mutant.line} [{mutant.operator}] {row['verdict']} {row['by']}"
+                  + (f"(images {row['images']})" if "images" in row else ""), flush=True)
         return row
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.workers) as executor:
@@ -421,7 +435,8 @@ def main() -> int:
     print(json.dumps(summary))
     for row in results:
         if row["verdict"] == "survived":
-            print(f"survived {row['filename']}:{row['line']} [{row['operator']}] {row['after'].strip()}")
+            same = " (images unchanged: equivalent as compiled)" if row.get("images") == "same" else ""
+            print(f"survived {row['filename']}:{row['line']} [{row['operator']}] {row['after'].strip()}{same}")
     shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
