@@ -37,6 +37,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import pathlib
@@ -306,7 +307,7 @@ def images_of(mutant: Mutant) -> str:
     """A survivor's kernel images against the unchanged ones: ``same`` (equivalent as compiled),
     ``changed``, or ``unknown`` where NVRTC cannot be driven here (no ``cuda-bindings``)."""
     try:
-        import cuda.bindings.nvrtc  # noqa: F401, PLC0415
+        importlib.import_module("cuda.bindings.nvrtc")
     except ImportError:
         return "unknown"
     return "changed" if compiled_differences(mutant) else "same"
