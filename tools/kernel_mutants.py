@@ -266,9 +266,11 @@ def _included(filename: str, sources: dict) -> set:
 
 
 def _cubin(spec, arch: str, root: str, code: str) -> bytes:
-    from kvcanary_cupy.rawkernels import _ptxas  # noqa: PLC0415
+    """``code`` compiled as ``spec`` is, its includes read from ``root`` (the options' header digest
+    stays the unchanged sources': it only names CuPy's cache entry)."""
+    from kvcanary_cupy.rawkernels import _loader, _ptxas  # noqa: PLC0415
 
-    options = [f"-I{root}" if o.startswith("-I") else o for o in spec.options]  # the digest stays the unchanged one
+    options = [f"-I{root}" if o == f"-I{_loader.RAWKERNEL_DIR}" else o for o in spec.options]
     compiled = _ptxas.nvrtc_compile(code, spec.filename, spec.name_expressions,
                                     [*options, f"--gpu-architecture={arch}"])
     return compiled.cubin if compiled.ok else b"refused: " + compiled.log.encode()
