@@ -430,6 +430,7 @@ class RowMapper:
         placed = self.place_verify_rows(group, rows, dropped)
         out, pointer, misses = [], 0, set()
         taken: dict = {}  # by (launch, match): the rows given to it, one each an entry or request
+        replayed: dict = {}  # by (launch, key): the verify rows a lone replay's launch fits exactly
         for i, v in enumerate(rows):
             if i in placed:
                 index, named = placed[i]
@@ -451,16 +452,20 @@ class RowMapper:
                             break
             if found is None:
                 misses.add(_row(v))  # an identical row would walk the log for nothing
-                out.append(self._unlogged(group, v, static_ran))
+                out.append(self._unlogged(group, v, static_ran, i, replayed))
                 continue
             pointer, match = found
             launch = log[pointer]
             out.append((launch.phase, launch.step) + _one_name(launch, match))
+        for fitted in replayed.values():
+            _name_alike(fitted, out)
         return out
 
-    def _unlogged(self, group, v, static_ran: set) -> tuple:
+    def _unlogged(self, group, v, static_ran: set, i: int, replayed: dict) -> tuple:
         """A row no logged launch explains: a static forward's replay, else only its phase is known
-        (from its tag and shape; the tables have changed since)."""
+        (from its tag and shape; the tables have changed since). The rows of the only replay since
+        the previous poll that fit its entries exactly are kept in ``replayed``, to be named
+        together (:func:`_name_alike`)."""
         write = self.is_write_row(group, v)
         for record in group.static_log:
             if record.run_count_at not in static_ran:
@@ -473,6 +478,9 @@ class RowMapper:
                     continue
                 match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v, written)
                 if match:
+                    if not write and self.replay_step is not None and \
+                            all(self.fits(group, launch, v, entry) for entry in match):
+                        replayed.setdefault((id(launch), _verify_key(v)), []).append((i, launch, match))
                     return (launch.phase, self.replay_step) + _one_name(launch, match)
         tag = int(v.kernel_kind)
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
@@ -501,6 +509,24 @@ class _HostRows:
     def __getitem__(self, index):
         row, columns = index
         return np.ascontiguousarray(to_host(self.source._native[row])).reshape(-1).view(np.uint8)[columns]
+
+
+def _name_alike(fitted: list, out: list) -> None:
+    """Name the rows of one slot that one run of a launch recorded, ``(row index, launch, entries
+    it fits exactly)`` each, as :meth:`RowMapper._assign` names a logged launch's: where there are
+    as many rows as entries they fit, each entry recorded one, so each row takes an entry of its
+    own (alike rows of a slot several requests read, one for each reader)."""
+    entries = {entry for _, _, fit in fitted for entry in fit}
+    if len(fitted) != len(entries):
+        return
+    chosen: dict = {}  # entry -> (row index, launch), the rows taken last first, as _assign takes them
+    for i, launch, fit in fitted[::-1]:
+        entry = next((e for e in fit if e not in chosen), None)
+        if entry is None:
+            return
+        chosen[entry] = (i, launch)
+    for (r, position), (i, launch) in chosen.items():
+        out[i] = out[i][:2] + (request_name(launch.batch, r), position)
 
 
 def _one_name(launch, entries: list) -> tuple:

@@ -50,6 +50,7 @@ class _StaticForwards:
         self.bound: dict = {}  # geometry -> (StaticForward, its arrays, its req_ids list)
         self.launches: list = []  # ("forward", replayed) or ("sweep", None), in call order
         self.polled: list = [0]  # len(self.launches) at each poll
+        self.dropped = 0  # rows the rings dropped, over every poll
 
     def __getattr__(self, name):
         return getattr(self.canary, name)
@@ -105,14 +106,15 @@ class _StaticForwards:
         self.polled.append(len(self.launches))
         report = self.canary.poll()
         self.found.extend(report)
+        self.dropped += report.dropped
         return report
 
 
-def _run(device, seed: int, every: int, **driven) -> tuple[list, int, _StaticForwards]:
-    """The seed's workload through a :class:`_StaticForwards` (``driven``: its options; ``static``
+def _run(device, seed: int, every: int, workload=_workload, **driven) -> tuple[list, int, _StaticForwards]:
+    """The seed's ``workload`` through a :class:`_StaticForwards` (``driven``: its options; ``static``
     False for eager forwards), polled after every ``every``-th forward and at the end: the events
     of every poll, the last report's forward count, and the driver."""
-    shape, run = _workload(seed)
+    shape, run = workload(seed)
     eng = _Engine(device, **shape)
     eng.canary = driven = _StaticForwards(eng.canary, device, **driven)
     ticks = [0]
@@ -443,3 +445,27 @@ def test_a_replayed_row_whose_predecessor_its_forward_wrote_is_named_for_its_own
     assert report.forwards == 2 and _events_of_slot(report, bad) == [
         ("head", 2, "a", 3, ("REAL_KV_HASH",)), ("head", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH")),
         ("tail", 2, "a", 3, ("CHAIN_HASH", "REAL_KV_HASH")), ("tail", 2, "b", 3, ("CHAIN_HASH", "REAL_KV_HASH"))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_replay_reading_a_shared_slot_names_each_reader_as_an_eager_forward_does(device):
+    """Two requests share a prefix slot whose KV changed, and one replay reads it for both: its two
+    alike rows fit both entries, one each, so they are named for a and for b, as the eager forward's
+    are (polled after the replay, its step too)."""
+
+    def events(static: bool):
+        eng = _Engine(device)
+        eng.add("a", 1)
+        eng.forward({"a": 6})
+        eng.add("b", 2, share="a", shared=4)
+        eng.forward({"b": 2})
+        assert not eng.canary.poll()
+        eng.k[eng.requests["a"]["slots"][3], 0, 0] += 1.0
+        eng.canary = driven = _StaticForwards(eng.canary, device, static=static, replays="all")
+        eng.forward({"a": 1, "b": 1})
+        report = driven.poll()
+        return report.forwards, sorted((e.phase, e.step, e.request, e.position) for e in report)
+
+    expected = [(phase, 3, request, 3) for phase in ("head", "tail") for request in ("a", "b")]
+    assert events(False) == (3, expected)
+    assert events(True) == (3, expected)
