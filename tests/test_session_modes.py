@@ -1,0 +1,158 @@
+"""kc.Canary.poll: one workload, driven in the ways the docs say must report the same events.
+
+A random engine (test_session_poll's: shared prefixes, chunked prefill, partial and padded batches,
+sweeps, expected tokens, an SWA group), a request finishing and its slots taken by a new one, and
+one to three lasting faults (KV bytes, a field of a slot's record, a table cell pointed at another
+request's slot, an expected token changed), run as eager forwards and through static forwards (run
+eagerly or replayed). Polled after each forward and sweep, every way reports the same events.
+Polled every few forwards, eager forwards report the same rows, by group, phase, slot and reasons;
+a step, request or position is compared only where both polls name one (a poll every few forwards
+may not tell them), and the two never name different ones. Replays polled every few forwards are
+left out: a poll names their rows from their arrays as they are when it polls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _devices import BACKENDS
+from test_session_poll import _Engine
+from test_session_static import _run
+
+_FAULTS = ("kv", "swa_kv", "token_field", "position_field", "chain_field", "alias", "expected")
+
+
+def _faulty_workload(seed: int):
+    """A random engine shape and a run of it with one to three lasting faults, as a function of
+    the engine and a poll tick."""
+    rng = np.random.default_rng(seed)
+    shape = dict(swa_window=int(rng.integers(2)) * 4, expected=bool(rng.integers(2)))
+    share, chunked, sweeps, padding, churn = (bool(rng.integers(2)) for _ in range(5))
+    batches = [list(rng.permutation(["a", "b", "c"])[: int(rng.integers(1, 4))]) for _ in range(12)]
+    faults = {int(at): str(rng.choice(_FAULTS)) for at in rng.choice(12, int(rng.integers(1, 4)), replace=False)}
+    finish_at = int(rng.integers(3, 9)) if churn else -1
+    draws = rng.random((12, 6))
+
+    def fault(eng: _Engine, kind: str, draw) -> None:
+        live = [rid for rid in eng.requests if eng.requests[rid]["len"]]
+        target = eng.requests[live[int(draw[0] * len(live))]]
+        low = max(0, target["len"] - 3 if draw[1] < 0.7 else 0)  # inside an SWA window mostly
+        position = low + int(draw[2] * (target["len"] - low))
+        slot = target["slots"][position]
+        if kind == "swa_kv" and shape["swa_window"]:
+            eng.swa_k[int(eng.lut[slot]), 0, 1] += 1.0
+        elif kind in ("kv", "swa_kv"):
+            eng.k[slot, 0, 1] += 1.0
+        elif kind.endswith("_field"):  # a byte of the slot's record: its token, position or chain
+            context = eng.canary.swa_context if shape["swa_window"] and draw[3] < 0.5 else eng.canary.context
+            column = {"token_field": 0, "position_field": 8, "chain_field": 16}[kind]
+            where = int(eng.lut[slot]) if context is not eng.canary.context else slot
+            context.canary_buf[where, column] ^= 1 + int(draw[4] * 7)
+        elif kind == "expected" and shape["expected"]:  # the token the engine expects, not the one stored
+            eng.expected[target["row"], position] += 1
+        else:  # alias (or an expected token with no pool to hold it): the cell names another request's slot
+            others = [rid for rid in live if eng.requests[rid] is not target]
+            if others:
+                donor = eng.requests[others[int(draw[3] * len(others))]]
+                eng.table[target["row"], position] = donor["slots"][min(position, donor["len"] - 1)]
+
+    def run(eng: _Engine, tick) -> None:
+        eng.add("a", 1)
+        eng.add("c", 3)
+        for extend in ([{"a": 4, "c": 3}] * 2 if chunked else [{"a": 8, "c": 6}]):
+            eng.forward(extend)
+            tick()
+        eng.add("b", 2, share="a" if share else None, shared=5 if share else 0)
+        eng.forward({"b": 3})
+        tick()
+        for number, rids in enumerate(batches):
+            if number == finish_at:  # c ends; d takes its slots, in a pool row of its own
+                eng.finish("c")
+                eng.add("d", 4)
+                eng.forward({"d": 4})
+                tick()
+            if number in faults:
+                fault(eng, faults[number], draws[number])
+            extend = {rid if rid in eng.requests else "d": 1 for rid in rids}  # d decodes in c's place
+            eng.forward(extend, padding_rows=int(padding and draws[number, 5] < 0.5))
+            tick()
+            if sweeps and draws[number, 4] < 0.3:
+                eng.sweep()
+
+    return shape, run
+
+
+def _events(seed: int, every: int, device: str = "cpu", **driven) -> list:
+    """The seed's events, every poll's (``driven``: test_session_static's driver's options;
+    ``static=False``: eager forwards); the rings are big enough to keep every row."""
+    found, _, driver = _run(device, seed, every, _faulty_workload, **driven)
+    assert driver.dropped == 0, seed
+    return found
+
+
+def _disagreements(reference: list, other: list) -> list:
+    """What ``other`` reports that ``reference`` does not, or the other way round: the events of
+    one (group, phase, slot, reasons) paired, a step, request or position of None matching any,
+    as many pairs as can be made; the events left unpaired, each marked by the list it is from."""
+    def split(events):
+        by_row: dict = {}
+        for group, phase, step, request, position, slot, reasons in events:
+            by_row.setdefault((group, phase, slot, reasons), []).append((step, request, position))
+        return by_row
+
+    def agree(a, b):
+        return all(x is None or y is None or x == y for x, y in zip(a, b))
+
+    left, right = split(reference), split(other)
+    unpaired = []
+    for row in sorted(set(left) | set(right), key=repr):
+        mine, theirs = left.get(row, []), right.get(row, [])
+        paired_with: dict = {}  # theirs index -> mine index, grown by augmenting paths
+
+        def pair(i, seen):
+            for j, named in enumerate(theirs):
+                if j not in seen and agree(mine[i], named):
+                    seen.add(j)
+                    if j not in paired_with or pair(paired_with[j], seen):
+                        paired_with[j] = i
+                        return True
+            return False
+
+        paired = {i for i in range(len(mine)) if pair(i, set())}
+        unpaired += [("reference", row, mine[i]) for i in range(len(mine)) if i not in paired]
+        unpaired += [("other", row, theirs[j]) for j in range(len(theirs)) if j not in paired_with]
+    return unpaired
+
+
+SEEDS = range(100)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_eager_and_static_forwards_report_the_same_events(device):
+    """Polled after each forward and each sweep, static forwards (run eagerly, replayed after their
+    first run, or every run replayed; padded to two geometries or not) report the eager forwards'
+    events, steps, requests and positions included: a replay alone since the previous poll is
+    numbered, and its rows are named as the same forward's would be when run eagerly."""
+    named = 0
+    for seed in SEEDS:
+        eager = _events(seed, 1, device, static=False, poll_sweeps=True)
+        named += sum(request is not None for _, _, _, request, *_ in eager)
+        for pad, replays in ((False, None), (False, "all"), (True, "first"), (True, "all")):
+            assert _events(seed, 1, device, pad=pad, replays=replays, poll_sweeps=True) == eager, (seed, pad, replays)
+    assert named >= 2000
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every", [2, 3])
+def test_eager_forwards_polled_every_few_report_every_row_and_no_other_name(device, every):
+    """Polled every few forwards, eager forwards report the rows polling after each forward
+    reports; a row may lose its step, request or position (a request finished, a cell or a record
+    changed before the poll), never take another."""
+    unknown = 0
+    for seed in SEEDS:
+        each = _events(seed, 1, device, static=False, poll_sweeps=True)
+        few = _events(seed, every, device, static=False, poll_sweeps=True)
+        assert _disagreements(each, few) == [], seed
+        unknown += sum(None in event[2:5] for event in few) - sum(None in event[2:5] for event in each)
+    assert unknown > 0  # the workloads reach what a poll every few forwards cannot tell
