@@ -42,9 +42,13 @@ class RowMapper:
     """One poll's mapping of one canary's rows; host copies of the arrays it reads are kept for
     the poll."""
 
-    def __init__(self, canary, replay_step: Optional[int] = None):
+    def __init__(self, canary, replay_step: Optional[int] = None, log_capped: bool = False):
         self.canary = canary
         self.replay_step = replay_step  # the step of a row only a static forward's replay explains
+        # launches left out of the log (past max_logged_forwards, or their arrays changed in place):
+        # the first rows go to the first logged launches, as the log keeps them, the readers of the
+        # launches left out not being known
+        self.log_capped = log_capped
         self._cache: dict = {}
         self._checked: dict = {}  # by (group, batch): RowMapper.checked
         self._wanted: dict = {}  # by group: the slots its rows name
@@ -296,7 +300,8 @@ class RowMapper:
         has) came after the write, any other before it (from no launch that checks the slot as the
         tables are now, if none did before the write). When the ring dropped rows, the kept ones are the
         first: they go to the first launches, their step told only where every such launch
-        recorded one."""
+        recorded one, their request and position only where every entry of those launches that
+        they fit names the same (the ring does not tell when the slot went bad)."""
         log = group.log
         keyed: dict = {}
         for i, v in enumerate(rows):
@@ -392,12 +397,31 @@ class RowMapper:
                 judged_fits = [fit for _, _, fit, judged in taken if judged]
                 alike = len(judged_fits) == len({e for fit in judged_fits for e in fit})
                 for i, entry, fit, judged in taken:
-                    name, position = (request_name(launch.batch, entry[0]), entry[1]) if alike and judged \
-                        else _one_name(launch, fit)
+                    if not exact and not self.log_capped:  # a full ring: any launch of ``order`` may have recorded it
+                        name, position = self._one_reader(group, key, rows[i], order)
+                    elif alike and judged:
+                        name, position = request_name(launch.batch, entry[0]), entry[1]
+                    else:
+                        name, position = _one_name(launch, fit)
                     known = exact if judged else self._one_forward(group, key, rows[i], launch.step, readers)
                     placed[i] = (index, (launch.phase, launch.step if known else None, name, position))
                 if not pending:
                     return
+
+    def _one_reader(self, group, key: tuple, v, order: list) -> tuple:
+        """``(request, position)`` where every entry of the launches ``order`` that row ``v`` fits
+        (or fits but for the chain, in a launch where none fits it exactly) names the same, else
+        ``(None, None)``. The rows a full ring kept are the first recorded, but the ring does not
+        tell when the slot went bad: a launch that read it before then recorded nothing, so any of
+        the launches may have recorded the row."""
+        names: list = []
+        for index in order:
+            launch = group.log[index]
+            fit = self._fitting(group, launch, key, v) or \
+                self._fitting(group, launch, key, v, self.written_after(group, index))
+            names += [(request_name(launch.batch, r), position) for r, position in fit]
+        names = _distinct(names)
+        return names[0] if len(names) == 1 else (None, None)
 
     def kv_changed(self, group, slot: int) -> bool:
         """Whether the slot's real-KV bytes now differ from the hash its record holds (False where

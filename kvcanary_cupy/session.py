@@ -1110,7 +1110,8 @@ class Canary:
         # once it had made its report, the rings and the log may not agree.
         capped = self._unlogged > 0 or self._changed_launches > 0 or unhanded is not None
         steps_known = not stray and not (replays and logged) and not capped
-        mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None)
+        mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None,
+                           log_capped=capped)
         overflowed, recorded = [], []  # the groups whose counts and rings the poll empties
         for group in self.groups:
             raw = group.ctx.violations()

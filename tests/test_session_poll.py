@@ -920,6 +920,26 @@ def test_names_are_told_apart_by_request_and_position():
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_full_ring_names_no_reader_that_may_have_read_the_slot_before_it_went_bad(device):
+    """b shares a's prefix and reads a's slot at position 2 while it is sound; then the slot's K
+    bytes change and a reads it twice. The ring keeps a's first two rows: any of the three readers
+    may have recorded them as far as the poll can tell (the ring does not say when the slot went
+    bad), and they name different requests, so the rows name none (never b, which read the slot
+    before it went bad)."""
+    eng = _Engine(device, ring=2)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.add("b", 2, share="a", shared=5)
+    eng.forward({"b": 1})
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})
+    eng.forward({"a": 1})  # its rows dropped
+    report = eng.canary.poll()
+    assert report.dropped == 2 and [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", None, None, None), ("tail", None, None, None)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_full_ring_keeps_the_step_where_every_reader_recorded(device):
     """A ring of one row, filled by the only launch that could have recorded it (the TAIL check's
     row dropped): that row keeps its step."""
