@@ -83,6 +83,15 @@ def _faulty_workload(seed: int):
     return shape, run
 
 
+def _sized(**sizes):
+    """:func:`_faulty_workload` on an engine of another ring or verify capacity (``sizes``:
+    ``ring``, ``verify_capacity``)."""
+    def workload(seed: int):
+        shape, run = _faulty_workload(seed)
+        return {**shape, **sizes}, run
+    return workload
+
+
 def _events(seed: int, every: int, device: str = "cpu", **driven) -> list:
     """The seed's events, every poll's (``driven``: test_session_static's driver's options;
     ``static=False``: eager forwards); the rings are big enough to keep every row."""
@@ -156,3 +165,40 @@ def test_eager_forwards_polled_every_few_report_every_row_and_no_other_name(devi
         assert _disagreements(each, few) == [], seed
         unknown += sum(None in event[2:5] for event in few) - sum(None in event[2:5] for event in each)
     assert unknown > 0  # the workloads reach what a poll every few forwards cannot tell
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_ring_too_small_for_every_row_keeps_rows_named_as_a_whole_ring_names_them(device, every):
+    """Rings of 1 to 8 rows keep rows of the run a ring big enough for every row reports
+    (polled after each forward and sweep), as many fewer as they count dropped, and name them as it
+    does or not at all: the ring does not tell when a slot went bad, so a kept row is named only
+    where every launch that may have recorded it tells the same request and position."""
+    dropped = unnamed = 0
+    for seed in [*SEEDS[:40], 244]:  # 244: a slot goes bad after a request sharing it read it, in one span
+        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        for ring in (1, 3, 5, 8):
+            kept, _, driver = _run(device, seed, every, _sized(ring=ring), static=False, poll_sweeps=True)
+            assert len(kept) + driver.dropped == len(whole), (seed, ring)
+            assert {side for side, *_ in _disagreements(whole, kept)} <= {"reference"}, (seed, ring)
+            dropped += driver.dropped
+            unnamed += sum(request is None for _, _, _, request, *_ in kept)
+    assert dropped > 0 and unnamed > 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every", [1, 3])
+def test_verifies_past_the_capacity_take_only_their_own_rows_away(device, every):
+    """A verify capacity of 8 to 32 entries skips the verifies of the larger batches (counted in
+    ``capacity_overflows``): the run reports rows of the run whose verifies all fit, named as it
+    names them or not at all; the other launches' rows are not given to the skipped ones."""
+    overflows = missing = 0
+    for seed in SEEDS[:40]:
+        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        for capacity in (8, 16, 32):
+            checked, _, driver = _run(device, seed, every, _sized(verify_capacity=capacity), static=False,
+                                      poll_sweeps=True)
+            assert {side for side, *_ in _disagreements(whole, checked)} <= {"reference"}, (seed, capacity)
+            overflows += driver.overflows
+            missing += len(whole) - len(checked)
+    assert overflows > 0 and missing > 0

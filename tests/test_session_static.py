@@ -51,6 +51,7 @@ class _StaticForwards:
         self.launches: list = []  # ("forward", replayed) or ("sweep", None), in call order
         self.polled: list = [0]  # len(self.launches) at each poll
         self.dropped = 0  # rows the rings dropped, over every poll
+        self.overflows = 0  # verify launches skipped for capacity, over every poll
 
     def __getattr__(self, name):
         return getattr(self.canary, name)
@@ -107,6 +108,7 @@ class _StaticForwards:
         report = self.canary.poll()
         self.found.extend(report)
         self.dropped += report.dropped
+        self.overflows += report.capacity_overflows
         return report
 
 
