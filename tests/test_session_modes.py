@@ -154,14 +154,16 @@ def test_eager_and_static_forwards_report_the_same_events(device):
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("every", [2, 3])
-def test_eager_forwards_polled_every_few_report_every_row_and_no_other_name(device, every):
-    """Polled every few forwards, eager forwards report the rows polling after each forward
-    reports; a row may lose its step, request or position (a request finished, a cell or a record
-    changed before the poll), never take another."""
+@pytest.mark.parametrize("poll_sweeps", [True, False])
+def test_eager_forwards_polled_every_few_report_every_row_and_no_other_name(device, every, poll_sweeps):
+    """Polled every few forwards (each sweep polled alone, or in the span of the forwards beside
+    it), eager forwards report the rows polling after each forward and sweep reports; a row may
+    lose its step, request or position (a request finished, a cell or a record changed before the
+    poll), never take another."""
     unknown = 0
     for seed in SEEDS:
         each = _events(seed, 1, device, static=False, poll_sweeps=True)
-        few = _events(seed, every, device, static=False, poll_sweeps=True)
+        few = _events(seed, every, device, static=False, poll_sweeps=poll_sweeps)
         assert _disagreements(each, few) == [], seed
         unknown += sum(None in event[2:5] for event in few) - sum(None in event[2:5] for event in each)
     assert unknown > 0  # the workloads reach what a poll every few forwards cannot tell
