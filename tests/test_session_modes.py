@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from _devices import BACKENDS
-from test_session_poll import _Engine
+from test_session_poll import _Engine, _prompts
 from test_session_static import _run
 
 _FAULTS = ("kv", "swa_kv", "token_field", "position_field", "chain_field", "alias", "expected")
@@ -58,14 +58,7 @@ def _faulty_workload(seed: int):
                 eng.table[target["row"], position] = donor["slots"][min(position, donor["len"] - 1)]
 
     def run(eng: _Engine, tick) -> None:
-        eng.add("a", 1)
-        eng.add("c", 3)
-        for extend in ([{"a": 4, "c": 3}] * 2 if chunked else [{"a": 8, "c": 6}]):
-            eng.forward(extend)
-            tick()
-        eng.add("b", 2, share="a" if share else None, shared=5 if share else 0)
-        eng.forward({"b": 3})
-        tick()
+        _prompts(eng, tick, chunked, share)
         for number, rids in enumerate(batches):
             if number == finish_at:  # c ends; d takes its slots, in a pool row of its own
                 eng.finish("c")

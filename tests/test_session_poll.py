@@ -132,6 +132,19 @@ class _Engine:
                                           seq_lens=i64([self.requests[r]["len"] for r in rids]), req_ids=rids))
 
 
+def _prompts(eng: _Engine, tick, chunked: bool, share: bool) -> None:
+    """The random workloads' opening: a's and c's prompts (in two chunks, or one), then b's, which
+    shares a's first five tokens where ``share``; ``tick`` after each forward."""
+    eng.add("a", 1)
+    eng.add("c", 3)
+    for extend in ([{"a": 4, "c": 3}] * 2 if chunked else [{"a": 8, "c": 6}]):
+        eng.forward(extend)
+        tick()
+    eng.add("b", 2, share="a" if share else None, shared=5 if share else 0)
+    eng.forward({"b": 3})
+    tick()
+
+
 def _workload(seed: int):
     """A random engine shape and one lasting fault, as a function of the engine and a poll tick."""
     rng = np.random.default_rng(seed)
@@ -144,14 +157,7 @@ def _workload(seed: int):
     draws = rng.random(40)
 
     def run(eng: _Engine, tick) -> None:
-        eng.add("a", 1)
-        eng.add("c", 3)
-        for extend in ([{"a": 4, "c": 3}] * 2 if chunked else [{"a": 8, "c": 6}]):
-            eng.forward(extend)
-            tick()
-        eng.add("b", 2, share="a" if share else None, shared=5 if share else 0)
-        eng.forward({"b": 3})
-        tick()
+        _prompts(eng, tick, chunked, share)
         for number, rids in enumerate(batches):
             if number == fault_at:
                 request = eng.requests[target]
