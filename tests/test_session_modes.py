@@ -197,3 +197,27 @@ def test_verifies_past_the_capacity_take_only_their_own_rows_away(device, every)
             overflows += driver.overflows
             missing += len(whole) - len(checked)
     assert overflows > 0 and missing > 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("pad, replays", [(False, None), (False, "all"), (True, "first"), (True, "all")])
+def test_static_forwards_with_small_rings_or_verify_capacities_name_kept_rows_as_a_whole_run(device, pad, replays):
+    """Static forwards (run eagerly, replayed after their first run, or every run replayed; padded
+    to two geometries or not), polled after each forward and sweep, with rings of 1 to 8 rows or a
+    verify capacity of 8 to 32 entries: the rows kept, and those dropped, add up to the eager
+    forwards' rows with rings big enough for every row, and each is named as they name it or not
+    at all; a skipped verify (padded batches skip more) takes only its own rows away."""
+    dropped = unnamed = overflows = missing = 0
+    for seed in [*SEEDS[:40], 244]:
+        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        for sizes in [*({"ring": ring} for ring in (1, 3, 5, 8)),
+                      *({"verify_capacity": capacity} for capacity in (8, 16, 32))]:
+            kept, _, driver = _run(device, seed, 1, _sized(**sizes), pad=pad, replays=replays, poll_sweeps=True)
+            assert {side for side, *_ in _disagreements(whole, kept)} <= {"reference"}, (seed, sizes)
+            if "ring" in sizes:
+                assert len(kept) + driver.dropped == len(whole), (seed, sizes)
+                unnamed += sum(request is None for _, _, _, request, *_ in kept)
+            dropped += driver.dropped
+            overflows += driver.overflows
+            missing += len(whole) - len(kept) - driver.dropped
+    assert dropped > 0 and unnamed > 0 and overflows > 0 and missing > 0
