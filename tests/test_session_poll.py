@@ -453,6 +453,32 @@ def test_a_full_ring_names_its_rows_without_a_step(device):
     assert report.counts_by_tag() == {"HEAD_K_FULL": 2, "TAIL_K_FULL": 2}
 
 
+
+@pytest.mark.xfail(strict=True, reason="a full ring polled after one forward leaves its kept rows no step where "
+                   "fewer rows were kept than the launch's entries that fit them, though that forward's launch "
+                   "is the only one that could have recorded them (replays of a static forward keep it)")
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_full_ring_polled_after_one_forward_keeps_its_rows_step(device):
+    """a and b share a prompt's first four slots; polled clean, then slot 2's K bytes changed and
+    one decode of both read it: four rows (HEAD and TAIL, a and b), a ring of 3 keeps both HEAD
+    rows and one TAIL row. Only that forward's TAIL launch ran since the previous poll, so it
+    recorded the kept TAIL row: the row has its step, and no request (either reader may have
+    recorded it)."""
+    eng = _Engine(device, ring=3)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.add("b", 2, share="a", shared=4)
+    eng.forward({"b": 2})
+    assert eng.canary.poll().total == 0
+    bad = eng.requests["a"]["slots"][2]
+    eng.k[bad, 0, 0] += 1.0
+    eng.forward({"a": 1, "b": 1})
+    report = eng.canary.poll()
+    assert (report.total, report.dropped, report.forwards) == (4, 1, 3)
+    assert _events_of_slot(report, bad) == sorted([
+        ("head", 3, "a", 2, ("REAL_KV_HASH",)), ("head", 3, "b", 2, ("REAL_KV_HASH",)),
+        ("tail", 3, None, None, ("REAL_KV_HASH",))], key=repr)
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_forward_whose_verify_overflowed_found_nothing(device):
     """A forward whose prefixes exceed the verify capacity checked nothing: the rows go to the
