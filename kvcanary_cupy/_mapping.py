@@ -375,6 +375,8 @@ class RowMapper:
             return
         exact = not dropped or sum(len(self._fitting(group, log[index], key, rows[pending[0]]))
                                    for index in order) == len(pending)
+        # launches of one forward only: whichever recorded a row, its step is that forward's
+        one_step = len({log[index].step for index in order}) == 1
         used: dict = {}
         for loose in (False, True):
             for index in (order if dropped else order[::-1]):
@@ -403,7 +405,8 @@ class RowMapper:
                         name, position = request_name(launch.batch, entry[0]), entry[1]
                     else:
                         name, position = _one_name(launch, fit)
-                    known = exact if judged else self._one_forward(group, key, rows[i], launch.step, readers)
+                    known = exact or one_step if judged else \
+                        self._one_forward(group, key, rows[i], launch.step, readers)
                     placed[i] = (index, (launch.phase, launch.step if known else None, name, position))
                 if not pending:
                     return

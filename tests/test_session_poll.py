@@ -454,9 +454,6 @@ def test_a_full_ring_names_its_rows_without_a_step(device):
 
 
 
-@pytest.mark.xfail(strict=True, reason="a full ring polled after one forward leaves its kept rows no step where "
-                   "fewer rows were kept than the launch's entries that fit them, though that forward's launch "
-                   "is the only one that could have recorded them (replays of a static forward keep it)")
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_full_ring_polled_after_one_forward_keeps_its_rows_step(device):
     """a and b share a prompt's first four slots; polled clean, then slot 2's K bytes changed and
@@ -478,6 +475,7 @@ def test_a_full_ring_polled_after_one_forward_keeps_its_rows_step(device):
     assert _events_of_slot(report, bad) == sorted([
         ("head", 3, "a", 2, ("REAL_KV_HASH",)), ("head", 3, "b", 2, ("REAL_KV_HASH",)),
         ("tail", 3, None, None, ("REAL_KV_HASH",))], key=repr)
+
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_forward_whose_verify_overflowed_found_nothing(device):
