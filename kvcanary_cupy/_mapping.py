@@ -226,13 +226,14 @@ class RowMapper:
         outside = (rows != 0) & ((rows < 0) | (rows >= table_rows) | (position >= width))
         return found + [(int(r), position) for r in np.flatnonzero(outside & (starts <= position) & (position < lens))]
 
-    def match_verify(self, group, launch, v, written: frozenset = frozenset()) -> list:
+    def match_verify(self, group, launch, v, written: frozenset = frozenset()) -> tuple[list, bool]:
         """The entries of a replayed static forward's ``launch`` that would record exactly ``v``,
-        else those that fit it but for the chain (``written``: the slots the forward writes)."""
+        else those that fit it but for the chain (``written``: the slots the forward writes), and
+        whether they are of the first kind."""
         key = _verify_key(v)
         entries = self.entries(group, launch, key)
-        return [e for e in entries if self.fits(group, launch, v, e)] or \
-            [e for e in entries if self.fits(group, launch, v, e, written)]
+        exact = [e for e in entries if self.fits(group, launch, v, e)]
+        return (exact, True) if exact else ([e for e in entries if self.fits(group, launch, v, e, written)], False)
 
     def match_write(self, group, launch, v) -> list[tuple]:
         """``(batch row, position)`` of each entry or request of ``launch`` that could have
@@ -423,8 +424,7 @@ class RowMapper:
             fit = self._fitting(group, launch, key, v) or \
                 self._fitting(group, launch, key, v, self.written_after(group, index))
             names += [(request_name(launch.batch, r), position) for r, position in fit]
-        names = _distinct(names)
-        return names[0] if len(names) == 1 else (None, None)
+        return _the_one(names)
 
     def kv_changed(self, group, slot: int) -> bool:
         """Whether the slot's real-KV bytes now differ from the hash its record holds (False where
@@ -503,10 +503,10 @@ class RowMapper:
             for launch in launches:
                 if launch.tag != int(v.kernel_kind) or (launch.kind == "write") != write:
                     continue
-                match = self.match_write(group, launch, v) if write else self.match_verify(group, launch, v, written)
+                match, exact = (self.match_write(group, launch, v), False) if write else \
+                    self.match_verify(group, launch, v, written)
                 if match:
-                    if not write and self.replay_step is not None and \
-                            all(self.fits(group, launch, v, entry) for entry in match):
+                    if exact and self.replay_step is not None:
                         replayed.setdefault((id(launch), _verify_key(v)), []).append((i, launch, match))
                     return (launch.phase, self.replay_step) + _one_name(launch, match)
         tag = int(v.kernel_kind)
@@ -559,7 +559,12 @@ def _name_alike(fitted: list, out: list) -> None:
 def _one_name(launch, entries: list) -> tuple:
     """``(request, position)`` where every entry that could have recorded a row names the same,
     else ``(None, None)``."""
-    names = _distinct((request_name(launch.batch, r), position) for r, position in entries)
+    return _the_one((request_name(launch.batch, r), position) for r, position in entries)
+
+
+def _the_one(names) -> tuple:
+    """The one ``(request, position)`` among ``names``, else ``(None, None)``."""
+    names = _distinct(names)
     return names[0] if len(names) == 1 else (None, None)
 
 
