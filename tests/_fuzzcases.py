@@ -362,6 +362,14 @@ def _context_outputs(ctx: kc.CanaryContext) -> dict:
     }
 
 
+def _past_the_table(rng: np.random.Generator, pool_rows: np.ndarray, rows: int, share: float, further: int) -> None:
+    """About ``share`` of the requests get a pool row past a table of ``rows`` rows: its first row
+    past the end, where a bound one off reads a row that is not the table's, or ``further`` rows
+    beyond it."""
+    past = rng.random(len(pool_rows)) < share
+    pool_rows[past] = rows + further * rng.integers(0, 2, size=int(past.sum()))
+
+
 # --- plan ----------------------------------------------------------------------------------------
 
 
@@ -375,8 +383,7 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.3:  # strided rows (a slice of a wider table)
         req_to_token = np.concatenate([req_to_token, np.zeros((rows, 3), np.int32)], axis=1)[:, :width]
     pool_rows = rng.integers(0, rows, size=bs)
-    past = rng.random(bs) < 0.03  # the first row past the table, or one further
-    pool_rows[past] = rows + 2 * rng.integers(0, 2, size=int(past.sum()))
+    _past_the_table(rng, pool_rows, rows, 0.03, further=2)
     pool_rows[rng.random(bs) < 0.02] = -1
     prefix = rng.integers(0, per_request + 1, size=bs)
     prefix[rng.random(bs) < 0.02] = width + 5
@@ -449,8 +456,7 @@ def make_scatter_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.2:  # rows named by several requests: a later one's columns win
         pool_rows = rng.integers(0, max(1, int(rng.choice([1, 2, rows]))), size=bs)
     pool_rows = pool_rows.astype(np.int64)
-    past = rng.random(bs) < 0.03  # the first row past pool_out, or one further
-    pool_rows[past] = rows + rng.integers(0, 2, size=int(past.sum()))
+    _past_the_table(rng, pool_rows, rows, 0.03, further=1)
     return {
         "op": "scatter",
         "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
@@ -502,8 +508,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     pool_rows = (rng.permutation(rows - 1) + 1)[:bs] if bs <= rows - 1 else rng.integers(1, rows, size=bs)
     pool_rows = pool_rows.astype(np.int64)
     pool_rows[rng.random(bs) < 0.05] = 0                 # padding requests
-    past = rng.random(bs) < 0.01                         # past the table: its first row past, or one further
-    pool_rows[past] = rows + 2 * rng.integers(0, 2, size=int(past.sum()))
+    _past_the_table(rng, pool_rows, rows, 0.01, further=2)
     cells = int(rows * width)
     num_slots = max(8, int(cells * rng.uniform(1.05, 1.5)) + 8)
     pool = make_pool(rng, num_slots)
