@@ -13,6 +13,8 @@ left out: a poll names their rows from their arrays as they are when it polls.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,17 @@ def _events(seed: int, every: int, device: str = "cpu", **driven) -> list:
     return found
 
 
+def _eager_each_poll(seed: int, device: str) -> list:
+    """The seed's events from eager forwards polled after each forward and sweep, the run every
+    other is held against: made once a seed and device, for every test of the file."""
+    return list(_eager_each_poll_once(seed, device))
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_each_poll_once(seed: int, device: str) -> tuple:
+    return tuple(_events(seed, 1, device, static=False, poll_sweeps=True))
+
+
 def _disagreements(reference: list, other: list) -> list:
     """What ``other`` reports that ``reference`` does not, or the other way round: the events of
     one (group, phase, slot, reasons) paired, a step, request or position of None matching any,
@@ -127,6 +140,18 @@ def _disagreements(reference: list, other: list) -> list:
     return unpaired
 
 
+def _kept_as_in(whole: list, device: str, seed: int, every: int, sizes: dict, **driven) -> tuple:
+    """The seed's events on an engine of ``sizes`` (:func:`_sized`; ``driven``: the driver's
+    options), and the driver, once they are checked against ``whole``, the events of rings and
+    capacities big enough: every event is one of ``whole``'s, named as there or not at all, and a
+    small ring's kept rows and dropped ones add up to ``whole``'s."""
+    kept, _, driver = _run(device, seed, every, _sized(**sizes), **driven)
+    assert {side for side, *_ in _disagreements(whole, kept)} <= {"reference"}, (seed, sizes)
+    if "ring" in sizes:
+        assert len(kept) + driver.dropped == len(whole), (seed, sizes)
+    return kept, driver
+
+
 SEEDS = range(100)
 
 
@@ -138,7 +163,7 @@ def test_eager_and_static_forwards_report_the_same_events(device):
     numbered, and its rows are named as the same forward's would be when run eagerly."""
     named = 0
     for seed in SEEDS:
-        eager = _events(seed, 1, device, static=False, poll_sweeps=True)
+        eager = _eager_each_poll(seed, device)
         named += sum(request is not None for _, _, _, request, *_ in eager)
         for pad, replays in ((False, None), (False, "all"), (True, "first"), (True, "all")):
             assert _events(seed, 1, device, pad=pad, replays=replays, poll_sweeps=True) == eager, (seed, pad, replays)
@@ -155,7 +180,7 @@ def test_eager_forwards_polled_every_few_report_every_row_and_no_other_name(devi
     poll), never take another."""
     unknown = 0
     for seed in SEEDS:
-        each = _events(seed, 1, device, static=False, poll_sweeps=True)
+        each = _eager_each_poll(seed, device)
         few = _events(seed, every, device, static=False, poll_sweeps=poll_sweeps)
         assert _disagreements(each, few) == [], seed
         unknown += sum(None in event[2:5] for event in few) - sum(None in event[2:5] for event in each)
@@ -171,11 +196,9 @@ def test_a_ring_too_small_for_every_row_keeps_rows_named_as_a_whole_ring_names_t
     where every launch that may have recorded it tells the same request and position."""
     dropped = unnamed = 0
     for seed in [*SEEDS[:40], 244]:  # 244: a slot goes bad after a request sharing it read it, in one span
-        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        whole = _eager_each_poll(seed, device)
         for ring in (1, 3, 5, 8):
-            kept, _, driver = _run(device, seed, every, _sized(ring=ring), static=False, poll_sweeps=True)
-            assert len(kept) + driver.dropped == len(whole), (seed, ring)
-            assert {side for side, *_ in _disagreements(whole, kept)} <= {"reference"}, (seed, ring)
+            kept, driver = _kept_as_in(whole, device, seed, every, {"ring": ring}, static=False, poll_sweeps=True)
             dropped += driver.dropped
             unnamed += sum(request is None for _, _, _, request, *_ in kept)
     assert dropped > 0 and unnamed > 0
@@ -189,11 +212,10 @@ def test_verifies_past_the_capacity_take_only_their_own_rows_away(device, every)
     names them or not at all; the other launches' rows are not given to the skipped ones."""
     overflows = missing = 0
     for seed in SEEDS[:40]:
-        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        whole = _eager_each_poll(seed, device)
         for capacity in (8, 16, 32):
-            checked, _, driver = _run(device, seed, every, _sized(verify_capacity=capacity), static=False,
-                                      poll_sweeps=True)
-            assert {side for side, *_ in _disagreements(whole, checked)} <= {"reference"}, (seed, capacity)
+            checked, driver = _kept_as_in(whole, device, seed, every, {"verify_capacity": capacity}, static=False,
+                                          poll_sweeps=True)
             overflows += driver.overflows
             missing += len(whole) - len(checked)
     assert overflows > 0 and missing > 0
@@ -209,13 +231,11 @@ def test_static_forwards_with_small_rings_or_verify_capacities_name_kept_rows_as
     at all; a skipped verify (padded batches skip more) takes only its own rows away."""
     dropped = unnamed = overflows = missing = 0
     for seed in [*SEEDS[:40], 244]:
-        whole = _events(seed, 1, device, static=False, poll_sweeps=True)
+        whole = _eager_each_poll(seed, device)
         for sizes in [*({"ring": ring} for ring in (1, 3, 5, 8)),
                       *({"verify_capacity": capacity} for capacity in (8, 16, 32))]:
-            kept, _, driver = _run(device, seed, 1, _sized(**sizes), pad=pad, replays=replays, poll_sweeps=True)
-            assert {side for side, *_ in _disagreements(whole, kept)} <= {"reference"}, (seed, sizes)
+            kept, driver = _kept_as_in(whole, device, seed, 1, sizes, pad=pad, replays=replays, poll_sweeps=True)
             if "ring" in sizes:
-                assert len(kept) + driver.dropped == len(whole), (seed, sizes)
                 unnamed += sum(request is None for _, _, _, request, *_ in kept)
             dropped += driver.dropped
             overflows += driver.overflows
