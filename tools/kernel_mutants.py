@@ -148,13 +148,12 @@ class Checks:
                 for team in ("thread", "one", "two"):
                     stages.append(("fuzz", f"fuzz write {team}", fuzz + ["write", "--write-team", team,
                                                                         "--cases", str(max(1, self.cases // 2))]))
+            small_fuzz = [*fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]  # sanitizers are slow
             if self.memcheck:
-                sanitized = [*memcheck, *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10",
-                             "--exact-allocations"]
-                stages.append(("memcheck", "memcheck fuzz " + " ".join(ops), sanitized))
+                stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
+                               [*memcheck, *small_fuzz, "--exact-allocations"]))
             if self.racecheck:
-                raced = [*racecheck, *fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]
-                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), raced))
+                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), [*racecheck, *small_fuzz]))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
