@@ -19,7 +19,10 @@ array an allocation of its own size; ``--racecheck``: shared memory that two war
 fixed order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``,
 ``tests`` (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught),
 ``stillborn`` (NVRTC refused it; not counted), ``unfinished`` (cut short by ``--limit``; not
-counted) and ``survived``. A survivor is
+counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too: the
+check, not the change, is at fault; not counted) and ``survived``. A check whose process crashes
+(killed by a signal, or Python's fatal error) catches the change only where the same check passes
+on the unchanged sources; the row's ``crash`` holds the crash's first lines. A survivor is
 either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
 change by change. Each survivor's row also says whether its kernel images are the unchanged ones
 (``images``: ``same``, ``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
@@ -205,7 +208,8 @@ class Worker:
         self.env.pop("KVCANARY_CONFORMANCE", None)
 
     def run(self, argv, timeout: float) -> tuple[str, str]:
-        """('pass' | 'fail' | 'hang' | 'stillborn', the output's tail)."""
+        """('pass' | 'fail' | 'crash' | 'hang' | 'stillborn', the output's tail; a crash's from its
+        fatal error on)."""
         at = argv.index(sys.executable) + 1  # after a wrapper's own arguments (compute-sanitizer's)
         argv = [*argv[:at], "-c", PRELUDE, str(self.kernels), *argv[at:]]
         try:
@@ -220,6 +224,9 @@ class Worker:
             return "pass", out[-300:]
         if "CompileException" in out or "NVRTC_ERROR" in out:
             return "stillborn", out[-600:]
+        fatal = out.find(FATAL)
+        if done.returncode < 0 or fatal >= 0:
+            return "crash", out[max(fatal, 0):][:600] if fatal >= 0 else out[-600:]
         return "fail", out[-600:]
 
     def judge(self, mutant: Mutant, checks: Checks, seed: int, timeout: float, end: float) -> dict:
@@ -231,7 +238,7 @@ class Worker:
         lines[mutant.line - 1] = mutant.after + "\n"
         source.write_text("".join(lines), encoding="utf-8")
         start = time.perf_counter()
-        verdict, by, tail = "survived", "", ""
+        verdict, by, tail, crashed = "survived", "", "", None
         try:
             for caught, name, argv in checks.commands(mutant, seed):
                 left = end - time.perf_counter()
@@ -239,13 +246,24 @@ class Worker:
                 if outcome == "hang" and left < timeout:
                     outcome = "unfinished"
                 if outcome != "pass":
-                    verdict, by = (caught if outcome == "fail" else outcome), name
+                    verdict, by = (caught if outcome in ("fail", "crash") else outcome), name
+                    crashed = argv if outcome == "crash" else None
                     break
         finally:
             source.write_text(original, encoding="utf-8")
-        return {**dataclasses.asdict(mutant), "verdict": verdict, "by": by,
-                "seconds": round(time.perf_counter() - start, 1),
-                "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
+        row = {**dataclasses.asdict(mutant), "verdict": verdict, "by": by,
+               "seconds": round(time.perf_counter() - start, 1),
+               "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
+        if crashed is not None:
+            # a crash is the change's only if the same check passes without it
+            row["crash"] = tail
+            left = end - time.perf_counter()
+            unchanged, _ = self.run(crashed, min(timeout, max(left, 0.0)))
+            if unchanged != "pass":
+                row["verdict"] = "unjudged" if unchanged in ("fail", "crash") else "unfinished"
+                row["by"] = f"{by}: fails on the unchanged sources too ({unchanged})"
+            row["seconds"] = round(time.perf_counter() - start, 1)
+        return row
 
 
 CUBIN_ARCHES = ("sm_80", "sm_90")
@@ -314,10 +332,24 @@ def images_of(mutant: Mutant) -> str:
     return "changed" if compiled_differences(mutant) else "same"
 
 
-def replayed(paths: list[str]) -> list[Mutant]:
-    """The changes that survived earlier runs (their ``--json``), each still where it was, each once."""
+# Python's own words when a process dies of a signal with faulthandler on, as pytest runs it
+FATAL = "Fatal Python error"
+
+
+def crashed(row: dict) -> bool:
+    """Whether an earlier run's row was given by a check whose process crashed, as this tool's
+    earlier versions counted as caught without asking whether the unchanged sources crash too:
+    its tail ends in the interpreter's list of extension modules, or holds the fatal error."""
+    tail = row.get("tail", "")
+    return row["verdict"] not in ("survived", "stillborn", "unjudged") and \
+        (FATAL in tail or "crash" in row or tail.rstrip().endswith(")") and "(total: " in tail)
+
+
+def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
+    """The changes that survived earlier runs (their ``--json``), or that a crashed check judged
+    (``crashed``; with ``only_crashed`` those alone), each still where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if row["verdict"] == "survived"]
+            if crashed(row) or row["verdict"] == "survived" and not only_crashed]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -350,7 +382,10 @@ def main() -> int:
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
-                        help="judge again the changes that survived these earlier --json runs")
+                        help="judge again the changes that survived these earlier --json runs, or that a check"
+                             " whose process crashed judged")
+    parser.add_argument("--crashed", action="store_true",
+                        help="with --replay: only the changes that a check whose process crashed judged")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
@@ -362,7 +397,7 @@ def main() -> int:
     checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests, racecheck=args.racecheck)
 
     if args.replay:
-        pool = drawn = [m for m in replayed(args.replay)
+        pool = drawn = [m for m in replayed(args.replay, args.crashed)
                         if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
         pool = [m for m in candidates() if not args.files or m.filename in args.files]
