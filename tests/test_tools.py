@@ -586,6 +586,45 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
                                                                (third.filename, third.line, third.after)]
 
 
+def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_pass_it(tmp_path):
+    """A check whose process dies of a signal catches the change only if the same check passes on
+    the unchanged sources; a check that crashes either way leaves the change unjudged. Rows that
+    earlier runs took from crashed checks are found again by ``--replay --crashed``."""
+    import json
+    import sys
+    import time
+
+    (mutants,) = import_tools("kernel_mutants")
+    change = next(m for m in mutants.candidates() if m.filename == "verify.cu")
+    worker = mutants.Worker(tmp_path / "w0")
+    # aborts (faulthandler on, as under pytest) when the copy holds the change, or always
+    probe = tmp_path / "probe.py"
+    probe.write_text("import faulthandler, os, sys\nfrom kvcanary_cupy.rawkernels import _loader\n"
+                     "faulthandler.enable()\n"
+                     f"if sys.argv[1] == 'always' or {change.after!r} in _loader._read('verify.cu').splitlines():\n"
+                     "    os.abort()\n")
+
+    def checks(when):
+        class Crashes(mutants.Checks):
+            def commands(self, mutant, seed):
+                return [("tests", "tests", [sys.executable, str(probe), when])]
+        return Crashes(cases=1, memcheck=False, tests=True)
+
+    caught = worker.judge(change, checks("changed"), 0, 120, time.perf_counter() + 120)
+    assert caught["verdict"] == "tests" and caught["crash"].startswith(mutants.FATAL)
+    broken = worker.judge(change, checks("always"), 0, 120, time.perf_counter() + 120)
+    assert broken["verdict"] == "unjudged" and "unchanged sources too" in broken["by"]
+
+    others = [m for m in mutants.candidates() if m.filename == "verify.cu"][1:4]
+    listed = "numpy._core._multiarray_umath, numpy.linalg._umath_linalg (total: 2)\n"
+    rows = [dict(mutants.dataclasses.asdict(m), verdict=verdict, tail=tail) for m, verdict, tail in
+            zip(others, ("tests", "tests", "survived"), (listed, "1 failed, 3 passed", "4 passed"))]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"rows": rows}))
+    assert [m.ident for m in mutants.replayed([str(run)], only_crashed=True)] == [others[0].ident]
+    assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident]
+
+
 def test_kernel_mutants_skip_leaves_out_the_first_changes_of_a_seed_drawn():
     """``--skip K`` goes on where a run of the same seed stopped: the changes it lists are those the
     seed draws past its first K."""
