@@ -45,9 +45,10 @@ class RowMapper:
     def __init__(self, canary, replay_step: Optional[int] = None, log_capped: bool = False):
         self.canary = canary
         self.replay_step = replay_step  # the step of a row only a static forward's replay explains
-        # launches left out of the log (past max_logged_forwards, or their arrays changed in place):
-        # the first rows go to the first logged launches, as the log keeps them, the readers of the
-        # launches left out not being known
+        # launches left out of the log (their arrays changed in place, or after an interrupted
+        # poll): the first rows go to the first logged launches, the readers of the launches left
+        # out not being known. (Past max_logged_forwards the poll hands over only the rows
+        # recorded before the first launch left out.)
         self.log_capped = log_capped
         self._cache: dict = {}
         self._checked: dict = {}  # by (group, batch): RowMapper.checked
@@ -509,9 +510,15 @@ class RowMapper:
                     if exact and self.replay_step is not None:
                         replayed.setdefault((id(launch), _verify_key(v)), []).append((i, launch, match))
                     return (launch.phase, self.replay_step) + _one_name(launch, match)
+        return self.phase_only(group, v)
+
+    def phase_only(self, group, v) -> tuple:
+        """``(phase, None, None, None)`` for a row whose launch is not known: its phase from its
+        tag and shape alone."""
         tag = int(v.kernel_kind)
         phase = ("head" if tag == group.head_tag else "sweep" if tag == group.sweep_tag
-                 else ("write" if write else "tail") if tag == group.tail_tag else "unknown")
+                 else ("write" if self.is_write_row(group, v) else "tail") if tag == group.tail_tag
+                 else "unknown")
         return phase, None, None, None
 
 

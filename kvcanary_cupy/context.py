@@ -15,6 +15,13 @@ from ._dlpack import (CPU, Device, assign, filled, from_host, parse_device, requ
 from .sources import RealKvSource, source_list
 
 
+def ring_index(write_index) -> int:
+    """A ring's int32 write index (a one-cell array, or a copy of one) as a count of rows: past
+    2**31 rows the index reads negative, and the count goes on as the unsigned value of its bits."""
+    recorded = int(to_host(write_index)[0])
+    return recorded if recorded >= 0 else recorded + (1 << 32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Violation:
     """One decoded row of the violation ring."""
@@ -236,10 +243,8 @@ class CanaryContext:
         }
 
     def _recorded(self) -> int:
-        """The rows recorded since the ring was last cleared, from the int32 write index: past 2**31
-        rows the index reads negative, and the count goes on as the unsigned value of its bits."""
-        recorded = int(to_host(self.violation_write_index)[0])
-        return recorded if recorded >= 0 else recorded + (1 << 32)
+        """The rows recorded since the ring was last cleared (:func:`ring_index`)."""
+        return ring_index(self.violation_write_index)
 
     def _wait_for_device(self) -> None:
         if self.device.is_cuda:

@@ -32,7 +32,7 @@ from ._mapping import RowMapper
 from ._recent import RecentlyUsed
 from .block_tables import forward_batch
 from .capacities import Capacities
-from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, tag_name
+from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, ring_index, tag_name
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .ops.batches import PlanBatch, WriteBatch, launch_tag, owning
 from .sources import RealKvSource, source_list
@@ -612,6 +612,10 @@ class Canary:
         self._polled_at = 0  # _numbered at the previous poll
         self._sweeps = 0  # sweeps since the previous poll, which count toward the cap as forwards do
         self._unlogged = 0  # launches left out of the log since the previous poll
+        # Each group's ring write index, copied on the stream before the first launch the log left
+        # out since the previous poll (None while the log holds every launch): the rows before it
+        # are the logged launches' alone.
+        self._log_stops: Optional[list] = None
         self._changed_launches = 0  # launches dropped from it since: their arrays changed in place
         # The report of a poll interrupted once it had made it, which the next poll hands over.
         self._unhanded: Optional[CanaryReport] = None
@@ -920,6 +924,7 @@ class Canary:
             self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
+            self._note_where_the_log_stops(stream, 1)
             step = self._next_forward()
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
@@ -962,9 +967,24 @@ class Canary:
             self._warn(
                 f"kv-canary: more than {self._max_logged_forwards} forwards and sweeps since the last poll(): the "
                 f"canary still checks and fingerprints every forward, but logs no more of them until it polls, so "
-                f"that poll's violations get no step and may name no request (poll more often, or raise "
-                f"max_logged_forwards)")
+                f"that poll's violations past the logged forwards' get no step and name no request (poll more "
+                f"often, or raise max_logged_forwards)")
         self._unlogged += len(launches)
+
+    def _note_where_the_log_stops(self, stream: Any, ahead: int) -> None:
+        """Before the launches of the first forward or sweep since the previous poll that the log
+        will leave out (``ahead``: the forwards about to be counted), copy each group's ring write
+        index on ``stream``, the launches' own (a captured graph's runs are never logged, nor noted).
+        poll then names the rows before the copy from the log as if it were whole, and leaves the
+        later ones unnamed: no batch of their launches is kept, and a row one of them recorded may
+        fit a logged launch's entries (a prefix shared with a forward that read the slot while it
+        was sound)."""
+        if self._log_stops is not None or stream_capturing(stream):
+            return
+        if self._numbered + ahead - self._polled_at + self._sweeps <= self._max_logged_forwards:
+            return
+        with on_device(self.device, stream):
+            self._log_stops = [group.ctx.violation_write_index.copy() for group in self.groups]
 
     def _next_forward(self) -> int:
         """Count an eager forward; its number."""
@@ -1017,6 +1037,7 @@ class Canary:
                 addresses, slots = self._write_addresses(batch, prepared_writes, write_geometry, stream)
             if replan:
                 if opens_forward:
+                    self._note_where_the_log_stops(stream, 1)
                     self._next_forward()
                 for index, group in enumerate(self.groups):
                     self._launch_plan(group, index, plans, prepared_plans, plan_geometry, stream)
@@ -1069,6 +1090,7 @@ class Canary:
         self._sweeps += 1
         with on_device(self.device, stream):
             self._order_after_torch(self._geometry(live_requests, ("req_pool_indices", "seq_lens")))
+            self._note_where_the_log_stops(stream, 0)
             for group, plan in zip(self.groups, plans):
                 self._plan_op(group.sweep_vplan, group.sweep_wplan, plan, stream=stream)
                 self._check(group, group.sweep_vplan, group.sweep_tag, stream)
@@ -1107,13 +1129,16 @@ class Canary:
         # nor which of several is which; one replay alone since the previous poll is the next forward.
         # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
         # fit the others' entries, whose steps are then not known either. After a poll interrupted
-        # once it had made its report, the rings and the log may not agree.
-        capped = self._unlogged > 0 or self._changed_launches > 0 or unhanded is not None
+        # once it had made its report, the rings and the log may not agree. Past max_logged_forwards
+        # the rows after each ring's noted write index are the unlogged launches' (and are left
+        # unnamed); those before it, the logged ones' alone.
+        stops = self._log_stops if unhanded is None else None
+        capped = self._unlogged > 0 and stops is None or self._changed_launches > 0 or unhanded is not None
         steps_known = not stray and not (replays and logged) and not capped
         mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None,
                            log_capped=capped)
         overflowed, recorded = [], []  # the groups whose counts and rings the poll empties
-        for group in self.groups:
+        for number, group in enumerate(self.groups):
             raw = group.ctx.violations()
             group_overflows = int(to_host(group.overflows)[0])
             if group_overflows:
@@ -1121,7 +1146,11 @@ class Canary:
                 overflowed.append(group)
             if raw.total:
                 # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
-                named = mapper.resolve(group, raw.rows, raw.dropped > 0 or capped, ran)
+                logged_rows = len(raw.rows) if stops is None else ring_index(stops[number])
+                kept = raw.rows[:logged_rows]
+                named = mapper.resolve(group, kept, logged_rows > len(kept) or raw.dropped > 0 and stops is None
+                                       or capped, ran)
+                named += [mapper.phase_only(group, v) for v in raw.rows[len(kept):]]
                 if replays or stray or capped:  # a sweep's place beside a replay is not known either
                     named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
                              for phase, step, request, position in named]
@@ -1167,6 +1196,7 @@ class Canary:
         self._drop_closed_static_forwards()
         self._logged_runs = 0
         self._polled_at, self._sweeps, self._unlogged, self._changed_launches = self._numbered, 0, 0, 0
+        self._log_stops = None
         self._owed_poll_mode = None
         self._unhanded = None
 
@@ -1374,6 +1404,8 @@ class StaticForward:
             return
         with self._launching(stream) as stream:  # the stream checked before anything changes
             canary._warn_if_unfinished("StaticForward.before")
+            if not self.closed:  # a closed forward's runs are logged as no forward
+                canary._note_where_the_log_stops(stream, 1)
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
@@ -1398,6 +1430,8 @@ class StaticForward:
                 # its before() did not run eagerly last (it came while off, or not at all): the plans
                 # are another forward's, so this batch is planned here, a forward of its own, as an
                 # after_forward with no before_forward is
+                if not self.closed:
+                    canary._note_where_the_log_stops(stream, 1)
                 self._count(stream)
                 for plan in self._plans:
                     plan(stream)

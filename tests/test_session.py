@@ -1242,7 +1242,8 @@ def test_expected_valid_lens_changed_in_place_leave_the_forwards_rows_unplaced(d
 def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, caplog):
     """An engine that polls rarely holds the batches of at most ``max_logged_forwards`` forwards:
     later ones are still checked, fingerprinted and counted, their rows reported at the next poll
-    without steps (a warning says so, once); after the poll, forwards are logged again."""
+    without step or request (a warning says so, once), the logged forwards' rows with theirs; after
+    the poll, forwards are logged again."""
     eng = Tiny(device, max_logged_forwards=2)
     eng.step({"a": 4, "b": 3})
     assert not eng.canary.poll()
@@ -1256,9 +1257,11 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
     assert all(len(group.log) == 2 * 3 for group in eng.canary.groups)  # head, write and tail of two forwards
     report = eng.canary.poll()
     assert report.forwards == 6 and report.total == 10
-    assert {(e.phase, e.step, e.slot) for e in report} == {("head", None, slot), ("tail", None, slot)}
+    assert {e.slot for e in report} == {slot}
     # the logged forwards' four launches name theirs; the rows of the three forwards left out, none
-    assert sorted((e.request, e.position) for e in report if e.request) == [("a", 1)] * 4
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == \
+        [(phase, step, "a", 1) for step in (2, 3) for phase in ("head", "tail")] + \
+        [(phase, None, None, None) for _ in range(3) for phase in ("head", "tail")]
     eng.step({"a": 1, "b": 1})
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [("head", 7, "a", 1),
                                                                                       ("tail", 7, "a", 1)]
@@ -1266,26 +1269,73 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
         Tiny(device, max_logged_forwards=0)
 
 
-@pytest.mark.parametrize("device", BACKENDS)
-def test_rows_past_max_logged_forwards_go_to_the_first_forwards_as_the_log_keeps_them(device):
-    """The log keeps the first forwards since the poll: the first rows of a slot are theirs, in
-    order, and the later ones are left unnamed. Here a and b (b shares a's first two tokens) read
-    a changed slot with the same records, a in forward 2, b in forward 3, a again in the two past
-    the cap: the rows name a, then b, then no one, never a later forward's row for a logged one."""
-    eng = Tiny(device, max_logged_forwards=2)
+def _b_shares_a_first_two_tokens(eng, device) -> None:
+    """a's prefill of 4 tokens, then b's table row holding a's first two slots (b has those two
+    tokens), polled clean."""
     eng.step({"a": 4})
     table = to_numpy(eng.table).copy()
     table[eng.rows["b"], :2] = table[eng.rows["a"], :2]
     eng.table[...] = to_device(table, device)
     eng.lens["b"] = 2
     assert not eng.canary.poll()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_past_max_logged_forwards_go_to_the_first_forwards_as_the_log_keeps_them(device):
+    """The log keeps the first forwards since the poll: the rows recorded before the first forward
+    it left out are theirs, in order, with their steps, and the later ones are left unnamed. Here a
+    and b (b shares a's first two tokens) read a changed slot with the same records, a in forward
+    2, b in forward 3, a again in the two past the cap: the rows name a, then b, then no one."""
+    eng = Tiny(device, max_logged_forwards=2)
+    _b_shares_a_first_two_tokens(eng, device)
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     for extend in ({"a": 1}, {"b": 1}, {"a": 1}, {"a": 1}):
         eng.step(extend)
     report = eng.canary.poll()
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [
-        (phase, None, request, position) for request, position in (("a", 1), ("b", 1), (None, None), (None, None))
+        (phase, step, request, position)
+        for step, request, position in ((2, "a", 1), (3, "b", 1), (None, None, None), (None, None, None))
         for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("past_the_cap", ["sweep", "static forward"])
+def test_the_first_launch_past_max_logged_forwards_ends_the_named_rows_whichever_call_makes_it(device, past_the_cap):
+    """The rows named are those recorded before the first launch the log leaves out, a sweep's or
+    a static forward's eager run as well as an eager forward's: one logged forward of a reads a
+    changed slot (named, with its step), then a sweep or a forward past the cap reads it again
+    (unnamed), and a later forward's rows are unnamed too."""
+    eng = Tiny(device, bound=past_the_cap == "static forward", max_logged_forwards=1)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    if past_the_cap == "sweep":
+        eng.canary.sweep(kc.LiveRequests(req_pool_indices=to_device(np.array([eng.rows["a"]], np.int64), device),
+                                         seq_lens=to_device(np.array([eng.lens["a"]], np.int64), device),
+                                         req_ids=["a"]))
+    eng.step({"a": 1})
+    events = [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()]
+    unnamed = (["sweep"] if past_the_cap == "sweep" else []) + ["head", "tail"]
+    assert events == [("head", 2, "a", 1), ("tail", 2, "a", 1)] + [(phase, None, None, None) for phase in unnamed]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_of_forwards_past_max_logged_forwards_never_take_a_logged_readers_name(device):
+    """b's logged forward reads a slot it shares with a while the slot is sound; the slot's K bytes
+    change after it, and a's forward, past the cap, records the rows. They fit b's entries as well
+    as a's, but no logged launch recorded them: they are left unnamed, not given to b."""
+    # under the default cap, the same forwards' rows are a's, named
+    for cap, named in ((1, (None, None, None)), (1024, (3, "a", 1))):
+        eng = Tiny(device, max_logged_forwards=cap)
+        _b_shares_a_first_two_tokens(eng, device)
+        eng.step({"b": 1})
+        eng.k[eng.slot("a", 1), 0, 0] += 1.0
+        eng.step({"a": 1})
+        report = eng.canary.poll()
+        assert report.forwards == 3
+        assert [(e.phase, e.step, e.request, e.position, e.slot) for e in report] == [
+            (phase, *named, eng.slot("a", 1)) for phase in ("head", "tail")]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
