@@ -1220,18 +1220,20 @@ class FuzzEngine:
     def check_steps(self, watch: Watch, report: kc.CanaryReport, decodes: bool) -> None:
         """Every event's step, where told, is a forward run since the previous poll (a sweep's, the
         forward before it, which may be the last one that poll saw): so, polled after each forward,
-        that forward's number (`CanaryEvent.step`). A poll while the canary is off returns at once and
-        maps nothing, but for the first one after the switch (integration.md §5), so the window runs
-        from the previous poll that ``decodes``."""
+        that forward's number (`CanaryEvent.step`), and never past the forwards the canary logs
+        (``max_logged_forwards`` since the previous poll: later ones' rows get no step). A poll
+        while the canary is off returns at once and maps nothing, but for the first one after the
+        switch (integration.md §5), so the window runs from the previous poll that ``decodes``."""
         if not decodes:
             return
         now, since = watch.ledger.forwards, watch.polled_forwards
         watch.polled_forwards = now
+        last = min(now, since + self.c.max_logged)
         wrong = [event for event in report.events if event.step is not None
-                 and not since + (event.phase != "sweep") <= event.step <= now]
+                 and not since + (event.phase != "sweep") <= event.step <= last]
         if wrong:
             self.report_errors.append(f"{watch.label}forward {self.index}: event steps outside forwards "
-                                      f"{since + 1}..{now} since the previous poll: "
+                                      f"{since + 1}..{last} since the previous poll and logged: "
                                       + "; ".join(event.describe() for event in wrong[:3]))
 
     def counter_errors(self) -> list[str]:
