@@ -1202,9 +1202,10 @@ class Canary:
 
     def _drop_changed_launches(self) -> None:
         """Leave out of the log the eager launches whose batch arrays the engine reshaped or re-typed
-        in place since their forward (a static forward's are views of its own), as the log leaves
-        out launches past ``max_logged_forwards``: their rows are reported unplaced, rather than
-        this poll and every later one failing on arrays of another shape (said in a warning).
+        in place since their forward (a static forward's are views of its own): their rows get no
+        step, and a request only where they fit a kept launch's entries as the tables are now,
+        rather than this poll and every later one failing on arrays of another shape (said in a
+        warning).
         Counted until a poll completes (``_changed_launches``), so that a poll after an
         interrupted one knows its log is not whole."""
         dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked

@@ -1070,8 +1070,8 @@ def test_a_static_forwards_arrays_retyped_in_place_are_polled_as_they_were_bound
 def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplaced(device, change, caplog):
     """An engine that re-types (to another integer type or to floats), reshapes or resizes a batch's
     array object in place between the forward and the poll: that forward's launches are left out
-    of the log, as those past ``max_logged_forwards`` are (a warning says so), so its rows are
-    reported without a step or a request, and the polls after it work and name requests again."""
+    of the log (a warning says so), so its rows are reported without a step or a request, and the
+    polls after it work and name requests again."""
     eng = Tiny(device)
     eng.step({"a": 4})
     eng.canary.context.canary_buf[eng.slot("a", 1), 0] ^= 1
