@@ -32,6 +32,15 @@ def _window_starts(lens: np.ndarray, window: int) -> np.ndarray:
     return np.maximum(0, lens - window) if window else np.zeros_like(lens)
 
 
+def _same(a, b) -> bool:
+    """Whether two request ids are one: equal, or the same object where equality says nothing
+    usable (an id whose ``==`` raises or gives an array)."""
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 (an engine's id type may compare any way)
+        return False
+
+
 def request_name(batch, row: int):
     """The name of ``batch``'s row ``row``: its id, or the row itself without one."""
     ids = batch.req_ids
@@ -53,6 +62,7 @@ class RowMapper:
         self._cache: dict = {}
         self._checked: dict = {}  # by (group, batch): RowMapper.checked
         self._wanted: dict = {}  # by group: the slots its rows name
+        self._handed: dict = {}  # by group: RowMapper._handed_on
 
     # --- what the launches read, as the plans derive it (SPEC 3.3) -----------------------------------
     def host(self, key, array):
@@ -99,7 +109,9 @@ class RowMapper:
         table = self._table()
         wanted = self._wanted[group.name]
         found: dict = {}
-        live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0))  # padding, or rows resolving nothing
+        handed_on = list(self._handed_on(group).get(id(launch.batch), ()))
+        # padding, rows resolving nothing, and rows whose table row may hold another request's slots now
+        live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0) & ~np.isin(rows, handed_on))
         width = table.shape[1]
         block = max(1, (1 << 22) // max(width, 1))
         for first in range(0, live.shape[0], block):
@@ -113,6 +125,33 @@ class RowMapper:
                 found.setdefault(int(slots[at, position]), []).append((int(owners[at]), int(position)))
         self._checked[key] = found
         return found
+
+    def _handed_on(self, group) -> dict:
+        """By batch (``id``): the pool rows that a later launch of the group's log shows holding
+        another request (both batches naming their requests). The engine may have written that
+        table row for the new request since (a prefix it shares included), so the earlier batch's
+        entries there are not judged from the table as it is now: they would name a request that
+        never read the slots."""
+        if group.name in self._handed:
+            return self._handed[group.name]
+        later: dict = {}  # pool row: the names later launches give it
+        handed, seen = {}, set()
+        for launch in reversed(group.log):
+            ids = launch.batch.req_ids
+            if ids is None or id(launch.batch) in seen:  # a batch's last launch comes first here
+                continue
+            seen.add(id(launch.batch))
+            held = [(int(row), name) for row, name in zip(self._batch(launch, "req_pool_indices").tolist(), ids)
+                    if row > 0]
+            stale = {row for row, name in held if any(not _same(name, other) for other in later.get(row, ()))}
+            if stale:
+                handed[id(launch.batch)] = frozenset(stale)
+            for row, name in held:
+                names = later.setdefault(row, [])
+                if len(names) < 2 and not any(_same(name, other) for other in names):
+                    names.append(name)
+        self._handed[group.name] = handed
+        return handed
 
     def _through_lut(self, group, cells: np.ndarray) -> np.ndarray:
         """``cells`` through the group's LUT as the plan maps them: negative cells pass through,

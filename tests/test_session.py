@@ -1097,6 +1097,28 @@ def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplace
     assert later and {(e.step, e.request) for e in later} == {(3, "a")} and {e.position for e in later} == {2, 3}
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_pool_row_handed_to_a_request_sharing_a_prefix_before_the_poll_names_no_earlier_holder(device):
+    """Forward 2 has a, which reads a changed slot, and b, which does not. b then finishes and its
+    pool row goes to c, which shares a's first two tokens (the table row now holds that slot), and
+    forward 3 has c. Read through the table as it is at the poll, b's entry in forward 2 would fit
+    the slot; forward 3 shows the row holding another request, so forward 2's rows name a alone,
+    and forward 3's name c."""
+    eng = Tiny(device)
+    eng.step({"a": 4, "b": 3})
+    assert not eng.canary.poll()
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1, "b": 1})
+    eng.rows["c"], eng.lens["c"] = eng.rows.pop("b"), 2
+    table = to_numpy(eng.table).copy()
+    table[eng.rows["c"]] = 0
+    table[eng.rows["c"], :2] = table[eng.rows["a"], :2]
+    eng.table[...] = to_device(table, device)
+    eng.step({"c": 1})
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
+        ("head", 2, "a", 1), ("tail", 2, "a", 1), ("head", 3, "c", 1), ("tail", 3, "c", 1)]
+
+
 class _InterruptedOnce:
     """A logger that raises KeyboardInterrupt at its first warning, as an engine's logger can when
     the process is interrupted, and takes the later ones."""
