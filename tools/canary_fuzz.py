@@ -563,6 +563,12 @@ class FuzzEngine:
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
         self.named_at: set = set()  # (request, position) of those events
+        # the names of events polled where the canaries promise exact names, every few forwards
+        # included: eager forwards only, and no pool row handed on since the previous poll to a
+        # request that no forward or sweep has shown holding it (README, "tables changed before the poll")
+        self.named_exactly: set = set()
+        self.rows_read: set = set()  # pool rows read by forwards and sweeps since the previous poll
+        self.handed_unseen: set = set()  # of those, rows handed on to a request not shown since
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
         self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
         # forwards and sweeps since the previous poll that decoded (made while the canaries were on,
@@ -771,6 +777,8 @@ class FuzzEngine:
         tokens = rng.integers(1, VOCAB, total)
         tokens[:len(prefix_tokens)] = prefix_tokens
         row = self.free_rows.popleft()
+        if row in self.rows_read:
+            self.handed_unseen.add(row)
         self.expected_host[row] = 0
         self.expected_host[row, :total] = tokens
         self.table_host[row, :k] = shared
@@ -938,6 +946,7 @@ class FuzzEngine:
         then the draft model's forward over the kept tokens."""
         c = self.c
         self.span_calls += not self.paused
+        self.shown({s.request.row for s in scheduled})
         verify = self.batch(scheduled)
         keeps_all = c.speculative in ("off", "chain_all")  # the forward's own batch is fingerprinted
         entry = self.static_entry(self.canary, scheduled, sum(len(s.nodes) for s in scheduled)) \
@@ -1174,6 +1183,7 @@ class FuzzEngine:
         array = self.array
         self.sync_tables()
         self.span_calls += not self.paused
+        self.shown({r.row for r in requests})
         live = kc.LiveRequests(req_pool_indices=array([r.row for r in requests]),
                                seq_lens=array([r.cached for r in requests]), req_ids=[r.rid for r in requests])
         for watch in self.watches:
@@ -1183,6 +1193,11 @@ class FuzzEngine:
                 entries = sum(min(r.cached, window) if window else r.cached for r in requests)
                 watch.ledger.verify(group, entries, self.canary.capacities.verify_capacity)
         self.tally["sweeps"] += 1
+
+    def shown(self, rows: set) -> None:
+        """A forward or sweep reads these pool rows, each its current request's."""
+        self.rows_read |= rows
+        self.handed_unseen -= rows
 
     def poll(self) -> None:
         fault = self.fault
@@ -1194,6 +1209,9 @@ class FuzzEngine:
                     and fault.injected_at >= self.span_start:
                 fault.unlogged = True
             self.span_calls, self.span_start = 0, self.index + 1
+        exact = decodes and (self.c.poll_every == 1 or self.c.static == "off" and not self.handed_unseen)
+        if decodes:
+            self.rows_read, self.handed_unseen = set(), set()
         for watch in self.watches:
             try:
                 report = watch.canary.poll()
@@ -1212,6 +1230,8 @@ class FuzzEngine:
             if self.fault is not None and self.fault.injected_at is not None:
                 self.found_after_fault += report.total
                 self.named.update(event.request for event in report.events)
+                if exact:
+                    self.named_exactly.update(event.request for event in report.events)
                 self.named_at.update((event.request, event.position) for event in report.events)
             if report.total and self.first_found is None:
                 self.first_found = self.index
@@ -1283,7 +1303,10 @@ class FuzzEngine:
         the changed record, and is all that tells a record written over whole); where every forward
         is polled before the next (poll_every 1: integration.md §5, "call it every step for exact
         names"), no event names anyone but victims and the thief, nor a victim at a position other
-        than those two. An event may name no request or no position (a row the tables at the poll
+        than those two. Polled every few forwards, eager forwards alone, no event names anyone else
+        either, where no pool row was handed on since the previous poll to a request that no
+        forward or sweep showed holding it before the poll (README: the table row may hold the new
+        request's slots of a shared prefix then). An event may name no request or no position (a row the tables at the poll
         no longer explain, such as an SWA slot freed after the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
         token (a draft model's too) that the write input assert may be the only one to see, in a
@@ -1299,8 +1322,8 @@ class FuzzEngine:
         named = self.named - {None}
         if not named & fault.victims:
             return f"no event named a victim {sorted(fault.victims)}: they named {sorted(map(str, named))}"
-        strays = named - fault.victims - fault.bystanders
-        if strays and self.c.poll_every == 1:
+        strays = self.named_exactly - {None} - fault.victims - fault.bystanders
+        if strays:
             return f"events named {sorted(map(str, strays))}, neither victims {sorted(fault.victims)} nor thieves"
         at = fault.position
         seen = {position for request, position in self.named_at if request in fault.victims and position is not None}
