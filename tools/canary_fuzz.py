@@ -565,8 +565,10 @@ class FuzzEngine:
         self.named_at: set = set()  # (request, position) of those events
         # the names of events polled where the canaries promise exact names, every few forwards
         # included: eager forwards only, and no pool row handed on since the previous poll to a
-        # request that no forward or sweep has shown holding it (README, "tables changed before the poll")
+        # request that no logged forward or sweep has shown holding it (README, "tables changed
+        # before the poll")
         self.named_exactly: set = set()
+        self.named_at_exactly: set = set()  # (request, position) of those events
         self.rows_read: set = set()  # pool rows read by forwards and sweeps since the previous poll
         self.handed_unseen: set = set()  # of those, rows handed on to a request not shown since
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
@@ -1195,9 +1197,11 @@ class FuzzEngine:
         self.tally["sweeps"] += 1
 
     def shown(self, rows: set) -> None:
-        """A forward or sweep reads these pool rows, each its current request's."""
+        """A forward or sweep reads these pool rows, each its current request's: the canaries see
+        which request holds each where they log the call (at most max_logged since the poll)."""
         self.rows_read |= rows
-        self.handed_unseen -= rows
+        if self.span_calls <= self.c.max_logged:
+            self.handed_unseen -= rows
 
     def poll(self) -> None:
         fault = self.fault
@@ -1232,6 +1236,7 @@ class FuzzEngine:
                 self.named.update(event.request for event in report.events)
                 if exact:
                     self.named_exactly.update(event.request for event in report.events)
+                    self.named_at_exactly.update((event.request, event.position) for event in report.events)
                 self.named_at.update((event.request, event.position) for event in report.events)
             if report.total and self.first_found is None:
                 self.first_found = self.index
@@ -1305,7 +1310,7 @@ class FuzzEngine:
         names"), no event names anyone but victims and the thief, nor a victim at a position other
         than those two. Polled every few forwards, eager forwards alone, no event names anyone else
         either, where no pool row was handed on since the previous poll to a request that no
-        forward or sweep showed holding it before the poll (README: the table row may hold the new
+        logged forward or sweep showed holding it before the poll (README: the table row may hold the new
         request's slots of a shared prefix then). An event may name no request or no position (a row the tables at the poll
         no longer explain, such as an SWA slot freed after the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
@@ -1334,8 +1339,10 @@ class FuzzEngine:
         near = {at, at + 1}
         if not seen & near:
             return f"no event named a victim at position {at} or {at + 1}: they named positions {sorted(seen)}"
-        if seen - near and self.c.poll_every == 1:
-            return f"events named victims at positions {sorted(seen - near)}, neither {at} nor {at + 1}"
+        exactly = {position for request, position in self.named_at_exactly
+                   if request in fault.victims and position is not None}
+        if exactly - near:
+            return f"events named victims at positions {sorted(exactly - near)}, neither {at} nor {at + 1}"
         return ""
 
     # --- moves: the host tier and compaction (integration.md §4) ---------------------------------
