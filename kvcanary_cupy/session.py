@@ -1205,8 +1205,7 @@ class Canary:
         in place since their forward (a static forward's are views of its own): their rows get no
         step, and a request only where they fit a kept launch's entries as the tables are now,
         rather than this poll and every later one failing on arrays of another shape (said in a
-        warning).
-        Counted until a poll completes (``_changed_launches``), so that a poll after an
+        warning). Counted until a poll completes (``_changed_launches``), so that a poll after an
         interrupted one knows its log is not whole."""
         dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked
         for group in self.groups:
