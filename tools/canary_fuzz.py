@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import pathlib
 import sys
 import time
 import traceback
@@ -1767,10 +1768,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="CuPy's memory pool off: every CuPy array an allocation of its exact size, so that "
                              "compute-sanitizer's memcheck sees a read or store one past it")
     args = parser.parse_args(argv)
-    if args.exact_allocations and args.device != "cpu":
-        import cupy  # noqa: PLC0415
+    if args.exact_allocations:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+        from _fuzzcases import exact_allocations  # noqa: PLC0415
 
-        cupy.cuda.set_allocator(None)
+        exact_allocations(args.device)
     dev = Device(args.device)
     rows, started, shown = [], time.perf_counter(), time.perf_counter()
     for seed in range(args.start, args.start + args.seeds):

@@ -51,10 +51,8 @@ def main(argv=None) -> int:
                         help="no guard bands, and CuPy's memory pool off (for compute-sanitizer)")
     args = parser.parse_args(argv)
     F.guard_arrays(not args.exact_allocations)
-    if args.exact_allocations and args.device != "cpu":
-        import cupy  # noqa: PLC0415
-
-        cupy.cuda.set_allocator(None)
+    if args.exact_allocations:
+        F.exact_allocations(args.device)
     if args.write_team != "auto":
         from _devices import force_write_team  # noqa: PLC0415 (it asks for a CUDA device on import)
 
