@@ -54,10 +54,10 @@ class RowMapper:
     def __init__(self, canary, replay_step: Optional[int] = None, log_capped: bool = False):
         self.canary = canary
         self.replay_step = replay_step  # the step of a row only a static forward's replay explains
-        # launches left out of the log (their arrays changed in place, or after an interrupted
-        # poll): the first rows go to the first logged launches, the readers of the launches left
-        # out not being known. (Past max_logged_forwards the poll hands over only the rows
-        # recorded before the first launch left out.)
+        # the log may not be whole (launches left out because their arrays changed in place, whose
+        # kinds of rows the poll keeps from the mapping; or after an interrupted poll): the first
+        # rows go to the first logged launches. (Past max_logged_forwards the poll hands over only
+        # the rows recorded before the first launch left out.)
         self.log_capped = log_capped
         self._cache: dict = {}
         self._checked: dict = {}  # by (group, batch): RowMapper.checked

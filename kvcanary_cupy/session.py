@@ -617,6 +617,8 @@ class Canary:
         # are the logged launches' alone.
         self._log_stops: Optional[list] = None
         self._changed_launches = 0  # launches dropped from it since: their arrays changed in place
+        # by group: the (tag, write) of those launches, whose rows are not told from other launches'
+        self._changed_kinds: dict[str, set] = {}
         # The report of a poll interrupted once it had made it, which the next poll hands over.
         self._unhanded: Optional[CanaryReport] = None
         # Closed static forwards let go of before a poll could map their runs (max_logged_forwards of
@@ -1148,9 +1150,12 @@ class Canary:
                 # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
                 logged_rows = len(raw.rows) if stops is None else ring_index(stops[number])
                 kept = raw.rows[:logged_rows]
-                named = mapper.resolve(group, kept, logged_rows > len(kept) or raw.dropped > 0 and stops is None
-                                       or capped, ran)
-                named += [mapper.phase_only(group, v) for v in raw.rows[len(kept):]]
+                changed = self._changed_kinds.get(group.name, set())
+                mapped = [i for i, v in enumerate(kept) if (int(v.kernel_kind), mapper.is_write_row(group, v)) not in changed]
+                named = [mapper.phase_only(group, v) for v in raw.rows]
+                for i, name in zip(mapped, mapper.resolve(group, [kept[i] for i in mapped], logged_rows > len(kept)
+                                                          or raw.dropped > 0 and stops is None or capped, ran)):
+                    named[i] = name
                 if replays or stray or capped:  # a sweep's place beside a replay is not known either
                     named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
                              for phase, step, request, position in named]
@@ -1196,17 +1201,18 @@ class Canary:
         self._drop_closed_static_forwards()
         self._logged_runs = 0
         self._polled_at, self._sweeps, self._unlogged, self._changed_launches = self._numbered, 0, 0, 0
-        self._log_stops = None
+        self._log_stops, self._changed_kinds = None, {}
         self._owed_poll_mode = None
         self._unhanded = None
 
     def _drop_changed_launches(self) -> None:
         """Leave out of the log the eager launches whose batch arrays the engine reshaped or re-typed
-        in place since their forward (a static forward's are views of its own): their rows get no
-        step, and a request only where they fit a kept launch's entries as the tables are now,
-        rather than this poll and every later one failing on arrays of another shape (said in a
-        warning). Counted until a poll completes (``_changed_launches``), so that a poll after an
-        interrupted one knows its log is not whole."""
+        in place since their forward (a static forward's are views of its own), rather than this
+        poll and every later one failing on arrays of another shape (said in a warning). Their
+        entries are not known, so no row of their kind (their group's launch tag, a write's or a
+        verify's) gets a step or a request: any of them may be theirs, and fit another launch's
+        entries too. Counted until a poll completes (``_changed_launches``, ``_changed_kinds``),
+        so that a poll after an interrupted one knows its log is not whole."""
         dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked
         for group in self.groups:
             kept = []
@@ -1217,14 +1223,17 @@ class Canary:
                     judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens, write)
                 if judged[key] and (launch.write_loc is None or _entries_as_checked(launch)):
                     kept.append(launch)
+                else:
+                    self._changed_kinds.setdefault(group.name, set()).add((launch.tag, write))
             dropped += len(group.log) - len(kept)
             group.log[:] = kept
         self._changed_launches += dropped
         if dropped:
             self._warn(
                 f"kv-canary: {dropped} launch(es) since the last poll() read batch arrays that have been reshaped "
-                f"or re-typed in place since: their violations, if any, get no step and may name no request (keep "
-                f"a batch's arrays as they are until the poll after its forward)")
+                f"or re-typed in place since: violations of their kind (their launch tag) since the last poll(), "
+                f"theirs or not, get no step and name no request (keep a batch's arrays as they are until the "
+                f"poll after its forward)")
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each group's health counters (synchronises): its launches (``kernel_run_counter``) and the
