@@ -1319,8 +1319,8 @@ class FuzzEngine:
         static forward polled after later forwards refilled its arrays (README: "poll after each
         replay for exact names"), or in a span between two polls of more forwards and sweeps than
         ``max_logged_forwards`` (whose later forwards the canaries do not log: integration.md §5).
-        A fault injected in such a span need not be named at all (its rows may all come from the
-        forwards past the cap, which name no request); what is named is still judged."""
+        A fault injected in such a span may go with no name at all (its rows may all come from the
+        forwards past the cap, which name no request); a name given must still be a victim's."""
         fault = self.fault
         if not self.found_after_fault or not self.c.ring_capacity:
             return ""
@@ -1328,7 +1328,7 @@ class FuzzEngine:
         if only_asserted.get(fault.kind) and (fault.in_static and self.c.poll_every > 1 or fault.unlogged):
             return ""
         named = self.named - {None}
-        if not named & fault.victims and not fault.unlogged:  # rows past the log's cap name no one
+        if not named & fault.victims and (named or not fault.unlogged):  # rows past the log's cap name no one
             return f"no event named a victim {sorted(fault.victims)}: they named {sorted(map(str, named))}"
         strays = self.named_exactly - {None} - fault.victims - fault.bystanders
         if strays:
