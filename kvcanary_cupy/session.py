@@ -926,8 +926,7 @@ class Canary:
             self._prepare_checks()
             if prepared is None and self._prepared_plans.second_meeting(geometry):
                 prepared = self._prepared_plans.put(geometry, self._prepare_plans(batch, plans))
-            self._note_where_the_log_stops(stream, 1)
-            step = self._next_forward()
+            step = self._next_forward(stream)
             for index, group in enumerate(self.groups):
                 self._launch_plan(group, index, plans, prepared, geometry, stream)
                 self._forward_check(group, group.head_tag, stream)
@@ -988,8 +987,9 @@ class Canary:
         with on_device(self.device, stream):
             self._log_stops = [group.ctx.violation_write_index.copy() for group in self.groups]
 
-    def _next_forward(self) -> int:
-        """Count an eager forward; its number."""
+    def _next_forward(self, stream: Any) -> int:
+        """Count an eager forward, about to launch on ``stream``; its number."""
+        self._note_where_the_log_stops(stream, 1)
         self.forwards += 1
         self._numbered += 1
         return self._numbered
@@ -1039,8 +1039,7 @@ class Canary:
                 addresses, slots = self._write_addresses(batch, prepared_writes, write_geometry, stream)
             if replan:
                 if opens_forward:
-                    self._note_where_the_log_stops(stream, 1)
-                    self._next_forward()
+                    self._next_forward(stream)
                 for index, group in enumerate(self.groups):
                     self._launch_plan(group, index, plans, prepared_plans, plan_geometry, stream)
             for index, group in enumerate(self.groups):
@@ -1148,14 +1147,7 @@ class Canary:
                 overflowed.append(group)
             if raw.total:
                 # a ring that dropped rows keeps the first ones, as a capped log keeps the first launches
-                logged_rows = len(raw.rows) if stops is None else ring_index(stops[number])
-                kept = raw.rows[:logged_rows]
-                changed = self._changed_kinds.get(group.name, set())
-                mapped = [i for i, v in enumerate(kept) if (int(v.kernel_kind), mapper.is_write_row(group, v)) not in changed]
-                named = [mapper.phase_only(group, v) for v in raw.rows]
-                for i, name in zip(mapped, mapper.resolve(group, [kept[i] for i in mapped], logged_rows > len(kept)
-                                                          or raw.dropped > 0 and stops is None or capped, ran)):
-                    named[i] = name
+                named = self._named_rows(mapper, group, raw, None if stops is None else stops[number], capped, ran)
                 if replays or stray or capped:  # a sweep's place beside a replay is not known either
                     named = [(phase, step if steps_known and phase != "sweep" else None, request, position)
                              for phase, step, request, position in named]
@@ -1179,6 +1171,20 @@ class Canary:
         if violation is not None:
             raise violation
         return report
+
+    def _named_rows(self, mapper: RowMapper, group: _Group, raw, stop: Any, capped: bool, ran: set) -> list[tuple]:
+        """``(phase, step, request, position)`` of each row of ``raw`` (a group's ring as read): the
+        rows before ``stop`` (the ring's noted write index, None while the log holds every launch)
+        and of no kind a dropped launch had mapped from the log, the others by their phase alone."""
+        logged = raw.rows if stop is None else raw.rows[:ring_index(stop)]
+        # the logged launches' rows all kept, or some of them dropped by a full ring
+        dropped = raw.dropped > 0 if stop is None else ring_index(stop) > len(logged)
+        changed = self._changed_kinds.get(group.name, set())
+        mapped = [i for i, v in enumerate(logged) if (int(v.kernel_kind), mapper.is_write_row(group, v)) not in changed]
+        named = [mapper.phase_only(group, v) for v in raw.rows]
+        for i, name in zip(mapped, mapper.resolve(group, [logged[i] for i in mapped], dropped or capped, ran)):
+            named[i] = name
+        return named
 
     def _forget_polled(self, report: CanaryReport, counts_read: list, replays: int, overflowed: list,
                        recorded: list) -> None:
