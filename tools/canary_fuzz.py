@@ -564,12 +564,11 @@ class FuzzEngine:
         self.report_errors: list[str] = []
         self.named: set = set()  # the requests the events after the fault name (None: an event naming none)
         self.named_at: set = set()  # (request, position) of those events
-        # the names of events polled where the canaries promise exact names, every few forwards
-        # included: eager forwards only, and no pool row handed on since the previous poll to a
-        # request that no logged forward or sweep has shown holding it (README, "tables changed
-        # before the poll")
-        self.named_exactly: set = set()
-        self.named_at_exactly: set = set()  # (request, position) of those events
+        # (request, position) of the events polled where the canaries promise exact names, every
+        # few forwards included: eager forwards only, and no pool row handed on since the previous
+        # poll to a request that no logged forward or sweep has shown holding it (README, "tables
+        # changed before the poll")
+        self.named_at_exactly: set = set()
         self.rows_read: set = set()  # pool rows read by forwards and sweeps since the previous poll
         self.handed_unseen: set = set()  # of those, rows handed on to a request not shown since
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
@@ -1236,7 +1235,6 @@ class FuzzEngine:
                 self.found_after_fault += report.total
                 self.named.update(event.request for event in report.events)
                 if exact:
-                    self.named_exactly.update(event.request for event in report.events)
                     self.named_at_exactly.update((event.request, event.position) for event in report.events)
                 self.named_at.update((event.request, event.position) for event in report.events)
             if report.total and self.first_found is None:
@@ -1311,9 +1309,10 @@ class FuzzEngine:
         names"), no event names anyone but victims and the thief, nor a victim at a position other
         than those two. Polled every few forwards, eager forwards alone, no event names anyone else
         either, where no pool row was handed on since the previous poll to a request that no
-        logged forward or sweep showed holding it before the poll (README: the table row may hold the new
-        request's slots of a shared prefix then). An event may name no request or no position (a row the tables at the poll
-        no longer explain, such as an SWA slot freed after the forward): that is not judged.
+        logged forward or sweep showed holding it before the poll (README: the table row may hold
+        the new request's slots of a shared prefix then). An event may name no request or no
+        position (a row the tables at the poll no longer explain, such as an SWA slot freed after
+        the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
         token (a draft model's too) that the write input assert may be the only one to see, in a
         static forward polled after later forwards refilled its arrays (README: "poll after each
@@ -1330,7 +1329,7 @@ class FuzzEngine:
         named = self.named - {None}
         if not named & fault.victims and (named or not fault.unlogged):  # rows past the log's cap name no one
             return f"no event named a victim {sorted(fault.victims)}: they named {sorted(map(str, named))}"
-        strays = self.named_exactly - {None} - fault.victims - fault.bystanders
+        strays = {request for request, _ in self.named_at_exactly} - {None} - fault.victims - fault.bystanders
         if strays:
             return f"events named {sorted(map(str, strays))}, neither victims {sorted(fault.victims)} nor thieves"
         at = fault.position
