@@ -437,8 +437,7 @@ class RowMapper:
                 used.setdefault(index, set()).update(entry for _, entry, _, _ in taken)
                 # fewer rows than entries fitting them: some fit only as the tables are now, and a
                 # row is named only where all its fitting entries agree
-                judged_fits = [fit for _, _, fit, judged in taken if judged]
-                alike = len(judged_fits) == len({e for fit in judged_fits for e in fit})
+                alike = _one_entry_each([fit for _, _, fit, judged in taken if judged])
                 for i, entry, fit, judged in taken:
                     if not exact and not self.log_capped:  # a full ring: any launch of ``order`` may have recorded it
                         name, position = self._one_reader(group, key, rows[i], order)
@@ -589,8 +588,7 @@ def _name_alike(fitted: list, out: list) -> None:
     it fits exactly)`` each, as :meth:`RowMapper._assign` names a logged launch's: where there are
     as many rows as entries they fit, each entry recorded one, so each row takes an entry of its
     own (alike rows of a slot several requests read, one for each reader)."""
-    entries = {entry for _, _, fit in fitted for entry in fit}
-    if len(fitted) != len(entries):
+    if not _one_entry_each([fit for _, _, fit in fitted]):
         return
     chosen: dict = {}  # entry -> (row index, launch), the rows taken last first, as _assign takes them
     for i, launch, fit in fitted[::-1]:
@@ -600,6 +598,12 @@ def _name_alike(fitted: list, out: list) -> None:
         chosen[entry] = (i, launch)
     for (r, position), (i, launch) in chosen.items():
         out[i] = out[i][:2] + (request_name(launch.batch, r), position)
+
+
+def _one_entry_each(fits: list) -> bool:
+    """Whether rows whose fitting entries are ``fits`` (one list a row) are as many as the entries
+    they fit together: then each entry recorded one row, and each row may take an entry of its own."""
+    return len(fits) == len({entry for fit in fits for entry in fit})
 
 
 def _one_name(launch, entries: list) -> tuple:
