@@ -1413,14 +1413,14 @@ class StaticForward:
 
     def before(self, *, stream: Any = None) -> None:
         """Plan the batch and verify every prefix slot it is about to read (HEAD)."""
+        self._refuse_if_closed("before")
         canary = self._canary
         if not canary.enabled:
             canary._planned = None
             return
         with self._launching(stream) as stream:  # the stream checked before anything changes
             canary._warn_if_unfinished("StaticForward.before")
-            if not self.closed:  # a closed forward's runs are logged as no forward
-                canary._note_where_the_log_stops(stream, 1)
+            canary._note_where_the_log_stops(stream, 1)
             self._count(stream)
             for group, plan in zip(canary.groups, self._plans):
                 plan(stream)
@@ -1436,6 +1436,7 @@ class StaticForward:
         canary was off), it plans the batch first, a forward of its own, as an ``after_forward``
         with no ``before_forward`` does; a captured one writes with the plans the replay finds, so
         capture ``before()`` with it."""
+        self._refuse_if_closed("after")
         canary = self._canary
         if not canary.enabled:
             canary._planned = None
@@ -1445,8 +1446,7 @@ class StaticForward:
                 # its before() did not run eagerly last (it came while off, or not at all): the plans
                 # are another forward's, so this batch is planned here, a forward of its own, as an
                 # after_forward with no before_forward is
-                if not self.closed:
-                    canary._note_where_the_log_stops(stream, 1)
+                canary._note_where_the_log_stops(stream, 1)
                 self._count(stream)
                 for plan in self._plans:
                     plan(stream)
@@ -1463,9 +1463,7 @@ class StaticForward:
         """Log a run's launches ``[first, end)`` (head, counted as a forward; write and tail) as an
         eager forward's are, so that poll places its rows in order among theirs; not while a graph
         is captured, whose replays leave no trace (poll matches their rows against the static
-        forward itself); nor for a closed forward, run by mistake, whose rows belong to no forward."""
-        if self.closed:
-            return
+        forward itself)."""
         if stream_capturing(stream):
             for record in self._records:
                 record.captured = self
@@ -1483,11 +1481,18 @@ class StaticForward:
         for group, launches in self._logged:
             canary._log(group, *(dataclasses.replace(launch, step=step) for launch in launches[first:end]))
 
+    def _refuse_if_closed(self, method: str) -> None:
+        """Raise before anything runs where :meth:`close` has been called: its runs would belong to
+        no forward (a graph captured before may still be replayed; poll counts those runs apart)."""
+        if self.closed:
+            raise ValueError(f"kv-canary: StaticForward.{method}: the forward must be open, got one closed by "
+                             "close(); build another with Canary.static_forward")
+
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still
         counts and maps its runs since the previous one, then lets go of its arrays. Its run count
-        cell is never handed to another forward, so runs after that poll are simply not counted.
-        At most ``max_logged_forwards`` closed forwards wait for that poll: past them the oldest are
+        cell is never handed to another forward, so a replay of its graph after that poll is
+        simply not counted; its ``before()`` and ``after()`` refuse to run from now on. At most ``max_logged_forwards`` closed forwards wait for that poll: past them the oldest are
         let go of, their runs still counted, but the rows only their graph replays explain named
         to no request."""
         if not self.closed:

@@ -1547,12 +1547,17 @@ def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
     later = eng.arrays(1, 1)
     third = eng.canary.static_forward(kc.ForwardBatch(**later))
     assert third.run_count_at != second.run_count_at  # a count cell serves one forward
+    # the closed forward refuses to run, and the refusal changes nothing
+    for method in (second.before, second.after):
+        with pytest.raises(ValueError, match=r"kv-canary: StaticForward\.(before|after): the forward must be open"):
+            method()
+    assert eng.canary.poll().forwards == 4
     # rows its arrays no longer explain (refilled before the poll) keep the phase their tags name;
-    # the closed forward, run again by mistake, counts as nobody's forward
+    # the closed forward's graph, replayed by mistake, runs as nobody's forward
     eng.fill(later, [(1, 6, [34])])
     eng.run(third)
     later["req_pool_indices"][...] = 0
-    eng.run(second)  # its arrays still read y's flipped position 1
+    _replay_by_mistake(second)  # its arrays still read y's flipped position 1
     report = eng.canary.poll()
     assert report.forwards == 5
     assert sorted((e.phase, e.request, e.position) for e in report) == [("head", None, None)] * 2 + [
@@ -2802,6 +2807,17 @@ def _decode_forward_of_a(eng: Tiny) -> tuple:
     return eng.canary.static_forward(batch), int(to_numpy(batch.out_cache_loc)[0])
 
 
+def _replay_by_mistake(forward: kc.session.StaticForward) -> None:
+    """What a graph captured from ``forward`` before its ``close()`` does when replayed: its
+    launches, with nothing logged or noted on the host (the CPU backend captures no graph)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kc.session.StaticForward, "_refuse_if_closed", lambda self, method: None)
+        patch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
+        patch.setattr(kc.session.Canary, "_note_where_the_log_stops", lambda *args, **kwargs: None)
+        forward.before()
+        forward.after()
+
+
 def _run(eng: Tiny, forward: kc.session.StaticForward, slot: int) -> None:
     forward.before()
     for buffer in (eng.k, eng.v):
@@ -2813,8 +2829,8 @@ def _run(eng: Tiny, forward: kc.session.StaticForward, slot: int) -> None:
 def test_a_count_array_whose_forwards_a_poll_let_go_is_read_no_more(max_logged_forwards):
     """Static forwards run and closed (past ``max_logged_forwards``, some let go before the poll)
     fill a count array alone; the poll after them lets go of them all, and no later poll reads
-    that array: a closed forward run again by mistake afterwards is not counted, as its close()
-    says, and leaves the next forward's rows their step."""
+    that array: a closed forward's graph replayed by mistake afterwards is not counted, as its
+    close() says, and leaves the next forward's rows their step."""
     eng = Tiny("cpu", max_logged_forwards=max_logged_forwards)
     eng.step({"a": 4})
     closed = []
@@ -2825,8 +2841,7 @@ def test_a_count_array_whose_forwards_a_poll_let_go_is_read_no_more(max_logged_f
         closed.append((forward, slot))
     assert eng.canary.poll().forwards == 5
     forward, slot = closed[0]
-    forward.before()  # by mistake: it writes its token's record again as it was
-    forward.after()
+    _replay_by_mistake(forward)  # it writes its token's record again as it was
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     eng.step({"a": 1})
     report = eng.canary.poll()
