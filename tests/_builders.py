@@ -15,6 +15,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 import numpy as np
+import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import _layout as L
@@ -391,3 +392,14 @@ class Unprintable:
 
     def __hash__(self):
         return hash(self.name)
+
+
+def replay_by_mistake(forward: kc.StaticForward) -> None:
+    """What a graph captured from ``forward`` before its ``close()`` does when replayed: its
+    launches, with nothing logged or noted on the host (the CPU backend captures no graph)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kc.session.StaticForward, "_refuse_if_closed", lambda self, method: None)
+        patch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
+        patch.setattr(kc.session.Canary, "_note_where_the_log_stops", lambda *args, **kwargs: None)
+        forward.before()
+        forward.after()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, Unprintable, session_capacities
+from _builders import DLPackOnly, Unprintable, replay_by_mistake, session_capacities
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
@@ -1557,7 +1557,7 @@ def test_static_forward_rows_are_mapped_by_the_forwards_that_ran(device):
     eng.fill(later, [(1, 6, [34])])
     eng.run(third)
     later["req_pool_indices"][...] = 0
-    _replay_by_mistake(second)  # its arrays still read y's flipped position 1
+    replay_by_mistake(second)  # its arrays still read y's flipped position 1
     report = eng.canary.poll()
     assert report.forwards == 5
     assert sorted((e.phase, e.request, e.position) for e in report) == [("head", None, None)] * 2 + [
@@ -2807,17 +2807,6 @@ def _decode_forward_of_a(eng: Tiny) -> tuple:
     return eng.canary.static_forward(batch), int(to_numpy(batch.out_cache_loc)[0])
 
 
-def _replay_by_mistake(forward: kc.session.StaticForward) -> None:
-    """What a graph captured from ``forward`` before its ``close()`` does when replayed: its
-    launches, with nothing logged or noted on the host (the CPU backend captures no graph)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kc.session.StaticForward, "_refuse_if_closed", lambda self, method: None)
-        patch.setattr(kc.session.StaticForward, "_log", lambda *args, **kwargs: None)
-        patch.setattr(kc.session.Canary, "_note_where_the_log_stops", lambda *args, **kwargs: None)
-        forward.before()
-        forward.after()
-
-
 def _run(eng: Tiny, forward: kc.session.StaticForward, slot: int) -> None:
     forward.before()
     for buffer in (eng.k, eng.v):
@@ -2841,7 +2830,7 @@ def test_a_count_array_whose_forwards_a_poll_let_go_is_read_no_more(max_logged_f
         closed.append((forward, slot))
     assert eng.canary.poll().forwards == 5
     forward, slot = closed[0]
-    _replay_by_mistake(forward)  # it writes its token's record again as it was
+    replay_by_mistake(forward)  # it writes its token's record again as it was
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     eng.step({"a": 1})
     report = eng.canary.poll()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from _builders import replay_by_mistake
 from _devices import BACKENDS, to_device, to_numpy
 from test_session_poll import _a_bad_slot_read_by_two_chains, _Engine, _events_of_slot, _workload
 
@@ -284,8 +285,7 @@ def test_a_forward_let_go_and_run_by_mistake_leaves_its_span_without_steps(devic
     old.close()
     assert driven.poll().total == 0  # lets it go
     monkeypatch.setattr(kc.session.StaticForward, "_log", _unlogged)  # replays from here on
-    old.before()  # its graph replayed by mistake
-    old.after()
+    replay_by_mistake(old)
     driven.static = beside == "replay"
     if not driven.static:  # another forward held, not run: the count array of the mistaken run's cell is read
         driven.canary.static_forward(old.batch)
