@@ -1485,16 +1485,17 @@ class StaticForward:
         """Raise before anything runs where :meth:`close` has been called: its runs would belong to
         no forward (a graph captured before may still be replayed; poll counts those runs apart)."""
         if self.closed:
-            raise ValueError(f"kv-canary: StaticForward.{method}: the forward must be open, got one closed by "
-                             "close(); build another with Canary.static_forward")
+            raise ValueError(f"{check.PREFIX}StaticForward.{method}: the forward must be open, got one closed "
+                             "by close(); build another with Canary.static_forward")
 
     def close(self) -> None:
         """For a forward, or a captured graph of it, that will not run again: the next poll still
         counts and maps its runs since the previous one, then lets go of its arrays. Its run count
         cell is never handed to another forward, so a replay of its graph after that poll is
-        simply not counted; its ``before()`` and ``after()`` refuse to run from now on. At most ``max_logged_forwards`` closed forwards wait for that poll: past them the oldest are
-        let go of, their runs still counted, but the rows only their graph replays explain named
-        to no request."""
+        simply not counted; its ``before()`` and ``after()`` refuse to run from now on. At most
+        ``max_logged_forwards`` closed forwards wait for that poll: past them the oldest are let go
+        of, their runs still counted, but the rows only their graph replays explain named to no
+        request."""
         if not self.closed:
             self.closed = True
             self._canary._hold_closed_static_forwards()
