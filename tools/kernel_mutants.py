@@ -56,6 +56,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = "kvcanary_cupy/rawkernels"
+# the survivors' images are compiled by the package's own loader, from this checkout whether or not
+# it is installed or on PYTHONPATH (the checks' processes are given the same path)
+sys.path.insert(0, str(REPO))
 
 # What each source feeds: the fuzz's ops, and the GPU test files that exercise it.
 OPS_BY_FILE = {
