@@ -611,7 +611,8 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
         return Crashes(cases=1, memcheck=False, tests=True)
 
     caught = worker.judge(change, checks("changed"), 0, 120, time.perf_counter() + 120)
-    assert caught["verdict"] == "tests" and caught["crash"].startswith(mutants.FATAL)
+    assert caught["verdict"] == "tests" and caught["crash"].startswith("[exit status -6, SIGABRT]")
+    assert mutants.FATAL in caught["crash"]
     broken = worker.judge(change, checks("always"), 0, 120, time.perf_counter() + 120)
     assert broken["verdict"] == "unjudged" and "unchanged sources too" in broken["by"]
 
@@ -623,6 +624,50 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
     run.write_text(json.dumps({"rows": rows}))
     assert [m.ident for m in mutants.replayed([str(run)], only_crashed=True)] == [others[0].ident]
     assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident]
+
+
+def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_nothing(tmp_path):
+    """A process that dies inside CuPy's compiler (NVRTC crashed compiling the change) leaves the
+    change stillborn, not caught. A sanitizer's check that fails while the sanitizer reports no
+    error of its own is a crash of the process under it: it catches the change only where the
+    unchanged sources pass the same check."""
+    import sys
+    import time
+
+    (mutants,) = import_tools("kernel_mutants")
+    change = next(m for m in mutants.candidates() if m.filename == "verify.cu")
+    worker = mutants.Worker(tmp_path / "w0")
+    compiler = tmp_path / "fake" / "cupy" / "cuda"
+    compiler.mkdir(parents=True)
+    (compiler / "compiler.py").write_text("import os\n\ndef compile():\n    os.abort()\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text("import faulthandler, importlib.util, sys\nfrom kvcanary_cupy.rawkernels import _loader\n"
+                     "faulthandler.enable()\n"
+                     f"changed = {change.after!r} in _loader._read('verify.cu').splitlines()\n"
+                     "if sys.argv[1] == 'compiler' and changed:\n"
+                     f"    spec = importlib.util.spec_from_file_location('compiler', {str(compiler / 'compiler.py')!r})\n"
+                     "    module = importlib.util.module_from_spec(spec)\n"
+                     "    spec.loader.exec_module(module)\n"
+                     "    module.compile()\n"
+                     "if sys.argv[1] == 'always' or sys.argv[1] == 'sanitizer' and changed:\n"
+                     "    print('========= Error: process did not terminate successfully')\n"
+                     "    print('========= ERROR SUMMARY: 0 errors')\n"
+                     "    sys.exit(1)\n")
+
+    def checks(when):
+        class Probe(mutants.Checks):
+            def commands(self, mutant, seed):
+                return [("memcheck", "memcheck", [sys.executable, str(probe), when])]
+        return Probe(cases=1, memcheck=True, tests=False)
+
+    stillborn = worker.judge(change, checks("compiler"), 0, 120, time.perf_counter() + 120)
+    assert stillborn["verdict"] == "stillborn" and "cupy/cuda/compiler.py" in stillborn["tail"]
+    caught = worker.judge(change, checks("sanitizer"), 0, 120, time.perf_counter() + 120)
+    assert caught["verdict"] == "memcheck" and caught["crash"].startswith("[exit status 1]")
+    broken = worker.judge(change, checks("always"), 0, 120, time.perf_counter() + 120)
+    assert broken["verdict"] == "unjudged" and "unchanged sources too" in broken["by"]
+    row = dict(mutants.dataclasses.asdict(change), verdict="memcheck", tail="========= ERROR SUMMARY: 0 errors\n")
+    assert mutants.crashed(row)  # an earlier run's row of this kind is judged again by --replay --crashed
 
 
 def test_kernel_mutants_skip_leaves_out_the_first_changes_of_a_seed_drawn():

@@ -14,18 +14,19 @@ sources of its copy compile once and then load from CuPy's cache.
 Each change runs the differential fuzz (``tools/differential_fuzz.py``) of the ops its file feeds,
 with the write's three forced forms for the write's sources; the session kernels run the session
 fuzz (``tools/canary_fuzz.py``) and the block-table kernels their GPU tests. A change that survives
-the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--memcheck``: every
-array an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no
-fixed order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``,
-``tests`` (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught),
-``stillborn`` (NVRTC refused it; not counted), ``unfinished`` (cut short by ``--limit``; not
-counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too: the
-check, not the change, is at fault; not counted) and ``survived``. A check whose process crashes
-(killed by a signal, or Python's fatal error) catches the change only where the same check passes
-on the unchanged sources; the row's ``crash`` holds the crash's first lines. A survivor is
-either equivalent (no input can tell it apart) or a gap in the checks; the results file says which,
-change by change. Each survivor's row also says whether its kernel images are the unchanged ones
-(``images``: ``same``, ``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
+the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--memcheck``: every array
+an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no fixed
+order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``tests``
+(caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
+(NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
+not counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
+the check, not the change, is at fault; not counted) and ``survived``. A check whose process crashes
+(killed by a signal, or Python's fatal error; a sanitizer's check that fails with no error of its
+own found) catches the change only where the same check passes on the unchanged sources; the row's
+``crash`` holds the crash's first lines and the signal. A survivor is either equivalent (no input
+can tell it apart) or a gap in the checks; the results file says which, change by change. Each
+survivor's row also says whether its kernel images are the unchanged ones (``images``: ``same``,
+``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
 
     python tools/kernel_mutants.py --replay out.json --cubins                    # no GPU needed
 
@@ -48,6 +49,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -207,7 +209,8 @@ class Worker:
     def __init__(self, root: pathlib.Path):
         self.kernels = root / "rawkernels"
         shutil.copytree(REPO / KERNELS, self.kernels, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-        self.env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        # faulthandler: a process that dies of a signal says where (in NVRTC, in a kernel launch...)
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         self.env.pop("KVCANARY_CONFORMANCE", None)
 
     def run(self, argv, timeout: float) -> tuple[str, str]:
@@ -228,8 +231,13 @@ class Worker:
         if "CompileException" in out or "NVRTC_ERROR" in out:
             return "stillborn", out[-600:]
         fatal = out.find(FATAL)
-        if done.returncode < 0 or fatal >= 0:
-            return "crash", out[max(fatal, 0):][:600] if fatal >= 0 else out[-600:]
+        if fatal >= 0 and COMPILER_FRAME.search(out[fatal:]):
+            return "stillborn", out[fatal:][:600]  # NVRTC itself died compiling the change
+        signalled = -done.returncode if done.returncode < 0 else 0
+        if signalled or fatal >= 0 or SANITIZER_CLEAN.search(out):
+            named = [f", {sig.name}" for sig in signal.Signals if sig == signalled]
+            how = f"[exit status {done.returncode}{''.join(named)}]\n"
+            return "crash", how + (out[fatal:][:600] if fatal >= 0 else out[-600:])
         return "fail", out[-600:]
 
     def judge(self, mutant: Mutant, checks: Checks, seed: int, timeout: float, end: float) -> dict:
@@ -335,17 +343,24 @@ def images_of(mutant: Mutant) -> str:
     return "changed" if compiled_differences(mutant) else "same"
 
 
-# Python's own words when a process dies of a signal with faulthandler on, as pytest runs it
+# Python's own words when a process dies of a signal with faulthandler on
 FATAL = "Fatal Python error"
+# the crashed thread's innermost frame in CuPy's compiler: NVRTC died compiling a source
+COMPILER_FRAME = re.compile(r"most recent call first\):\n\s+File \"[^\"]*cupy/cuda/compiler\.py\"")
+# a sanitizer's summary of no findings: a failing check that shows it failed for another reason
+# (compute-sanitizer says "the application may have hit an error" of a process that crashed under it)
+SANITIZER_CLEAN = re.compile(r"========= (ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)")
 
 
 def crashed(row: dict) -> bool:
     """Whether an earlier run's row was given by a check whose process crashed, as this tool's
     earlier versions counted as caught without asking whether the unchanged sources crash too:
-    its tail ends in the interpreter's list of extension modules, or holds the fatal error."""
+    its tail ends in the interpreter's list of extension modules, holds the fatal error, or is a
+    sanitizer's check that failed with no error of the sanitizer's own."""
     tail = row.get("tail", "")
     return row["verdict"] not in ("survived", "stillborn", "unjudged") and \
-        (FATAL in tail or "crash" in row or tail.rstrip().endswith(")") and "(total: " in tail)
+        (FATAL in tail or "crash" in row or tail.rstrip().endswith(")") and "(total: " in tail
+         or SANITIZER_CLEAN.search(tail) is not None)
 
 
 def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
