@@ -561,6 +561,11 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
     assert raced[raced.index("--ops") + 1:][:2] == ["plan", "step"]
     plain = mutants.Checks(cases=8, memcheck=False, tests=False).commands(change, 3)
     assert [name for _, name, _ in plain] == ["fuzz plan step"]
+    # the write's forced forms each draw cases of their own, not the first cases of the plain fuzz again
+    write = next(m for m in mutants.candidates() if m.filename == "write.cu")
+    fuzzes = mutants.Checks(cases=8, memcheck=False, tests=False).commands(write, 3)
+    assert [name for _, name, _ in fuzzes] == ["fuzz write", "fuzz write thread", "fuzz write one", "fuzz write two"]
+    assert len({argv[argv.index("--seed") + 1] for _, _, argv in fuzzes}) == 4
 
 
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):

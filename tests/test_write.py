@@ -745,6 +745,45 @@ def test_cuda_write_hashes_a_long_request_past_the_first_block_of_requests(team,
     assert cpu[1:] == gpu[1:]
 
 
+def _requests_at_the_inline_limit(rng: np.random.Generator, num_slots: int) -> dict:
+    """Requests of 31, 32 and 33 entries around kvc_write's inline limit (a request of at most 32
+    entries hashes its sources in its own warp, a longer one by the whole grid), one of 1 entry,
+    and a last one whose end lies past the entries, its span cut to exactly 32."""
+    counts = [31, 32, 1, 33, 32]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    n = offsets[-1]
+    offsets[-1] += 9  # the last request's end past the entries: its span is cut to n - its begin
+    slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))[:n]]
+    return dict(offsets=offsets, seeds=[-1] * len(counts), ids=_tokens(rng, n), positions=list(range(n)),
+                slots=slots, n=n)
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["one", "two"])
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_cuda_write_hashes_requests_at_the_inline_limit(team, mode, monkeypatch):
+    """A request of exactly 32 entries (and one cut to 32 by the entries' end) takes its real-KV
+    hashes from its own warp; the grid hashes only longer ones. Sent to neither, its slots would be
+    stored with the bytes their hash word held before."""
+    force_write_team(team, monkeypatch.setattr)
+    rng = np.random.default_rng(40 + int(mode) + len(team))
+    num_slots = 256
+    case = _requests_at_the_inline_limit(rng, num_slots)
+    specs = [random_source(rng, num_slots, num_bytes_per_token=48, read_bytes=32),
+             random_source(rng, num_slots, num_bytes_per_token=16)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        ctx = _ctx(device, num_slots, ring_capacity=16, real_kv_sources=tuple(s.build(device) for s in specs),
+                   hash_mode=mode)
+        _write(ctx, case["offsets"], case["seeds"], case["ids"], case["positions"], case["slots"], device=device)
+        results[device] = _end_state(ctx)
+    cpu, gpu = results["cpu"], results["cuda"]
+    for slot in case["slots"]:
+        assert cpu[0][slot, 3] == expected_kv_hash(specs, mode, slot) != 0
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
 @requires_gpu
 @pytest.mark.parametrize("num_sources,mode,widths,pages", [(1, kc.HashMode.PARTIAL, (16, 32, 64), (1,)),
                                                            (3, kc.HashMode.ALL, (16, 32, 64), (1,)),

@@ -153,9 +153,12 @@ class Checks:
             fuzz = [python, "tools/differential_fuzz.py", "--seed", str(seed), "--ops"]
             stages.append(("fuzz", "fuzz " + " ".join(ops), fuzz + [*ops, "--cases", str(self.cases)]))
             if mutant.filename in WRITE_SOURCES:
-                for team in ("thread", "one", "two"):
-                    stages.append(("fuzz", f"fuzz write {team}", fuzz + ["write", "--write-team", team,
-                                                                        "--cases", str(max(1, self.cases // 2))]))
+                for offset, team in enumerate(("thread", "one", "two"), start=1):
+                    # cases of their own: the fuzz seeds each op's cases from (seed, op), so the
+                    # same seed would give each form the first cases of the run above again
+                    forced = [python, "tools/differential_fuzz.py", "--seed", str(seed + 100_000 * offset), "--ops"]
+                    stages.append(("fuzz", f"fuzz write {team}", forced + ["write", "--write-team", team,
+                                                                          "--cases", str(max(1, self.cases // 2))]))
             small_fuzz = [*fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]  # sanitizers are slow
             if self.memcheck:
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
