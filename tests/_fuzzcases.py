@@ -15,6 +15,7 @@ import numpy as np
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import _layout as L
+from kvcanary_cupy.rawkernels import _loader
 
 UNRESOLVED = L.UNRESOLVED_SLOT
 
@@ -24,6 +25,10 @@ LARGE_CASE = 100_000
 # stay exact, never wrap into a plan or row that seems to fit.
 HUGE = np.array([1 << 62, L.INT64_MAX], np.int64)
 HUGE_OFFSETS = np.array([-(1 << 63), -(1 << 62), 1 << 62, L.INT64_MAX], np.int64)
+# Request lengths at the CUDA write's edges: one and two chunks (a chunk is the 32 entries a warp
+# takes at a time), each less one, exactly and one more.
+_CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
+CHUNK_EDGES = np.array([k * _CHUNK + d for k in (1, 2) for d in (-1, 0, 1)], np.int64)
 
 
 def _one_huge(rng: np.random.Generator, values: np.ndarray, rate: float, choices: np.ndarray = HUGE) -> None:
@@ -293,6 +298,11 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     pool["canary"] = prefix_ctx.canary_buf.copy()
     n = len(fresh)
     cuts = np.sort(rng.integers(0, n + 1, size=num_requests - 1))
+    if rng.random() < 0.15:
+        # requests of lengths at the write kernels' edges (a request of at most a chunk hashes its
+        # sources in its warp, a longer one across the grid), which uniform cuts rarely give; the
+        # last request takes the rest
+        cuts = np.minimum(np.cumsum(rng.choice(CHUNK_EDGES, size=num_requests - 1)), n)
     offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
     seeds = np.where(rng.random(num_requests) < 0.7, prefix_slots, -1).astype(np.int64)
     past_pool = rng.random(num_requests) < 0.05  # the first index past the pool among them
