@@ -348,8 +348,10 @@ def images_of(mutant: Mutant) -> str:
 
 # Python's own words when a process dies of a signal with faulthandler on
 FATAL = "Fatal Python error"
-# the crashed thread's innermost frame in CuPy's compiler: NVRTC died compiling a source
-COMPILER_FRAME = re.compile(r"most recent call first\):\n\s+File \"[^\"]*cupy/cuda/compiler\.py\"")
+# the crashed thread's innermost frame in CuPy's compiler: NVRTC died compiling a source (the
+# loader compiles on threads of its own; only the thread that took the signal counts)
+COMPILER_FRAME = re.compile(r"Current thread [^\n]*\(most recent call first\):\n"
+                            r"\s+File \"[^\"]*cupy/cuda/compiler\.py\"")
 # a sanitizer's summary of no findings: a failing check that shows it failed for another reason
 # (compute-sanitizer says "the application may have hit an error" of a process that crashed under it)
 SANITIZER_CLEAN = re.compile(r"========= (ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)")
