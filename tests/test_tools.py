@@ -591,12 +591,24 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
                                                                (third.filename, third.line, third.after)]
 
 
+def _checks_running(mutants, probe, check: str):
+    """kernel_mutants' checks made of one command, the script ``probe`` given an argument, standing
+    for the check named ``check`` ("tests", "memcheck")."""
+    import sys
+
+    def checks(when: str):
+        class Probe(mutants.Checks):
+            def commands(self, mutant, seed):
+                return [(check, check, [sys.executable, str(probe), when])]
+        return Probe(cases=1, memcheck=check == "memcheck", tests=check == "tests")
+    return checks
+
+
 def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_pass_it(tmp_path):
     """A check whose process dies of a signal catches the change only if the same check passes on
     the unchanged sources; a check that crashes either way leaves the change unjudged. Rows that
     earlier runs took from crashed checks are found again by ``--replay --crashed``."""
     import json
-    import sys
     import time
 
     (mutants,) = import_tools("kernel_mutants")
@@ -609,11 +621,7 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
                      f"if sys.argv[1] == 'always' or {change.after!r} in _loader._read('verify.cu').splitlines():\n"
                      "    os.abort()\n")
 
-    def checks(when):
-        class Crashes(mutants.Checks):
-            def commands(self, mutant, seed):
-                return [("tests", "tests", [sys.executable, str(probe), when])]
-        return Crashes(cases=1, memcheck=False, tests=True)
+    checks = _checks_running(mutants, probe, "tests")
 
     caught = worker.judge(change, checks("changed"), 0, 120, time.perf_counter() + 120)
     assert caught["verdict"] == "tests" and caught["crash"].startswith("[exit status -6, SIGABRT]")
@@ -636,7 +644,6 @@ def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_
     change stillborn, not caught. A sanitizer's check that fails while the sanitizer reports no
     error of its own is a crash of the process under it: it catches the change only where the
     unchanged sources pass the same check."""
-    import sys
     import time
 
     (mutants,) = import_tools("kernel_mutants")
@@ -659,11 +666,7 @@ def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_
                      "    print('========= ERROR SUMMARY: 0 errors')\n"
                      "    sys.exit(1)\n")
 
-    def checks(when):
-        class Probe(mutants.Checks):
-            def commands(self, mutant, seed):
-                return [("memcheck", "memcheck", [sys.executable, str(probe), when])]
-        return Probe(cases=1, memcheck=True, tests=False)
+    checks = _checks_running(mutants, probe, "memcheck")
 
     stillborn = worker.judge(change, checks("compiler"), 0, 120, time.perf_counter() + 120)
     assert stillborn["verdict"] == "stillborn" and "cupy/cuda/compiler.py" in stillborn["tail"]
