@@ -205,6 +205,17 @@ else:
 """
 
 
+def _memory_available() -> str:
+    """The machine's available memory now, for a crash's row: a process the kernel's out-of-memory
+    killer took dies of SIGKILL with nothing said."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            fields = dict(line.split(":", 1) for line in info)
+        return f", {int(fields['MemAvailable'].split()[0]) >> 20} GiB of memory available after it"
+    except (OSError, KeyError, ValueError):
+        return ""
+
+
 class Worker:
     """A copy of the kernel sources: a change is made in the copy and undone after its run. The
     package's Python (and so numba's cache of the CPU oracle) is the repository's own."""
@@ -239,7 +250,7 @@ class Worker:
         signalled = -done.returncode if done.returncode < 0 else 0
         if signalled or fatal >= 0 or SANITIZER_CLEAN.search(out):
             named = [f", {sig.name}" for sig in signal.Signals if sig == signalled]
-            how = f"[exit status {done.returncode}{''.join(named)}]\n"
+            how = f"[exit status {done.returncode}{''.join(named)}{_memory_available()}]\n"
             return "crash", how + (out[fatal:][:600] if fatal >= 0 else out[-600:])
         return "fail", out[-600:]
 
