@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import weakref
 
 import pytest
@@ -672,7 +673,7 @@ def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_
     assert stillborn["verdict"] == "stillborn" and "cupy/cuda/compiler.py" in stillborn["tail"]
     caught = worker.judge(change, checks("sanitizer"), 0, 120, time.perf_counter() + 120)
     assert caught["verdict"] == "memcheck" and caught["crash"].startswith("[exit status 1, ")
-    assert "GiB of memory available after it]" in caught["crash"]
+    assert "GiB of memory available after it]" in caught["crash"] or not os.path.exists("/proc/meminfo")
     broken = worker.judge(change, checks("always"), 0, 120, time.perf_counter() + 120)
     assert broken["verdict"] == "unjudged" and "unchanged sources too" in broken["by"]
     row = dict(mutants.dataclasses.asdict(change), verdict="memcheck", tail="========= ERROR SUMMARY: 0 errors\n")
