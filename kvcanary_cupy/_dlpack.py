@@ -115,8 +115,9 @@ _DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N', an int or a torch.device"
 
 
 def parse_device(spec: Any) -> Device:
-    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N, a ``torch.device`` (read as those: a torch
-    engine passes its tensors' ``.device``), or a :class:`Device`."""
+    """``"cpu"``, ``"cuda"`` (CuPy's current device), ``"cuda:N"``, an int N, a ``torch.device``
+    (read as those: a torch engine passes its tensors' ``.device``; one of type cuda without an
+    index is torch's current device, as torch reads it), or a :class:`Device`."""
     if isinstance(spec, Device):
         return spec
     if isinstance(spec, bool):
@@ -124,7 +125,9 @@ def parse_device(spec: Any) -> Device:
     if type(spec).__module__ == "torch" and type(spec).__name__ == "device":
         if spec.type not in ("cpu", "cuda"):
             raise ValueError(f"kv-canary: device must be a torch.device of type 'cpu' or 'cuda', got {spec!r}")
-        spec = str(spec)  # 'cpu', 'cuda' or 'cuda:N', read as those strings are below
+        if spec.type == "cuda" and spec.index is None:
+            return Device("cuda", _torch_current_cuda_device())
+        spec = str(spec)  # 'cpu' or 'cuda:N', read as those strings are below
     if isinstance(spec, (int, np.integer)):
         if int(spec) < 0:
             raise ValueError(f"kv-canary: device index must be non-negative, got {int(spec)}")
@@ -139,6 +142,15 @@ def parse_device(spec: Any) -> Device:
             return Device("cuda", int(text[5:]))
         raise ValueError(f"kv-canary: device must be 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
     raise TypeError(f"kv-canary: device must be {_DEVICE_FORMS}, got {spec!r}")
+
+
+def _torch_current_cuda_device() -> int:
+    """torch's current CUDA device (which ``torch.cuda.set_device`` sets, apart from CuPy's); CuPy's
+    where torch cannot say (a build without CUDA, a machine without a GPU)."""
+    try:
+        return int(sys.modules["torch"].cuda.current_device())
+    except Exception:
+        return _current_cuda_device()
 
 
 def _current_cuda_device() -> int:

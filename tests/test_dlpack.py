@@ -400,10 +400,25 @@ def test_a_torch_device_is_read_as_its_string():
     ctx = kc.CanaryContext.allocate(8, device=kv.device)
     assert ctx.canary_buf.shape == (8, 32) and isinstance(ctx.canary_buf, np.ndarray)
     assert parse_device(torch.device("cuda", 1)) == Device("cuda", 1)
-    assert parse_device(torch.device("cuda")) == parse_device("cuda")
     with pytest.raises(ValueError, match=r"^kv-canary: device must be a torch.device of type 'cpu' or 'cuda', "
                                          r"got device\(type='meta'\)"):
         kc.CanaryContext.allocate(8, device=torch.device("meta"))
+
+
+def test_a_torch_cuda_device_without_an_index_is_torchs_current_device(monkeypatch):
+    """torch.device("cuda") means torch's current device (torch.cuda.set_device), which need not be
+    CuPy's; where torch cannot say which (no CUDA in its build, no GPU), CuPy's current device, as
+    for the string "cuda"."""
+    from kvcanary_cupy._dlpack import Device, parse_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert parse_device(torch.device("cuda")) == Device("cuda", 3)
+    assert parse_device(torch.device("cuda", 1)) == Device("cuda", 1)
+    assert parse_device("cuda") == Device("cuda", kc._dlpack._current_cuda_device())
+
+    def no_cuda():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    assert parse_device(torch.device("cuda")) == parse_device("cuda")
 
 
 def test_managed_memory_is_its_cuda_devices():
