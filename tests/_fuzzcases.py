@@ -31,6 +31,11 @@ _CHUNK = _loader.SPECS["write"].constant("KVC_WRITE_CHUNK")
 CHUNK_EDGES = np.array([k * _CHUNK + d for k in (1, 2) for d in (-1, 0, 1)], np.int64)
 
 
+def _and_one_past(sizes) -> list:
+    """Batch sizes at a kernel's bounds: each bound, and one past it."""
+    return [size + d for size in sizes for d in (0, 1)]
+
+
 def _one_huge(rng: np.random.Generator, values: np.ndarray, rate: float, choices: np.ndarray = HUGE) -> None:
     """In about ``rate`` of the cases, sets one cell of ``values`` (in place) to a value from ``choices``
     (per case, not per cell: a large batch would otherwise always overflow its plan)."""
@@ -394,7 +399,7 @@ def _past_the_table(rng: np.random.Generator, pool_rows: np.ndarray, rows: int, 
 
 
 def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
-    bs = int(rng.choice([0, 1, 2, 7, 32, 256, 1024, 3000]))
+    bs = int(rng.choice([0, 1, 2, 7, 32, *_and_one_past(_loader.PLAN_TILES), 3000]))  # a tile, and one past
     target = max(1, _log_uniform(rng, max_entries))
     per_request = max(1, target // max(bs, 1))
     width = per_request + int(rng.integers(1, 16))
