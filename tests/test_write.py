@@ -755,7 +755,7 @@ def _requests_at_the_inline_limit(rng: np.random.Generator, num_slots: int) -> d
     offsets[-1] += 9  # the last request's end past the entries: its span is cut to n - its begin
     slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))[:n]]
     return dict(offsets=offsets, seeds=[-1] * len(counts), ids=_tokens(rng, n), positions=list(range(n)),
-                slots=slots, n=n)
+                slots=slots)
 
 
 @requires_gpu

@@ -150,15 +150,18 @@ class Checks:
         racecheck = ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1"]
         stages = []
         if ops:
-            fuzz = [python, "tools/differential_fuzz.py", "--seed", str(seed), "--ops"]
+            def fuzz_seeded(fuzz_seed: int) -> list:
+                return [python, "tools/differential_fuzz.py", "--seed", str(fuzz_seed), "--ops"]
+
+            fuzz = fuzz_seeded(seed)
             stages.append(("fuzz", "fuzz " + " ".join(ops), fuzz + [*ops, "--cases", str(self.cases)]))
             if mutant.filename in WRITE_SOURCES:
                 for offset, team in enumerate(("thread", "one", "two"), start=1):
                     # cases of their own: the fuzz seeds each op's cases from (seed, op), so the
                     # same seed would give each form the first cases of the run above again
-                    forced = [python, "tools/differential_fuzz.py", "--seed", str(seed + 100_000 * offset), "--ops"]
-                    stages.append(("fuzz", f"fuzz write {team}", forced + ["write", "--write-team", team,
-                                                                          "--cases", str(max(1, self.cases // 2))]))
+                    stages.append(("fuzz", f"fuzz write {team}",
+                                   fuzz_seeded(seed + 100_000 * offset) + ["write", "--write-team", team,
+                                                                           "--cases", str(max(1, self.cases // 2))]))
             small_fuzz = [*fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]  # sanitizers are slow
             if self.memcheck:
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
