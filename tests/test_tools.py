@@ -608,7 +608,7 @@ def _checks_running(mutants, probe, check: str):
 def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_pass_it(tmp_path):
     """A check whose process dies of a signal catches the change only if the same check passes on
     the unchanged sources; a check that crashes either way leaves the change unjudged. Rows that
-    earlier runs took from crashed checks are found again by ``--replay --crashed``."""
+    earlier runs took from crashed checks, and rows left unjudged, are found again by ``--replay --crashed``."""
     import json
     import time
 
@@ -630,14 +630,14 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
     broken = worker.judge(change, checks("always"), 0, 120, time.perf_counter() + 120)
     assert broken["verdict"] == "unjudged" and "unchanged sources too" in broken["by"]
 
-    others = [m for m in mutants.candidates() if m.filename == "verify.cu"][1:4]
+    others = [m for m in mutants.candidates() if m.filename == "verify.cu"][1:5]
     listed = "numpy._core._multiarray_umath, numpy.linalg._umath_linalg (total: 2)\n"
     rows = [dict(mutants.dataclasses.asdict(m), verdict=verdict, tail=tail) for m, verdict, tail in
-            zip(others, ("tests", "tests", "survived"), (listed, "1 failed, 3 passed", "4 passed"))]
+            zip(others, ("tests", "tests", "survived", "unjudged"), (listed, "1 failed, 3 passed", "4 passed", ""))]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"rows": rows}))
-    assert [m.ident for m in mutants.replayed([str(run)], only_crashed=True)] == [others[0].ident]
-    assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident]
+    assert [m.ident for m in mutants.replayed([str(run)], only_crashed=True)] == [others[0].ident, others[3].ident]
+    assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident, others[3].ident]
 
 
 def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_nothing(tmp_path):

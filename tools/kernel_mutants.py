@@ -20,13 +20,13 @@ order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racec
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
 (NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
 not counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
-the check, not the change, is at fault; not counted) and ``survived``. A check whose process crashes
-(killed by a signal, or Python's fatal error; a sanitizer's check that fails with no error of its
-own found) catches the change only where the same check passes on the unchanged sources; the row's
-``crash`` holds the crash's first lines and the signal. A survivor is either equivalent (no input
-can tell it apart) or a gap in the checks; the results file says which, change by change. Each
-survivor's row also says whether its kernel images are the unchanged ones (``images``: ``same``,
-``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
+the check, not the change, is at fault; not counted; ``--replay`` takes it again) and ``survived``.
+A check whose process crashes (killed by a signal, or Python's fatal error; a sanitizer's check
+that fails with no error of its own found) catches the change only where the same check passes on
+the unchanged sources; the row's ``crash`` holds the crash's first lines and the signal. A
+survivor is either equivalent (no input can tell it apart) or a gap in the checks; the results file
+says which, change by change. Each survivor's row also says whether its kernel images are the
+unchanged ones (``images``: ``same``, ``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
 
     python tools/kernel_mutants.py --replay out.json --cubins                    # no GPU needed
 
@@ -383,10 +383,11 @@ def crashed(row: dict) -> bool:
 
 
 def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
-    """The changes that survived earlier runs (their ``--json``), or that a crashed check judged
-    (``crashed``; with ``only_crashed`` those alone), each still where it was, each once."""
+    """The changes that survived earlier runs (their ``--json``), that a crashed check judged
+    (``crashed``), or that were left unjudged (their check crashed on the unchanged sources too);
+    with ``only_crashed`` the last two alone. Each still where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if crashed(row) or row["verdict"] == "survived" and not only_crashed]
+            if crashed(row) or row["verdict"] == "unjudged" or row["verdict"] == "survived" and not only_crashed]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -419,10 +420,10 @@ def main() -> int:
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
-                        help="judge again the changes that survived these earlier --json runs, or that a check"
-                             " whose process crashed judged")
+                        help="judge again the changes that survived these earlier --json runs, that a check"
+                             " whose process crashed judged, or that were left unjudged")
     parser.add_argument("--crashed", action="store_true",
-                        help="with --replay: only the changes that a check whose process crashed judged")
+                        help="with --replay: only the changes that a check whose process crashed judged or left unjudged")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
