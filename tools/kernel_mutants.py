@@ -387,7 +387,7 @@ def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
     (``crashed``), or that were left unjudged (their check crashed on the unchanged sources too);
     with ``only_crashed`` the last two alone. Each still where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if crashed(row) or row["verdict"] == "unjudged" or row["verdict"] == "survived" and not only_crashed]
+            if crashed(row) or row["verdict"] == "unjudged" or (row["verdict"] == "survived" and not only_crashed)]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -423,7 +423,8 @@ def main() -> int:
                         help="judge again the changes that survived these earlier --json runs, that a check"
                              " whose process crashed judged, or that were left unjudged")
     parser.add_argument("--crashed", action="store_true",
-                        help="with --replay: only the changes that a check whose process crashed judged or left unjudged")
+                        help="with --replay: only the changes that a check whose process crashed judged or"
+                             " left unjudged")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
