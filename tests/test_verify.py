@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import (ANCHOR_LINK, as_multiset, assert_only_views_changed, assert_rows, fields, guarded_context,
-                       host_verify_plan, link_of, pipeline, random_batch, random_source, ring_rows, signed, snapshot)
-from _devices import BACKENDS, to_device, to_numpy
+from _builders import (ANCHOR_LINK, SourceSpec, as_multiset, assert_only_views_changed, assert_rows, expected_kv_hash,
+                       fields, guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source,
+                       ring_rows, signed, snapshot)
+from _devices import BACKENDS, cupy_module, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.TAIL_K_FULL)
 UNRESOLVED = kc.UNRESOLVED_SLOT
@@ -532,6 +533,72 @@ def test_short_source_among_several_on_verify(device, mode):
     ctx.real_kv_sources[2].tensor[10, 3] ^= 0x21  # inside the read window of the last source
     kc.verify(ctx, plan, tag=TAG)
     assert ring_rows(ctx) == [rows[0][:7] + (64 | 4,), rows[1]]
+
+
+def _context_below_a_long_row(num_slots: int, held: np.ndarray, row_bytes: int, device: str):
+    """The context's arrays and, after them in one allocation, ``held``'s bytes as a source row of
+    ``row_bytes`` bytes (a 1-row view: a source reads row 0 only, at its slots' columns, so its row
+    may claim far more than ``held`` has). Everything the ops store lies below the claimed row, as
+    the package requires, wherever the allocator puts the block."""
+    shapes = [((num_slots, 32), np.uint8), ((8, 8), np.int64), ((1,), np.int32), ((1,), np.int64),
+              ((1,), np.int64), ((1,), np.int32)]
+    starts, used = [], 0
+    for shape, dtype in shapes:
+        starts.append(used)
+        used += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+    xp = np if device == "cpu" else cupy_module()
+    block = xp.zeros(used + held.size, dtype=np.uint8)
+    block[used:] = xp.asarray(held)
+    arrays = [block[at:at + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+              for at, (shape, dtype) in zip(starts, shapes)]
+    row = xp.lib.stride_tricks.as_strided(block[used:], shape=(1, row_bytes), strides=(row_bytes, 1))
+    return arrays, row
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
+def test_source_page_of_more_than_2_to_the_32_tokens(device, mode):
+    """A page of more tokens than 32 bits count, and no power of two: the kernels divide a slot by
+    it in 64 bits. Every slot of the pool is then in row 0, at column slot * bytes a token. Beside
+    a source of 3-token pages (a 32-bit division of each slot just before), a write stores each
+    slot's SPEC §2 hash and a verify of the slots finds nothing; a byte changed in the big page is
+    found at its slot alone. The big source's rows claim 64 GiB over the bytes its slots read."""
+    rng = np.random.default_rng(47)
+    num_slots, per_token, big_page = 40, 16, (1 << 32) + 3
+    small = random_source(rng, num_slots, page_size=3, num_bytes_per_token=per_token)
+    held = rng.integers(1, 256, size=num_slots * per_token, dtype=np.uint8)
+    big = SourceSpec(np.lib.stride_tricks.as_strided(held, shape=(1, big_page * per_token), strides=(0, 1)),
+                     big_page, per_token, per_token)  # the host copy the expected hashes are read from
+    arrays, row = _context_below_a_long_row(num_slots, held, big_page * per_token, device)
+    canary, ring, write_index, slot_runs, kernel_runs, position_assert = arrays
+    slots = [5, 17, 38, 2, 30]
+    ids = [int(t) for t in rng.integers(1, 2**40, size=len(slots))]
+    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
+    try:  # a failure's traceback would show the package's frames, whose arguments include the 64 GiB view
+        ctx = kc.CanaryContext(
+            canary_buf=canary, violation_ring=ring, violation_write_index=write_index, slot_run_counter=slot_runs,
+            kernel_run_counter=kernel_runs, chain_position_assert=position_assert, hash_mode=mode,
+            real_kv_sources=(small.build(device), kc.RealKvSource(tensor=row, page_size=big_page,
+                                                                    num_bytes_per_token=per_token,
+                                                                    read_bytes=per_token)))
+        wplan = kc.WritePlan.from_host(offsets=[0, len(slots)], seed_slot_indices=[-1], num_valid_reqs=1,
+                                       device=device)
+        kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put(range(len(slots))), out_cache_loc=put(slots))
+        written = ring_rows(ctx)
+        hashes = [fields(ctx.canary_buf, slot)[3] for slot in slots]
+        plan = host_verify_plan(slots, [-1] * len(slots), list(range(len(slots))), [-1] + slots[:-1], device=device)
+        kc.verify(ctx, plan, tag=TAG)
+        clean = ring_rows(ctx)
+        row[0, slots[2] * per_token + 3] ^= 0x44  # inside the read window of slot 38 in the big page
+        kc.verify(ctx, plan, tag=TAG)
+        found = [(r[1], r[7]) for r in ring_rows(ctx)]
+    except Exception as error:
+        raise AssertionError(f"{type(error).__name__}: {error}") from None
+    want = [expected_kv_hash([small, big], mode, slot) for slot in slots]
+    assert written == [] and clean == []
+    assert hashes == want
+    assert len(set(want)) == len(slots)  # the slots' bytes differ, so each hash is its own slot's
+    assert found == [(slots[2], int(kc.FailReason.REAL_KV_HASH))]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
