@@ -4,7 +4,8 @@
 # while F differential-fuzz workers start short processes over and over until the pytest ones end.
 # Phase "shared": one cache directory for all workers; phase "own": a cache directory per worker.
 # usage: OUT=dir bash tools/numba_cache_probe.sh SECONDS_PER_PHASE PYTEST_WORKERS FUZZ_WORKERS [DEVICE [PYTEST_K]]
-# (DEVICE cuda: the fuzz compares the GPU with the CPU backend; cpu: the CPU backend with itself)
+# (DEVICE cuda: the fuzz compares the GPU with the CPU backend; cpu: the CPU backend with itself;
+# PYTEST_FILES: the test files every pytest worker runs, instead of test_write.py or test_verify.py)
 set -u
 secs=$1; P=$2; F=$3; DEV=${4:-cuda}; K=${5:-cuda or gpu}
 export PYTHONPATH=. PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
@@ -20,6 +21,7 @@ phase() {
     for w in $(seq 1 "$P"); do
       ( [ "$name" = own ] && export NUMBA_CACHE_DIR=$base/p$w || export NUMBA_CACHE_DIR=$base/shared
         files=tests/test_verify.py; (( (w + round) % 2 )) && files=tests/test_write.py
+        [ -n "${PYTEST_FILES:-}" ] && files=$PYTEST_FILES
         log="$OUT/$name/r$round-p$w.log"
         t0=$(date +%s.%N)
         timeout 120 $py -m pytest -q -x -p no:cacheprovider -k "$K" $files > "$log" 2>&1; rc=$?
@@ -33,7 +35,7 @@ phase() {
         while :; do
           alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
           [ $alive = 1 ] || break
-          k=$((k + 1)); ops="verify"; (( (w + k) % 3 == 0 )) && ops="verify write plan"
+          k=$((k + 1)); ops="verify"; (( (w + k) % 3 == 0 )) && ops="verify write plan scatter step records"
           log="$OUT/$name/r$round-f$w-$k.log"
           t0=$(date +%s.%N)
           timeout 120 $py tools/differential_fuzz.py --device "$DEV" --seed $((round * 100000 + w * 1000 + k)) --ops $ops --cases 30 > "$log" 2>&1; rc=$?
