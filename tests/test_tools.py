@@ -640,6 +640,42 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
     assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident, others[3].ident]
 
 
+def test_kernel_mutants_judge_a_change_once_more_after_its_check_crashed_either_way(tmp_path):
+    """A check that crashes on the changed and on the unchanged sources alike leaves the change
+    unjudged; while the deadline allows, the change is judged once more after a wait (such crashes
+    came in windows of a few seconds), and the row keeps the first try."""
+    import time
+
+    (mutants,) = import_tools("kernel_mutants")
+    change = next(m for m in mutants.candidates() if m.filename == "verify.cu")
+    worker = mutants.Worker(tmp_path / "w0")
+    runs = tmp_path / "runs"
+    # its first two runs (the change's, then the unchanged sources') abort; later runs fail on the
+    # change alone
+    probe = tmp_path / "probe.py"
+    probe.write_text("import faulthandler, os, pathlib, sys\nfrom kvcanary_cupy.rawkernels import _loader\n"
+                     "faulthandler.enable()\n"
+                     f"runs = pathlib.Path({str(runs)!r})\n"
+                     "before = len(runs.read_text()) if runs.exists() else 0\n"
+                     "runs.write_text('x' * (before + 1))\n"
+                     "if before < 2:\n    os.abort()\n"
+                     f"sys.exit(1 if {change.after!r} in _loader._read('verify.cu').splitlines() else 0)\n")
+    checks = _checks_running(mutants, probe, "tests")("changed")
+
+    def judge():
+        return worker.judge(change, checks, 0, 120, time.perf_counter() + 120)
+
+    row = mutants.judged_once_more_if_unjudged(judge, 0.0, lambda: 100.0)
+    assert row["verdict"] == "tests" and "crash" not in row
+    assert row["first_try"]["verdict"] == "unjudged" and "unchanged sources too" in row["first_try"]["by"]
+    assert row["first_try"]["crash"].startswith("[exit status -6, SIGABRT, ")
+    assert len(runs.read_text()) == 3  # changed (crash), unchanged (crash), changed again (fails)
+
+    runs.unlink()  # a first try that crashes either way, with no time left for a second
+    row = mutants.judged_once_more_if_unjudged(judge, 30.0, lambda: 10.0)
+    assert row["verdict"] == "unjudged" and "first_try" not in row and len(runs.read_text()) == 2
+
+
 def test_kernel_mutants_tell_a_compiler_that_crashed_and_a_sanitizer_that_found_nothing(tmp_path):
     """A process that dies inside CuPy's compiler (NVRTC crashed compiling the change) leaves the
     change stillborn, not caught. A sanitizer's check that fails while the sanitizer reports no

@@ -20,7 +20,9 @@ order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racec
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
 (NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
 not counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
-the check, not the change, is at fault; not counted; ``--replay`` takes it again) and ``survived``.
+the check, not the change, is at fault; the change is judged once more a little later while the
+deadline allows, the first try kept in its row as ``first_try``; still so, it is not counted, and
+``--replay`` takes it again) and ``survived``.
 A check whose process crashes (killed by a signal, or Python's fatal error; a sanitizer's check
 that fails with no error of its own found) catches the change only where the same check passes on
 the unchanged sources; the row's ``crash`` holds the crash's first lines and the signal. A
@@ -294,6 +296,25 @@ class Worker:
         return row
 
 
+# The crashes of checks on the unchanged sources met so far (fresh processes dying inside the CPU
+# backend's verify) came in windows of a few seconds, in which every process that started died the
+# same way: a change they leave unjudged is judged again once this long has passed.
+RETRY_UNJUDGED_AFTER_S = 20.0
+
+
+def judged_once_more_if_unjudged(judge, wait_s: float, time_left) -> dict:
+    """``judge()``'s row; where it is ``unjudged`` and ``time_left()`` (seconds) allows the wait,
+    ``judge()``'s row again after ``wait_s``, with the first try's verdict, check and crash as its
+    ``first_try``."""
+    row = judge()
+    if row["verdict"] != "unjudged" or time_left() < wait_s:
+        return row
+    time.sleep(wait_s)
+    again = judge()
+    again["first_try"] = {key: row[key] for key in ("verdict", "by", "crash", "seconds") if key in row}
+    return again
+
+
 CUBIN_ARCHES = ("sm_80", "sm_90")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -483,11 +504,16 @@ def main() -> int:
     def one(mutant: Mutant):
         if time.perf_counter() - began > args.deadline:
             return None
-        worker = workers.get()
-        try:
-            row = worker.judge(mutant, checks, 7000 + mutant.ident, args.timeout, began + args.limit)
-        finally:
-            workers.put(worker)
+
+        def judge() -> dict:
+            worker = workers.get()
+            try:
+                return worker.judge(mutant, checks, 7000 + mutant.ident, args.timeout, began + args.limit)
+            finally:
+                workers.put(worker)
+
+        row = judged_once_more_if_unjudged(judge, RETRY_UNJUDGED_AFTER_S,
+                                           lambda: args.deadline - (time.perf_counter() - began))
         if row["verdict"] == "survived":
             row["images"] = images_of(mutant)
         with lock:
@@ -496,7 +522,8 @@ def main() -> int:
                 pathlib.Path(args.json).write_text(json.dumps({"rows": results}, indent=1))
             print(f"[{time.perf_counter() - began:.0f} s] {len(results)}/{len(drawn)} "
                   f"{mutant.filename}:{mutant.line} [{mutant.operator}] {row['verdict']} {row['by']}"
-                  + (f"(images {row['images']})" if "images" in row else ""), flush=True)
+                  + (f"(images {row['images']})" if "images" in row else "")
+                  + (" (judged again: the first try was unjudged)" if "first_try" in row else ""), flush=True)
         return row
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.workers) as executor:
