@@ -770,3 +770,22 @@ def full_rows(op: str, case: dict, total: int) -> Counter:
     """Every violation row of ``case`` (``total`` of them) on the CPU, with a ring that keeps all."""
     out = RUNNERS[op](with_ring(case, total), "cpu")
     return Counter(map(tuple, out["ring"][:total].tolist()))
+
+
+def past_one_grid_pass(op: str, seed: int, *, tail_write: bool = True) -> dict:
+    """A fuzz case of ``op`` (plan or step) with more verify entries than one pass of the largest
+    grid a GPU holds at once (2048 threads an SM), all within its verify capacity; with
+    ``tail_write=False`` a step the last-block write does not take (needs CuPy and a GPU)."""
+    from kvcanary_cupy.ops.backends._cuda import sm_count
+    from kvcanary_cupy.ops.backends._cuda.step import tail_write as takes_tail_write
+
+    one_pass = 2048 * sm_count(0)
+    rng = np.random.default_rng([seed, len(op)])
+    for _ in range(400):
+        case = MAKERS[op](rng, 8 * one_pass)
+        total = verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
+        if not tail_write and takes_tail_write(len(case["req_pool_indices"]), len(case["input_ids"])):
+            continue
+        if one_pass < total <= case["verify_capacity"]:
+            return case
+    raise AssertionError(f"no {op} case past {one_pass} entries")

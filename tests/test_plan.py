@@ -450,50 +450,18 @@ def test_expected_pool_narrower_and_shorter_than_valid_lens(device, offset):
     assert [e[1] for e in want[:8]].count(-1) == {0: 3, 1: 4, -2: 2 + 1}[offset]
 
 
-def _past_one_grid_pass(op: str, seed: int, *, tail_write: bool = True) -> dict:
-    """A fuzz case of ``op`` (plan or step) with more verify entries than one pass of the largest
-    grid a GPU holds at once (2048 threads an SM), all within its verify capacity; with
-    ``tail_write=False`` a step the last-block write does not take."""
-    from kvcanary_cupy.ops.backends._cuda import sm_count
-    from kvcanary_cupy.ops.backends._cuda.step import tail_write as takes_tail_write
-
-    one_pass = 2048 * sm_count(0)
-    rng = np.random.default_rng([seed, len(op)])
-    for _ in range(400):
-        case = F.MAKERS[op](rng, 8 * one_pass)
-        total = F.verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
-        if not tail_write and takes_tail_write(len(case["req_pool_indices"]), len(case["input_ids"])):
-            continue
-        if one_pass < total <= case["verify_capacity"]:
-            return case
-    raise AssertionError(f"no {op} case past {one_pass} entries")
-
-
 @requires_gpu
-@pytest.mark.parametrize("op, lut, dense", [("plan", False, False), ("plan", True, False), ("step", False, False),
-                                            ("step", False, True)],
-                         ids=["plan", "plan_swa_lut", "step", "step_every_entry_a_row"])
-def test_more_verify_entries_than_one_pass_of_the_grid_equal_the_cpu_backend(op, lut, dense):
-    """The plan kernel's verify blocks and the step's stride over a batch's entries, a block taking
-    every grid-th stride: batches of more entries than one pass of any grid the GPU holds at once
-    equal the CPU backend (the plan's LUT form too, with a window past every prefix). The fuzz's
-    cases are rarely that large. Its few corrupted slots rarely fall where a stride a grid's
-    block skipped would be: over a canary of random words (``dense``, a step whose block 0 stores
-    the write plan apart from the verify blocks), nearly every entry records a row, so an entry
-    that no block verified is a row missing."""
+@pytest.mark.parametrize("lut", [False, True], ids=["plan", "plan_swa_lut"])
+def test_more_verify_entries_than_one_pass_of_the_grid_equal_the_cpu_backend(lut):
+    """The plan kernel's verify blocks, a block taking every grid-th stride: batches of more entries
+    than one pass of any grid the GPU holds at once equal the CPU backend (the LUT form too, with a
+    window past every prefix). The fuzz's cases are rarely that large. The step's own stride is
+    ``tests/test_step.py``'s."""
     for seed in (71, 72):
-        case = _past_one_grid_pass(op, seed, tail_write=not dense)
-        if dense:
-            canary = case["pool"]["canary"]
-            case["pool"]["canary"] = np.random.default_rng(seed).integers(0, 256, size=canary.shape, dtype=np.uint8)
+        case = F.past_one_grid_pass("plan", seed)
         if lut:
             cells = int(case["req_to_token"].max(initial=0)) + 1
             case["full_to_swa_index_mapping"] = np.random.default_rng(seed).integers(-1, 1 << 40, size=cells)
             case["swa_window_size"] = 1 << 40
-        oracle = F.RUNNERS[op](case, "cpu")
-        if dense:
-            total = F.verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
-            assert oracle["write_index"] >= total * 9 // 10, (oracle["write_index"], total)
-        if op == "step" and oracle["write_index"] > oracle["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows(op, case, oracle["write_index"])
-        assert F.compare(op, case, oracle, F.RUNNERS[op](case, "cuda")) == [], f"seed {seed}"
+        assert F.compare("plan", case, F.RUNNERS["plan"](case, "cpu"), F.RUNNERS["plan"](case, "cuda")) == [], \
+            f"seed {seed}"
