@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import _layout as L
 from _builders import (ANCHOR_LINK, SourceSpec, as_multiset, assert_only_views_changed, assert_rows, expected_kv_hash,
                        fields, guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source,
                        ring_rows, signed, snapshot)
@@ -540,17 +541,18 @@ def _context_below_a_long_row(num_slots: int, held: np.ndarray, row_bytes: int, 
     ``row_bytes`` bytes (a 1-row view: a source reads row 0 only, at its slots' columns, so its row
     may claim far more than ``held`` has). Everything the ops store lies below the claimed row, as
     the package requires, wherever the allocator puts the block."""
-    shapes = [((num_slots, 32), np.uint8), ((8, 8), np.int64), ((1,), np.int32), ((1,), np.int64),
-              ((1,), np.int64), ((1,), np.int32)]
-    starts, used = [], 0
+    # CanaryContext.allocate's arrays, a ring of 8 rows
+    shapes = [((num_slots, L.MIN_SLOT_STRIDE_BYTES), np.uint8), ((8, L.RING_COLUMNS), np.int64), ((1,), np.int32),
+              ((1,), np.int64), ((1,), np.int64), ((1,), np.int32)]
+    spans, used = [], 0
     for shape, dtype in shapes:
-        starts.append(used)
-        used += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        spans.append((used, nbytes))
+        used += -(-nbytes // 256) * 256
     xp = np if device == "cpu" else cupy_module()
     block = xp.zeros(used + held.size, dtype=np.uint8)
     block[used:] = xp.asarray(held)
-    arrays = [block[at:at + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-              for at, (shape, dtype) in zip(starts, shapes)]
+    arrays = [block[at:at + nbytes].view(dtype).reshape(shape) for (at, nbytes), (shape, dtype) in zip(spans, shapes)]
     row = xp.lib.stride_tricks.as_strided(block[used:], shape=(1, row_bytes), strides=(row_bytes, 1))
     return arrays, row
 

@@ -45,11 +45,12 @@ phase() {
       fpids+=($!)
     done
     wait "${pids[@]}" "${fpids[@]}"
+    rm -rf "$base"  # the round's cold caches: the next round starts from none
   done
 }
 phase shared
 phase own
-echo "phase runs died(rc>=128 or fatal) failed(other nonzero)"
+echo "phase runs died(of a signal: status >= 128, not the timeout's 124) failed(other nonzero)"
 for name in shared own; do
   awk -v n=$name '$1==n {runs++; if ($5>=128 && $5!=124) died++; else if ($5!=0) failed++} END {printf "%s %d %d %d\n", n, runs, died, failed}' "$OUT/runs.txt"
 done
