@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -252,6 +254,38 @@ def test_cpu_cache_follows_what_a_cached_op_calls_and_freezes(tmp_path):
     layout.write_text(layout.read_text().replace("SPLITMIX_MUL_1 = 0xBF58476D1CE4E5B9", "SPLITMIX_MUL_1 = 0x1"))
     changed, hits = run()
     assert hits == 0 and changed != first
+
+
+def test_cpu_cache_entry_whose_parallel_code_came_from_the_cache_loads_in_a_fresh_process(tmp_path):
+    """A cached function with no parallel loop of its own that calls a parallel one is stored
+    without numba's step that starts the threading layer when the callee was itself loaded from
+    the cache as the caller compiled (``_verify`` over ``hash_slots_parallel``, compiled after
+    another op cached the hash). A process whose first parallel code is that entry died jumping to
+    address 0; the CPU backend's cache starts the layer before it loads any entry."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kvc_reload_probe.py").write_text(
+        "import numba\n"
+        "from kvcanary_cupy.ops.backends._cpu.hashing import JIT, njit\n\n"
+        "@njit(parallel=True, **JIT)\ndef fill(out):\n"
+        "    for i in numba.prange(out.shape[0]):\n        out[i] = i * 3\n\n"
+        "@njit(**JIT)\ndef total(out):\n    fill(out)\n    return out.sum()\n")
+    package_root = str(pathlib.Path(kc.__file__).parents[1])
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{package_root}", "PATH": os.environ.get("PATH", "")}
+
+    def run(statement: str) -> subprocess.CompletedProcess:
+        script = f"import numpy as np\nfrom kvc_reload_probe import fill, total\n{statement}\n"
+        return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    cached_callee = run("fill(np.zeros(8))")  # the parallel function alone, into the cache
+    assert cached_callee.returncode == 0, cached_callee.stderr
+    compiled_caller = run("print(int(total(np.zeros(8))))")  # compiled over the cached callee
+    assert compiled_caller.returncode == 0 and compiled_caller.stdout.split() == ["84"], compiled_caller.stderr
+    loaded_caller = run("print(int(total(np.zeros(8))), sum(total.stats.cache_hits.values()))")
+    assert loaded_caller.returncode == 0, f"exit status {loaded_caller.returncode}: {loaded_caller.stderr}"
+    assert loaded_caller.stdout.split() == ["84", "1"]  # loaded from the cache, not compiled again
 
 
 def test_the_installed_command_names_itself():

@@ -27,6 +27,7 @@ try:
     from numba.core.caching import FunctionCache
     from numba.core.compiler_lock import global_compiler_lock
     from numba.core.sigutils import normalize_signature
+    from numba.np.ufunc.parallel import _launch_threads
 except ImportError:  # a numba that moved them: its own cache keys, unsalted, and its own locking
     FunctionCache = None
 try:
@@ -57,6 +58,15 @@ if FunctionCache is not None:
 
         def _index_key(self, sig, codegen):
             return (*super()._index_key(sig, codegen), SOURCES_DIGEST)
+
+        def load_overload(self, sig, target_context):
+            # numba starts its threading layer before loading an entry only where the entry's own
+            # code holds a parallel loop: one compiled in a process that loaded its parallel
+            # callees from this cache (``_verify`` over ``hash_slots_parallel``) is stored without
+            # that step (numba issues 8578 and 9938), and loaded first in a process its calls are
+            # left unresolved: the process dies jumping to address 0.
+            _launch_threads()
+            return super().load_overload(sig, target_context)
 
 
 class _CompileLock:
