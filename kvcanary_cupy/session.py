@@ -1123,11 +1123,12 @@ class Canary:
         total = dropped = overflows = 0
         ran, runs, stray, counts_read = self._static_forwards_ran()
         replays = max(0, runs - self._logged_runs)
-        logged = any(launch.phase != "sweep" for group in self.groups for launch in group.log)  # forwards
+        eager = self._numbered > self._polled_at  # eager forwards since the previous poll, logged or not
         self._drop_changed_launches()
         unhanded = self._unhanded
-        # Replays leave no trace on the host: their places among the logged forwards are not known,
-        # nor which of several is which; one replay alone since the previous poll is the next forward.
+        # Replays leave no trace on the host: their places among the eager forwards are not known
+        # (those past max_logged_forwards too, though the log keeps none of them), nor which of
+        # several is which; one replay alone since the previous poll is the next forward.
         # A forward closed and let go that ran again by mistake (stray) is no forward: its rows may
         # fit the others' entries, whose steps are then not known either. After a poll interrupted
         # once it had made its report, the rings and the log may not agree. Past max_logged_forwards
@@ -1135,7 +1136,7 @@ class Canary:
         # unnamed); those before it, the logged ones' alone.
         stops = self._log_stops if unhanded is None else None
         capped = self._unlogged > 0 and stops is None or self._changed_launches > 0 or unhanded is not None
-        steps_known = not stray and not (replays and logged) and not capped
+        steps_known = not stray and not (replays and eager) and not capped
         mapper = RowMapper(self, replay_step=self._numbered + 1 if replays == 1 and steps_known else None,
                            log_capped=capped)
         overflowed, recorded = [], []  # the groups whose counts and rings the poll empties

@@ -27,7 +27,7 @@ class _Engine:
     of the tables, copied to the device after each change."""
 
     def __init__(self, device, *, swa_window=0, expected=False, ring=1024, verify_capacity=None,
-                 chain_position_assert=False):
+                 chain_position_assert=False, max_logged_forwards=1024):
         self.device = device
         self.rng = np.random.default_rng(0)
         self.table = np.zeros((ROWS, WIDTH), np.int32)
@@ -47,7 +47,7 @@ class _Engine:
         self.canary = kc.Canary(pool_slot_count=SLOTS, capacities=caps, req_to_token=self.table_dev, device=device,
                                 real_kv_sources=kc.layouts.per_layer([self.k]), hash_mode=kc.HashMode.ALL,
                                 ring_capacity=ring, swa=swa, expected_tokens=self.expected_dev,
-                                chain_position_assert=chain_position_assert)
+                                chain_position_assert=chain_position_assert, max_logged_forwards=max_logged_forwards)
         self.free = list(range(1, SLOTS))
         self.requests: dict = {}
 

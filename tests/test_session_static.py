@@ -225,6 +225,30 @@ def test_a_sweep_beside_a_lone_replay_leaves_the_replay_its_step(device):
     assert [(phase, step) for phase, step, _, _ in static] == [("sweep", None), ("head", 3), ("tail", 3)]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_lone_replay_beside_an_eager_forward_past_the_log_has_no_step(device):
+    """A poll, one replay, a sweep, an eager forward past ``max_logged_forwards`` (1, which the sweep
+    has used up), a poll: the log keeps none of the eager forward's launches, but the replay is not
+    the only forward since the previous poll, and where it ran among them is not known. Its rows
+    keep their request and position and have no step (they had the step after the eager one's)."""
+    eng = _Engine(device, max_logged_forwards=1)
+    eng.add("a", 1)
+    eng.forward({"a": 6})
+    eng.canary = driven = _StaticForwards(eng.canary, device, replays="first")
+    eng.forward({"a": 1})  # the decode forward's eager run
+    assert driven.poll().total == 0
+    eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
+    eng.forward({"a": 1})  # its replay, forward 3
+    eng.sweep()
+    eng.canary = driven.canary
+    eng.forward({"a": 1})  # forward 4, eager and left out of the log: its rows are named by phase alone
+    report = driven.canary.poll()
+    assert report.forwards == 4
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", None, "a", 2), ("tail", None, "a", 2), ("sweep", None, "a", 2),
+        ("head", None, None, None), ("tail", None, None, None)]
+
+
 def _decode_after_a_fault(device, **driven) -> tuple[_Engine, _StaticForwards]:
     """a's prompt (forward 1, eager) and a decode forward (2, static, logged), polled clean; then
     a's KV at position 2 goes bad and the canary is driven by a :class:`_StaticForwards`."""
