@@ -405,6 +405,7 @@ def make_plan_case(rng: np.random.Generator, max_entries: int) -> dict:
     width = per_request + int(rng.integers(1, 16))
     rows = bs + int(rng.integers(1, 5))
     req_to_token = rng.integers(-2, 5 * width * rows // 4 + 8, size=(rows, width), dtype=np.int64).astype(np.int32)
+    req_to_token[rng.random(req_to_token.shape) < 0.01] = 0  # the padding slot, which the LUT maps too
     if rng.random() < 0.3:  # strided rows (a slice of a wider table)
         req_to_token = np.concatenate([req_to_token, np.zeros((rows, 3), np.int32)], axis=1)[:, :width]
     pool_rows = rng.integers(0, rows, size=bs)

@@ -298,7 +298,9 @@ class Worker:
 
 # The crashes of checks on the unchanged sources met so far (fresh processes dying inside the CPU
 # backend's verify) came in windows of a few seconds, in which every process that started died the
-# same way: a change they leave unjudged is judged again once this long has passed.
+# same way; their cause was a numba cache entry stored without the step that starts numba's
+# threading layer, which the CPU backend guards against since. A crash that the unchanged sources
+# share may still be passing trouble: the change is judged again once this long has passed.
 RETRY_UNJUDGED_AFTER_S = 20.0
 
 
