@@ -712,6 +712,33 @@ def run_records(case: dict, device: str) -> dict:
 _RECORDS_POOL = {"sources": [], "hash_mode": 0, "ring_capacity": 0, "chain_position_assert": 0}
 
 
+def memcheck_cases(op: str, rng: np.random.Generator) -> list:
+    """Cases for compute-sanitizer's memcheck, which random draws reach too rarely: shapes where a
+    kernel that read one element past an input would still give every output right, so only
+    memcheck (every array an allocation of its own size) can tell. The write: a full plan of at
+    least 256 requests (a block's threads each take requests 256 apart, up to the plan's last) with
+    real-KV sources and more entries than requests (the warp forms). The scatter: every request
+    names one pool row, more later writers than the kernel remembers (64), looked up in the batch
+    up to its last request."""
+    if op == "write":
+        while True:
+            case = make_write_case(rng, 20_000)
+            capacity = len(case["offsets"]) - 1
+            requests = min(max(case["num_valid_reqs"], 0), capacity)
+            if (requests == capacity >= 256 and len(case["input_ids"]) > capacity and case["pool"]["sources"]
+                    and case["pool"]["hash_mode"] != int(kc.HashMode.NONE)):
+                return [case]
+    if op == "scatter":
+        bs, n = 512, 4096
+        width = 2 * n // bs + 2
+        cuts = np.sort(rng.integers(0, n + 1, size=bs - 1))
+        return [{"op": "scatter", "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
+                 "offsets": np.concatenate([[0], cuts, [n]]).astype(np.int64),
+                 "req_pool_indices": np.zeros(bs, np.int64),
+                 "pool_out": rng.integers(-5, 5, size=(2, width), dtype=np.int64).astype(np.int32)}]
+    return []
+
+
 MAKERS = {"verify": make_verify_case, "write": make_write_case, "plan": make_plan_case, "scatter": make_scatter_case,
           "step": make_step_case, "records": make_records_case}
 RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter": run_scatter, "step": run_step,

@@ -422,3 +422,26 @@ def _next_to(array: np.ndarray, side: str) -> np.ndarray:
     if side == "before":
         return np.lib.stride_tricks.as_strided(flat, shape=(2,), strides=(-flat.itemsize,))[1:]
     return np.lib.stride_tricks.as_strided(flat, shape=(flat.size + 1,), strides=flat.strides)[-1:]
+
+
+def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_under_exact_allocations(tmp_path):
+    """``_fuzzcases.memcheck_cases``: a full write plan of at least 256 requests with real-KV sources
+    and more entries than requests (the warp forms), and a scatter batch whose every request names
+    one pool row (more later writers than the kernel remembers); the fuzz runs them before its
+    random cases only with ``--exact-allocations``, the CPU backend agreeing with itself."""
+    for seed in range(3):
+        (write,) = F.memcheck_cases("write", np.random.default_rng(seed))
+        capacity = len(write["offsets"]) - 1
+        assert min(max(write["num_valid_reqs"], 0), capacity) == capacity >= 256
+        assert len(write["input_ids"]) > capacity and write["pool"]["sources"]
+        assert write["pool"]["hash_mode"] != int(kc.HashMode.NONE)
+        (scatter,) = F.memcheck_cases("scatter", np.random.default_rng(seed))
+        assert len(scatter["req_pool_indices"]) > 64 and not scatter["req_pool_indices"].any()
+    assert F.memcheck_cases("verify", np.random.default_rng(0)) == []
+    (fuzz,) = import_tools("differential_fuzz")
+    for exact, extra in ((["--exact-allocations"], 1), ([], 0)):
+        out = tmp_path / f"fuzz{extra}.json"
+        assert fuzz.main(["--device", "cpu", "--cases", "2", "--ops", "write", "scatter", "verify", "--json", str(out),
+                          *exact]) == 0
+        ops = json.loads(out.read_text())["ops"]
+        assert [ops[op]["cases"] for op in ("write", "scatter", "verify")] == [2 + extra, 2 + extra, 2]

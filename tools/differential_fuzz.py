@@ -16,7 +16,8 @@ Every array a case hands the package sits between guard bands of known bytes (``
 and a case whose bands changed is a mismatch: a store past an output's end shows. With
 ``--exact-allocations`` there are no bands and CuPy's memory pool is off, so that each array is
 an allocation of its exact size: under compute-sanitizer's memcheck a read one element past an
-input shows too (the sanitizer runs use it; it is slower).
+input shows too (the sanitizer runs use it; it is slower), and each op's run begins with the cases
+only memcheck can judge, which random draws reach too rarely (``_fuzzcases.memcheck_cases``).
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ def main(argv=None) -> int:
             rng = np.random.default_rng([args.seed, list(F.MAKERS).index(op)])
             started = time.time()
             mismatches, examples, largest, entries = 0, [], 0, 0
-            for i in range(args.cases):
-                cap = args.max_entries if i % args.large_every == args.large_every - 1 else args.small_entries
-                case = F.MAKERS[op](rng, cap)
+            # under exact allocations, first the cases only memcheck can judge (drawn apart, so
+            # that the random cases stay those of the seed)
+            firsts = (F.memcheck_cases(op, np.random.default_rng([args.seed, list(F.MAKERS).index(op), 1]))
+                      if args.exact_allocations else [])
+            cases = len(firsts) + args.cases
+            for i in range(cases):
+                k = i - len(firsts)
+                cap = args.max_entries if k % args.large_every == args.large_every - 1 else args.small_entries
+                case = firsts[i] if k < 0 else F.MAKERS[op](rng, cap)
                 oracle = F.RUNNERS[op](case, "cpu")
                 whole = None
                 if op in ("verify", "write", "step") and oracle["write_index"] > oracle["ring"].shape[0]:
@@ -89,9 +96,9 @@ def main(argv=None) -> int:
                     mismatches += 1
                     if len(examples) < 5:
                         examples.append({"case": i, "size": size, "problems": problems})
-                if (i + 1) % max(1, args.cases // 10) == 0:
-                    print(f"  {op}: {i + 1}/{args.cases} cases, {mismatches} mismatches", flush=True)
-            summary["ops"][op] = {"cases": args.cases, "mismatches": mismatches, "largest_case_entries": largest,
+                if (i + 1) % max(1, cases // 10) == 0:
+                    print(f"  {op}: {i + 1}/{cases} cases, {mismatches} mismatches", flush=True)
+            summary["ops"][op] = {"cases": cases, "mismatches": mismatches, "largest_case_entries": largest,
                                   "total_entries": entries, "seconds": round(time.time() - started, 1),
                                   "examples": examples}
             failed |= mismatches > 0
