@@ -155,30 +155,19 @@ def test_swa_end_to_end(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_negative_slots_pass_through_lut(device):
-    table = np.array([[0, 0, 0], [3, -1, 2]], dtype=np.int32)
-    lut = np.array([0, 5, 6, 7], dtype=np.int64)
-    vplan = kc.VerifyPlan.allocate(8, device=device)
-    wplan = kc.WritePlan.allocate(2, device=device)
-    put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
-    kc.plan(vplan, wplan, req_pool_indices=put([1]), prefix_lens=put([3]), extend_seq_lens=put([1]),
-            req_to_token=to_device(table, device), swa_window_size=8, full_to_swa_index_mapping=put(lut))
-    assert _plan_entries(vplan) == [(7, -1, 0, -1), (-1, -1, 1, 7), (6, -1, 2, -1)]
-    assert to_numpy(wplan.seed_slot_indices)[:1].tolist() == [6]
-
-
-@pytest.mark.parametrize("device", BACKENDS)
-def test_a_table_cell_of_0_maps_through_the_lut(device):
-    """A cell of 0 (the padding slot, which a torn or stale table row can hold) is a pool slot like
-    any other: the LUT maps it (here to 9), for an entry's slot and for the next entry's predecessor."""
-    table = np.array([[0, 0, 0], [3, 0, 2]], dtype=np.int32)
+@pytest.mark.parametrize("cell, mapped", [(-1, -1), (0, 9)])
+def test_negative_cells_pass_the_lut_and_a_cell_of_0_maps_through_it(device, cell, mapped):
+    """Pool row 1 holds 3, ``cell``, 2; the LUT maps 0 to 9. A negative cell passes unmapped; a cell
+    of 0 (the padding slot, which a torn or stale table row can hold) is a pool slot like any other,
+    mapped for its entry's slot and for the next entry's predecessor."""
+    table = np.array([[0, 0, 0], [3, cell, 2]], dtype=np.int32)
     lut = np.array([9, 5, 6, 7], dtype=np.int64)
     vplan = kc.VerifyPlan.allocate(8, device=device)
     wplan = kc.WritePlan.allocate(2, device=device)
     put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
     kc.plan(vplan, wplan, req_pool_indices=put([1]), prefix_lens=put([3]), extend_seq_lens=put([1]),
             req_to_token=to_device(table, device), swa_window_size=8, full_to_swa_index_mapping=put(lut))
-    assert _plan_entries(vplan) == [(7, -1, 0, -1), (9, -1, 1, 7), (6, -1, 2, 9)]
+    assert _plan_entries(vplan) == [(7, -1, 0, -1), (mapped, -1, 1, 7), (6, -1, 2, mapped)]
     assert to_numpy(wplan.seed_slot_indices)[:1].tolist() == [6]
 
 
