@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import _layout as L
 from _builders import (ANCHOR_LINK, SourceSpec, as_multiset, assert_only_views_changed, assert_rows, expected_kv_hash,
                        fields, guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source,
                        ring_rows, signed, snapshot)
@@ -536,23 +535,29 @@ def test_short_source_among_several_on_verify(device, mode):
     assert ring_rows(ctx) == [rows[0][:7] + (64 | 4,), rows[1]]
 
 
+_CONTEXT_ARRAYS = ("canary_buf", "violation_ring", "violation_write_index", "slot_run_counter", "kernel_run_counter",
+                   "chain_position_assert")
+
+
 def _context_below_a_long_row(num_slots: int, held: np.ndarray, row_bytes: int, device: str):
-    """The context's arrays and, after them in one allocation, ``held``'s bytes as a source row of
-    ``row_bytes`` bytes (a 1-row view: a source reads row 0 only, at its slots' columns, so its row
-    may claim far more than ``held`` has). Everything the ops store lies below the claimed row, as
-    the package requires, wherever the allocator puts the block."""
-    # CanaryContext.allocate's arrays, a ring of 8 rows
-    shapes = [((num_slots, L.MIN_SLOT_STRIDE_BYTES), np.uint8), ((8, L.RING_COLUMNS), np.int64), ((1,), np.int32),
-              ((1,), np.int64), ((1,), np.int64), ((1,), np.int32)]
-    spans, used = [], 0
-    for shape, dtype in shapes:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        spans.append((used, nbytes))
-        used += -(-nbytes // 256) * 256
+    """The arrays of ``CanaryContext.allocate(num_slots, ring_capacity=8)`` (by name) and, after
+    them in one allocation, ``held``'s bytes as a source row of ``row_bytes`` bytes (a 1-row view:
+    a source reads row 0 only, at its slots' columns, so its row may claim far more than ``held``
+    has). Everything the ops store lies below the claimed row, as the package requires, wherever
+    the allocator puts the block."""
+    template = kc.CanaryContext.allocate(num_slots, ring_capacity=8)
+    spans, used = {}, 0
+    for name in _CONTEXT_ARRAYS:
+        spans[name] = used
+        used += -(-getattr(template, name).nbytes // 256) * 256
     xp = np if device == "cpu" else cupy_module()
     block = xp.zeros(used + held.size, dtype=np.uint8)
     block[used:] = xp.asarray(held)
-    arrays = [block[at:at + nbytes].view(dtype).reshape(shape) for (at, nbytes), (shape, dtype) in zip(spans, shapes)]
+    arrays = {}
+    for name, at in spans.items():
+        like = getattr(template, name)
+        arrays[name] = block[at:at + like.nbytes].view(like.dtype).reshape(like.shape)
+        arrays[name][...] = xp.asarray(like)
     row = xp.lib.stride_tricks.as_strided(block[used:], shape=(1, row_bytes), strides=(row_bytes, 1))
     return arrays, row
 
@@ -572,17 +577,14 @@ def test_source_page_of_more_than_2_to_the_32_tokens(device, mode):
     big = SourceSpec(np.lib.stride_tricks.as_strided(held, shape=(1, big_page * per_token), strides=(0, 1)),
                      big_page, per_token, per_token)  # the host copy the expected hashes are read from
     arrays, row = _context_below_a_long_row(num_slots, held, big_page * per_token, device)
-    canary, ring, write_index, slot_runs, kernel_runs, position_assert = arrays
     slots = [5, 17, 38, 2, 30]
     ids = [int(t) for t in rng.integers(1, 2**40, size=len(slots))]
     put = lambda v: to_device(np.array(v, dtype=np.int64), device)  # noqa: E731
     try:  # a failure's traceback would show the package's frames, whose arguments include the 64 GiB view
-        ctx = kc.CanaryContext(
-            canary_buf=canary, violation_ring=ring, violation_write_index=write_index, slot_run_counter=slot_runs,
-            kernel_run_counter=kernel_runs, chain_position_assert=position_assert, hash_mode=mode,
-            real_kv_sources=(small.build(device), kc.RealKvSource(tensor=row, page_size=big_page,
-                                                                    num_bytes_per_token=per_token,
-                                                                    read_bytes=per_token)))
+        ctx = kc.CanaryContext(**arrays, hash_mode=mode,
+                               real_kv_sources=(small.build(device), kc.RealKvSource(tensor=row, page_size=big_page,
+                                                                                      num_bytes_per_token=per_token,
+                                                                                      read_bytes=per_token)))
         wplan = kc.WritePlan.from_host(offsets=[0, len(slots)], seed_slot_indices=[-1], num_valid_reqs=1,
                                        device=device)
         kc.write(ctx, wplan, tag=0, input_ids=put(ids), positions=put(range(len(slots))), out_cache_loc=put(slots))
