@@ -721,13 +721,14 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     names one pool row, more later writers than the kernel remembers (64), looked up in the batch
     up to its last request."""
     if op == "write":
-        while True:
+        for _ in range(4000):
             case = make_write_case(rng, 20_000)
             capacity = len(case["offsets"]) - 1
             requests = min(max(case["num_valid_reqs"], 0), capacity)
             if (requests == capacity >= 256 and len(case["input_ids"]) > capacity and case["pool"]["sources"]
                     and case["pool"]["hash_mode"] != int(kc.HashMode.NONE)):
                 return [case]
+        raise AssertionError("no full write plan of 256 or more requests with sources drawn")
     if op == "scatter":
         bs, n = 512, 4096
         width = 2 * n // bs + 2
