@@ -718,8 +718,8 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     memcheck (every array an allocation of its own size) can tell. The write: a full plan of at
     least 256 requests (a block's threads each take requests 256 apart, up to the plan's last) with
     real-KV sources and more entries than requests (the warp forms). The scatter: every request
-    names one pool row, more later writers than the kernel remembers (64), looked up in the batch
-    up to its last request."""
+    names one pool row, more later writers than the kernel remembers (64), the first request longer
+    than every later one so that its look-up for its last columns runs to the batch's last request."""
     if op == "write":
         for _ in range(4000):
             case = make_write_case(rng, 20_000)
@@ -730,11 +730,14 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
                 return [case]
         raise AssertionError("no full write plan of 256 or more requests with sources drawn")
     if op == "scatter":
-        bs, n = 512, 4096
-        width = 2 * n // bs + 2
-        cuts = np.sort(rng.integers(0, n + 1, size=bs - 1))
+        # The first request's columns past every later request's are covered by none of them, so
+        # its look-up of later writers walks the batch to its end for each of them.
+        bs, width, later_longest = 512, 96, 8
+        lengths = np.concatenate([[width], rng.integers(1, later_longest + 1, size=bs - 1)])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        n = int(offsets[-1])
         return [{"op": "scatter", "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
-                 "offsets": np.concatenate([[0], cuts, [n]]).astype(np.int64),
+                 "offsets": offsets,
                  "req_pool_indices": np.zeros(bs, np.int64),
                  "pool_out": rng.integers(-5, 5, size=(2, width), dtype=np.int64).astype(np.int32)}]
     return []

@@ -427,7 +427,7 @@ def _next_to(array: np.ndarray, side: str) -> np.ndarray:
 def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_under_exact_allocations(tmp_path):
     """``_fuzzcases.memcheck_cases``: a full write plan of at least 256 requests with real-KV sources
     and more entries than requests (the warp forms), and a scatter batch whose every request names
-    one pool row (more later writers than the kernel remembers); the fuzz runs them before its
+    one pool row (more later writers than the kernel remembers, the first request the longest); the fuzz runs them before its
     random cases only with ``--exact-allocations``, the CPU backend agreeing with itself."""
     for seed in range(3):
         (write,) = F.memcheck_cases("write", np.random.default_rng(seed))
@@ -437,6 +437,8 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
         assert write["pool"]["hash_mode"] != int(kc.HashMode.NONE)
         (scatter,) = F.memcheck_cases("scatter", np.random.default_rng(seed))
         assert len(scatter["req_pool_indices"]) > 64 and not scatter["req_pool_indices"].any()
+        lengths = np.diff(scatter["offsets"])
+        assert lengths[0] == scatter["pool_out"].shape[1] > lengths[1:].max()
     assert F.memcheck_cases("verify", np.random.default_rng(0)) == []
     (fuzz,) = import_tools("differential_fuzz")
     for exact, extra in ((["--exact-allocations"], 1), ([], 0)):
