@@ -333,6 +333,10 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     expected_positions = np.where(rng.random(n) < 0.03, positions - 1, positions) if with_assert else None
     if rng.random() < 0.05 and n:  # offsets past the entry arrays
         offsets[-1] = n + int(rng.integers(1, 10))
+        if rng.random() < 0.5:
+            # the cut span at a chunk edge: which of a team's warps walked its last chunk, and so
+            # records the row for its end, turns on the count of chunks
+            offsets[:-1] = np.minimum(offsets[:-1], max(0, n - int(rng.choice(CHUNK_EDGES))))
     if rng.random() < 0.03:  # spans past int64, at the ends only: two requests covering one entry race on a GPU
         if rng.random() < 0.5:
             offsets[0] = rng.choice(HUGE_OFFSETS[:2])  # the first request begins before the entries

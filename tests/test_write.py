@@ -745,11 +745,11 @@ def test_cuda_write_hashes_a_long_request_past_the_first_block_of_requests(team,
     assert cpu[1:] == gpu[1:]
 
 
-def _requests_at_the_inline_limit(rng: np.random.Generator, num_slots: int) -> dict:
+def _requests_at_the_inline_limit(rng: np.random.Generator, num_slots: int, cut_span: int) -> dict:
     """Requests of 31, 32 and 33 entries around kvc_write's inline limit (a request of at most 32
     entries hashes its sources in its own warp, a longer one by the whole grid), one of 1 entry,
-    and a last one whose end lies past the entries, its span cut to exactly 32."""
-    counts = [31, 32, 1, 33, 32]
+    and a last one whose end lies past the entries, its span cut to ``cut_span``."""
+    counts = [31, 32, 1, 33, cut_span]
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
     n = offsets[-1]
     offsets[-1] += 9  # the last request's end past the entries: its span is cut to n - its begin
@@ -759,16 +759,18 @@ def _requests_at_the_inline_limit(rng: np.random.Generator, num_slots: int) -> d
 
 
 @requires_gpu
+@pytest.mark.parametrize("cut_span", [32, 48])
 @pytest.mark.parametrize("team", ["one", "two"])
 @pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
-def test_cuda_write_hashes_requests_at_the_inline_limit(team, mode, monkeypatch):
+def test_cuda_write_hashes_requests_at_the_inline_limit(team, mode, cut_span, monkeypatch):
     """A request of exactly 32 entries (and one cut to 32 by the entries' end) takes its real-KV
     hashes from its own warp; the grid hashes only longer ones. Sent to neither, its slots would be
-    stored with the bytes their hash word held before."""
+    stored with the bytes their hash word held before. A span cut to two chunks (48) is walked by
+    both warps of a team: the row for its end past the entries carries the chain of the second."""
     force_write_team(team, monkeypatch.setattr)
     rng = np.random.default_rng(40 + int(mode) + len(team))
     num_slots = 256
-    case = _requests_at_the_inline_limit(rng, num_slots)
+    case = _requests_at_the_inline_limit(rng, num_slots, cut_span)
     specs = [random_source(rng, num_slots, num_bytes_per_token=48, read_bytes=32),
              random_source(rng, num_slots, num_bytes_per_token=16)]
     results = {}

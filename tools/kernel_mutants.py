@@ -169,7 +169,7 @@ class Checks:
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
                                [*memcheck, *small_fuzz, "--exact-allocations"]))
             if self.racecheck:
-                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), [*racecheck, *small_fuzz]))
+                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), [*racecheck, *small_fuzz, "--exact-allocations"]))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
