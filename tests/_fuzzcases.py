@@ -723,7 +723,9 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     least 256 requests (a block's threads each take requests 256 apart, up to the plan's last) with
     real-KV sources and more entries than requests (the warp forms). The scatter: every request
     names one pool row, more later writers than the kernel remembers (64), the first request longer
-    than every later one so that its look-up for its last columns runs to the batch's last request."""
+    than every later one so that its look-up for its last columns runs to the batch's last request.
+    The step: a batch that the step kernel's block 0 writes (decode-shaped, past the tail write's
+    bound), fewer requests than the block's threads, whose write plan holds exactly the batch."""
     if op == "write":
         for _ in range(4000):
             case = make_write_case(rng, 20_000)
@@ -744,6 +746,15 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
                  "offsets": offsets,
                  "req_pool_indices": np.zeros(bs, np.int64),
                  "pool_out": rng.integers(-5, 5, size=(2, width), dtype=np.int64).astype(np.int32)}]
+    if op == "step":
+        from kvcanary_cupy.ops.backends._cuda.step import _BLOCK, plan_block_write, tail_write
+
+        for _ in range(4000):
+            case = make_step_case(rng, 20_000)
+            bs, n = len(case["req_pool_indices"]), len(case["input_ids"])
+            if plan_block_write(bs, n) and not tail_write(bs, n) and bs < _BLOCK:
+                return [case]
+        raise AssertionError("no step drawn whose kernel's block 0 writes with threads past the batch")
     return []
 
 
@@ -809,9 +820,10 @@ def full_rows(op: str, case: dict, total: int) -> Counter:
 
 
 def past_one_grid_pass(op: str, seed: int, *, tail_write: bool = True) -> dict:
-    """A fuzz case of ``op`` (plan or step) with more verify entries than one pass of the largest
-    grid a GPU holds at once (2048 threads an SM), all within its verify capacity; with
-    ``tail_write=False`` a step the last-block write does not take (needs CuPy and a GPU)."""
+    """A fuzz case of ``op`` (verify, plan or step) with more verify entries than one pass of the
+    largest grid a GPU holds at once (2048 threads an SM), all within its verify capacity (a
+    verify's plan enabled); with ``tail_write=False`` a step the last-block write does not take
+    (needs CuPy and a GPU)."""
     from kvcanary_cupy.ops.backends._cuda import sm_count
     from kvcanary_cupy.ops.backends._cuda.step import tail_write as takes_tail_write
 
@@ -819,9 +831,14 @@ def past_one_grid_pass(op: str, seed: int, *, tail_write: bool = True) -> dict:
     rng = np.random.default_rng([seed, len(op)])
     for _ in range(400):
         case = MAKERS[op](rng, 8 * one_pass)
-        total = verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
-        if not tail_write and takes_tail_write(len(case["req_pool_indices"]), len(case["input_ids"])):
-            continue
-        if one_pass < total <= case["verify_capacity"]:
+        if op == "verify":
+            capacity = len(case["slot_indices"]) if case["enable"] else 0
+            total = min(max(case["num_valid"], 0), capacity)
+        else:
+            capacity = case["verify_capacity"]
+            total = verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
+            if not tail_write and takes_tail_write(len(case["req_pool_indices"]), len(case["input_ids"])):
+                continue
+        if one_pass < total <= capacity:
             return case
     raise AssertionError(f"no {op} case past {one_pass} entries")

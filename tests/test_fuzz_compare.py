@@ -427,8 +427,11 @@ def _next_to(array: np.ndarray, side: str) -> np.ndarray:
 def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_under_exact_allocations(tmp_path):
     """``_fuzzcases.memcheck_cases``: a full write plan of at least 256 requests with real-KV sources
     and more entries than requests (the warp forms), and a scatter batch whose every request names
-    one pool row (more later writers than the kernel remembers, the first request the longest); the fuzz runs them before its
+    one pool row (more later writers than the kernel remembers, the first request the longest), and a
+    step that the step kernel's block 0 writes with threads to spare; the fuzz runs them before its
     random cases only with ``--exact-allocations``, the CPU backend agreeing with itself."""
+    from kvcanary_cupy.ops.backends._cuda.step import _BLOCK as STEP_THREADS, plan_block_write, tail_write
+
     for seed in range(3):
         (write,) = F.memcheck_cases("write", np.random.default_rng(seed))
         capacity = len(write["offsets"]) - 1
@@ -439,6 +442,9 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
         assert len(scatter["req_pool_indices"]) > 64 and not scatter["req_pool_indices"].any()
         lengths = np.diff(scatter["offsets"])
         assert lengths[0] == scatter["pool_out"].shape[1] > lengths[1:].max()
+        (step,) = F.memcheck_cases("step", np.random.default_rng(seed))
+        bs, n = len(step["req_pool_indices"]), len(step["input_ids"])
+        assert plan_block_write(bs, n) and not tail_write(bs, n) and bs < STEP_THREADS
     assert F.memcheck_cases("verify", np.random.default_rng(0)) == []
     (fuzz,) = import_tools("differential_fuzz")
     for exact, extra in ((["--exact-allocations"], 1), ([], 0)):
