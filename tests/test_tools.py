@@ -570,13 +570,14 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
 
 
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
-    """``--replay`` of several runs: their survivors, a change two runs share judged once, a
-    survivor whose line moved found by its text, and the changes another verdict met left out."""
+    """``--replay`` of several runs: their survivors and the changes ``--limit`` cut short, a change
+    two runs share judged once, a survivor whose line moved found by its text, and the changes
+    another verdict met left out."""
     import json
 
     (mutants,) = import_tools("kernel_mutants")
     drawn = mutants.candidates()
-    first, second, third = [m for m in drawn if m.filename == "verify.cu"][:3]
+    first, second, third, fourth = [m for m in drawn if m.filename == "verify.cu"][:4]
 
     def row(m, verdict, line=None):
         return {"ident": m.ident, "filename": m.filename, "line": line or m.line, "before": m.before,
@@ -584,12 +585,15 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
 
     runs = []
     for k, rows in enumerate([[row(first, "survived"), row(second, "fuzz")],
-                              [row(first, "survived"), row(third, "survived", line=third.line + 3)]]):
+                              [row(first, "survived"), row(third, "survived", line=third.line + 3),
+                               row(fourth, "unfinished")]]):
         runs.append(tmp_path / f"run{k}.json")
         runs[-1].write_text(json.dumps({"summary": {}, "rows": rows}))
     again = mutants.replayed([str(p) for p in runs])
     assert [(m.filename, m.line, m.after) for m in again] == [(first.filename, first.line, first.after),
-                                                               (third.filename, third.line, third.after)]
+                                                               (third.filename, third.line, third.after),
+                                                               (fourth.filename, fourth.line, fourth.after)]
+    assert mutants.replayed([str(p) for p in runs], only_crashed=True) == []
 
 
 def _checks_running(mutants, probe, check: str):

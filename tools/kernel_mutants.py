@@ -19,7 +19,7 @@ an allocation of its own size; ``--racecheck``: shared memory that two warps rea
 order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``tests``
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
 (NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
-not counted), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
+not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
 the check, not the change, is at fault; the change is judged once more a little later while the
 deadline allows, the first try kept in its row as ``first_try``; still so, it is not counted, and
 ``--replay`` takes it again) and ``survived``.
@@ -406,11 +406,13 @@ def crashed(row: dict) -> bool:
 
 
 def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
-    """The changes that survived earlier runs (their ``--json``), that a crashed check judged
-    (``crashed``), or that were left unjudged (their check crashed on the unchanged sources too);
-    with ``only_crashed`` the last two alone. Each still where it was, each once."""
+    """The changes that survived earlier runs (their ``--json``) or were cut short there by
+    ``--limit``, that a crashed check judged (``crashed``), or that were left unjudged (their check
+    crashed on the unchanged sources too); with ``only_crashed`` the last two alone. Each still
+    where it was, each once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if crashed(row) or row["verdict"] == "unjudged" or (row["verdict"] == "survived" and not only_crashed)]
+            if crashed(row) or row["verdict"] == "unjudged"
+            or (row["verdict"] in ("survived", "unfinished") and not only_crashed)]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -443,8 +445,9 @@ def main() -> int:
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
-                        help="judge again the changes that survived these earlier --json runs, that a check"
-                             " whose process crashed judged, or that were left unjudged")
+                        help="judge again the changes that survived these earlier --json runs or that --limit"
+                             " cut short there, that a check whose process crashed judged, or that were"
+                             " left unjudged")
     parser.add_argument("--crashed", action="store_true",
                         help="with --replay: only the changes that a check whose process crashed judged or"
                              " left unjudged")
