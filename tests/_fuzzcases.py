@@ -49,6 +49,23 @@ def verify_total(pool_rows: np.ndarray, prefix: np.ndarray, swa: int) -> int:
                for rp, p in zip(pool_rows.tolist(), prefix.tolist()) if rp != 0 and p > 0)
 
 
+def verify_entries(case: dict) -> int:
+    """The entries a verify, plan or step case's verify checks: a verify's valid ones where its
+    plan is enabled, a batch's prefixes otherwise."""
+    if case["op"] == "verify":
+        return min(max(case["num_valid"], 0), len(case["slot_indices"])) if case["enable"] else 0
+    return verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
+
+
+def first_drawn(make, rng: np.random.Generator, max_entries: int, wanted, tries: int, what: str) -> dict:
+    """The first of up to ``tries`` cases ``make(rng, max_entries)`` draws that is ``wanted``."""
+    for _ in range(tries):
+        case = make(rng, max_entries)
+        if wanted(case):
+            return case
+    raise AssertionError(f"no {what} in {tries} draws")
+
+
 def verify_capacity_for(rng: np.random.Generator, total: int, margins: tuple) -> int:
     """A verify capacity at or near ``total`` (one that a plan can allocate when ``total`` is huge)."""
     if total > 1 << 40:
@@ -727,14 +744,14 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     The step: a batch that the step kernel's block 0 writes (decode-shaped, past the tail write's
     bound), fewer requests than the block's threads, whose write plan holds exactly the batch."""
     if op == "write":
-        for _ in range(4000):
-            case = make_write_case(rng, 20_000)
+        def full_plan_with_sources(case: dict) -> bool:
             capacity = len(case["offsets"]) - 1
             requests = min(max(case["num_valid_reqs"], 0), capacity)
-            if (requests == capacity >= 256 and len(case["input_ids"]) > capacity and case["pool"]["sources"]
-                    and case["pool"]["hash_mode"] != int(kc.HashMode.NONE)):
-                return [case]
-        raise AssertionError("no full write plan of 256 or more requests with sources drawn")
+            return (requests == capacity >= 256 and len(case["input_ids"]) > capacity and bool(case["pool"]["sources"])
+                    and case["pool"]["hash_mode"] != int(kc.HashMode.NONE))
+
+        return [first_drawn(make_write_case, rng, 20_000, full_plan_with_sources, 4000,
+                            "full write plan of 256 or more requests with sources")]
     if op == "scatter":
         # The first request's columns past every later request's are covered by none of them, so
         # its look-up of later writers walks the batch to its end for each of them.
@@ -749,12 +766,12 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     if op == "step":
         from kvcanary_cupy.ops.backends._cuda.step import _BLOCK, plan_block_write, tail_write
 
-        for _ in range(4000):
-            case = make_step_case(rng, 20_000)
+        def block_0_writes_with_threads_to_spare(case: dict) -> bool:
             bs, n = len(case["req_pool_indices"]), len(case["input_ids"])
-            if plan_block_write(bs, n) and not tail_write(bs, n) and bs < _BLOCK:
-                return [case]
-        raise AssertionError("no step drawn whose kernel's block 0 writes with threads past the batch")
+            return plan_block_write(bs, n) and not tail_write(bs, n) and bs < _BLOCK
+
+        return [first_drawn(make_step_case, rng, 20_000, block_0_writes_with_threads_to_spare, 4000,
+                            "step whose kernel's block 0 writes with threads past the batch")]
     return []
 
 
@@ -828,17 +845,31 @@ def past_one_grid_pass(op: str, seed: int, *, tail_write: bool = True) -> dict:
     from kvcanary_cupy.ops.backends._cuda.step import tail_write as takes_tail_write
 
     one_pass = 2048 * sm_count(0)
-    rng = np.random.default_rng([seed, len(op)])
-    for _ in range(400):
-        case = MAKERS[op](rng, 8 * one_pass)
-        if op == "verify":
-            capacity = len(case["slot_indices"]) if case["enable"] else 0
-            total = min(max(case["num_valid"], 0), capacity)
-        else:
-            capacity = case["verify_capacity"]
-            total = verify_total(case["req_pool_indices"], case["prefix_lens"], case["swa_window_size"])
-            if not tail_write and takes_tail_write(len(case["req_pool_indices"]), len(case["input_ids"])):
-                continue
-        if one_pass < total <= capacity:
-            return case
-    raise AssertionError(f"no {op} case past {one_pass} entries")
+
+    def past_one_pass(case: dict) -> bool:
+        if op != "verify" and not tail_write and takes_tail_write(len(case["req_pool_indices"]),
+                                                                  len(case["input_ids"])):
+            return False
+        capacity = len(case["slot_indices"]) if op == "verify" else case["verify_capacity"]
+        return one_pass < verify_entries(case) <= capacity
+
+    return first_drawn(MAKERS[op], np.random.default_rng([seed, len(op)]), 8 * one_pass, past_one_pass, 400,
+                       f"{op} case past {one_pass} entries")
+
+
+def past_one_grid_pass_equal_the_cpu_backend(op: str, seed: int, *, dense: bool = False,
+                                             tail_write: bool = True) -> list:
+    """``compare``'s problems between the CPU backend and CUDA over ``past_one_grid_pass(op, seed)``
+    (verify or step). ``dense``: over a canary of random words, where nearly every entry records a
+    row (asserted), so that an entry left unchecked is a row missing."""
+    case = past_one_grid_pass(op, seed, tail_write=tail_write)
+    if dense:
+        canary = case["pool"]["canary"]
+        case["pool"]["canary"] = np.random.default_rng(seed).integers(0, 256, size=canary.shape, dtype=np.uint8)
+    oracle = RUNNERS[op](case, "cpu")
+    if dense:
+        total = verify_entries(case)
+        assert oracle["write_index"] >= total * 9 // 10, (oracle["write_index"], total)
+    if oracle["write_index"] > oracle["ring"].shape[0]:
+        case["_full_rows"] = full_rows(op, case, oracle["write_index"])
+    return compare(op, case, oracle, RUNNERS[op](case, "cuda"))

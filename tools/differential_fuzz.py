@@ -64,12 +64,13 @@ def main(argv=None) -> int:
                    "exact_allocations": args.exact_allocations, "ops": {}}
         failed = False
         for op in args.ops:
-            rng = np.random.default_rng([args.seed, list(F.MAKERS).index(op)])
+            op_index = list(F.MAKERS).index(op)
+            rng = np.random.default_rng([args.seed, op_index])
             started = time.time()
             mismatches, examples, largest, entries = 0, [], 0, 0
             # under exact allocations, first the cases only memcheck can judge (drawn apart, so
             # that the random cases stay those of the seed)
-            firsts = (F.memcheck_cases(op, np.random.default_rng([args.seed, list(F.MAKERS).index(op), 1]))
+            firsts = (F.memcheck_cases(op, np.random.default_rng([args.seed, op_index, 1]))
                       if args.exact_allocations else [])
             cases = len(firsts) + args.cases
             for i in range(cases):

@@ -19,10 +19,10 @@ an allocation of its own size; ``--racecheck``: shared memory that two warps rea
 order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``tests``
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
 (NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
-not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on the unchanged sources too:
-the check, not the change, is at fault; the change is judged once more a little later while the
-deadline allows, the first try kept in its row as ``first_try``; still so, it is not counted, and
-``--replay`` takes it again) and ``survived``.
+not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
+the unchanged sources too: the check, not the change, is at fault; the change is judged once more a
+little later while the deadline allows, the first try kept in its row as ``first_try``; still so, it
+is not counted, and ``--replay`` takes it again) and ``survived``.
 A check whose process crashes (killed by a signal, or Python's fatal error; a sanitizer's check
 that fails with no error of its own found) catches the change only where the same check passes on
 the unchanged sources; the row's ``crash`` holds the crash's first lines and the signal. A
@@ -169,7 +169,8 @@ class Checks:
                 stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
                                [*memcheck, *small_fuzz, "--exact-allocations"]))
             if self.racecheck:
-                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops), [*racecheck, *small_fuzz, "--exact-allocations"]))
+                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops),
+                               [*racecheck, *small_fuzz, "--exact-allocations"]))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
