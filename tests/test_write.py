@@ -801,17 +801,24 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
     many sources as lanes take the short-reads form), over sources of a token a row and paged ones
     (pages a power of two and not, in the first round of sources and in later ones): slots past a
     short source's rows, a negative and an out-of-range slot, requests of two tokens and empty ones,
-    seeds, position jumps and input-assert mismatches store and record what the CPU backend does."""
+    seeds, position jumps and input-assert mismatches store and record what the CPU backend does.
+    With more sources than lanes, the last source is shorter still: slots short only there have
+    their out-of-range row from a later round alone."""
     from kvcanary_cupy.ops.backends._cuda.write import _DECODE_LANES, decode_form
 
     launched = _record_write_kernels(monkeypatch)
 
     rng = np.random.default_rng(40 + num_sources + len(widths) + len(pages))
     num_slots = 256
+    later_round_short = num_sources > _DECODE_LANES
+    rows = [num_slots] * num_sources
+    rows[num_sources // 2] = 200
+    if later_round_short:
+        rows[-1] = 150
     specs = []
     for k in range(num_sources):
         width = int(rng.choice(widths))
-        specs.append(random_source(rng, 200 if k == num_sources // 2 else num_slots, num_bytes_per_token=width,
+        specs.append(random_source(rng, rows[k], num_bytes_per_token=width,
                                    read_bytes=int(rng.choice([16, width])), page_size=pages[k % len(pages)]))
     counts = [1] * 40
     counts[3], counts[17], counts[25], counts[30] = 2, 0, 0, 2  # a token a request on average
@@ -841,6 +848,8 @@ def test_cuda_decode_write_with_sources_equals_the_cpu_backend(num_sources, mode
     assert launched[-1].startswith("kvc_write_decode<")
     assert launched[-1].endswith(", true, true>" if short else ", true, false>")
     assert cpu[1]["violations"] > 0 and any(row[7] & int(BIT.OUT_OF_RANGE) for row in cpu[2])
+    if later_round_short:
+        assert any(row[7] & int(BIT.OUT_OF_RANGE) and 150 <= row[1] < 200 for row in cpu[2])
     assert np.array_equal(cpu[0], gpu[0])
     assert cpu[1:] == gpu[1:]
 
