@@ -114,7 +114,7 @@ class _DeviceOnly:
 @pytest.mark.parametrize("bad, words", [
     (dict(rows=[0, 1, 2]), "rows must be request rows in [1, 6) (row 0 is the padding row"),
     (dict(rows=[1, 6, 2]), "got rows[1] = 6"),
-    (dict(rows=[2, 2, 3]), "rows must not name a row twice, got row 2 2 times"),
+    (dict(rows=[1, 3, 3]), "rows must not name a row twice, got row 3 2 times"),
     (dict(rows=[1, 2]), "rows must have length 3"),
     (dict(rows=np.array([1.0, 2.0, 3.0])), "rows must hold integers"),
     # a 2-D array whose first dimension matches was taken whole: a row wrote several canary rows
@@ -522,6 +522,25 @@ def test_refill_refuses_the_rows_of_a_one_request_batch_read_as_int32(device):
         kc.block_tables.refill(batch, **given, req_pool_indices=batch.req_pool_indices.view(np.int32)[:1])
     for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "input_ids"):
         assert (to_numpy(getattr(batch, name)) == -77).all()
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_refill_takes_the_rows_of_a_one_request_batch_in_place_whatever_their_stride(device):
+    """One request's row read in place is the same cell whatever stride its view reports (a stride
+    moves nothing in an array of one element): taken, and the batch filled."""
+    rng = np.random.default_rng(92)
+    count = int(rng.integers(2, 6))
+    batch = _bound_batch(device, 1, count)
+    batch.req_pool_indices[0] = 3
+    given = dict(query_start_loc=np.array([0, count], np.int64), seq_lens=np.array([count + 7], np.int64),
+                 input_ids=rng.integers(1, 32000, size=count), positions=rng.integers(0, 200, size=count),
+                 out_cache_loc=rng.integers(1, 4000, size=count))
+    given = {name: to_device(array, device) for name, array in given.items()}
+    rows = _as_strided(batch.req_pool_indices, (1,), (24,), device)
+    kc.block_tables.refill(batch, **given, req_pool_indices=rows)
+    assert to_numpy(batch.req_pool_indices).tolist() == [3]
+    assert to_numpy(batch.extend_seq_lens).tolist() == [count] and to_numpy(batch.prefix_lens).tolist() == [7]
+    assert (to_numpy(batch.input_ids) == to_numpy(given["input_ids"])).all()
 
 
 @requires_gpu

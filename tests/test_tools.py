@@ -758,3 +758,55 @@ def _line_after(mutant, lines: int = 3) -> str:
     """The source lines just after a change's line."""
     text = (ROOT / "kvcanary_cupy" / "rawkernels" / mutant.filename).read_text().splitlines()
     return "\n".join(text[mutant.line:mutant.line + lines])
+
+
+def test_host_mutants_change_one_operator_or_statement_and_keep_every_line_in_place():
+    """tools/host_mutants.py: each change of a Python source replaces one operator (two words for
+    ``not in`` and ``is not``), one ``not`` (a parenthesised operand keeps its parenthesis) or one
+    ``raise`` (its lines kept, empty); every change compiles and leaves every line where it was."""
+    (mutants,) = import_tools("host_mutants")
+    source = (b"def f(a, b):\n"
+              b"    if a < b and not (a in b or a is not None):\n"
+              b"        raise ValueError(\n"
+              b"            'x')\n"
+              b"    return not a == b\n")
+    changes = mutants.candidates("f.py", source)
+    after = {(c.line, c.operator): mutants.line_text(c.apply(source), c.line) for c in changes}
+    assert after == {
+        (2, "<"): "if a <= b and not (a in b or a is not None):",
+        (2, "and"): "if a < b or not (a in b or a is not None):",
+        (2, "not"): "if a < b and (a in b or a is not None):",
+        (2, "in"): "if a < b and not (a not in b or a is not None):",
+        (2, "or"): "if a < b and not (a in b and a is not None):",
+        (2, "is not"): "if a < b and not (a in b or a is None):",
+        (3, "raise"): "pass",
+        (5, "not"): "return a == b",
+        (5, "=="): "return not a != b",
+    }
+    for change in changes:
+        changed = change.apply(source)
+        compile(changed, "f.py", "exec")
+        assert changed.count(b"\n") == source.count(b"\n")
+
+
+def test_host_mutants_judge_a_change_in_a_copy_by_its_tests(tmp_path):
+    """A change is made in a worker's copy of the package, which the tests run there import in
+    place of the repository's: a dropped rule that a test pins is caught, a change of a rule no
+    selected test reaches survives; the repository's file is never touched."""
+    (mutants,) = import_tools("host_mutants")
+    rules = "kvcanary_cupy/validate/rules.py"
+    pristine = (ROOT / rules).read_bytes()
+    changes = mutants.candidates(rules, pristine)
+    caught = next(c for c in changes if c.operator == "raise"
+                  and b"must be non-negative" in pristine[c.start:c.end])
+    missed = next(c for c in changes if c.operator == "raise" and b"must be a bool" in pristine[c.start:c.end])
+    survivors = tmp_path / "earlier.json"
+    survivors.write_text(json.dumps({"rows": [
+        {"filename": rules, "line": c.line, "operator": c.operator, "verdict": "survived",
+         "after": mutants.line_text(c.apply(pristine), c.line) or "(empty)"} for c in (caught, missed)]}))
+    out = tmp_path / "out.json"
+    assert mutants.main(["--replay", str(survivors), "--workers", "1", "--json", str(out),
+                         "--tests", "tests/test_validation.py::test_seed_message_verify_capacity"]) == 0
+    verdicts = {row["line"]: row["verdict"] for row in json.loads(out.read_text())["rows"]}
+    assert verdicts == {caught.line: "tests", missed.line: "survived"}
+    assert (ROOT / rules).read_bytes() == pristine

@@ -372,21 +372,25 @@ def test_construction_rules(name, make, exc, pattern):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_bundle_arrays_may_be_adjacent_slices_of_one_buffer(device):
+@pytest.mark.parametrize("descending", [False, True])
+def test_bundle_arrays_may_be_adjacent_slices_of_one_buffer(device, descending):
     """Arrays of one context or plan must not share memory, but slices of one buffer that only
-    touch are apart, and the ops store into each of them."""
+    touch are apart, whichever of two comes first in memory, and the ops store into each of them."""
+    first, second = (slice(1, 2), slice(0, 1)) if descending else (slice(0, 1), slice(1, 2))
     cells = to_device(np.zeros(4, np.int64), device)
     ints = to_device(np.array([0, 0, 1], np.int32), device)
     ctx = kc.CanaryContext(canary_buf=to_device(np.zeros((8, 32), np.uint8), device),
                            violation_ring=to_device(np.zeros((4, 8), np.int64), device),
-                           violation_write_index=ints[0:1], slot_run_counter=cells[0:1], kernel_run_counter=cells[1:2],
-                           chain_position_assert=ints[1:2])
-    plan_words = to_device(np.array([0, 1, -1, 99]), device)
-    wplan = kc.WritePlan(offsets=plan_words[0:2], seed_slot_indices=plan_words[2:3], num_valid_reqs=ints[2:3])
+                           violation_write_index=ints[first], slot_run_counter=cells[first],
+                           kernel_run_counter=cells[second], chain_position_assert=ints[second])
+    words = [-1, 0, 1, 99] if descending else [0, 1, -1, 99]
+    plan_words = to_device(np.array(words), device)
+    offsets, seeds = (plan_words[1:3], plan_words[0:1]) if descending else (plan_words[0:2], plan_words[2:3])
+    wplan = kc.WritePlan(offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=ints[2:3])
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     kc.write(ctx, wplan, tag=0, input_ids=i64([7]), positions=i64([0]), out_cache_loc=i64([3]))
     assert to_numpy(cells).tolist() == [1, 1, 0, 0] and to_numpy(ints).tolist() == [0, 0, 1]
-    assert to_numpy(plan_words).tolist() == [0, 1, -1, 99]
+    assert to_numpy(plan_words).tolist() == words
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -1012,6 +1016,58 @@ def test_a_raw_stream_handle_takes_every_pointer_value_on_the_cpu(handle):
     w.verify(stream=np.uint64(handle))
     with pytest.raises(ValueError, match=r"^kv-canary: stream, a raw CUDA stream handle, must be in \[0, 2\*\*64\)"):
         w.verify(stream=2**64)
+
+
+def test_write_plan_from_host_takes_ranges_to_either_end_of_int64():
+    """A range is checked by its two ends, without iterating it: ends at int64's minimum and maximum
+    are kept as they are; a range past either is refused, naming its end past int64."""
+    low, top = -(1 << 63), (1 << 63) - 1
+    plan = kc.WritePlan.from_host(offsets=range(top - 2, top + 1), seed_slot_indices=range(low, low + 2),
+                                  num_valid_reqs=2)
+    assert plan.offsets.tolist() == [top - 2, top - 1, top] and plan.seed_slot_indices.tolist() == [low, low + 1]
+    for offsets, past in ((range(low, top + 2, 1 << 63), top + 1), (range(low - 1, low + 2), low - 1)):
+        with pytest.raises(ValueError, match=rf"^kv-canary: offsets must fit in int64 \[{low}, {top}\], got {past}$"):
+            kc.WritePlan.from_host(offsets=offsets, seed_slot_indices=[-1, -1], num_valid_reqs=2)
+
+
+@pytest.mark.parametrize("values", [{0, 1, 2}, {0: 1, 1: 2, 2: 3}, (value for value in range(3))],
+                         ids=["set", "dict", "generator"])
+def test_write_plan_from_host_refuses_collections_without_an_order_or_a_length(values):
+    """Host integers come as a list, a tuple, a range or an array: a set's or a dict's order is not
+    the caller's to choose, and a generator is used up by reading it."""
+    with pytest.raises(TypeError, match=r"^kv-canary: offsets must be a list, tuple or NumPy array of integers, "
+                                        rf"got {type(values).__name__}$"):
+        kc.WritePlan.from_host(offsets=values, seed_slot_indices=[-1, -1], num_valid_reqs=2)
+
+
+def _strided(cells: np.ndarray, shape: tuple, strides: tuple) -> np.ndarray:
+    return np.lib.stride_tricks.as_strided(cells, shape=shape, strides=strides)
+
+
+@pytest.mark.parametrize("layout", ["one row reversed", "one row of stride 0", "one row of a stride splitting an element",
+                                    "one column of every other cell", "no columns, rows reversed"])
+def test_a_table_is_taken_whatever_the_strides_that_address_no_element(layout):
+    """A row stride matters only between two rows, and a cell stride only between two cells: a
+    table of one row, one column or no columns is taken whatever those strides are (NumPy reports
+    any for such views), and the op stores where the elements lie."""
+    cells = np.full(8, -7, np.int32)
+    flat_in, offsets, rows = np.array([1, 2, 3], np.int64), np.array([0, 3], np.int64), np.array([0], np.int64)
+    expected = [1, 2, 3, -7, -7, -7, -7, -7]
+    if layout == "one row reversed":
+        pool_out = cells[:4].reshape(1, 4)[::-1]
+    elif layout == "one row of stride 0":
+        pool_out = _strided(cells, (1, 4), (0, 4))
+    elif layout == "one row of a stride splitting an element":
+        pool_out = _strided(cells, (1, 4), (18, 4))
+    elif layout == "one column of every other cell":
+        pool_out = cells.reshape(4, 2)[:, ::2]
+        flat_in, offsets, rows = np.array([5, 6], np.int64), np.array([0, 1, 2], np.int64), np.array([2, 0], np.int64)
+        expected = [6, -7, -7, -7, 5, -7, -7, -7]
+    else:
+        pool_out = _strided(cells, (3, 0), (-8, 4))
+        expected = [-7] * 8
+    kc.scatter_req_token_ids(flat_in=flat_in, offsets=offsets, req_pool_indices=rows, pool_out=pool_out)
+    assert cells.tolist() == expected
 
 
 def test_a_table_whose_row_stride_splits_an_element_is_refused():

@@ -1,0 +1,267 @@
+"""How well the CPU tests guard the host side: small deliberate changes to the package's Python, one
+at a time, each run against the tests that should notice it. No GPU is needed.
+
+    python tools/host_mutants.py --json out.json                      # kvcanary_cupy/validate/rules.py
+    python tools/host_mutants.py --files kvcanary_cupy/ops/write.py --tests tests/test_write.py
+    python tools/host_mutants.py --list
+    python tools/host_mutants.py --replay out.json --tests tests --json again.json
+
+A change flips one comparison (``<`` and ``<=``, ``==`` and ``!=``, ``in`` and ``not in``, ``is``
+and ``is not``), swaps ``and`` and ``or``, drops a ``not``, or turns a ``raise`` into ``pass``.
+Every such place of the files given is a candidate; ``--mutants`` of them are drawn with ``--seed``
+(all of them by default) and judged in the order drawn. Each worker owns a copy of the package and
+the tests (the files' numba caches copied with their sources' times, so the CPU backend loads
+instead of compiling), changes one line of its copy, and runs ``pytest -x`` over ``--tests`` there.
+Verdicts: ``tests`` (a test failed: caught), ``hang`` (past ``--timeout``: caught), ``stillborn``
+(the changed file does not compile; not counted) and ``survived``: either equivalent (no input can
+tell it apart) or a gap in the tests, which the results file says change by change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tokenize
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_FILES = ("kvcanary_cupy/validate/rules.py",)
+DEFAULT_TESTS = ("tests/test_validation.py", "tests/test_api.py", "tests/test_capacities.py",
+                 "tests/test_block_tables.py", "tests/test_dlpack.py")
+COMPARE_FLIPS = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "==",
+                 ast.In: "not in", ast.NotIn: "in", ast.Is: "is not", ast.IsNot: "is"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change: bytes [start, end) of ``filename`` replaced by ``after_text``."""
+
+    ident: int
+    filename: str
+    line: int
+    operator: str
+    start: int
+    end: int
+    after_text: str
+
+    def apply(self, source: bytes) -> bytes:
+        return source[:self.start] + self.after_text.encode() + source[self.end:]
+
+
+def _line_starts(source: bytes) -> list[int]:
+    starts, offset = [0], 0
+    for line in source.splitlines(keepends=True):
+        offset += len(line)
+        starts.append(offset)
+    return starts
+
+
+def _operator_span(source: bytes, start: int, end: int, wanted: set[str]) -> tuple[int, int] | None:
+    """The byte span of the one operator token in ``source[start:end]`` (the gap between two
+    operands) whose text is in ``wanted``; ``not in`` and ``is not`` are two tokens."""
+    gap = source[start:end].decode()
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(gap).readline)
+                  if t.type in (tokenize.OP, tokenize.NAME)]
+    except (tokenize.TokenError, IndentationError):
+        return None
+    words = [t.string for t in tokens]
+    for first in range(len(tokens)):
+        for count in (2, 1):
+            text = " ".join(words[first:first + count])
+            if len(words[first:first + count]) == count and text in wanted:
+                lines = gap.splitlines(keepends=True) or [""]
+                def offset(row: int, col: int) -> int:
+                    return start + len("".join(lines[:row - 1]).encode()) + len(lines[row - 1][:col].encode())
+                return offset(*tokens[first].start), offset(*tokens[first + count - 1].end)
+    return None
+
+
+def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Change]:
+    """Every change of one file, in source order."""
+    tree = ast.parse(source)
+    starts = _line_starts(source)
+
+    def at(lineno: int, col: int) -> int:
+        return starts[lineno - 1] + col
+
+    found = []
+
+    def add(line: int, operator: str, span: tuple[int, int] | None, after_text: str) -> None:
+        if span is not None:
+            found.append((span[0], line, operator, span[1], after_text))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op, left, right in zip(node.ops, operands, operands[1:]):
+                flip = COMPARE_FLIPS.get(type(op))
+                if flip is None:
+                    continue
+                before = {"<=": "<", "<": "<=", ">=": ">", ">": ">=", "!=": "==", "==": "!=",
+                          "not in": "in", "in": "not in", "is not": "is", "is": "is not"}[flip]
+                span = _operator_span(source, at(left.end_lineno, left.end_col_offset),
+                                      at(right.lineno, right.col_offset), {before})
+                add(left.end_lineno, before, span, flip)
+        elif isinstance(node, ast.BoolOp):
+            word = "and" if isinstance(node.op, ast.And) else "or"
+            for left, right in zip(node.values, node.values[1:]):
+                span = _operator_span(source, at(left.end_lineno, left.end_col_offset),
+                                      at(right.lineno, right.col_offset), {word})
+                add(left.end_lineno, word, span, "or" if word == "and" else "and")
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            first = at(node.lineno, node.col_offset)
+            word = source[first:first + 4]
+            # the word and one space: a parenthesised operand keeps its parenthesis
+            add(node.lineno, "not", (first, first + 4) if word in (b"not ", b"not(") else None,
+                "" if word == b"not " else "(")
+        elif isinstance(node, ast.Raise) and node.exc is not None:
+            span = (at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset))
+            # the lines the raise spanned stay, empty, so every later line keeps its number
+            add(node.lineno, "raise", span, "pass" + "\n" * (node.end_lineno - node.lineno))
+    found.sort()
+    return [Change(first_ident + i, filename, line, operator, start, end, after)
+            for i, (start, line, operator, end, after) in enumerate(found)]
+
+
+def line_text(source: bytes, line: int) -> str:
+    return source.splitlines()[line - 1].decode().strip()
+
+
+def _copy_tree(destination: pathlib.Path) -> None:
+    """The package (its numba caches with their sources' times) and the tests, without results."""
+    shutil.copytree(ROOT / "kvcanary_cupy", destination / "kvcanary_cupy", copy_function=shutil.copy2)
+    shutil.copytree(ROOT / "tests", destination / "tests", copy_function=shutil.copy2,
+                    ignore=shutil.ignore_patterns("results"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, destination / name)
+
+
+def run_tests(workdir: pathlib.Path, tests: list[str], timeout: float) -> tuple[str, str]:
+    """(verdict, the last lines of pytest's output) for the copy in ``workdir``."""
+    env = dict(os.environ, PYTHONPATH=str(workdir), PYTHONDONTWRITEBYTECODE="1")
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "hang", ""
+    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
+    return ("survived" if done.returncode == 0 else "tests"), tail
+
+
+def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict, tests: list[str],
+          timeout: float) -> dict:
+    workdir = workers.get()
+    target = workdir / change.filename
+    try:
+        changed = change.apply(originals[change.filename])
+        row = {"ident": change.ident, "filename": change.filename, "line": change.line,
+               "operator": change.operator, "before": line_text(originals[change.filename], change.line),
+               "after": (line_text(changed, change.line) or "(empty)")}
+        try:
+            compile(changed, change.filename, "exec")
+        except SyntaxError as error:
+            return {**row, "verdict": "stillborn", "tail": str(error), "seconds": 0.0}
+        target.write_bytes(changed)
+        started = time.monotonic()
+        verdict, tail = run_tests(workdir, tests, timeout)
+        return {**row, "verdict": verdict, "tail": tail[-600:], "seconds": round(time.monotonic() - started, 1)}
+    finally:
+        target.write_bytes(originals[change.filename])
+        workers.put(workdir)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="Python files of the package to change")
+    parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="the test files each change runs")
+    parser.add_argument("--mutants", type=int, default=0, help="how many changes to draw (0: all, in source order)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for one change's tests")
+    parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
+    parser.add_argument("--replay", nargs="+", metavar="JSON",
+                        help="judge again the changes that survived these earlier --json runs")
+    parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
+    args = parser.parse_args(argv)
+
+    originals = {name: (ROOT / name).read_bytes() for name in args.files}
+    changes = []
+    for name in args.files:
+        changes += candidates(name, originals[name], first_ident=len(changes))
+    if args.list:
+        for change in changes:
+            print(f"{change.filename}:{change.line} [{change.operator}] {line_text(originals[change.filename], change.line)}")
+        print(f"{len(changes)} candidates")
+        return 0
+    drawn = random.Random(args.seed).sample(changes, args.mutants) if 0 < args.mutants < len(changes) else changes
+    if args.replay:
+        survivors = {(row["filename"], row["line"], row["operator"], row["after"])
+                     for path in args.replay for row in json.loads(pathlib.Path(path).read_text())["rows"]
+                     if row["verdict"] == "survived"}
+        drawn = [change for change in changes if (change.filename, change.line, change.operator,
+                                                  line_text(change.apply(originals[change.filename]), change.line)
+                                                  or "(empty)") in survivors]
+
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="host-mutants-") as scratch:
+        workers: queue.Queue = queue.Queue()
+        for k in range(args.workers):
+            workdir = pathlib.Path(scratch) / f"w{k}"
+            _copy_tree(workdir)
+            workers.put(workdir)
+        baseline, tail = run_tests(workers.queue[0], args.tests, args.timeout)
+        if baseline != "survived":
+            print(f"the unchanged sources fail their tests ({baseline}):\n{tail}", file=sys.stderr)
+            return 1
+        print(f"[{time.monotonic() - started:.0f} s] unchanged sources pass; {len(drawn)} changes, "
+              f"{args.workers} workers", flush=True)
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            futures = [pool.submit(judge, change, workers, originals, args.tests, args.timeout) for change in drawn]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                row = future.result()
+                rows.append(row)
+                print(f"[{time.monotonic() - started:.0f} s] {done}/{len(drawn)} {row['filename']}:{row['line']} "
+                      f"[{row['operator']}] {row['verdict']}", flush=True)
+                if args.json:
+                    _write_json(args, rows, started)
+    summary = _summary(args, rows, started)
+    print(json.dumps(summary))
+    for row in sorted(rows, key=lambda r: r["ident"]):
+        if row["verdict"] == "survived":
+            print(f"survived {row['filename']}:{row['line']} [{row['operator']}] {row['after']}")
+    if args.json:
+        _write_json(args, rows, started)
+    return 0
+
+
+def _summary(args, rows: list, started: float) -> dict:
+    verdicts: dict = {}
+    for row in rows:
+        verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
+    return {"files": args.files, "tests": args.tests, "seed": args.seed, "drawn": args.mutants or "all",
+            "judged": len(rows), "verdicts": verdicts, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def _write_json(args, rows: list, started: float) -> None:
+    payload = {"summary": _summary(args, rows, started), "rows": sorted(rows, key=lambda r: r["ident"])}
+    pathlib.Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
