@@ -175,6 +175,27 @@ def test_violations_of_a_ring_that_kept_no_row_are_true():
     assert report and len(report) == 0 and (report.total, report.dropped) == (1, 1)
 
 
+def test_a_report_of_no_violation_is_false():
+    """A ring that counted nothing gives an empty report that is false: ``if ctx.violations():``
+    is the check an engine writes."""
+    report = kc.CanaryContext.allocate(4).violations()
+    assert not report and len(report) == 0 and (report.total, report.dropped) == (0, 0)
+
+
+def test_a_row_describes_its_reasons_by_name_or_as_none():
+    """``describe()`` lists a row's fail reasons by name, joined with ``|``, and says ``none`` for a
+    row that holds no reason bit."""
+    ring = np.zeros((2, 8), np.int64)
+    ring[:, 0] = int(kc.LaunchTag.HEAD_K_FULL)
+    ring[0, 7] = int(kc.FailReason.CHAIN_HASH | kc.FailReason.POSITION)
+    ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
+                           violation_write_index=np.array([2], np.int32), slot_run_counter=np.zeros(1, np.int64),
+                           kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+    first, second = ctx.violations()
+    assert first.describe().startswith("HEAD_K_FULL: slot 0 position 0 [CHAIN_HASH|POSITION] token")
+    assert second.describe().startswith("HEAD_K_FULL: slot 0 position 0 [none] token")
+
+
 def test_a_row_of_no_launch_tag_keeps_its_kind():
     """A ring row whose kind is no LaunchTag (a ring of the caller's own, written by something else)
     decodes with its kind as the number it is, not as some tag."""

@@ -98,3 +98,19 @@ def test_int32_bound_names_the_argument(arguments, named, derived):
     # The derived values themselves are bounded too, when given directly.
     with pytest.raises(ValueError, match=r"^kv-canary: max_bs must fit in int32"):
         kc.Capacities(max_bs=2**31, verify_capacity=1, write_req_capacity=1, write_entry_capacity=1)
+
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("arguments,derived,value", [
+    (dict(pool_slot_count=INT32_MAX // 3), "verify_capacity", 3 * (INT32_MAX // 3)),
+    (dict(req_to_token_pool_size=INT32_MAX), "max_bs", INT32_MAX),
+    (dict(cuda_graph_max_bs=INT32_MAX), "max_bs", INT32_MAX),
+    (dict(speculative_num_draft_tokens=INT32_MAX // 64), "write_entry_capacity", 64 * (INT32_MAX // 64)),
+    (dict(max_prefill_tokens=INT32_MAX, chunked_prefill_size=None), "write_entry_capacity", INT32_MAX),
+])
+def test_int32_bound_takes_each_argument_at_its_limit(arguments, derived, value):
+    """The bound is int32's maximum itself: an argument whose derived capacity lands on it exactly
+    is taken, and the capacity is that maximum's share."""
+    assert getattr(_caps(**arguments), derived) == value

@@ -1005,6 +1005,7 @@ def test_slot_fields_range():
     with pytest.raises(ValueError, match=r"^kv-canary: slot must be in \[0, 4\), got 4"):
         ctx.slot_fields(4)
     assert ctx.slot_fields(3) == {"token": 0, "position": 0, "prev_hash": 0, "real_kv_hash": 0}
+    assert ctx.slot_fields(0) == {"token": 0, "position": 0, "prev_hash": 0, "real_kv_hash": 0}
 
 
 @pytest.mark.parametrize("handle", [0, 2**63, 2**64 - 1])

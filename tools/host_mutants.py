@@ -187,7 +187,9 @@ def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="Python files of the package to change")
+    parser.add_argument("--files", nargs="+",
+                        help="Python files of the package to change (default: with --replay, the files of its rows; "
+                             f"otherwise {', '.join(DEFAULT_FILES)})")
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="the test files each change runs")
     parser.add_argument("--mutants", type=int, default=0, help="how many changes to draw (0: all, in source order)")
     parser.add_argument("--seed", type=int, default=1)
@@ -199,6 +201,9 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
 
+    earlier = [row for path in args.replay or () for row in json.loads(pathlib.Path(path).read_text())["rows"]]
+    if not args.files:
+        args.files = sorted({row["filename"] for row in earlier}) if earlier else list(DEFAULT_FILES)
     originals = {name: (ROOT / name).read_bytes() for name in args.files}
     changes = []
     for name in args.files:
@@ -211,8 +216,7 @@ def main(argv=None) -> int:
     drawn = random.Random(args.seed).sample(changes, args.mutants) if 0 < args.mutants < len(changes) else changes
     if args.replay:
         survivors = {(row["filename"], row["line"], row["operator"], row["after"])
-                     for path in args.replay for row in json.loads(pathlib.Path(path).read_text())["rows"]
-                     if row["verdict"] == "survived"}
+                     for row in earlier if row["verdict"] == "survived"}
         drawn = [change for change in changes if (change.filename, change.line, change.operator,
                                                   line_text(change.apply(originals[change.filename]), change.line)
                                                   or "(empty)") in survivors]
