@@ -1,10 +1,11 @@
-"""How well the CPU tests guard the host side: small deliberate changes to the package's Python, one
-at a time, each run against the tests that should notice it. No GPU is needed.
+"""How well the tests guard the host side: small deliberate changes to the package's Python, one
+at a time, each run against the tests that should notice it. No GPU is needed but for the CUDA tests.
 
     python tools/host_mutants.py --json out.json                      # kvcanary_cupy/validate/rules.py
     python tools/host_mutants.py --files kvcanary_cupy/ops/write.py --tests tests/test_write.py
     python tools/host_mutants.py --list
     python tools/host_mutants.py --replay out.json --tests tests --json again.json
+    python tools/host_mutants.py --replay out.json --tests tests -k "cuda or gpu"  # on a GPU machine
 
 A change flips one comparison (``<`` and ``<=``, ``==`` and ``!=``, ``in`` and ``not in``, ``is``
 and ``is not``), swaps ``and`` and ``or``, drops a ``not``, or turns a ``raise`` into ``pass``.
@@ -151,7 +152,8 @@ def _copy_tree(destination: pathlib.Path) -> None:
 
 
 def run_tests(workdir: pathlib.Path, tests: list[str], timeout: float) -> tuple[str, str]:
-    """(verdict, the last lines of pytest's output) for the copy in ``workdir``."""
+    """(verdict, the last lines of pytest's output) for the copy in ``workdir``; ``tests`` may
+    hold pytest's options too."""
     env = dict(os.environ, PYTHONPATH=str(workdir), PYTHONDONTWRITEBYTECODE="1")
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
                         help="Python files of the package to change (default: with --replay, the files of its rows; "
                              f"otherwise {', '.join(DEFAULT_FILES)})")
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="the test files each change runs")
+    parser.add_argument("-k", "--keyword", help="pytest's -k: only the tests whose names match (e.g. \"cuda or gpu\")")
     parser.add_argument("--mutants", type=int, default=0, help="how many changes to draw (0: all, in source order)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
@@ -200,6 +203,7 @@ def main(argv=None) -> int:
                         help="judge again the changes that survived these earlier --json runs")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
+    tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
 
     earlier = [row for path in args.replay or () for row in json.loads(pathlib.Path(path).read_text())["rows"]]
     if not args.files:
@@ -210,7 +214,8 @@ def main(argv=None) -> int:
         changes += candidates(name, originals[name], first_ident=len(changes))
     if args.list:
         for change in changes:
-            print(f"{change.filename}:{change.line} [{change.operator}] {line_text(originals[change.filename], change.line)}")
+            before = line_text(originals[change.filename], change.line)
+            print(f"{change.filename}:{change.line} [{change.operator}] {before}")
         print(f"{len(changes)} candidates")
         return 0
     drawn = random.Random(args.seed).sample(changes, args.mutants) if 0 < args.mutants < len(changes) else changes
@@ -229,14 +234,14 @@ def main(argv=None) -> int:
             workdir = pathlib.Path(scratch) / f"w{k}"
             _copy_tree(workdir)
             workers.put(workdir)
-        baseline, tail = run_tests(workers.queue[0], args.tests, args.timeout)
+        baseline, tail = run_tests(workers.queue[0], tests, args.timeout)
         if baseline != "survived":
             print(f"the unchanged sources fail their tests ({baseline}):\n{tail}", file=sys.stderr)
             return 1
         print(f"[{time.monotonic() - started:.0f} s] unchanged sources pass; {len(drawn)} changes, "
               f"{args.workers} workers", flush=True)
         with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-            futures = [pool.submit(judge, change, workers, originals, args.tests, args.timeout) for change in drawn]
+            futures = [pool.submit(judge, change, workers, originals, tests, args.timeout) for change in drawn]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 row = future.result()
                 rows.append(row)
@@ -258,8 +263,8 @@ def _summary(args, rows: list, started: float) -> dict:
     verdicts: dict = {}
     for row in rows:
         verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
-    return {"files": args.files, "tests": args.tests, "seed": args.seed, "drawn": args.mutants or "all",
-            "judged": len(rows), "verdicts": verdicts, "wall_s": round(time.monotonic() - started, 1)}
+    return {"files": args.files, "tests": args.tests, "keyword": args.keyword, "seed": args.seed,
+            "drawn": args.mutants or "all", "judged": len(rows), "verdicts": verdicts, "wall_s": round(time.monotonic() - started, 1)}
 
 
 def _write_json(args, rows: list, started: float) -> None:
