@@ -1019,6 +1019,28 @@ def test_a_raw_stream_handle_takes_every_pointer_value_on_the_cpu(handle):
         w.verify(stream=2**64)
 
 
+def test_copy_records_takes_every_stream_form_on_the_cpu():
+    """``kc.copy_records`` between two host canaries takes the stream forms every op takes on the
+    CPU (and ignores them), and copies the records."""
+    rng = np.random.default_rng(93)
+    for stream in (None, 0, 2**64 - 1, type("Protocol", (), {"__cuda_stream__": lambda self: (0, 0)})()):
+        src, dst = kc.CanaryContext.allocate(8), kc.CanaryContext.allocate(8)
+        src.canary_buf[:] = rng.integers(0, 256, size=src.canary_buf.shape, dtype=np.uint8)
+        kc.copy_records(src=src, dst=dst, src_slots=np.array([1, 6]), dst_slots=np.array([7, 2]), stream=stream)
+        assert [dst.slot_fields(slot) for slot in (7, 2)] == [src.slot_fields(slot) for slot in (1, 6)]
+
+
+def test_interleaved_takes_a_one_slot_buffer_whatever_its_row_stride():
+    """A pool of one slot has one row, whose stride nothing reads: ``layouts.interleaved`` takes
+    such a view (a step of a larger buffer) and its K and V sources lie on its two halves."""
+    big = np.random.default_rng(94).random((4, 2, 32)).astype(np.float32)
+    view = big[::4]  # one row, row stride 1024 bytes; flattened, NumPy gives it 256
+    k_part, v_part = kc.layouts.interleaved([view])
+    start = view.__array_interface__["data"][0]
+    assert [part.tensor.__array_interface__["data"][0] - start for part in (k_part, v_part)] == [0, 128]
+    assert (k_part.num_bytes_per_token, v_part.num_bytes_per_token) == (128, 128)
+
+
 def test_write_plan_from_host_takes_ranges_to_either_end_of_int64():
     """A range is checked by its two ends, without iterating it: ends at int64's minimum and maximum
     are kept as they are; a range past either is refused, naming its end past int64."""

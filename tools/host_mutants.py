@@ -142,13 +142,15 @@ def line_text(source: bytes, line: int) -> str:
 
 
 def _copy_tree(destination: pathlib.Path) -> None:
-    """The package (its numba caches with their sources' times) and the tests, without results."""
-    shutil.copytree(ROOT / "kvcanary_cupy", destination / "kvcanary_cupy", copy_function=shutil.copy2)
-    shutil.copytree(ROOT / "tests", destination / "tests", copy_function=shutil.copy2,
-                    ignore=shutil.ignore_patterns("results"))
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
-        if (ROOT / name).exists():
-            shutil.copy2(ROOT / name, destination / name)
+    """The package (its numba caches with their sources' times), the tests and what they read (the
+    docs, the examples, the tools and benchmarks), without committed results."""
+    for name in ("kvcanary_cupy", "tests", "docs", "examples", "tools", "benchmarks"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, destination / name, copy_function=shutil.copy2,
+                            ignore=shutil.ignore_patterns("results", ".benchmarks"))
+    for path in ROOT.iterdir():
+        if path.is_file():
+            shutil.copy2(path, destination / path.name)
 
 
 def run_tests(workdir: pathlib.Path, tests: list[str], timeout: float) -> tuple[str, str]:
