@@ -182,18 +182,23 @@ def test_a_report_of_no_violation_is_false():
     assert not report and len(report) == 0 and (report.total, report.dropped) == (0, 0)
 
 
+def _context_over_ring(ring: np.ndarray, rows: int) -> kc.CanaryContext:
+    """A context of the caller's own arrays whose ring holds ``ring`` with ``rows`` rows written."""
+    return kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
+                            violation_write_index=np.array([rows], np.int32), slot_run_counter=np.zeros(1, np.int64),
+                            kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
+
+
 def test_a_row_describes_its_reasons_by_name_or_as_none():
     """``describe()`` lists a row's fail reasons by name, joined with ``|``, and says ``none`` for a
     row that holds no reason bit."""
-    ring = np.zeros((2, 8), np.int64)
+    ring = np.random.default_rng(99).integers(1, 50, size=(2, 8))
     ring[:, 0] = int(kc.LaunchTag.HEAD_K_FULL)
-    ring[0, 7] = int(kc.FailReason.CHAIN_HASH | kc.FailReason.POSITION)
-    ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
-                           violation_write_index=np.array([2], np.int32), slot_run_counter=np.zeros(1, np.int64),
-                           kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
-    first, second = ctx.violations()
-    assert first.describe().startswith("HEAD_K_FULL: slot 0 position 0 [CHAIN_HASH|POSITION] token")
-    assert second.describe().startswith("HEAD_K_FULL: slot 0 position 0 [none] token")
+    ring[0, 7], ring[1, 7] = int(kc.FailReason.CHAIN_HASH | kc.FailReason.POSITION), 0
+    first, second = _context_over_ring(ring, 2).violations()
+    assert first.describe().startswith(f"HEAD_K_FULL: slot {ring[0, 1]} position {ring[0, 2]} "
+                                       "[CHAIN_HASH|POSITION] token")
+    assert second.describe().startswith(f"HEAD_K_FULL: slot {ring[1, 1]} position {ring[1, 2]} [none] token")
 
 
 def test_a_row_of_no_launch_tag_keeps_its_kind():
@@ -201,10 +206,7 @@ def test_a_row_of_no_launch_tag_keeps_its_kind():
     decodes with its kind as the number it is, not as some tag."""
     ring = np.random.default_rng(98).integers(1, 50, size=(2, 8))
     ring[0, 0], ring[0, 7] = 99, int(kc.FailReason.CHAIN_HASH)
-    ctx = kc.CanaryContext(canary_buf=np.zeros((4, 32), np.uint8), violation_ring=ring,
-                           violation_write_index=np.array([1], np.int32), slot_run_counter=np.zeros(1, np.int64),
-                           kernel_run_counter=np.zeros(1, np.int64), chain_position_assert=np.zeros(1, np.int32))
-    row = ctx.violations()[0]
+    row = _context_over_ring(ring, 1).violations()[0]
     assert row.kernel_kind == 99 and not isinstance(row.kernel_kind, kc.LaunchTag)
     assert row.describe().startswith("99: ")
 

@@ -506,6 +506,14 @@ def test_refill_refuses_a_batch_it_cannot_fill_and_changes_nothing(device, spoil
             assert (to_numpy(getattr(batch, name)) == -77).all()
 
 
+def _one_request_inputs(rng: np.random.Generator, count: int, device) -> dict:
+    """What refill takes for one request of ``count`` new tokens past 7 cached, but its rows."""
+    given = dict(query_start_loc=np.array([0, count], np.int64), seq_lens=np.array([count + 7], np.int64),
+                 input_ids=rng.integers(1, 32000, size=count), positions=rng.integers(0, 200, size=count),
+                 out_cache_loc=rng.integers(1, 4000, size=count))
+    return {name: to_device(array, device) for name, array in given.items()}
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_refill_refuses_the_rows_of_a_one_request_batch_read_as_int32(device):
     """One request's row read in place must be the batch's own int64 cell: an int32 view of it has
@@ -513,10 +521,7 @@ def test_refill_refuses_the_rows_of_a_one_request_batch_read_as_int32(device):
     rng = np.random.default_rng(91)
     count = int(rng.integers(2, 6))
     batch = _bound_batch(device, 1, count)
-    given = dict(query_start_loc=np.array([0, count], np.int64), seq_lens=np.array([count + 7], np.int64),
-                 input_ids=rng.integers(1, 32000, size=count), positions=rng.integers(0, 200, size=count),
-                 out_cache_loc=rng.integers(1, 4000, size=count))
-    given = {name: to_device(array, device) for name, array in given.items()}
+    given = _one_request_inputs(rng, count, device)
     with pytest.raises(ValueError, match=r"^kv-canary: batch\.req_pool_indices and req_pool_indices must be the same "
                                          r"array \(same dtype"):
         kc.block_tables.refill(batch, **given, req_pool_indices=batch.req_pool_indices.view(np.int32)[:1])
@@ -532,10 +537,7 @@ def test_refill_takes_the_rows_of_a_one_request_batch_in_place_whatever_their_st
     count = int(rng.integers(2, 6))
     batch = _bound_batch(device, 1, count)
     batch.req_pool_indices[0] = 3
-    given = dict(query_start_loc=np.array([0, count], np.int64), seq_lens=np.array([count + 7], np.int64),
-                 input_ids=rng.integers(1, 32000, size=count), positions=rng.integers(0, 200, size=count),
-                 out_cache_loc=rng.integers(1, 4000, size=count))
-    given = {name: to_device(array, device) for name, array in given.items()}
+    given = _one_request_inputs(rng, count, device)
     rows = _as_strided(batch.req_pool_indices, (1,), (24,), device)
     kc.block_tables.refill(batch, **given, req_pool_indices=rows)
     assert to_numpy(batch.req_pool_indices).tolist() == [3]

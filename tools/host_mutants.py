@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import concurrent.futures
 import dataclasses
 import io
@@ -41,8 +42,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_FILES = ("kvcanary_cupy/validate/rules.py",)
 DEFAULT_TESTS = ("tests/test_validation.py", "tests/test_api.py", "tests/test_capacities.py",
                  "tests/test_block_tables.py", "tests/test_dlpack.py")
-COMPARE_FLIPS = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "==",
-                 ast.In: "not in", ast.NotIn: "in", ast.Is: "is not", ast.IsNot: "is"}
+# each comparison's text and the text it is flipped to
+COMPARE_FLIPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
+                 ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.In: ("in", "not in"),
+                 ast.NotIn: ("not in", "in"), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +82,15 @@ def _operator_span(source: bytes, start: int, end: int, wanted: set[str]) -> tup
     except (tokenize.TokenError, IndentationError):
         return None
     words = [t.string for t in tokens]
+    lines = gap.splitlines(keepends=True) or [""]
+
+    def offset(row: int, col: int) -> int:
+        return start + len("".join(lines[:row - 1]).encode()) + len(lines[row - 1][:col].encode())
+
     for first in range(len(tokens)):
         for count in (2, 1):
             text = " ".join(words[first:first + count])
             if len(words[first:first + count]) == count and text in wanted:
-                lines = gap.splitlines(keepends=True) or [""]
-                def offset(row: int, col: int) -> int:
-                    return start + len("".join(lines[:row - 1]).encode()) + len(lines[row - 1][:col].encode())
                 return offset(*tokens[first].start), offset(*tokens[first + count - 1].end)
     return None
 
@@ -108,11 +113,9 @@ def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Chang
         if isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
             for op, left, right in zip(node.ops, operands, operands[1:]):
-                flip = COMPARE_FLIPS.get(type(op))
-                if flip is None:
+                if type(op) not in COMPARE_FLIPS:
                     continue
-                before = {"<=": "<", "<": "<=", ">=": ">", ">": ">=", "!=": "==", "==": "!=",
-                          "not in": "in", "in": "not in", "is not": "is", "is": "is not"}[flip]
+                before, flip = COMPARE_FLIPS[type(op)]
                 span = _operator_span(source, at(left.end_lineno, left.end_col_offset),
                                       at(right.lineno, right.col_offset), {before})
                 add(left.end_lineno, before, span, flip)
@@ -139,6 +142,12 @@ def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Chang
 
 def line_text(source: bytes, line: int) -> str:
     return source.splitlines()[line - 1].decode().strip()
+
+
+def changed_line(change: Change, source: bytes) -> str:
+    """The change's line as changed (``(empty)`` where a dropped ``raise`` leaves nothing), as rows
+    record it and ``--replay`` matches it."""
+    return line_text(change.apply(source), change.line) or "(empty)"
 
 
 def _copy_tree(destination: pathlib.Path) -> None:
@@ -174,7 +183,7 @@ def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict,
         changed = change.apply(originals[change.filename])
         row = {"ident": change.ident, "filename": change.filename, "line": change.line,
                "operator": change.operator, "before": line_text(originals[change.filename], change.line),
-               "after": (line_text(changed, change.line) or "(empty)")}
+               "after": changed_line(change, originals[change.filename])}
         try:
             compile(changed, change.filename, "exec")
         except SyntaxError as error:
@@ -220,13 +229,15 @@ def main(argv=None) -> int:
             print(f"{change.filename}:{change.line} [{change.operator}] {before}")
         print(f"{len(changes)} candidates")
         return 0
-    drawn = random.Random(args.seed).sample(changes, args.mutants) if 0 < args.mutants < len(changes) else changes
     if args.replay:
         survivors = {(row["filename"], row["line"], row["operator"], row["after"])
                      for row in earlier if row["verdict"] == "survived"}
         drawn = [change for change in changes if (change.filename, change.line, change.operator,
-                                                  line_text(change.apply(originals[change.filename]), change.line)
-                                                  or "(empty)") in survivors]
+                                                  changed_line(change, originals[change.filename])) in survivors]
+    elif 0 < args.mutants < len(changes):
+        drawn = random.Random(args.seed).sample(changes, args.mutants)
+    else:
+        drawn = changes
 
     started = time.monotonic()
     rows = []
@@ -262,11 +273,10 @@ def main(argv=None) -> int:
 
 
 def _summary(args, rows: list, started: float) -> dict:
-    verdicts: dict = {}
-    for row in rows:
-        verdicts[row["verdict"]] = verdicts.get(row["verdict"], 0) + 1
+    verdicts = collections.Counter(row["verdict"] for row in rows)
     return {"files": args.files, "tests": args.tests, "keyword": args.keyword, "seed": args.seed,
-            "drawn": args.mutants or "all", "judged": len(rows), "verdicts": verdicts, "wall_s": round(time.monotonic() - started, 1)}
+            "drawn": args.mutants or "all", "judged": len(rows), "verdicts": dict(verdicts),
+            "wall_s": round(time.monotonic() - started, 1)}
 
 
 def _write_json(args, rows: list, started: float) -> None:
