@@ -748,7 +748,8 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     least 256 requests (a block's threads each take requests 256 apart, up to the plan's last) with
     real-KV sources and more entries than requests (the warp forms). The scatter: every request
     names one pool row, more later writers than the kernel remembers (64), the first request longer
-    than every later one so that its look-up for its last columns runs to the batch's last request.
+    than every later one so that its look-up for its last columns runs to the batch's last request;
+    and long rows of a pool row each, the last running to the input's end.
     The step: a batch that the step kernel's block 0 writes (decode-shaped, past the tail write's
     bound), fewer requests than the block's threads, whose write plan holds exactly the batch."""
     if op == "write":
@@ -767,10 +768,23 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
         lengths = np.concatenate([[width], rng.integers(1, later_longest + 1, size=bs - 1)])
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         n = int(offsets[-1])
-        return [{"op": "scatter", "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
-                 "offsets": offsets,
-                 "req_pool_indices": np.zeros(bs, np.int64),
-                 "pool_out": rng.integers(-5, 5, size=(2, width), dtype=np.int64).astype(np.int32)}]
+        later_writers = {"op": "scatter", "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
+                         "offsets": offsets,
+                         "req_pool_indices": np.zeros(bs, np.int64),
+                         "pool_out": rng.integers(-5, 5, size=(2, width), dtype=np.int64).astype(np.int32)}
+        # Long rows (the kernel's kLongRows form), a pool row each, every one shorter than the eight
+        # strides it reads ahead, the last running to flat_in's end: reads past a row's end stop
+        # there, or the last row's would read past the array.
+        from kvcanary_cupy.ops.backends._cuda.scatter import _BLOCK as SCATTER_THREADS
+
+        lengths = rng.integers(2 * SCATTER_THREADS, 8 * SCATTER_THREADS, size=3)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        n = int(offsets[-1])
+        long_rows = {"op": "scatter", "flat_in": rng.integers(-(1 << 40), 1 << 40, size=n, dtype=np.int64),
+                     "offsets": offsets,
+                     "req_pool_indices": rng.permutation(3).astype(np.int64),
+                     "pool_out": rng.integers(-5, 5, size=(3, int(lengths.max()) + 3), dtype=np.int64).astype(np.int32)}
+        return [later_writers, long_rows]
     if op == "step":
         from kvcanary_cupy.ops.backends._cuda.step import _BLOCK, plan_block_write, tail_write
 

@@ -426,10 +426,12 @@ def _next_to(array: np.ndarray, side: str) -> np.ndarray:
 
 def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_under_exact_allocations(tmp_path):
     """``_fuzzcases.memcheck_cases``: a full write plan of at least 256 requests with real-KV sources
-    and more entries than requests (the warp forms), and a scatter batch whose every request names
-    one pool row (more later writers than the kernel remembers, the first request the longest), and a
+    and more entries than requests (the warp forms), a scatter batch whose every request names
+    one pool row (more later writers than the kernel remembers, the first request the longest) and
+    one of long rows, a pool row each, the last to the input's end (the long-rows form), and a
     step that the step kernel's block 0 writes with threads to spare; the fuzz runs them before its
     random cases only with ``--exact-allocations``, the CPU backend agreeing with itself."""
+    from kvcanary_cupy.ops.backends._cuda.scatter import _BLOCK as SCATTER_THREADS, scatter_form
     from kvcanary_cupy.ops.backends._cuda.step import _BLOCK as STEP_THREADS, plan_block_write, tail_write
 
     for seed in range(3):
@@ -438,10 +440,14 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
         assert min(max(write["num_valid_reqs"], 0), capacity) == capacity >= 256
         assert len(write["input_ids"]) > capacity and write["pool"]["sources"]
         assert write["pool"]["hash_mode"] != int(kc.HashMode.NONE)
-        (scatter,) = F.memcheck_cases("scatter", np.random.default_rng(seed))
+        scatter, long_rows = F.memcheck_cases("scatter", np.random.default_rng(seed))
         assert len(scatter["req_pool_indices"]) > 64 and not scatter["req_pool_indices"].any()
         lengths = np.diff(scatter["offsets"])
         assert lengths[0] == scatter["pool_out"].shape[1] > lengths[1:].max()
+        lengths, rows = np.diff(long_rows["offsets"]), long_rows["req_pool_indices"]
+        assert scatter_form(len(rows), len(long_rows["flat_in"]), 132) == (False, True)
+        assert sorted(rows) == list(range(len(rows))) and long_rows["offsets"][-1] == len(long_rows["flat_in"])
+        assert lengths.max() < 8 * SCATTER_THREADS and long_rows["pool_out"].shape[1] > lengths.max()
         (step,) = F.memcheck_cases("step", np.random.default_rng(seed))
         bs, n = len(step["req_pool_indices"]), len(step["input_ids"])
         assert plan_block_write(bs, n) and not tail_write(bs, n) and bs < STEP_THREADS
@@ -452,4 +458,4 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
         assert fuzz.main(["--device", "cpu", "--cases", "2", "--ops", "write", "scatter", "verify", "--json", str(out),
                           *exact]) == 0
         ops = json.loads(out.read_text())["ops"]
-        assert [ops[op]["cases"] for op in ("write", "scatter", "verify")] == [2 + extra, 2 + extra, 2]
+        assert [ops[op]["cases"] for op in ("write", "scatter", "verify")] == [2 + extra, 2 + 2 * extra, 2]

@@ -786,6 +786,39 @@ def test_cuda_write_hashes_requests_at_the_inline_limit(team, mode, cut_span, mo
     assert cpu[1:] == gpu[1:]
 
 
+def _write_over_random_words(device: str, num_slots: int, specs, mode, case: dict):
+    """``case`` written into a canary of random words with ``specs``' sources: the end state and the
+    words it started from."""
+    ctx = _ctx(device, num_slots, ring_capacity=16, real_kv_sources=tuple(s.build(device) for s in specs),
+               hash_mode=mode)
+    start = np.random.default_rng(num_slots).integers(0, 256, size=ctx.canary_buf.shape, dtype=np.uint8)
+    ctx.canary_buf[...] = to_device(start, device)
+    _write(ctx, case["offsets"], case["seeds"], case["ids"], case["positions"], case["slots"], device=device)
+    return _end_state(ctx), slot_words(start)
+
+
+@requires_gpu
+@pytest.mark.parametrize("team", ["one", "two"])
+def test_cuda_write_hashes_no_long_request_that_begins_before_the_entries(team, monkeypatch):
+    """A request that begins before the entries stops at once (SPEC §4), however long: the grid that
+    hashes long requests' real-KV sources takes none of it either. Taken, its slots would get hash
+    words no write stored, and out_cache_loc would be read before its start."""
+    force_write_team(team, monkeypatch.setattr)
+    rng = np.random.default_rng(50 + len(team))
+    num_slots, n, cut = 256, 120, 80
+    slots = [int(s) for s in rng.permutation(np.arange(1, num_slots))[:n]]
+    # request 0 spans 88 entries from -8 (longer than a warp's 32); request 1 is an ordinary one
+    case = dict(offsets=[-8, cut, n], seeds=[-1, -1], ids=_tokens(rng, n), positions=list(range(n)), slots=slots)
+    specs = [random_source(rng, num_slots, num_bytes_per_token=48, read_bytes=32)]
+    results = {device: _write_over_random_words(device, num_slots, specs, kc.HashMode.ALL, case)
+               for device in ("cpu", "cuda")}
+    (cpu, start), (gpu, _) = results["cpu"], results["cuda"]
+    assert np.array_equal(cpu[0][slots[:cut]], start[slots[:cut]])
+    assert all(cpu[0][slot, 3] == expected_kv_hash(specs, kc.HashMode.ALL, slot) for slot in slots[cut:])
+    assert np.array_equal(cpu[0], gpu[0])
+    assert cpu[1:] == gpu[1:]
+
+
 @requires_gpu
 @pytest.mark.parametrize("num_sources,mode,widths,pages", [(1, kc.HashMode.PARTIAL, (16, 32, 64), (1,)),
                                                            (3, kc.HashMode.ALL, (16, 32, 64), (1,)),
