@@ -792,7 +792,8 @@ def test_host_mutants_change_one_operator_or_statement_and_keep_every_line_in_pl
 def test_host_mutants_judge_a_change_in_a_copy_by_its_tests(tmp_path):
     """A change is made in a worker's copy of the package, which the tests run there import in
     place of the repository's: a dropped rule that a test pins is caught, a change of a rule no
-    selected test reaches survives; the repository's file is never touched."""
+    selected test reaches survives; the repository's file is never touched. ``--replay`` takes the
+    survivors and the unjudged; a failure for want of device memory judges nothing."""
     (mutants,) = import_tools("host_mutants")
     rules = "kvcanary_cupy/validate/rules.py"
     pristine = (ROOT / rules).read_bytes()
@@ -802,11 +803,17 @@ def test_host_mutants_judge_a_change_in_a_copy_by_its_tests(tmp_path):
     missed = next(c for c in changes if c.operator == "raise" and b"must be a bool" in pristine[c.start:c.end])
     survivors = tmp_path / "earlier.json"
     survivors.write_text(json.dumps({"rows": [
-        {"filename": rules, "line": c.line, "operator": c.operator, "verdict": "survived",
-         "after": mutants.line_text(c.apply(pristine), c.line) or "(empty)"} for c in (caught, missed)]}))
+        {"filename": rules, "line": c.line, "operator": c.operator, "verdict": verdict,
+         "after": mutants.line_text(c.apply(pristine), c.line) or "(empty)"}
+        for c, verdict in ((caught, "survived"), (missed, "unjudged"))]}))
     out = tmp_path / "out.json"
     assert mutants.main(["--replay", str(survivors), "--workers", "1", "--json", str(out),
                          "--tests", "tests/test_validation.py::test_seed_message_verify_capacity"]) == 0
     verdicts = {row["line"]: row["verdict"] for row in json.loads(out.read_text())["rows"]}
     assert verdicts == {caught.line: "tests", missed.line: "survived"}
     assert (ROOT / rules).read_bytes() == pristine
+    assert mutants.verdict_of(1, "E   cupy.cuda.memory.OutOfMemoryError: Out of memory allocating") == "unjudged"
+    assert mutants.verdict_of(1, "E   torch.OutOfMemoryError: CUDA out of memory.") == "unjudged"
+    assert mutants.verdict_of(1, "E   RuntimeError: CUDA error: out of memory") == "unjudged"
+    assert mutants.verdict_of(1, "E   AssertionError") == "tests"
+    assert mutants.verdict_of(0, "") == "survived"

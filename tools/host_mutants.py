@@ -14,8 +14,10 @@ Every such place of the files given is a candidate; ``--mutants`` of them are dr
 the tests (the files' numba caches copied with their sources' times, so the CPU backend loads
 instead of compiling), changes one line of its copy, and runs ``pytest -x`` over ``--tests`` there.
 Verdicts: ``tests`` (a test failed: caught), ``hang`` (past ``--timeout``: caught), ``stillborn``
-(the changed file does not compile; not counted) and ``survived``: either equivalent (no input can
-tell it apart) or a gap in the tests, which the results file says change by change.
+(the changed file does not compile; not counted), ``unjudged`` (a test failed for want of device
+memory, which workers sharing one GPU can exhaust: the device, not the change; not counted, and
+``--replay`` takes it again, best with fewer workers) and ``survived``: either equivalent (no input
+can tell it apart) or a gap in the tests, which the results file says change by change.
 """
 
 from __future__ import annotations
@@ -171,8 +173,19 @@ def run_tests(workdir: pathlib.Path, tests: list[str], timeout: float) -> tuple[
         done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "hang", ""
-    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-6:])
-    return ("survived" if done.returncode == 0 else "tests"), tail
+    output = done.stdout + done.stderr
+    return verdict_of(done.returncode, output), "\n".join(output.strip().splitlines()[-6:])
+
+
+# What CuPy, PyTorch and the CUDA runtime and driver say (lower-cased) when an allocation fails.
+OUT_OF_MEMORY = ("outofmemory", "out of memory", "cuda_error_out_of_memory", "cudaerrormemoryallocation")
+
+
+def verdict_of(returncode: int, output: str) -> str:
+    """A finished pytest run's verdict: ``unjudged`` where a failure ran out of device memory."""
+    if returncode == 0:
+        return "survived"
+    return "unjudged" if any(sign in output.lower() for sign in OUT_OF_MEMORY) else "tests"
 
 
 def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict, tests: list[str],
@@ -211,7 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for one change's tests")
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
-                        help="judge again the changes that survived these earlier --json runs")
+                        help="judge again the changes that survived these earlier --json runs "
+                             "or that they left unjudged")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
     tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
@@ -231,7 +245,7 @@ def main(argv=None) -> int:
         return 0
     if args.replay:
         survivors = {(row["filename"], row["line"], row["operator"], row["after"])
-                     for row in earlier if row["verdict"] == "survived"}
+                     for row in earlier if row["verdict"] in ("survived", "unjudged")}
         drawn = [change for change in changes if (change.filename, change.line, change.operator,
                                                   changed_line(change, originals[change.filename])) in survivors]
     elif 0 < args.mutants < len(changes):
@@ -265,8 +279,8 @@ def main(argv=None) -> int:
     summary = _summary(args, rows, started)
     print(json.dumps(summary))
     for row in sorted(rows, key=lambda r: r["ident"]):
-        if row["verdict"] == "survived":
-            print(f"survived {row['filename']}:{row['line']} [{row['operator']}] {row['after']}")
+        if row["verdict"] in ("survived", "unjudged"):
+            print(f"{row['verdict']} {row['filename']}:{row['line']} [{row['operator']}] {row['after']}")
     if args.json:
         _write_json(args, rows, started)
     return 0
