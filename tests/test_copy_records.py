@@ -260,16 +260,22 @@ def test_within_one_canary_pairs_out_of_range_store_nothing(device):
     assert np.array_equal(to_numpy(ctx.canary_buf), _expected(before, before, src_slots, dst_slots))
 
 
+def _views_of(base: kc.CanaryContext, firsts, slots: int) -> list:
+    """Canaries over ``slots`` slots of ``base``'s buffer from each of ``firsts``, sharing its ring
+    and counters."""
+    return [kc.CanaryContext(canary_buf=base.canary_buf[first:first + slots], violation_ring=base.violation_ring,
+                             violation_write_index=base.violation_write_index,
+                             slot_run_counter=base.slot_run_counter, kernel_run_counter=base.kernel_run_counter,
+                             chain_position_assert=base.chain_position_assert) for first in firsts]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
 def test_two_canaries_over_overlapping_bytes_read_every_record_first(device):
     """Canaries over overlapping views of one buffer (slot i of one is slot i + 1 of the other):
     every record is read before any is stored, as within one canary."""
     base = _random_records(device, 40, 16)
     rows = base.canary_buf
-    views = [kc.CanaryContext(canary_buf=rows[first:first + 32], violation_ring=base.violation_ring,
-                              violation_write_index=base.violation_write_index,
-                              slot_run_counter=base.slot_run_counter, kernel_run_counter=base.kernel_run_counter,
-                              chain_position_assert=base.chain_position_assert) for first in (0, 1)]
+    views = _views_of(base, (0, 1), 32)
     before = to_numpy(rows).copy()
     slots = np.arange(0, 31)
     kc.copy_records(src=views[0], dst=views[1], src_slots=_i64(slots, device), dst_slots=_i64(slots, device))
@@ -313,6 +319,36 @@ def test_a_staged_copy_is_refused_while_its_stream_captures():
         finally:
             stream.end_capture()
     assert np.array_equal(to_numpy(ctx.canary_buf), before)
+
+
+@requires_gpu
+@pytest.mark.parametrize("src_first", [True, False])
+def test_canaries_over_views_that_only_touch_copy_directly_inside_a_graph_capture(src_first):
+    """Canaries over views of one buffer that touch but share no byte (slots 0-19 and 20-39) are
+    told apart: the copy goes straight from one to the other, so it can be captured in a CUDA graph
+    (a copy that must stage its records is refused there), and the graph's replay moves them."""
+    import cupy
+
+    base = _random_records("cuda", 40, 22)
+    low, high = _views_of(base, (0, 20), 20)
+    src, dst = (low, high) if src_first else (high, low)
+    before = to_numpy(base.canary_buf).copy()
+    src_slots, dst_slots = np.arange(20), np.arange(19, -1, -1)
+    slots = _i64(src_slots, "cuda"), _i64(dst_slots, "cuda")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            kc.copy_records(src=src, dst=dst, src_slots=slots[0], dst_slots=slots[1], stream=stream)
+        finally:
+            graph = stream.end_capture()
+    assert np.array_equal(to_numpy(base.canary_buf), before)  # captured, not yet run
+    graph.launch(stream)
+    stream.synchronize()
+    src_rows, dst_rows = (before[:20], before[20:]) if src_first else (before[20:], before[:20])
+    moved = _expected(src_rows, dst_rows, src_slots, dst_slots)
+    expected = np.concatenate([before[:20], moved] if src_first else [moved, before[20:]])
+    assert np.array_equal(to_numpy(base.canary_buf), expected)
 
 
 @pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")

@@ -4,6 +4,7 @@ DLPack round trips with CuPy, PyTorch and JAX. Skipped without CuPy and a CUDA d
 from __future__ import annotations
 
 import collections
+import warnings
 
 import numpy as np
 import pytest
@@ -147,15 +148,29 @@ class _StreamProtocol:
 
 @pytest.mark.parametrize("kind", ["cupy", "handle", "protocol", "default"])
 def test_stream_argument_forms(kind):
+    """Each form of ``stream=`` launches the same step, and none through an API CuPy deprecates (a
+    raw handle or the protocol is taken with ``Stream.from_external`` where CuPy has it)."""
     reference, step = Step(11), Step(11)
     reference.refresh(0, 4)
     reference.launch(None)
     stream = cupy.cuda.Stream(non_blocking=True)
     given = {"cupy": stream, "handle": stream.ptr, "protocol": _StreamProtocol(stream), "default": None}[kind]
     step.refresh(0, 4)
-    step.launch(given)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step.launch(given)
     stream.synchronize()
     assert cupy.array_equal(reference.ctx.canary_buf, step.ctx.canary_buf)
+    assert not [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+
+
+def test_host_words_of_a_source_in_device_memory_are_refused():
+    """``RealKvSource.host_words()`` serves the CPU backend: a source in device memory has none."""
+    from _builders import random_source
+
+    source = random_source(np.random.default_rng(5), 8).build("cuda")
+    with pytest.raises(RuntimeError, match=r"^kv-canary: host_words\(\) needs a host source"):
+        source.host_words()
 
 
 def test_buffers_on_each_device_run_on_that_device():
