@@ -405,6 +405,29 @@ def test_a_torch_device_is_read_as_its_string():
         kc.CanaryContext.allocate(8, device=torch.device("meta"))
 
 
+def test_only_a_torch_device_is_read_as_one():
+    """Another torch object (a tensor) or another library's class named ``device`` is no device form,
+    whatever attributes it has."""
+    from kvcanary_cupy._dlpack import parse_device
+    look_alike = type("device", (), {"type": "cpu", "index": None, "__str__": lambda self: "cpu"})()
+    for spec in (torch.zeros(1), look_alike):
+        with pytest.raises(TypeError, match=r"^kv-canary: device must be 'cpu', 'cuda', 'cuda:N', an int or a "
+                                            r"torch\.device, got "):
+            parse_device(spec)
+
+
+@pytest.mark.skipif(kc._dlpack.cupy_module() is not None, reason="CuPy is installed")
+def test_an_array_of_the_cuda_array_interface_alone_needs_cupy():
+    """An object with only ``__cuda_array_interface__`` (a numba device array's form) is a CUDA array:
+    without CuPy that is what the refusal says, not that it is no array."""
+    class InterfaceOnly:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<i8", "data": (1 << 20, False), "version": 3}
+
+    with pytest.raises(RuntimeError, match=r"^kv-canary: input_ids: a CUDA device needs CuPy"):
+        kc.write(kc.CanaryContext.allocate(4), kc.WritePlan.allocate(1), tag=0, input_ids=InterfaceOnly(),
+                 positions=np.zeros(4, np.int64), out_cache_loc=np.zeros(4, np.int64))
+
+
 def test_a_torch_cuda_device_without_an_index_is_torchs_current_device(monkeypatch):
     """torch.device("cuda") means torch's current device (torch.cuda.set_device), which need not be
     CuPy's; where torch cannot say which (no CUDA in its build, no GPU), CuPy's current device, as
@@ -436,6 +459,17 @@ def test_a_cuda_device_without_cupy_is_a_bad_device_value():
     for error in (ValueError, RuntimeError):
         with pytest.raises(error, match=r"^kv-canary: device: a CUDA device needs CuPy"):
             kc.CanaryContext.allocate(4, device="cuda:0")
+
+
+def test_cuda_devices_the_package_counts_are_those_cupy_counts():
+    """The GPU tests run where the package counts a CUDA device (``_devices.HAS_CUDA``): a count of 0
+    where CuPy sees GPUs would skip them all, and nothing would fail."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        seen = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # CuPy without a driver or a device
+        seen = 0
+    assert kc._dlpack.cuda_device_count() == seen
 
 
 def test_a_failing_import_is_told_apart_from_a_missing_module():

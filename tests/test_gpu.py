@@ -440,6 +440,29 @@ def test_torch_view_waits_for_torchs_current_stream():
     torch.cuda.synchronize()
 
 
+def test_torch_view_inside_a_cupy_capture_waits_for_no_event():
+    """While CuPy's current stream captures a CUDA graph and torch's current stream is another, a
+    tensor's view orders nothing: an event recorded outside a capture cannot be waited for inside it
+    (the caller orders its streams there). The capture holds, and its replay reads the tensor."""
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import native_view
+
+    values = torch.arange(1 << 10, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    side, capture = torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True)
+    with torch.cuda.stream(side), capture:
+        capture.begin_capture()
+        try:
+            view = native_view(values, "values")
+            view *= 3
+        finally:
+            graph = capture.end_capture()
+    assert int(values[5]) == 5  # captured, not yet run
+    graph.launch(capture)
+    capture.synchronize()
+    assert torch.equal(values.cpu(), torch.arange(1 << 10, dtype=torch.int64) * 3)
+
+
 def test_numba_device_arrays_through_the_cuda_array_interface():
     numba_cuda = pytest.importorskip("numba.cuda")
     if not numba_cuda.is_available():
@@ -447,6 +470,12 @@ def test_numba_device_arrays_through_the_cuda_array_interface():
     expected = _dlpack_write_roundtrip(cupy.asarray, lambda a: a.get())
     got = _dlpack_write_roundtrip(numba_cuda.to_device, lambda a: a.copy_to_host())
     assert np.array_equal(got, expected)
+    # an empty array has no memory (a null pointer, which names no device): the current device's
+    from kvcanary_cupy._dlpack import Device, device_of
+
+    empty = numba_cuda.device_array(0, dtype=np.int64)
+    assert empty.__cuda_array_interface__["data"][0] == 0
+    assert device_of(empty, "x") == Device("cuda", cupy.cuda.Device().id)
 
 
 # --- byte offsets past 2**31 and 2**32 -------------------------------------------------------------

@@ -564,7 +564,8 @@ def test_prepared_launches_match_the_cpu(frame, static):
     """A GPU canary launches prepared launches from the second meeting of a batch geometry on
     (plans, writes, the SWA slots' translation), over the same buffers or fresh arrays at other
     addresses, without validating or converting again: its reports and canary buffers equal the
-    CPU's forward by forward. A misaligned array of a prepared geometry is still refused."""
+    CPU's forward by forward. A misaligned array of a prepared geometry is still refused, and so is
+    a torch tensor of one whose memory holds other values than it shows (its negative bit set)."""
     import cupy
 
     if frame == "torch":
@@ -592,6 +593,17 @@ def test_prepared_launches_match_the_cpu(frame, static):
                                 input_ids=i64([1, 2]), positions=i64([5, 5]), out_cache_loc=i64([60, 61]))
         forwards = canary.forwards
         with pytest.raises(ValueError, match=r"^kv-canary: prefix_lens must be 8-byte aligned"):
+            canary.before_forward(batch)
+        assert canary.forwards == forwards
+    else:
+        t64 = lambda values: torch.as_tensor(np.asarray(values, np.int64), device="cuda")  # noqa: E731
+        negated = t64([-5, -5])._neg_view()
+        assert negated.is_neg() and negated.tolist() == [5, 5]
+        batch = kc.ForwardBatch(req_pool_indices=t64([1, 2]), prefix_lens=negated, extend_seq_lens=t64([1, 1]),
+                                input_ids=t64([1, 2]), positions=t64([5, 5]), out_cache_loc=t64([60, 61]))
+        forwards = canary.forwards
+        with pytest.raises(ValueError, match=r"^kv-canary: \S*prefix_lens must hold its values in memory, got a "
+                                             r"torch tensor with its negative bit set"):
             canary.before_forward(batch)
         assert canary.forwards == forwards
 
