@@ -2868,3 +2868,50 @@ def test_the_runs_of_a_static_forward_beside_closed_ones_let_go_are_counted_once
         _run(eng, kept, kept_slot)
     report = eng.canary.poll()
     assert report.total == 0 and report.forwards == 1 + 3 + 4
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("expected", [False, True], ids=["plain", "expected_tokens"])
+def test_requests_past_the_table_are_named_for_every_row(device, expected):
+    """Hostile batches record out-of-range rows, each named for its request at its position: a
+    request whose prefix runs one past its table row (its verify entry at the first position past
+    the row, and its write's seed, which lies in the column at the table's width), and one whose
+    pool row lies just past the table. With expected tokens, the poll reads them only inside
+    their table."""
+    pool = (1000 * np.arange(ROWS)[:, None] + np.arange(WIDTH)).astype(np.int32)  # the tokens Tiny writes
+    eng = Tiny(device, **({"expected_tokens": to_device(pool, device)} if expected else {}))
+    eng.step({"a": 4, "b": 3})
+    assert eng.canary.poll().total == 0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    for name, row, prefix, positions in (("a", 1, WIDTH + 1, {WIDTH}), ("b", ROWS, 2, {0, 1})):
+        batch = kc.ForwardBatch(req_pool_indices=i64([row]), prefix_lens=i64([prefix]), extend_seq_lens=i64([1]),
+                                input_ids=i64([7]), positions=i64([prefix]), out_cache_loc=i64([40]), req_ids=[name])
+        eng.canary.before_forward(batch)
+        eng.canary.after_forward(batch)
+        events = eng.canary.poll().events
+        assert {event.phase for event in events} == {"head", "tail", "write"}
+        assert {event.position for event in events} == positions
+        assert all(event.request == name and event.slot == 2**63 - 1  # the unresolved slot
+                   and event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
+    """A padding request (pool row 0) checks nothing (SPEC 3.3), whatever row 0 of the table
+    holds: a corrupted slot that row 0 also names is put on the request that read it, alone."""
+    eng = Tiny(device)
+    eng.step({"a": 4, "b": 3})
+    assert eng.canary.poll().total == 0
+    table = to_numpy(eng.table).copy()
+    table[0, :4] = table[1, :4]  # row 0 names the slots of 'a'
+    eng.table[...] = to_device(table, device)
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    batch = kc.ForwardBatch(req_pool_indices=i64([1, 0]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 0]),
+                            input_ids=i64([7]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=["a", "padding"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    events = eng.canary.poll().events
+    assert {event.phase for event in events} == {"head", "tail"}
+    assert all(event.request == "a" and event.position == 1 and event.slot == eng.slot("a", 1)
+               and event.violation.fail_reason & kc.FailReason.REAL_KV_HASH for event in events)
