@@ -448,7 +448,9 @@ def test_torch_view_inside_a_cupy_capture_waits_for_no_event():
     from kvcanary_cupy._dlpack import native_view
 
     values = torch.arange(1 << 10, dtype=torch.int64, device="cuda")
-    torch.cuda.synchronize()
+    warm = native_view(values, "values")
+    warm *= 1  # the kernel compiled and loaded before the capture
+    cupy.cuda.Device().synchronize()
     side, capture = torch.cuda.Stream(), cupy.cuda.Stream(non_blocking=True)
     with torch.cuda.stream(side), capture:
         capture.begin_capture()
