@@ -2893,6 +2893,14 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
         assert {event.position for event in events} == positions
         assert all(event.request == name and event.slot == 2**63 - 1  # the unresolved slot
                    and event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
+    # two requests past the table, of 2 and 3 positions: the rows at position 2 are the longer one's
+    batch = kc.ForwardBatch(req_pool_indices=i64([ROWS, ROWS + 1]), prefix_lens=i64([2, 3]),
+                            extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]),
+                            req_ids=["b", "c"])
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    last = [event for event in eng.canary.poll().events if event.position == 2]
+    assert {event.phase for event in last} == {"head", "tail"} and {event.request for event in last} == {"c"}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
