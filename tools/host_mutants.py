@@ -146,10 +146,10 @@ def line_text(source: bytes, line: int) -> str:
     return source.splitlines()[line - 1].decode().strip()
 
 
-def changed_line(change: Change, source: bytes) -> str:
-    """The change's line as changed (``(empty)`` where a dropped ``raise`` leaves nothing), as rows
-    record it and ``--replay`` matches it."""
-    return line_text(change.apply(source), change.line) or "(empty)"
+def changed_line(changed: bytes, line: int) -> str:
+    """Line ``line`` of a changed source (``(empty)`` where a dropped ``raise`` leaves nothing), as
+    rows record it and ``--replay`` matches it."""
+    return line_text(changed, line) or "(empty)"
 
 
 def _copy_tree(destination: pathlib.Path) -> None:
@@ -181,6 +181,10 @@ def run_tests(workdir: pathlib.Path, tests: list[str], timeout: float) -> tuple[
 OUT_OF_MEMORY = ("outofmemory", "out of memory", "cuda_error_out_of_memory", "cudaerrormemoryallocation")
 
 
+# The verdicts --replay judges again (and a run lists at its end).
+REPLAYED = ("survived", "unjudged")
+
+
 def verdict_of(returncode: int, output: str) -> str:
     """A finished pytest run's verdict: ``unjudged`` where a failure ran out of device memory."""
     if returncode == 0:
@@ -196,7 +200,7 @@ def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict,
         changed = change.apply(originals[change.filename])
         row = {"ident": change.ident, "filename": change.filename, "line": change.line,
                "operator": change.operator, "before": line_text(originals[change.filename], change.line),
-               "after": changed_line(change, originals[change.filename])}
+               "after": changed_line(changed, change.line)}
         try:
             compile(changed, change.filename, "exec")
         except SyntaxError as error:
@@ -245,9 +249,10 @@ def main(argv=None) -> int:
         return 0
     if args.replay:
         survivors = {(row["filename"], row["line"], row["operator"], row["after"])
-                     for row in earlier if row["verdict"] in ("survived", "unjudged")}
+                     for row in earlier if row["verdict"] in REPLAYED}
         drawn = [change for change in changes if (change.filename, change.line, change.operator,
-                                                  changed_line(change, originals[change.filename])) in survivors]
+                                                  changed_line(change.apply(originals[change.filename]), change.line))
+                 in survivors]
     elif 0 < args.mutants < len(changes):
         drawn = random.Random(args.seed).sample(changes, args.mutants)
     else:
@@ -279,7 +284,7 @@ def main(argv=None) -> int:
     summary = _summary(args, rows, started)
     print(json.dumps(summary))
     for row in sorted(rows, key=lambda r: r["ident"]):
-        if row["verdict"] in ("survived", "unjudged"):
+        if row["verdict"] in REPLAYED:
             print(f"{row['verdict']} {row['filename']}:{row['line']} [{row['operator']}] {row['after']}")
     if args.json:
         _write_json(args, rows, started)
