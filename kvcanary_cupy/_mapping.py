@@ -289,12 +289,10 @@ class RowMapper:
         ends = np.cumsum(counted)
         loc = self._write_loc(launch)
         writes = np.flatnonzero(counted > 0)
-        if _no_entry(v) and v.stored_chain_hash == 0 and v.slot_idx != -1:
-            seeded = [(int(r), int(prefix[r]) - 1) for r in writes if prefix[r] > 0
-                      and self.cell_slot(group, int(rows[r]), int(prefix[r]) - 1) == v.slot_idx]
-            if seeded:
-                return seeded
-        if _no_entry(v) and v.slot_idx == -1:
+        if _no_entry(v) and v.slot_idx != -1:  # a seed's row: none where the table names it no more
+            return [(int(r), int(prefix[r]) - 1) for r in writes if prefix[r] > 0
+                    and self.cell_slot(group, int(rows[r]), int(prefix[r]) - 1) == v.slot_idx]
+        if _no_entry(v):
             return [(int(r), int(prefix[r]) + max(0, loc.shape[0] - int(ends[r] - counted[r])))
                     for r in writes if ends[r] > loc.shape[0]]
         tokens, positions = self._batch(launch, "input_ids"), self._batch(launch, "positions")
@@ -487,7 +485,7 @@ class RowMapper:
             return False
         if v.expected_token == v.stored_token and v.expected_aux == v.position and v.stored_chain_hash != 0:
             return True
-        return _no_entry(v) and (v.stored_chain_hash == 0 or v.slot_idx == -1)
+        return _no_entry(v)
 
     def resolve(self, group, rows: Sequence, dropped: bool, static_ran: set) -> list[tuple]:
         """``(phase, step, request, position)`` of every row (``None`` where unknown)."""
@@ -624,18 +622,9 @@ def _distinct(names) -> list:
     request object must not stop every later poll."""
     out: list = []
     for request, position in names:
-        if not any(position == seen_position and _same_request(request, seen) for seen, seen_position in out):
+        if not any(position == seen_position and _same(request, seen) for seen, seen_position in out):
             out.append((request, position))
     return out
-
-
-def _same_request(a, b) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
 
 
 def _verify_key(v) -> tuple:
@@ -645,9 +634,11 @@ def _verify_key(v) -> tuple:
 
 
 def _no_entry(v) -> bool:
-    """The shape of the write rows SPEC 4 records without an entry: position, token, expected
-    token and expected position all 0."""
-    return (v.position, v.stored_token, v.expected_token, v.expected_aux) == (0, 0, 0, 0)
+    """Whether a write row is one SPEC 4 records without an entry: a seed past the pool ``(seed, 0,
+    0, 0, 0, 0)`` or entries past the batch's arrays ``(-1, 0, 0, 0, chain, 0)``. An entry's row of
+    token 0 at position 0 has the same zeros, but its slot and a running chain."""
+    zeros = (v.position, v.stored_token, v.expected_token, v.expected_aux) == (0, 0, 0, 0)
+    return zeros and (v.stored_chain_hash == 0 or v.slot_idx == -1)
 
 
 def _row(v) -> tuple:

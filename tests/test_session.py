@@ -2903,6 +2903,104 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
     assert {event.phase for event in last} == {"head", "tail"} and {event.request for event in last} == {"c"}
 
 
+def _write_events(eng, batch, table=None) -> dict:
+    """The write rows one hostile forward records, ``{(slot, chain is 0): (request, position)}``;
+    ``table``: the table the engine holds when it polls."""
+    eng.canary.before_forward(batch)
+    eng.canary.after_forward(batch)
+    if table is not None:
+        eng.table[...] = to_device(table, eng.device)
+    events = [event for event in eng.canary.poll().events if event.phase == "write"]
+    assert all(event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
+    named = {(event.slot, event.violation.stored_chain_hash == 0): (event.request, event.position) for event in events}
+    assert len(named) == len(events)
+    return named
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_write_rows_without_an_entry_are_named_for_the_request_that_recorded_them(device):
+    """The out-of-range rows a write records (SPEC 4) are told apart by shape and named for their
+    request: an entry into a slot past the pool (at position 0 with token 0, so that its row has
+    the zeros of the rows no entry records but a running chain), a seed past the pool, and entries
+    past the batch's arrays. Requests that write nothing record none of them, though one shares the
+    bad seed and one lies past the arrays; nor does the one whose entries end at the arrays' end. A
+    padded tail past the entries, which the write never reads, names no request either, nor a seed
+    row whose cell the table no longer names."""
+    eng = Tiny(device)
+    eng.step({"a": 4, "b": 3})
+    assert eng.canary.poll().total == 0
+    past_pool = SLOTS + 3
+    table = to_numpy(eng.table).copy()
+    table[3, 1] = past_pool
+    eng.table[...] = to_device(table, device)
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    # s: its seed is past the pool; p: token 0 at position 0 into a slot past the pool, ending at the
+    # arrays' end; x: runs past them; z: writes nothing, with s's seed, after x
+    batch = kc.ForwardBatch(req_pool_indices=i64([3, 3, 3, 3]), prefix_lens=i64([2, 0, 0, 2]),
+                            extend_seq_lens=i64([1, 1, 2, 0]), input_ids=i64([9, 0]), positions=i64([2, 0]),
+                            out_cache_loc=i64([50, past_pool]), req_ids=["s", "p", "x", "z"])
+    assert _write_events(eng, batch) == {(past_pool, False): ("p", 0), (past_pool, True): ("s", 1), (-1, False): ("x", 0)}
+    # the same forward, its seed's cell cleared before the poll: that row is no request's
+    table[3, 1] = 0
+    assert _write_events(eng, batch, table) == \
+        {(past_pool, False): ("p", 0), (past_pool, True): (None, None), (-1, False): ("x", 0)}
+    # arrays bound for two entries, the second a copy of the first that the write never reads
+    batch = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
+                            input_ids=i64([0, 0]), positions=i64([0, 0]), out_cache_loc=i64([past_pool, past_pool]),
+                            req_ids=["t"])
+    assert _write_events(eng, batch) == {(past_pool, False): ("t", 0)}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_verify_rows_past_the_pool_are_not_taken_for_writes(device):
+    """With expected tokens a verify's out-of-range rows can look like a write's: the entry after a
+    cell past the pool (its chain unchecked, bit 64 alone) carries the token expected, and a cell
+    past the pool at position 0 whose expected token is 0 records zeros where a write's seed row
+    has them. They are the verify's, named for the request that read them, but for the one shape
+    two launches share: a TAIL row of that second kind is a write seed's row as far as its fields
+    tell, and where no write's seed explains it, it keeps the write phase alone."""
+    pool = (1000 * np.arange(ROWS)[:, None] + np.arange(WIDTH)).astype(np.int32)  # the tokens Tiny writes
+    pool[1, 0] = 0
+    eng = Tiny(device, expected_tokens=to_device(pool, device))
+    eng.step({"a": 4})
+    assert eng.canary.poll().total == 0
+    table = to_numpy(eng.table).copy()
+    table[1, :2] = SLOTS + 5
+    eng.table[...] = to_device(table, device)
+    eng.step({"a": 1})
+    events = eng.canary.poll().events
+    assert all(event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
+    assert sorted((event.phase, event.position, event.request) for event in events if event.request) == \
+        [("head", 0, "a"), ("head", 1, "a"), ("head", 2, "a"), ("tail", 1, "a"), ("tail", 2, "a")]
+    assert [(event.phase, event.slot) for event in events if event.request is None] == [("write", SLOTS + 5)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_slot_at_the_pools_size_that_a_write_named_is_read_as_out_of_range(device):
+    """A write into the slot at the pool's size stores nothing there (it has no record), so a later
+    verify row of that slot is named for its reader; the poll does not look for a record past the
+    pool."""
+    eng = Tiny(device)
+    eng.step({"a": 2})
+    assert eng.canary.poll().total == 0
+    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    first = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
+                            input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([SLOTS]), req_ids=["q"])
+    eng.canary.before_forward(first)
+    eng.canary.after_forward(first)
+    table = to_numpy(eng.table).copy()
+    table[3, 0] = SLOTS
+    eng.table[...] = to_device(table, device)
+    second = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([1]), extend_seq_lens=i64([1]),
+                             input_ids=i64([6]), positions=i64([1]), out_cache_loc=i64([20]), req_ids=["r"])
+    eng.canary.before_forward(second)
+    eng.canary.after_forward(second)
+    events = eng.canary.poll().events
+    assert sorted((event.phase, event.step, event.request, event.position) for event in events) == \
+        [("head", 3, "r", 0), ("tail", 3, "r", 0), ("write", 2, "q", 0), ("write", 3, "r", 0)]  # r's seed too
+    assert {event.slot for event in events} == {SLOTS}
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
     """A padding request (pool row 0) checks nothing (SPEC 3.3), whatever row 0 of the table

@@ -1107,6 +1107,29 @@ def test_a_row_fitting_its_entry_is_named_beside_one_fitting_but_for_the_chain(d
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("handed", [False, True])
+def test_a_row_two_entries_fit_as_the_tables_are_now_names_neither(device, handed):
+    """A forward reads a's bad slot; then b finishes and, before the poll, its pool row goes to c,
+    which shares a's first three tokens (no logged forward shows c). As the table is then, the
+    forward's entry of b reads that slot at the same position too: each row fits two entries, one
+    of a reader that recorded nothing, and the poll names neither (the step is the forward's)."""
+    eng = _Engine(device)
+    eng.add("b", 2)
+    eng.add("a", 1)
+    eng.forward({"b": 3, "a": 3})
+    assert eng.canary.poll().total == 0
+    bad = eng.requests["a"]["slots"][1]
+    eng.k[bad, 0, 0] += 1.0
+    eng.forward({"b": 1, "a": 1})
+    if handed:
+        eng.add("c", 2, share="a", shared=3)
+        eng.sync()
+    request, position = (None, None) if handed else ("a", 1)
+    assert _events_of_slot(eng.canary.poll(), bad) == [(phase, 2, request, position, ("REAL_KV_HASH",))
+                                                      for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_row_fitting_but_for_the_chain_several_forwards_has_no_step(device):
     """b reads its stale row in forwards 3 and 4, slot 3 written in forward 4 after its HEAD check.
     Polled after each forward, every row has its step. Polled once, forward 4's HEAD row of slot 4
