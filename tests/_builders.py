@@ -394,6 +394,13 @@ class Unprintable:
         return hash(self.name)
 
 
+def one_forward(canary: kc.Canary, batch: kc.ForwardBatch) -> None:
+    """An eager forward of ``batch`` with nothing between its verify and its write: its
+    ``before_forward`` and its ``after_forward``."""
+    canary.before_forward(batch)
+    canary.after_forward(batch)
+
+
 def replay_by_mistake(forward: kc.StaticForward) -> None:
     """What a graph captured from ``forward`` before its ``close()`` does when replayed: its
     launches, with nothing logged or noted on the host (the CPU backend captures no graph)."""

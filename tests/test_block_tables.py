@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from _builders import one_forward
 from _devices import BACKENDS, requires_gpu, to_device, to_numpy
 
 
@@ -77,13 +78,11 @@ def test_a_block_whose_slots_int32_cannot_hold_is_read_as_out_of_range(device):
     first = kc.ForwardBatch(req_pool_indices=put([1]), prefix_lens=put([0]), extend_seq_lens=put([4]),
                             input_ids=put(rng.integers(1, 1000, 4)), positions=put(range(4)),
                             out_cache_loc=put(range(12, 16)))
-    canary.before_forward(first)
-    canary.after_forward(first)
+    one_forward(canary, first)
     assert canary.poll().total == 0
     reads = kc.ForwardBatch(req_pool_indices=put([1]), prefix_lens=put([6]), extend_seq_lens=put([0]),
                             input_ids=put([]), positions=put([]), out_cache_loc=put([]))
-    canary.before_forward(reads)
-    canary.after_forward(reads)
+    one_forward(canary, reads)
     events = canary.poll().events
     assert events and all("OUT_OF_RANGE" in event.reasons for event in events)
     assert {event.position for event in events} <= {4, 5}
@@ -345,8 +344,7 @@ class _PersistentBatchEngine:
             seq_lens=to_device(np.array([r["cached"] + c for r, c in zip(self.live, counts)], np.int32), self.device),
             input_ids=put(ids, np.int32), positions=put(positions, np.int64), out_cache_loc=put(slots, np.int64),
             req_ids=[request["name"] for request in self.live])
-        self.canary.before_forward(batch)
-        self.canary.after_forward(batch)
+        one_forward(self.canary, batch)
         for request, count in zip(self.live, counts):
             request["cached"] += count
             if request["cached"] >= len(request["tokens"]):

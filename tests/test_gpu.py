@@ -12,6 +12,7 @@ import pytest
 import kvcanary_cupy as kc
 from kvcanary_cupy.rawkernels import _loader
 import _fuzzcases as F
+from _builders import one_forward
 from _devices import HAS_CUDA
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")]
@@ -218,8 +219,7 @@ def test_streams_resolve_on_the_arrays_device():
                                 positions=cupy.arange(3), out_cache_loc=cupy.arange(1, 4))
     with cupy.cuda.Device(1), own, cupy.cuda.Device(0):  # own: device 1's current stream; device 0 current
         assert canary._stream(None).ptr == own.ptr
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
         kc.verify(ctx, vplan, tag=0)
         before = (canary.forwards, [list(group.log) for group in canary.groups])
         with pytest.raises(ValueError, match=r"^kv-canary: stream must belong to the arrays' device cuda:1, "

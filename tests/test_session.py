@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, Unprintable, replay_by_mistake, session_capacities
+from _builders import DLPackOnly, Unprintable, one_forward, replay_by_mistake, session_capacities
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
@@ -166,8 +166,7 @@ def test_cells_outside_the_table_name_their_request(device, lost_row):
     batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
                             input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]), out_cache_loc=i64([1, 2, 3]),
                             req_ids=["a", "lost"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert {(e.phase, e.request, e.position) for e in report} == {
         ("head", "lost", 0), ("head", "lost", 1), ("write", "lost", 1), ("tail", "lost", 0), ("tail", "lost", 1)}
@@ -185,8 +184,7 @@ def test_entries_past_the_batch_arrays_name_their_request():
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([2, 3]),
                             input_ids=i64([5, 6, 7]), positions=i64([0, 1, 0]), out_cache_loc=i64([1, 2, 3]),
                             req_ids=["a", "b"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     (event,) = eng.canary.poll()
     assert (event.phase, event.request, event.position, event.reasons) == ("write", "b", 1, ("OUT_OF_RANGE",))
     assert "slot none (the request's entries reach past input_ids)" in event.describe()
@@ -280,8 +278,7 @@ def test_write_assert_names_entry(device):
     eng.table[...] = to_device(table, device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([7, 8]), positions=i64([4, 2]), out_cache_loc=i64([40, 41]), req_ids=rids)
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     writes = [e for e in report if e.phase == "write"]
     assert [(e.request, e.position, e.slot) for e in writes] == [("b", 4, 41)]
@@ -306,8 +303,7 @@ def test_write_rows_skip_padding_rows(device):
     batch = kc.ForwardBatch(req_pool_indices=i64([0, 2]), prefix_lens=i64([0, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([8, 0]), positions=i64([2, 0]), out_cache_loc=i64([41, 0]),
                             req_ids=["padding", "b"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     writes = [e for e in eng.canary.poll() if e.phase == "write"]
     assert [(e.request, e.position, e.slot) for e in writes] == [("b", 4, 41)]
     assert "WRITE_POSITION" in writes[0].reasons
@@ -642,8 +638,7 @@ class _Engine:
         target[...] = values
 
     def forward(self, canary: kc.Canary, batch: kc.ForwardBatch) -> None:
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
 
     def run(self):
         """Each forward's events, the canary buffer, and the canary."""
@@ -894,8 +889,7 @@ def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, sta
     eng.canary.before_forward(batch)
     eng.canary.mode = "log"
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
-        eng.canary.before_forward(batch)
-        eng.canary.after_forward(batch)
+        one_forward(eng.canary, batch)
     assert "had no after" not in caplog.text
     assert eng.canary.poll().forwards == 4
 
@@ -1262,8 +1256,7 @@ def test_expected_valid_lens_changed_in_place_leave_the_forwards_rows_unplaced(d
     eng.step({"a": 4})
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     batch = _next_token_of_a(eng, expected_valid_lens=[4])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     object.__setattr__(batch, "expected_valid_lens", to_device(np.array([4, 4], np.int64), device))
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
         report = eng.canary.poll()
@@ -1771,8 +1764,7 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
         batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]), extend_seq_lens=i64([extend]),
                                 input_ids=i64(slots), positions=i64(range(prefix, prefix + extend)),
                                 out_cache_loc=i64(slots))
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
     report = canary.poll()
     swa = [event for event in report if event.group == "swa"]
     assert swa and all(event.request == 0 and event.reasons == ("OUT_OF_RANGE",) for event in swa)
@@ -1800,8 +1792,7 @@ def test_a_one_entry_swa_lut_resolves_its_cell_and_nothing_past_it(device):
         batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([position]), extend_seq_lens=i64([1]),
                                 input_ids=i64([100 + position]), positions=i64([position]),
                                 out_cache_loc=i64([cell]), req_ids=["a"])
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
         if position == 0:
             swa_k[swa_slot, 0, 0] += 1.0  # position 0's SWA bytes, changed after its write
     canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([2]), req_ids=["a"]))
@@ -1832,8 +1823,7 @@ def test_swa_window_of_a_length_past_the_table_starts_where_the_plan_starts(devi
                             input_ids=i64(range(100, 100 + width)), positions=i64(range(width)),
                             out_cache_loc=i64(range(1, width + 1)),
                             req_ids=["a"])
-    canary.before_forward(batch)
-    canary.after_forward(batch)
+    one_forward(canary, batch)
     assert canary.poll().total == 0
     swa_k[14, 0, 0] += 1.0  # position 13's SWA slot
     canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([width]), req_ids=["a"]))  # step 1: finds it
@@ -1892,8 +1882,7 @@ def test_prepared_launches_tell_shared_arrays_apart():
             batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([position, position]),
                                     extend_seq_lens=i64([1, 1]), input_ids=ids, positions=positions,
                                     out_cache_loc=i64([1 + position, 11 + position]))
-            eng.canary.before_forward(batch)
-            eng.canary.after_forward(batch)
+            one_forward(eng.canary, batch)
         assert eng.canary.poll().total == 0
         if device == "cuda":
             assert len(eng.canary._prepared_writes.prepared) == 2  # one for each way of passing them
@@ -2054,8 +2043,7 @@ def test_paged_head_major_hashes_each_heads_tokens(device, mode):
                                 input_ids=i64(range(100 + prefix, 100 + prefix + count)),
                                 positions=i64(range(prefix, prefix + count)), out_cache_loc=i64(owned[prefix:prefix + count]),
                                 req_ids=["a"])
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
     assert not canary.poll()
     host = [to_numpy(k), to_numpy(v)]
     read = 16 if mode == kc.HashMode.PARTIAL else 2 * dim
@@ -2345,8 +2333,7 @@ def test_expected_valid_lens_are_ignored_without_expected_tokens():
     eng = Tiny("cpu")
     eng.step({"a": 3})
     batch = _next_token_of_a(eng, expected_valid_lens=[7, 7])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert not report and report.forwards == 2
     assert eng.canary.context.slot_fields(eng.slot("a", 3))["token"] == 1003
@@ -2587,8 +2574,7 @@ def _padded_forward_run(seed: int, static: bool, device: str = "cpu") -> tuple[l
         input_ids=i64(np.concatenate([1000 * (r + 1) + np.arange(n) for r, n in enumerate(lens)])),
         positions=i64(np.concatenate([np.arange(n) for n in lens])),
         out_cache_loc=i64(np.concatenate([table[r + 1, :n] for r, n in enumerate(lens)])), req_ids=names)
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    one_forward(canary, prefill)
     assert canary.poll().total == 0
     # the forward: requests in random order, padding rows between them
     order = list(rng.permutation(requests)) + [-1] * int(rng.integers(1, 4))
@@ -2620,8 +2606,7 @@ def _padded_forward_run(seed: int, static: bool, device: str = "cpu") -> tuple[l
         forward.before()
         forward.after()
     else:
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
     report = canary.poll()
     return [(e.phase, e.request, e.position, e.slot, tuple(e.reasons)) for e in report], \
         {names[r]: r + 1 for r in range(requests)}, table, written
@@ -2683,8 +2668,7 @@ def test_prefix_hits_on_blocks_the_same_forward_computes(device, writer_first):
                                 positions=vector(np.concatenate([np.arange(prefixes[r], prefixes[r] + extends[r])
                                                                  for r in order])),
                                 out_cache_loc=vector(loc.astype(np.int64)))
-        canary.before_forward(batch)
-        canary.after_forward(batch)
+        one_forward(canary, batch)
         return canary.poll()
 
     as_the_model_sees = forward({1: 0, 2: full, 3: full, 4: full}, {1: prompt_len, 2: 8, 3: 8, 4: 8},
@@ -2886,8 +2870,7 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
     for name, row, prefix, positions in (("a", 1, WIDTH + 1, {WIDTH}), ("b", ROWS, 2, {0, 1})):
         batch = kc.ForwardBatch(req_pool_indices=i64([row]), prefix_lens=i64([prefix]), extend_seq_lens=i64([1]),
                                 input_ids=i64([7]), positions=i64([prefix]), out_cache_loc=i64([40]), req_ids=[name])
-        eng.canary.before_forward(batch)
-        eng.canary.after_forward(batch)
+        one_forward(eng.canary, batch)
         events = eng.canary.poll().events
         assert {event.phase for event in events} == {"head", "tail", "write"}
         assert {event.position for event in events} == positions
@@ -2897,8 +2880,7 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
     batch = kc.ForwardBatch(req_pool_indices=i64([ROWS, ROWS + 1]), prefix_lens=i64([2, 3]),
                             extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]),
                             req_ids=["b", "c"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     last = [event for event in eng.canary.poll().events if event.position == 2]
     assert {event.phase for event in last} == {"head", "tail"} and {event.request for event in last} == {"c"}
 
@@ -2906,8 +2888,7 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
 def _write_events(eng, batch, table=None) -> dict:
     """The write rows one hostile forward records, ``{(slot, chain is 0): (request, position)}``;
     ``table``: the table the engine holds when it polls."""
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     if table is not None:
         eng.table[...] = to_device(table, eng.device)
     events = [event for event in eng.canary.poll().events if event.phase == "write"]
@@ -2986,15 +2967,13 @@ def test_a_slot_at_the_pools_size_that_a_write_named_is_read_as_out_of_range(dev
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     first = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
                             input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([SLOTS]), req_ids=["q"])
-    eng.canary.before_forward(first)
-    eng.canary.after_forward(first)
+    one_forward(eng.canary, first)
     table = to_numpy(eng.table).copy()
     table[3, 0] = SLOTS
     eng.table[...] = to_device(table, device)
     second = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([1]), extend_seq_lens=i64([1]),
                              input_ids=i64([6]), positions=i64([1]), out_cache_loc=i64([20]), req_ids=["r"])
-    eng.canary.before_forward(second)
-    eng.canary.after_forward(second)
+    one_forward(eng.canary, second)
     events = eng.canary.poll().events
     assert sorted((event.phase, event.step, event.request, event.position) for event in events) == \
         [("head", 3, "r", 0), ("tail", 3, "r", 0), ("write", 2, "q", 0), ("write", 3, "r", 0)]  # r's seed too
@@ -3015,8 +2994,7 @@ def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 0]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 0]),
                             input_ids=i64([7]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=["a", "padding"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     events = eng.canary.poll().events
     assert {event.phase for event in events} == {"head", "tail"}
     assert all(event.request == "a" and event.position == 1 and event.slot == eng.slot("a", 1)

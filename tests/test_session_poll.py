@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import DLPackOnly, Unprintable, session_capacities
+from _builders import DLPackOnly, Unprintable, one_forward, session_capacities
 from _devices import BACKENDS, to_device
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
@@ -506,8 +506,7 @@ def test_a_verify_whose_prefixes_add_up_past_int64_found_nothing(device):
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     huge = kc.ForwardBatch(req_pool_indices=i64([1, 1]), prefix_lens=i64([2 ** 62, 2 ** 62]),
                            extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]))
-    eng.canary.before_forward(huge)
-    eng.canary.after_forward(huge)
+    one_forward(eng.canary, huge)
     report = eng.canary.poll()
     assert report.capacity_overflows == 2
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [("head", 2, "a", 2), ("tail", 2, "a", 2)]
@@ -663,8 +662,7 @@ def test_write_rows_are_named_by_their_token_and_position(device):
                             input_ids=i64([100, 999, 201]), positions=i64([0, 0, 1]), out_cache_loc=i64([10, 10, 11]),
                             req_ids=["a", "b"], expected_input_tokens=i64([100, 200, 201]),
                             expected_input_positions=i64([0, 0, 1]))
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     events = eng.canary.poll()
     assert [(e.phase, e.request, e.position, e.reasons) for e in events] == [("write", "b", 0, ("WRITE_TOKEN",))]
     assert events[0].describe().endswith("WRITE_TOKEN (stored token 999 position 0, expected token 200)")
@@ -718,8 +716,7 @@ def _decode_over_a_changed_slot(eng, device, req_ids) -> int:
     eng.sync()
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=req_ids)
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     return slot
 
 
@@ -804,8 +801,7 @@ def test_request_ids_need_not_be_hashable(device):
                             input_ids=i64([100, 999]), positions=i64([0, 1]), out_cache_loc=i64([10, 11]),
                             req_ids=[Req("a")], expected_input_tokens=i64([100, 101]),
                             expected_input_positions=i64([0, 1]))
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert [(e.phase, e.request, e.position, e.reasons) for e in report] == [("write", Req("a"), 1, ("WRITE_TOKEN",))]
     with pytest.raises(TypeError, match=r"^kv-canary: CanaryReport.requests needs hashable req_ids, got Req"):
@@ -907,8 +903,7 @@ def test_requests_past_the_batch_arrays_are_counted_per_forward(device, id_kind)
         batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64([0] * len(rows)),
                                 extend_seq_lens=i64(extends), input_ids=i64([5]), positions=i64([0]),
                                 out_cache_loc=i64([10 + rows[0]]), req_ids=[id_kind(name) for name in ids])
-        eng.canary.before_forward(batch)
-        eng.canary.after_forward(batch)
+        one_forward(eng.canary, batch)
     assert sorted((e.phase, e.step, str(e.request), e.position) for e in eng.canary.poll()) == [
         ("write", 1, "None", None), ("write", 1, "None", None), ("write", 2, "c", 1)]
 
@@ -930,8 +925,7 @@ def test_requests_past_empty_arrays_share_a_position_and_name_neither(device, id
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([2, 2]),
                             input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]),
                             req_ids=[id_kind("a"), id_kind("b")])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in report] == [("write", 1, None, None, -1)] * 2
 
@@ -1019,8 +1013,7 @@ def test_a_slot_past_the_pool_written_then_read_is_reported_and_cleared(device):
         batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]),
                                 extend_seq_lens=i64([len(tokens)]), input_ids=i64(tokens), positions=i64(positions),
                                 out_cache_loc=i64(slots), req_ids=["a"])
-        eng.canary.before_forward(batch)
-        eng.canary.after_forward(batch)
+        one_forward(eng.canary, batch)
     report = eng.canary.poll()
     # the write of forward 1 skips the slot; forward 2's HEAD and TAIL read it as position 1, and its
     # write is seeded from it
@@ -1153,8 +1146,7 @@ def _prefilled(device, i64) -> kc.Canary:
                        req_to_token=to_device(table, device), device=device)
     prefill = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
                               input_ids=i64([7, 8]), positions=i64([0, 1]), out_cache_loc=i64([1, 2]))
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    one_forward(canary, prefill)
     return canary
 
 
@@ -1192,8 +1184,7 @@ def test_batches_of_arrays_that_speak_dlpack_alone_are_polled(device):
     step = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
                            input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
     canary.context.canary_buf[1, 0] ^= 1  # position 0's record: position 1's chain no longer matches
-    canary.before_forward(step)
-    canary.after_forward(step)
+    one_forward(canary, step)
     canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([3]), req_ids=["a"]))
     report = canary.poll()
     assert [(e.phase, e.step, e.request, e.position) for e in report] == [
@@ -1261,8 +1252,7 @@ def test_a_position_at_the_expected_valid_length_is_named_with_no_expected_token
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([nxt]), req_ids=["a"],
                             expected_valid_lens=i64([3]))
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons, e.violation.expected_token)
             for e in report] == [("head", 2, "a", 3, slot, ("POSITION",), -1),
@@ -1289,8 +1279,7 @@ def test_a_padding_rows_cells_are_not_taken_for_slots_written(device):
                                 extend_seq_lens=i64([1, 1, 1]), input_ids=i64([1000 + a["len"], 2000 + b["len"], 7]),
                                 positions=i64([a["len"], b["len"], 0]), out_cache_loc=i64(loc + [flipped]),
                                 req_ids=["a", "b", "pad"])
-        eng.canary.before_forward(batch)
-        eng.canary.after_forward(batch)
+        one_forward(eng.canary, batch)
         a["len"], b["len"] = a["len"] + 1, b["len"] + 1
     report = eng.canary.poll()
     assert sorted(((e.step, e.phase, e.request, e.position, e.slot) for e in report), key=str) == [
@@ -1311,8 +1300,7 @@ def test_a_request_past_the_ids_given_is_named_by_its_batch_row(device):
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([3, 3]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([1003, 2003]), positions=i64([3, 3]), out_cache_loc=i64(loc), req_ids=["a"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
         ("head", 2, 1, 1, flipped), ("tail", 2, 1, 1, flipped)]
 
@@ -1449,8 +1437,7 @@ def test_a_write_row_two_forwards_could_record_goes_to_the_forward_of_the_rows_b
                             input_ids=i64([7000, 2003]), positions=i64([0, 3]), out_cache_loc=i64(loc),
                             req_ids=["c", "b"], expected_input_tokens=i64([7777, 2003]),
                             expected_input_positions=i64([0, 3]))
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
         ("head", 2, "b", 1, flipped), ("write", 2, "c", 0, reused), ("tail", 2, "b", 1, flipped)]
 
@@ -1468,8 +1455,7 @@ def test_an_entry_recording_two_alike_rows_has_both_named(device):
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([3]), out_cache_loc=i64(loc), req_ids=["a"],
                             expected_input_tokens=i64([1004]), expected_input_positions=i64([4]))
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert len({e.violation for e in report}) == 1
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in report] == [
@@ -1504,8 +1490,7 @@ def test_rows_outside_the_table_are_named_only_within_their_window(device):
     batch = kc.ForwardBatch(req_pool_indices=i64([ROWS, ROWS + 1]), prefix_lens=i64([6, 2]),
                             extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]),
                             out_cache_loc=i64([]), req_ids=["far", "near"])
-    eng.canary.before_forward(batch)
-    eng.canary.after_forward(batch)
+    one_forward(eng.canary, batch)
     swa = [(e.phase, e.request, e.position) for e in eng.canary.poll() if e.group == "swa"]
     assert sorted(swa) == sorted((phase, request, position) for phase in ("head", "tail")
                                  for request, position in (("far", 4), ("far", 5), ("near", 0), ("near", 1)))

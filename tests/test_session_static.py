@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from _builders import replay_by_mistake
+from _builders import one_forward, replay_by_mistake
 from _devices import BACKENDS, to_device, to_numpy
 from test_session_poll import _a_bad_slot_read_by_two_chains, _Engine, _events_of_slot, _workload
 
@@ -284,15 +284,12 @@ def test_an_after_without_its_before_writes_its_own_batch_not_the_last_plans():
     canary = _small_canary()
     prompts = _batch([1, 2], [0, 0], [5, 3], [11, 12, 13, 14, 15, 21, 22, 23], [0, 1, 2, 3, 4, 0, 1, 2],
                      [1, 2, 3, 4, 5, 9, 10, 11])
-    canary.before_forward(prompts)
-    canary.after_forward(prompts)
+    one_forward(canary, prompts)
     decode_1 = _batch([1], [5], [1], [16], [5], [6])
-    canary.before_forward(decode_1)
-    canary.after_forward(decode_1)
+    one_forward(canary, decode_1)
     canary.static_forward(_batch([2], [3], [1], [24], [3], [12])).after()
     decode_2 = _batch([2], [4], [1], [25], [4], [13])
-    canary.before_forward(decode_2)
-    canary.after_forward(decode_2)
+    one_forward(canary, decode_2)
     report = canary.poll()
     assert report.total == 0 and report.forwards == 4
 
@@ -365,15 +362,13 @@ def test_a_refused_before_changes_nothing():
     canary = _small_canary()
     for row in (1, 2):
         prefill = _batch([row], [0], [3], [7 * row, 8, 9], [0, 1, 2], canary.req_to_token[row, :3])
-        canary.before_forward(prefill)
-        canary.after_forward(prefill)
+        one_forward(canary, prefill)
     forward = canary.static_forward(_batch([1], [3], [1], [10], [3], [canary.req_to_token[1, 3]]))
     canary.mode = "off"
     forward.before()
     canary.mode = "log"
     other = _batch([2], [3], [1], [10], [3], [canary.req_to_token[2, 3]])
-    canary.before_forward(other)
-    canary.after_forward(other)
+    one_forward(canary, other)
     with pytest.raises(TypeError, match="^kv-canary: stream must be"):
         forward.before(stream="not a stream")
     forward.after()
@@ -390,12 +385,10 @@ def test_the_tables_kept_are_views_of_their_own():
     canary = _small_canary(expected_tokens=expected, swa=kc.SwaGroup(window=2, lut=lut, num_slots=32))
     prefill = _batch([1], [0], [3], [5, 6, 7], [0, 1, 2], canary.req_to_token[1, :3])
     expected[1, :3] = [5, 6, 7]  # refilled in place: read
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    one_forward(canary, prefill)
     lut.shape, expected.shape = (16, 2), (6, 4)
     decode = _batch([1], [3], [1], [8], [3], canary.req_to_token[1, 3:4])
-    canary.before_forward(decode)
-    canary.after_forward(decode)
+    one_forward(canary, decode)
     assert canary.poll().total == 0
     assert canary.swa.lut is lut and canary.groups[1].lut.shape == (32,) and canary.expected_tokens.shape == (3, 8)
 
@@ -425,8 +418,7 @@ def test_a_padded_tail_holding_a_bad_slot_leaves_its_rows_their_steps_and_names(
         query_start_loc=put([0, 5, 11], np.int32), seq_lens=put(lens, np.int32), input_ids=put(range(100, 111)),
         positions=put(list(range(5)) + list(range(6))),
         out_cache_loc=put([slot(0, p) for p in range(5)] + [slot(1, p) for p in range(6)]), req_ids=["a", "b"])
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    one_forward(canary, prefill)
     assert canary.poll().total == 0
     flipped = slot(0, 2)
     given = dict(query_start_loc=put([0, 1, 2], np.int32), seq_lens=put([6, 7], np.int32), input_ids=put([0] * 4),
@@ -448,8 +440,7 @@ def test_a_padded_tail_holding_a_bad_slot_leaves_its_rows_their_steps_and_names(
         else:  # int64 token arrays, referenced with their tail
             eager = kc.ForwardBatch.from_offsets(**{name: array.copy() for name, array in given.items()},
                                                  req_ids=["a", "b"])
-            canary.before_forward(eager)
-            canary.after_forward(eager)
+            one_forward(canary, eager)
         lens = [length + 1 for length in lens]
     report = canary.poll()
     assert report.forwards == 4

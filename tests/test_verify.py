@@ -11,8 +11,8 @@ import pytest
 import kvcanary_cupy as kc
 import _fuzzcases as F
 from _builders import (ANCHOR_LINK, SourceSpec, as_multiset, assert_only_views_changed, assert_rows, expected_kv_hash,
-                       fields, guarded_context, host_verify_plan, link_of, pipeline, random_batch, random_source,
-                       ring_rows, signed, snapshot)
+                       fields, guarded_context, host_verify_plan, link_of, one_forward, pipeline, random_batch,
+                       random_source, ring_rows, signed, snapshot)
 from _devices import BACKENDS, cupy_module, requires_gpu, to_device, to_numpy
 
 TAG = int(kc.LaunchTag.TAIL_K_FULL)
@@ -174,13 +174,11 @@ def test_more_sources_than_numba_threads_take_are_hashed(device):
                               input_ids=to_device(np.arange(tokens) + 7, device),
                               positions=to_device(np.arange(tokens), device),
                               out_cache_loc=to_device(np.arange(1, tokens + 1), device))
-    canary.before_forward(prefill)
-    canary.after_forward(prefill)
+    one_forward(canary, prefill)
     buffers[100][1234, 3] ^= 0x10  # the last source's byte of slot 1234 (position 1233)
     decode = kc.ForwardBatch(req_pool_indices=i64(1), prefix_lens=i64(tokens), extend_seq_lens=i64(1),
                              input_ids=i64(5), positions=i64(tokens), out_cache_loc=i64(tokens + 1))
-    canary.before_forward(decode)
-    canary.after_forward(decode)
+    one_forward(canary, decode)
     assert [(e.phase, e.position, e.slot, e.reasons) for e in canary.poll()] == [
         ("head", 1233, 1234, ("REAL_KV_HASH",)), ("tail", 1233, 1234, ("REAL_KV_HASH",))]
 
