@@ -1100,6 +1100,29 @@ def test_a_row_fitting_its_entry_is_named_beside_one_fitting_but_for_the_chain(d
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_a_row_goes_to_the_launch_it_fits_not_a_later_one_it_fits_but_for_the_chain(device):
+    """b's cell at position 3 is pointed at a's slot there, so b's reads of that slot find its chain
+    broken and a's do not. b reads it in forward 2; in forward 3 a reads it clean, then writes its
+    next token over its own position 2 (a page freed while in use). Polled once, forward 3's entry
+    of a fits b's HEAD row but for the chain (its predecessor written after it), and no row of
+    forward 3's HEAD is left to take it: the row is b's, of forward 2, whose entry it fits exactly."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.add("b", 2)
+    eng.forward({"a": 6, "b": 6})
+    slots = eng.requests["a"]["slots"]
+    eng.table[2, 3] = slots[3]
+    eng.sync()
+    assert eng.canary.poll().total == 0
+    eng.forward({"b": 1})
+    eng.free.insert(0, slots[2])
+    eng.forward({"a": 1})
+    report = eng.canary.poll()
+    assert [(e.step, e.request, e.position, e.reasons) for e in report if e.phase == "head" and e.slot == slots[3]] \
+        == [(2, "b", 3, ("CHAIN_HASH",))]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("handed", [False, True])
 def test_a_row_two_entries_fit_as_the_tables_are_now_names_neither(device, handed):
     """A forward reads a's bad slot; then b finishes and, before the poll, its pool row goes to c,
