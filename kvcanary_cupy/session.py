@@ -281,19 +281,18 @@ _PER_REQUEST_READ = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "seq_
 _PER_TOKEN_READ = ("input_ids", "positions")
 
 
-def _still_as_checked(batch: Any, expects_tokens: bool, write: bool) -> bool:
-    """Whether the arrays of a logged batch that poll's mapping reads for a launch still have the
-    form its forward's checks gave them: each 1-D and of an integer dtype, the per-request ones of
-    one length (their values may be anything, as a refilled batch's are: the mapping reads them as
-    it would hostile ones). ``expected_valid_lens`` is read, and was checked, only where the canary
-    expects tokens; the per-token arrays only for a ``write`` launch (a verify's call, a
-    ``before_forward``, neither checks nor reads them: they may be anything there)."""
+def _still_as_checked(batch: Any, expects_tokens: bool) -> bool:
+    """Whether the per-request arrays of a logged batch that poll's mapping reads still have the
+    form its forward's checks gave them: each 1-D, of an integer dtype and of one length (their
+    values may be anything, as a refilled batch's are: the mapping reads them as it would hostile
+    ones). ``expected_valid_lens`` is read, and was checked, only where the canary expects tokens.
+    The per-token arrays only a write reads are judged against its slots
+    (:func:`_entries_as_checked`); a verify's call, a ``before_forward``, neither checks nor reads
+    them."""
     per_request = _PER_REQUEST_READ + (("expected_valid_lens",) if expects_tokens else ())
-    requests = [_vector_length(array) for array in (getattr(batch, name, None) for name in per_request)
-                if array is not None]
-    tokens = [_vector_length(array) for array in (getattr(batch, name, None) for name in _PER_TOKEN_READ if write)
-              if array is not None]
-    return None not in requests + tokens and len(set(requests)) <= 1
+    lengths = [_vector_length(array) for array in (getattr(batch, name, None) for name in per_request)
+               if array is not None]
+    return None not in lengths and len(set(lengths)) <= 1
 
 
 def _vector_length(array: Any) -> Optional[int]:
@@ -1220,15 +1219,14 @@ class Canary:
         verify's) gets a step or a request: any of them may be theirs, and fit another launch's
         entries too. Counted until a poll completes (``_changed_launches``, ``_changed_kinds``),
         so that a poll after an interrupted one knows its log is not whole."""
-        dropped, judged = 0, {}  # by batch (a forward's launches share it) and kind: whether it is as checked
+        dropped, judged = 0, {}  # by batch (a forward's launches share it): whether it is as checked
         for group in self.groups:
             kept = []
             for launch in group.log:
                 write = launch.kind == "write"
-                key = (id(launch.batch), write)
-                if key not in judged:
-                    judged[key] = _still_as_checked(launch.batch, self._plans_expect_tokens, write)
-                if judged[key] and (launch.write_loc is None or _entries_as_checked(launch)):
+                if id(launch.batch) not in judged:
+                    judged[id(launch.batch)] = _still_as_checked(launch.batch, self._plans_expect_tokens)
+                if judged[id(launch.batch)] and (launch.write_loc is None or _entries_as_checked(launch)):
                     kept.append(launch)
                 else:
                     self._changed_kinds.setdefault(group.name, set()).add((launch.tag, write))

@@ -463,6 +463,7 @@ def test_swa_sweeps_are_tagged_and_counted_as_the_swa_groups(device):
     launches and entries, and each group's ring holds ``ring_capacity`` rows."""
     eng = Tiny(device, swa=True, ring_capacity=8)
     assert eng.canary.context.ring_capacity == eng.canary.swa_context.ring_capacity == 8
+    assert Tiny(device).canary.swa_context is None  # without an SWA group
     eng.step({"a": 6})
     lut = to_numpy(eng.lut)
     swa_slot = int(lut[eng.slot("a", 4)])
@@ -1072,10 +1073,11 @@ def test_a_static_forwards_arrays_retyped_in_place_are_polled_as_they_were_bound
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-@pytest.mark.parametrize("change", ["retyped", "retyped-float", "reshaped", "resized"])
+@pytest.mark.parametrize("change", ["retyped", "retyped-float", "reshaped", "resized", "torch-float"])
 def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplaced(device, change, caplog):
     """An engine that re-types (to another integer type or to floats), reshapes or resizes a batch's
-    array object in place between the forward and the poll: that forward's launches are left out
+    array object in place between the forward and the poll, or puts a float tensor of torch's in its
+    place: that forward's launches are left out
     of the log (a warning says so), so its rows are reported without a step or a request, and the
     polls after it work and name requests again."""
     eng = Tiny(device)
@@ -1090,6 +1092,9 @@ def test_an_eager_batch_changed_in_place_before_the_poll_leaves_its_rows_unplace
         rows.dtype = np.int32 if change == "retyped" else np.float64
     elif change == "reshaped":
         rows.shape = (1, 1)
+    elif change == "torch-float":  # of the same length; torch's dtypes say what they are in their own way
+        torch = pytest.importorskip("torch")
+        object.__setattr__(batch, "req_pool_indices", torch.ones(1, dtype=torch.float64))
     else:  # an engine's buffer grown for a larger batch: its object now holds other rows
         object.__setattr__(batch, "req_pool_indices", to_device(np.array([1, 2], np.int64), device))
     with caplog.at_level("WARNING", logger="kvcanary_cupy"):
@@ -1294,6 +1299,22 @@ def test_forwards_past_max_logged_forwards_are_checked_but_not_logged(device, ca
                                                                                       ("tail", 7, "a", 1)]
     with pytest.raises(ValueError, match=r"^kv-canary: max_logged_forwards must be"):
         Tiny(device, max_logged_forwards=0)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_before_the_first_forward_left_out_keep_the_step_of_the_forward_that_recorded_them(device):
+    """Past ``max_logged_forwards``, the rows before the first forward left out are the logged
+    forwards', none dropped: a slot that went bad between two logged forwards that read it is
+    reported for the later one, with its step, as a poll of a whole log reports it."""
+    eng = Tiny(device, max_logged_forwards=2)
+    eng.step({"a": 4})
+    assert not eng.canary.poll()
+    eng.step({"a": 1})
+    eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    eng.step({"a": 1})
+    eng.step({"a": 1})  # past the cap
+    assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
+        ("head", 3, "a", 1), ("tail", 3, "a", 1), ("head", None, None, None), ("tail", None, None, None)]
 
 
 def _b_shares_a_first_two_tokens(eng, device) -> None:
@@ -2261,6 +2282,10 @@ def test_a_sweep_takes_every_live_request_past_a_forwards_request_capacity(devic
     for group in eng.canary.groups:  # the sweep's write plan holds every request it took
         assert to_numpy(group.sweep_wplan.num_valid_reqs).tolist() == [2]
         assert to_numpy(group.sweep_wplan.offsets)[:3].tolist() == [0, 0, 0] and group.sweep_wplan.capacity >= 2
+    every_row = kc.LiveRequests(req_pool_indices=to_device(np.arange(ROWS, dtype=np.int64), device),
+                                seq_lens=to_device(np.ones(ROWS, np.int64), device))
+    eng.canary.sweep(every_row)  # as many as the table has rows
+    assert not eng.canary.poll()
     rows = to_device(np.arange(ROWS + 1, dtype=np.int64) % ROWS, device)
     too_many = kc.LiveRequests(req_pool_indices=rows, seq_lens=to_device(np.ones(ROWS + 1, np.int64), device))
     _rejected(eng.canary, lambda: eng.canary.sweep(too_many), ValueError,
