@@ -474,22 +474,24 @@ def test_any_non_zero_chain_position_flag_turns_the_assert_on(device, flag):
 def test_short_source_among_several_folds_zero_in_its_place(device, mode):
     """SPEC §2 and §4: with several sources, one whose rows end before a slot's row adds a fold of 0
     in its own place (``acc = sm(acc ^ 0)``, the sources after it folded on top), not the hash of
-    the other sources alone; bit 64 is recorded and the slot is still stored."""
+    the other sources alone; bit 64 is recorded and the slot is still stored. The slots written
+    beside it, the padding slot 0 among them (whose bytes open every source), are hashed whole."""
     rng = np.random.default_rng(36)
     num_slots = 12
     specs = [random_source(rng, num_slots, page_size=1, num_bytes_per_token=32),
              random_source(rng, 4, page_size=2, num_bytes_per_token=48, read_bytes=32),  # rows for slots 0..3
              random_source(rng, num_slots, page_size=3, num_bytes_per_token=16)]
     ctx = _ctx(device, num_slots, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=mode)
-    ids, pos = _tokens(rng, 2), [int(p) for p in rng.integers(0, 1000, size=2)]
-    _write(ctx, [0, 2], [-1], ids, pos, [3, 9], device=device)
+    ids, pos = _tokens(rng, 3), [int(p) for p in rng.integers(0, 1000, size=3)]
+    _write(ctx, [0, 3], [-1], ids, pos, [0, 3, 9], device=device)
     running = link_of(ctx.canary_buf, 3)
-    assert ring_rows(ctx) == [(TAG, 9, pos[1], ids[1], ids[1], running, pos[1], 64)]
-    assert fields(ctx.canary_buf, 3)[3] == expected_kv_hash(specs, mode, 3)
+    assert ring_rows(ctx) == [(TAG, 9, pos[2], ids[2], ids[2], running, pos[2], 64)]
+    assert [fields(ctx.canary_buf, slot)[3] for slot in (0, 3)] == [expected_kv_hash(specs, mode, 0),
+                                                                    expected_kv_hash(specs, mode, 3)]
     stored = fields(ctx.canary_buf, 9)
-    assert stored == (ids[1], pos[1], running, expected_kv_hash(specs, mode, 9))
+    assert stored == (ids[2], pos[2], running, expected_kv_hash(specs, mode, 9))
     assert stored[3] != expected_kv_hash([specs[0], specs[2]], mode, 9)
-    assert ctx.counters()["slot_run_counter"] == 2
+    assert ctx.counters()["slot_run_counter"] == 3
 
 
 @pytest.mark.parametrize("device", BACKENDS)
