@@ -1070,6 +1070,15 @@ def _a_bad_slot_read_by_two_chains(eng: "_Engine") -> int:
     in use). The next forward, ``{"b": 1, "a": 1}``, reads the bad slot for b (its chain broken) and
     for a (its chain whole), in that order, then writes b's token over a's predecessor of it.
     Returns the bad slot."""
+    slots = _b_pointed_at_a_slot(eng)
+    eng.k[slots[3], 0, 0] += 1.0
+    eng.free.insert(0, slots[2])
+    return slots[3]
+
+
+def _b_pointed_at_a_slot(eng: "_Engine") -> list:
+    """a and b prefill six tokens each; b's cell at position 3 is then pointed at a's slot there,
+    polled clean (nothing has read it since). Returns a's slots."""
     eng.add("a", 1)
     eng.add("b", 2)
     eng.forward({"a": 6, "b": 6})
@@ -1077,9 +1086,7 @@ def _a_bad_slot_read_by_two_chains(eng: "_Engine") -> int:
     eng.table[2, 3] = slots[3]
     eng.sync()
     assert eng.canary.poll().total == 0
-    eng.k[slots[3], 0, 0] += 1.0
-    eng.free.insert(0, slots[2])
-    return slots[3]
+    return slots
 
 
 def _events_of_slot(report, slot: int) -> list:
@@ -1107,13 +1114,7 @@ def test_a_row_goes_to_the_launch_it_fits_not_a_later_one_it_fits_but_for_the_ch
     of a fits b's HEAD row but for the chain (its predecessor written after it), and no row of
     forward 3's HEAD is left to take it: the row is b's, of forward 2, whose entry it fits exactly."""
     eng = _Engine(device)
-    eng.add("a", 1)
-    eng.add("b", 2)
-    eng.forward({"a": 6, "b": 6})
-    slots = eng.requests["a"]["slots"]
-    eng.table[2, 3] = slots[3]
-    eng.sync()
-    assert eng.canary.poll().total == 0
+    slots = _b_pointed_at_a_slot(eng)
     eng.forward({"b": 1})
     eng.free.insert(0, slots[2])
     eng.forward({"a": 1})
