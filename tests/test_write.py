@@ -470,6 +470,22 @@ def test_any_non_zero_chain_position_flag_turns_the_assert_on(device, flag):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_slot_0_beside_a_slot_past_a_short_source_is_hashed_whole(device, at):
+    """The CPU backend hashes a write's slots four at a time: slot 0 (whose bytes open every source)
+    in any place of a group beside a slot past a short source keeps its own hash and records no row."""
+    rng = np.random.default_rng(37 + at)
+    specs = [random_source(rng, 12, page_size=1, num_bytes_per_token=32),
+             random_source(rng, 4, page_size=2, num_bytes_per_token=48, read_bytes=32)]  # rows for slots 0..3
+    ctx = _ctx(device, 12, real_kv_sources=tuple(s.build(device) for s in specs), hash_mode=kc.HashMode.ALL)
+    loc = [1, 2, 3, 1]
+    loc[at], loc[(at + 1) % 4] = 0, 9
+    _write(ctx, [0, 4], [-1], _tokens(rng, 4), list(range(4)), loc, device=device)
+    assert fields(ctx.canary_buf, 0)[3] == expected_kv_hash(specs, kc.HashMode.ALL, 0)
+    assert {row[1] for row in ring_rows(ctx)} == {9}
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("mode", [kc.HashMode.PARTIAL, kc.HashMode.ALL])
 def test_short_source_among_several_folds_zero_in_its_place(device, mode):
     """SPEC §2 and §4: with several sources, one whose rows end before a slot's row adds a fold of 0
