@@ -1223,10 +1223,10 @@ class Canary:
         for group in self.groups:
             kept = []
             for launch in group.log:
-                write = launch.kind == "write"
-                if id(launch.batch) not in judged:
-                    judged[id(launch.batch)] = _still_as_checked(launch.batch, self._plans_expect_tokens)
-                if judged[id(launch.batch)] and (launch.write_loc is None or _entries_as_checked(launch)):
+                write, batch = launch.kind == "write", id(launch.batch)
+                if batch not in judged:
+                    judged[batch] = _still_as_checked(launch.batch, self._plans_expect_tokens)
+                if judged[batch] and (launch.write_loc is None or _entries_as_checked(launch)):
                     kept.append(launch)
                 else:
                     self._changed_kinds.setdefault(group.name, set()).add((launch.tag, write))

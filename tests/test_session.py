@@ -90,6 +90,13 @@ class Tiny:
             self.lens[rid] += extend[rid]
         return batch
 
+    def set_table(self, index, values) -> None:
+        """``req_to_token[index] = values``, written through a host copy as an engine's scheduler
+        writes its table."""
+        table = to_numpy(self.table).copy()
+        table[index] = values
+        self.table[...] = to_device(table, self.device)
+
     def array(self, name: str, values: list):
         """The batch's array ``name``: new, or with ``static`` the field's buffer refilled in place."""
         values = to_device(np.asarray(values, np.int64), self.device)
@@ -257,9 +264,7 @@ def test_a_verify_row_of_slot_minus_one_is_described_by_its_slot():
 def test_alias_resolves_to_the_reading_request(device):
     eng = Tiny(device)
     eng.step({"a": 6, "b": 6})
-    table = to_numpy(eng.table).copy()
-    table[1, 3] = table[2, 3]  # a's position 3 now points at b's position 3
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[1, 3], to_numpy(eng.table)[2, 3])  # a's position 3 now points at b's position 3
     eng.step({"a": 1, "b": 1})
     report = eng.canary.poll()
     first = [e for e in report if e.phase == "head"]
@@ -273,9 +278,7 @@ def test_write_assert_names_entry(device):
     # b's new token written at a stale position: the chain position assert flags the write itself
     rids = ["a", "b"]
     i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[1, 4], table[2, 4] = 40, 41
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[[1, 2], 4], [40, 41])
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([7, 8]), positions=i64([4, 2]), out_cache_loc=i64([40, 41]), req_ids=rids)
     one_forward(eng.canary, batch)
@@ -297,9 +300,7 @@ def test_write_rows_skip_padding_rows(device):
     eng = Tiny(device)
     eng.step({"a": 4, "b": 4})
     i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[2, 4] = 41
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[2, 4], 41)
     batch = kc.ForwardBatch(req_pool_indices=i64([0, 2]), prefix_lens=i64([0, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([8, 0]), positions=i64([2, 0]), out_cache_loc=i64([41, 0]),
                             req_ids=["padding", "b"])
@@ -793,9 +794,7 @@ def _decode_of_a(device, **tiny) -> tuple[Tiny, kc.StaticForward]:
     eng = Tiny(device, **tiny)
     eng.step({"a": 4})
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[1, 4] = 60
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[1, 4], 60)
     return eng, eng.canary.static_forward(kc.ForwardBatch(
         req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
         positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"]))
@@ -835,9 +834,7 @@ def test_a_before_forward_while_off_ends_the_forward_planned_before_it(device):
     eng.step({"a": 4})
     assert not eng.canary.poll()
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[1, 4] = 60
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[1, 4], 60)
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"])
     eng.canary.before_forward(batch)  # a forward the engine dropped before it ran
@@ -871,9 +868,7 @@ def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, sta
         eng.canary.mode = "off"
         eng.canary.after_forward(forward.batch)
     assert not eng.canary.poll() and eng.canary.poll().forwards == 2  # the one owed, then none
-    table = to_numpy(eng.table).copy()
-    table[1, 5] = 61
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[1, 5], 61)
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([5]), extend_seq_lens=i64([1]),
                             input_ids=i64([1005]), positions=i64([5]), out_cache_loc=i64([61]), req_ids=["a"])
     eng.canary.before_forward(batch)
@@ -930,9 +925,7 @@ def test_a_static_after_behind_another_batchs_before_forward_plans_its_own(devic
     the other batch's plans: its token is fingerprinted where it belongs."""
     eng, forward = _decode_of_a(device)
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
-    table = to_numpy(eng.table).copy()
-    table[2, :2] = [61, 62]
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[2, :2], [61, 62])
     eng.canary.before_forward(kc.ForwardBatch(
         req_pool_indices=i64([2]), prefix_lens=i64([0]), extend_seq_lens=i64([2]), input_ids=i64([2000, 2001]),
         positions=i64([0, 1]), out_cache_loc=i64([61, 62]), req_ids=["b"]))
@@ -1121,10 +1114,8 @@ def test_a_pool_row_handed_to_a_request_sharing_a_prefix_before_the_poll_names_n
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     eng.step({"a": 1, "b": 1})
     eng.rows["c"], eng.lens["c"] = eng.rows.pop("b"), 2
-    table = to_numpy(eng.table).copy()
-    table[eng.rows["c"]] = 0
-    table[eng.rows["c"], :2] = table[eng.rows["a"], :2]
-    eng.table[...] = to_device(table, device)
+    shared = to_numpy(eng.table)[eng.rows["a"], :2]
+    eng.set_table(np.s_[eng.rows["c"]], np.r_[shared, np.zeros(WIDTH - len(shared), np.int32)])
     eng.step({"c": 1})
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == [
         ("head", 2, "a", 1), ("tail", 2, "a", 1), ("head", 3, "c", 1), ("tail", 3, "c", 1)]
@@ -1212,9 +1203,7 @@ def _next_token_of_a(eng: Tiny, **fields) -> kc.ForwardBatch:
     """A batch of a's next token, its slot set in a's table row (and ``fields`` added), for a test
     that calls the canary itself."""
     position, slot = eng.lens["a"], eng.next_slot
-    table = to_numpy(eng.table).copy()
-    table[eng.rows["a"], position] = slot
-    eng.table[...] = to_device(table, eng.device)
+    eng.set_table(np.s_[eng.rows["a"], position], slot)
     eng.lens["a"], eng.next_slot = position + 1, slot + 1
     eng.k[slot] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), eng.device)
     i64 = lambda values: to_device(np.asarray(values, np.int64), eng.device)  # noqa: E731
@@ -1321,9 +1310,7 @@ def _b_shares_a_first_two_tokens(eng, device) -> None:
     """a's prefill of 4 tokens, then b's table row holding a's first two slots (b has those two
     tokens), polled clean."""
     eng.step({"a": 4})
-    table = to_numpy(eng.table).copy()
-    table[eng.rows["b"], :2] = table[eng.rows["a"], :2]
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[eng.rows["b"], :2], to_numpy(eng.table)[eng.rows["a"], :2])
     eng.lens["b"] = 2
     assert not eng.canary.poll()
 
@@ -2910,12 +2897,12 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
     assert {event.phase for event in last} == {"head", "tail"} and {event.request for event in last} == {"c"}
 
 
-def _write_events(eng, batch, table=None) -> dict:
+def _write_events(eng, batch, cleared=None) -> dict:
     """The write rows one hostile forward records, ``{(slot, chain is 0): (request, position)}``;
-    ``table``: the table the engine holds when it polls."""
+    ``cleared``: a table cell the engine zeroes before the poll."""
     one_forward(eng.canary, batch)
-    if table is not None:
-        eng.table[...] = to_device(table, eng.device)
+    if cleared is not None:
+        eng.set_table(cleared, 0)
     events = [event for event in eng.canary.poll().events if event.phase == "write"]
     assert all(event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
     named = {(event.slot, event.violation.stored_chain_hash == 0): (event.request, event.position) for event in events}
@@ -2936,19 +2923,17 @@ def test_write_rows_without_an_entry_are_named_for_the_request_that_recorded_the
     eng.step({"a": 4, "b": 3})
     assert eng.canary.poll().total == 0
     past_pool = SLOTS + 3
-    table = to_numpy(eng.table).copy()
-    table[3, 1] = past_pool
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[3, 1], past_pool)
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     # s: its seed is past the pool; p: token 0 at position 0 into a slot past the pool, ending at the
     # arrays' end; x: runs past them; z: writes nothing, with s's seed, after x
     batch = kc.ForwardBatch(req_pool_indices=i64([3, 3, 3, 3]), prefix_lens=i64([2, 0, 0, 2]),
                             extend_seq_lens=i64([1, 1, 2, 0]), input_ids=i64([9, 0]), positions=i64([2, 0]),
                             out_cache_loc=i64([50, past_pool]), req_ids=["s", "p", "x", "z"])
-    assert _write_events(eng, batch) == {(past_pool, False): ("p", 0), (past_pool, True): ("s", 1), (-1, False): ("x", 0)}
+    assert _write_events(eng, batch) == \
+        {(past_pool, False): ("p", 0), (past_pool, True): ("s", 1), (-1, False): ("x", 0)}
     # the same forward, its seed's cell cleared before the poll: that row is no request's
-    table[3, 1] = 0
-    assert _write_events(eng, batch, table) == \
+    assert _write_events(eng, batch, cleared=np.s_[3, 1]) == \
         {(past_pool, False): ("p", 0), (past_pool, True): (None, None), (-1, False): ("x", 0)}
     # arrays bound for two entries, the second a copy of the first that the write never reads
     batch = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
@@ -2970,9 +2955,7 @@ def test_verify_rows_past_the_pool_are_not_taken_for_writes(device):
     eng = Tiny(device, expected_tokens=to_device(pool, device))
     eng.step({"a": 4})
     assert eng.canary.poll().total == 0
-    table = to_numpy(eng.table).copy()
-    table[1, :2] = SLOTS + 5
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[1, :2], SLOTS + 5)
     eng.step({"a": 1})
     events = eng.canary.poll().events
     assert all(event.violation.fail_reason == kc.FailReason.OUT_OF_RANGE for event in events)
@@ -2993,9 +2976,7 @@ def test_a_slot_at_the_pools_size_that_a_write_named_is_read_as_out_of_range(dev
     first = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
                             input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([SLOTS]), req_ids=["q"])
     one_forward(eng.canary, first)
-    table = to_numpy(eng.table).copy()
-    table[3, 0] = SLOTS
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[3, 0], SLOTS)
     second = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([1]), extend_seq_lens=i64([1]),
                              input_ids=i64([6]), positions=i64([1]), out_cache_loc=i64([20]), req_ids=["r"])
     one_forward(eng.canary, second)
@@ -3012,9 +2993,7 @@ def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
     eng = Tiny(device)
     eng.step({"a": 4, "b": 3})
     assert eng.canary.poll().total == 0
-    table = to_numpy(eng.table).copy()
-    table[0, :4] = table[1, :4]  # row 0 names the slots of 'a'
-    eng.table[...] = to_device(table, device)
+    eng.set_table(np.s_[0, :4], to_numpy(eng.table)[1, :4])  # row 0 names the slots of 'a'
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
     i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 0]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 0]),
