@@ -42,6 +42,11 @@ def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
     return cupy.asarray(array)
 
 
+def int64s_on(device: str):
+    """``values -> an int64 array of them on device``: the index arrays most tests build."""
+    return lambda values: to_device(np.asarray(values, np.int64), device)
+
+
 def to_numpy(array) -> np.ndarray:
     return array if isinstance(array, np.ndarray) else array.get()
 

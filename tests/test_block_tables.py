@@ -13,7 +13,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import one_forward
-from _devices import BACKENDS, requires_gpu, to_device, to_numpy
+from _devices import BACKENDS, int64s_on, requires_gpu, to_device, to_numpy
 
 
 def _expected_rows(table: np.ndarray, block_size: int, rows, first_block: int, target: np.ndarray) -> np.ndarray:
@@ -74,7 +74,7 @@ def test_a_block_whose_slots_int32_cannot_hold_is_read_as_out_of_range(device):
                        capacities=kc.Capacities.from_args(req_to_token_pool_size=3, max_seq_len_per_req=12,
                                                           pool_slot_count=64, max_prefill_tokens=16))
     rng = np.random.default_rng(23)
-    put = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    put = int64s_on(device)
     first = kc.ForwardBatch(req_pool_indices=put([1]), prefix_lens=put([0]), extend_seq_lens=put([4]),
                             input_ids=put(rng.integers(1, 1000, 4)), positions=put(range(4)),
                             out_cache_loc=put(range(12, 16)))

@@ -14,7 +14,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import DLPackOnly, Unprintable, one_forward, replay_by_mistake, session_capacities
-from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
+from _devices import BACKENDS, int64s_on, requires_gpu, spin_kernel, to_device, to_numpy
 
 SLOTS = 64
 ROWS = 4
@@ -66,7 +66,7 @@ class Tiny:
                 loc.append(self.next_slot)
                 self.next_slot += 1
         self.table[...] = to_device(table, self.device)
-        i64 = lambda a: to_device(np.asarray(a, np.int64), self.device)  # noqa: E731
+        i64 = int64s_on(self.device)
         fields = dict(req_pool_indices=[self.rows[r] for r in rids], prefix_lens=[self.lens[r] for r in rids],
                       extend_seq_lens=[extend[r] for r in rids], input_ids=ids, positions=pos, out_cache_loc=loc)
         batch = kc.ForwardBatch(**{name: self.frame(self.array(name, values)) for name, values in fields.items()},
@@ -169,7 +169,7 @@ def test_cells_outside_the_table_name_their_request(device, lost_row):
     entry and the write's seed are reported with the request and the position of the cell, and the
     slot said to be unresolved."""
     eng = Tiny(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
                             input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]), out_cache_loc=i64([1, 2, 3]),
                             req_ids=["a", "lost"])
@@ -277,7 +277,7 @@ def test_write_assert_names_entry(device):
     eng.step({"a": 4, "b": 4})
     # b's new token written at a stale position: the chain position assert flags the write itself
     rids = ["a", "b"]
-    i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.set_table(np.s_[[1, 2], 4], [40, 41])
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([7, 8]), positions=i64([4, 2]), out_cache_loc=i64([40, 41]), req_ids=rids)
@@ -299,7 +299,7 @@ def test_write_rows_skip_padding_rows(device):
     entries hold it, not by the padding row."""
     eng = Tiny(device)
     eng.step({"a": 4, "b": 4})
-    i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.set_table(np.s_[2, 4], 41)
     batch = kc.ForwardBatch(req_pool_indices=i64([0, 2]), prefix_lens=i64([0, 4]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([8, 0]), positions=i64([2, 0]), out_cache_loc=i64([41, 0]),
@@ -793,7 +793,7 @@ def _decode_of_a(device, **tiny) -> tuple[Tiny, kc.StaticForward]:
     """a's 4-token prompt run eagerly, and a static forward of its next token (position 4, slot 60)."""
     eng = Tiny(device, **tiny)
     eng.step({"a": 4})
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.set_table(np.s_[1, 4], 60)
     return eng, eng.canary.static_forward(kc.ForwardBatch(
         req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]), input_ids=i64([1004]),
@@ -833,7 +833,7 @@ def test_a_before_forward_while_off_ends_the_forward_planned_before_it(device):
     eng = Tiny(device)
     eng.step({"a": 4})
     assert not eng.canary.poll()
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.set_table(np.s_[1, 4], 60)
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([60]), req_ids=["a"])
@@ -858,7 +858,7 @@ def test_a_forward_whose_after_came_while_off_leaves_nothing_planned(device, sta
     ``before_forward`` came while off, once switched on, is a forward of its own (its events take
     its own step), not the tail of the forward switched off in the middle."""
     eng, forward = _decode_of_a(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     if static:
         forward.before()
         eng.canary.mode = "off"
@@ -924,7 +924,7 @@ def test_a_static_after_behind_another_batchs_before_forward_plans_its_own(devic
     forward dropped before it ran) plans its own batch, a forward of its own, rather than write with
     the other batch's plans: its token is fingerprinted where it belongs."""
     eng, forward = _decode_of_a(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.set_table(np.s_[2, :2], [61, 62])
     eng.canary.before_forward(kc.ForwardBatch(
         req_pool_indices=i64([2]), prefix_lens=i64([0]), extend_seq_lens=i64([2]), input_ids=i64([2000, 2001]),
@@ -1012,7 +1012,7 @@ def test_polls_while_off_after_the_owed_one_return_at_once(device, caplog):
     eng.step({"a": 4})
     eng.canary.mode = "off"
     assert not eng.canary.poll()
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     vplan, wplan = kc.VerifyPlan.allocate(8, device=device), kc.WritePlan.allocate(1, device=device)
     kc.plan(vplan, wplan, req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([0]),
             req_to_token=eng.table)
@@ -1206,7 +1206,7 @@ def _next_token_of_a(eng: Tiny, **fields) -> kc.ForwardBatch:
     eng.set_table(np.s_[eng.rows["a"], position], slot)
     eng.lens["a"], eng.next_slot = position + 1, slot + 1
     eng.k[slot] = to_device(eng.rng.standard_normal((2, 8)).astype(np.float32), eng.device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), eng.device)  # noqa: E731
+    i64 = int64s_on(eng.device)
     return kc.ForwardBatch(req_pool_indices=i64([eng.rows["a"]]), prefix_lens=i64([position]),
                            extend_seq_lens=i64([1]), input_ids=i64([1000 * eng.rows["a"] + position]),
                            positions=i64([position]), out_cache_loc=i64([slot]), req_ids=["a"],
@@ -1440,7 +1440,7 @@ def test_sweeps_count_toward_max_logged_forwards(device):
     holds a bounded log too."""
     eng = Tiny(device, max_logged_forwards=3)
     eng.step({"a": 3})
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     for _ in range(20):
         eng.canary.sweep(kc.LiveRequests(req_pool_indices=i64([1]), seq_lens=i64([3]), req_ids=["a"]))
     assert all(len(group.log) == 3 + 2 for group in eng.canary.groups)  # the forward's three, two sweeps
@@ -1453,7 +1453,7 @@ def test_a_poll_starts_the_count_of_sweeps_toward_max_logged_forwards_again(devi
     built: an engine that sweeps and polls after every forward never reaches it, and its rows keep
     their steps and requests."""
     eng = Tiny(device, max_logged_forwards=2)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     with caplog.at_level(logging.WARNING, logger="kvcanary_cupy"):
         eng.step({"a": 3})
         for _ in range(4):
@@ -1761,7 +1761,7 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
     """A table cell past the pool (a corrupted table) is out of range in the full group and past the
     LUT in the SWA group: the SWA group's writes and verifies find those slots unresolved, and poll
     names the request and position of each cell that did not resolve."""
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=WIDTH, pool_slot_count=SLOTS,
                                    max_prefill_tokens=64)
     table = np.zeros((ROWS, WIDTH), np.int32)
@@ -1786,7 +1786,7 @@ def test_cells_past_the_swa_lut_resolve_nothing(device):
 def test_a_one_entry_swa_lut_resolves_its_cell_and_nothing_past_it(device):
     """A full pool of one slot has a LUT of one entry: cell 0 resolves through it, a cell past it is
     unresolved, and poll names the rows of both by request and position, as the plan resolved them."""
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     width, swa_slots, swa_slot = 8, 8, 5
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=width, pool_slot_count=1,
                                    max_prefill_tokens=width)
@@ -1817,7 +1817,7 @@ def test_swa_window_of_a_length_past_the_table_starts_where_the_plan_starts(devi
     length, as the plan counts it: its last cells inside the row, the rest unresolved. The positions
     before the window are not among what that launch checked, so a row another launch recorded
     there keeps that launch's step."""
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     slots, width, window = 128, 16, 4
     caps = kc.Capacities.from_args(req_to_token_pool_size=ROWS, max_seq_len_per_req=width, pool_slot_count=slots,
                                    max_prefill_tokens=width)
@@ -1879,7 +1879,7 @@ def test_prepared_launches_tell_shared_arrays_apart():
     buffers = []
     for device in ("cpu", "cuda"):
         eng = Tiny(device, hash_mode=kc.HashMode.NONE)
-        i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        i64 = int64s_on(device)
         table = np.zeros((ROWS, WIDTH), np.int32)
         table[1, :8], table[2, :8] = np.arange(1, 9), np.arange(11, 19)
         eng.table[...] = to_device(table, device)
@@ -2045,7 +2045,7 @@ def test_paged_head_major_hashes_each_heads_tokens(device, mode):
                        real_kv_sources=sources, hash_mode=mode)
     owned = [5, 9, 14, 22, 3, 17]
     table[1, :len(owned)] = to_device(np.array(owned, np.int32), device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     for prefix, count in ((0, 4), (4, 1), (5, 1)):
         batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([prefix]), extend_seq_lens=i64([count]),
                                 input_ids=i64(range(100 + prefix, 100 + prefix + count)),
@@ -2132,7 +2132,7 @@ def _rejected(canary: kc.Canary, call, error: type, *names: str) -> None:
 
 
 def _batch(device, **overrides) -> kc.ForwardBatch:
-    i64 = lambda a: to_device(np.asarray(a, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     fields = dict(req_pool_indices=i64([1]), prefix_lens=i64([3]), extend_seq_lens=i64([1]), input_ids=i64([7]),
                   positions=i64([3]), out_cache_loc=i64([20]))
     fields.update(overrides)
@@ -2579,7 +2579,7 @@ def _padded_forward_run(seed: int, static: bool, device: str = "cpu") -> tuple[l
                                    max_prefill_tokens=rows * width, cuda_graph_max_bs=16)
     canary = kc.Canary(pool_slot_count=slots_n, capacities=caps, req_to_token=to_device(table, device), device=device,
                        hash_mode=kc.HashMode.ALL, real_kv_sources=kc.layouts.per_layer([k]), chain_position_assert=True)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     names = [f"r{r}" for r in range(requests)]
     prefill = kc.ForwardBatch(
         req_pool_indices=i64(np.arange(1, requests + 1)), prefix_lens=i64(np.zeros(requests)), extend_seq_lens=i64(lens),
@@ -2673,7 +2673,7 @@ def test_prefix_hits_on_blocks_the_same_forward_computes(device, writer_first):
     def forward(prefixes: dict, extends: dict, ids: dict) -> kc.CanaryReport:
         host = to_numpy(table)
         loc = np.concatenate([host[row, prefixes[row]:prefixes[row] + extends[row]] for row in order])
-        vector = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        vector = int64s_on(device)
         batch = kc.ForwardBatch(req_pool_indices=vector(order), prefix_lens=vector([prefixes[r] for r in order]),
                                 extend_seq_lens=vector([extends[r] for r in order]),
                                 input_ids=vector(np.concatenate([ids[r] for r in order])),
@@ -2878,7 +2878,7 @@ def test_requests_past_the_table_are_named_for_every_row(device, expected):
     eng = Tiny(device, **({"expected_tokens": to_device(pool, device)} if expected else {}))
     eng.step({"a": 4, "b": 3})
     assert eng.canary.poll().total == 0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     for name, row, prefix, positions in (("a", 1, WIDTH + 1, {WIDTH}), ("b", ROWS, 2, {0, 1})):
         batch = kc.ForwardBatch(req_pool_indices=i64([row]), prefix_lens=i64([prefix]), extend_seq_lens=i64([1]),
                                 input_ids=i64([7]), positions=i64([prefix]), out_cache_loc=i64([40]), req_ids=[name])
@@ -2924,7 +2924,7 @@ def test_write_rows_without_an_entry_are_named_for_the_request_that_recorded_the
     assert eng.canary.poll().total == 0
     past_pool = SLOTS + 3
     eng.set_table(np.s_[3, 1], past_pool)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     # s: its seed is past the pool; p: token 0 at position 0 into a slot past the pool, ending at the
     # arrays' end; x: runs past them; z: writes nothing, with s's seed, after x
     batch = kc.ForwardBatch(req_pool_indices=i64([3, 3, 3, 3]), prefix_lens=i64([2, 0, 0, 2]),
@@ -2972,7 +2972,7 @@ def test_a_slot_at_the_pools_size_that_a_write_named_is_read_as_out_of_range(dev
     eng = Tiny(device)
     eng.step({"a": 2})
     assert eng.canary.poll().total == 0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     first = kc.ForwardBatch(req_pool_indices=i64([3]), prefix_lens=i64([0]), extend_seq_lens=i64([1]),
                             input_ids=i64([5]), positions=i64([0]), out_cache_loc=i64([SLOTS]), req_ids=["q"])
     one_forward(eng.canary, first)
@@ -2995,7 +2995,7 @@ def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
     assert eng.canary.poll().total == 0
     eng.set_table(np.s_[0, :4], to_numpy(eng.table)[1, :4])  # row 0 names the slots of 'a'
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 0]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 0]),
                             input_ids=i64([7]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=["a", "padding"])
     one_forward(eng.canary, batch)

@@ -17,7 +17,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import DLPackOnly, Unprintable, one_forward, session_capacities
-from _devices import BACKENDS, to_device
+from _devices import BACKENDS, int64s_on, to_device
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
 
@@ -89,7 +89,7 @@ class _Engine:
         prefix += [0] * padding_rows
         lens += [0] * padding_rows
         self.sync()
-        i64 = lambda values: to_device(np.asarray(values, np.int64), self.device)  # noqa: E731
+        i64 = int64s_on(self.device)
         batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64(prefix), extend_seq_lens=i64(lens),
                                 input_ids=i64(ids), positions=i64(positions), out_cache_loc=i64(slots),
                                 req_ids=list(extend) + [f"pad{i}" for i in range(padding_rows)])
@@ -127,7 +127,7 @@ class _Engine:
 
     def sweep(self):
         rids = list(self.requests)
-        i64 = lambda values: to_device(np.asarray(values, np.int64), self.device)  # noqa: E731
+        i64 = int64s_on(self.device)
         self.canary.sweep(kc.LiveRequests(req_pool_indices=i64([self.requests[r]["row"] for r in rids]),
                                           seq_lens=i64([self.requests[r]["len"] for r in rids]), req_ids=rids))
 
@@ -503,7 +503,7 @@ def test_a_verify_whose_prefixes_add_up_past_int64_found_nothing(device):
     eng.forward({"a": 6})
     eng.k[eng.requests["a"]["slots"][2], 0, 0] += 1.0
     eng.forward({"a": 1})
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     huge = kc.ForwardBatch(req_pool_indices=i64([1, 1]), prefix_lens=i64([2 ** 62, 2 ** 62]),
                            extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]))
     one_forward(eng.canary, huge)
@@ -655,7 +655,7 @@ def test_write_rows_are_named_by_their_token_and_position(device):
     """Two entries of one forward write slot 10 (a at position 0, b at position 0) and b's token is
     not the one expected: the row names b, whose token it holds."""
     eng = _Engine(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.table[1, 0], eng.table[2, :2] = 10, [10, 11]
     eng.sync()
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([1, 2]),
@@ -711,7 +711,7 @@ def _decode_over_a_changed_slot(eng, device, req_ids) -> int:
     eng.forward({"a": 4})
     slot = eng.requests["a"]["slots"][2]
     eng.k[slot, 0, 0] += 1.0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.table[1, 4] = 40
     eng.sync()
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
@@ -794,7 +794,7 @@ def test_request_ids_need_not_be_hashable(device):
         rid: str
 
     eng = _Engine(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.table[1, :2] = [10, 11]
     eng.sync()
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([0]), extend_seq_lens=i64([2]),
@@ -898,7 +898,7 @@ def test_requests_past_the_batch_arrays_are_counted_per_forward(device, id_kind)
     forward 1's two rows cannot be told apart and name no request, forward 2's names its own.
     Telling them apart compares their ids: ids whose ``==`` raises are told apart all the same."""
     eng = _Engine(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     for rows, extends, ids in (([1, 2], [2, 2], ["a", "b"]), ([3], [2], ["c"])):
         batch = kc.ForwardBatch(req_pool_indices=i64(rows), prefix_lens=i64([0] * len(rows)),
                                 extend_seq_lens=i64(extends), input_ids=i64([5]), positions=i64([0]),
@@ -921,7 +921,7 @@ def test_requests_past_empty_arrays_share_a_position_and_name_neither(device, id
     whatever their ids: equal, ids whose ``==`` raises, or gives no truth value (the poll does
     not fail on them)."""
     eng = _Engine(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([2, 2]),
                             input_ids=i64([]), positions=i64([]), out_cache_loc=i64([]),
                             req_ids=[id_kind("a"), id_kind("b")])
@@ -1006,7 +1006,7 @@ def test_a_slot_past_the_pool_written_then_read_is_reported_and_cleared(device):
     it as prefix. Poll reports the slot as OUT_OF_RANGE, named by its request, and a second poll
     finds nothing (the rows were cleared, not left to fail every later poll)."""
     eng = _Engine(device)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     eng.table[1, :3] = [3, 200, 4]
     eng.sync()
     for prefix, tokens, positions, slots in ((0, [10, 11], [0, 1], [3, 200]), (2, [12], [2], [4])):
@@ -1181,7 +1181,7 @@ def test_token_fields_before_forward_does_not_check_leave_its_rows_named(device,
     of another form (a speculative engine's ``[bs, k + 1]`` drafts, a float array, a list), its
     kept tokens passed to ``after_forward``, is no batch changed since its forward: poll names its
     HEAD rows with their step and request, warns of nothing, and the polls after it work."""
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     canary = _prefilled(device, i64)
     kept = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([2]), extend_seq_lens=i64([1]),
                            input_ids=i64([9]), positions=i64([2]), out_cache_loc=i64([3]), req_ids=["a"])
@@ -1272,7 +1272,7 @@ def test_a_position_at_the_expected_valid_length_is_named_with_no_expected_token
     nxt = eng.free.pop(0)
     eng.table[1, 4], eng.expected[1, 4] = nxt, 1004
     eng.sync()
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([4]), out_cache_loc=i64([nxt]), req_ids=["a"],
                             expected_valid_lens=i64([3]))
@@ -1295,7 +1295,7 @@ def test_a_padding_rows_cells_are_not_taken_for_slots_written(device):
     eng.forward({"a": 4, "b": 3})
     flipped = eng.requests["a"]["slots"][2]
     eng.k[flipped, 0, 1] += 1.0
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     for _ in range(3):
         a, b = eng.requests["a"], eng.requests["b"]
         loc = eng.next_slots(["a", "b"])
@@ -1321,7 +1321,7 @@ def test_a_request_past_the_ids_given_is_named_by_its_batch_row(device):
     flipped = eng.requests["b"]["slots"][1]
     eng.k[flipped, 0, 1] += 1.0
     loc = eng.next_slots(["a", "b"])  # position 3 of each
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 2]), prefix_lens=i64([3, 3]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([1003, 2003]), positions=i64([3, 3]), out_cache_loc=i64(loc), req_ids=["a"])
     one_forward(eng.canary, batch)
@@ -1456,7 +1456,7 @@ def test_a_write_row_two_forwards_could_record_goes_to_the_forward_of_the_rows_b
     eng.add("c", 3, prompt=7000)
     loc = eng.next_slots(["c", "b"])
     assert loc[0] == reused
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([3, 2]), prefix_lens=i64([0, 3]), extend_seq_lens=i64([1, 1]),
                             input_ids=i64([7000, 2003]), positions=i64([0, 3]), out_cache_loc=i64(loc),
                             req_ids=["c", "b"], expected_input_tokens=i64([7777, 2003]),
@@ -1475,7 +1475,7 @@ def test_an_entry_recording_two_alike_rows_has_both_named(device):
     eng.add("a", 1)
     eng.forward({"a": 4})
     loc = eng.next_slots(["a"])
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([1]), prefix_lens=i64([4]), extend_seq_lens=i64([1]),
                             input_ids=i64([1004]), positions=i64([3]), out_cache_loc=i64(loc), req_ids=["a"],
                             expected_input_tokens=i64([1004]), expected_input_positions=i64([4]))
@@ -1510,7 +1510,7 @@ def test_rows_outside_the_table_are_named_only_within_their_window(device):
     positions before a window are none of that request's, so each row names the one request whose
     window holds it."""
     eng = _Engine(device, swa_window=2)
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([ROWS, ROWS + 1]), prefix_lens=i64([6, 2]),
                             extend_seq_lens=i64([0, 0]), input_ids=i64([]), positions=i64([]),
                             out_cache_loc=i64([]), req_ids=["far", "near"])
@@ -1574,7 +1574,7 @@ def test_a_negative_extend_takes_nothing_from_the_slots_written(device):
     eng.table[3, :7] = loc
     eng.sync()
     assert loc[3] == flipped
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     batch = kc.ForwardBatch(req_pool_indices=i64([4, 3]), prefix_lens=i64([0, 0]), extend_seq_lens=i64([-5, 7]),
                             input_ids=i64(range(7000, 7007)), positions=i64(range(7)), out_cache_loc=i64(loc),
                             req_ids=["x", "c"])

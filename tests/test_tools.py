@@ -789,6 +789,40 @@ def test_host_mutants_change_one_operator_or_statement_and_keep_every_line_in_pl
         assert changed.count(b"\n") == source.count(b"\n")
 
 
+def test_host_mutants_find_an_earlier_runs_changes_after_the_file_has_moved():
+    """Rows of an earlier run name changes by line and text: where lines were added above them,
+    the change of the same text is found (of two alike lines, the nearer one to the row's line);
+    two runs' rows of one change take it once; a row whose text is gone takes nothing."""
+    (mutants,) = import_tools("host_mutants")
+    earlier = (b"def f(a, b):\n"
+               b"    if a is None:\n"
+               b"        return 0\n"
+               b"    if a < b:\n"
+               b"        return 1\n"
+               b"    if a is None:\n"
+               b"        return 2\n"
+               b"    return a == b\n")
+    now = earlier.replace(b"def f(a, b):\n", b"def f(a, b):\n    b = b + 1\n")
+    now = now.replace(b"return a == b", b"return a != b")
+
+    def rows_of(source, wanted):
+        found = []
+        for change in mutants.candidates("f.py", source):
+            if (change.line, change.operator) in wanted:
+                found.append({"filename": "f.py", "line": change.line, "operator": change.operator,
+                              "before": mutants.line_text(source, change.line),
+                              "after": mutants.changed_line(change.apply(source), change.line)})
+        return found
+
+    rows = rows_of(earlier, {(6, "is"), (4, "<"), (8, "==")})
+    changes = mutants.candidates("f.py", now)
+    found = mutants.matching(changes, {"f.py": now}, rows + rows[:1])
+    assert [(change.line, change.operator) for change in found] == [(5, "<"), (7, "is")]
+    unmoved = mutants.candidates("f.py", earlier)
+    assert [(c.line, c.operator) for c in mutants.matching(unmoved, {"f.py": earlier}, rows)] == \
+        [(4, "<"), (6, "is"), (8, "==")]
+
+
 def test_host_mutants_judge_a_change_in_a_copy_by_its_tests(tmp_path):
     """A change is made in a worker's copy of the package, which the tests run there import in
     place of the repository's: a dropped rule that a test pins is caught, a change of a rule no

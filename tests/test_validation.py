@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import SourceSpec, context_arrays, expected_kv_hash, fields, plan_arrays, snapshot
-from _devices import BACKENDS, requires_gpu, to_device, to_numpy
+from _devices import BACKENDS, int64s_on, requires_gpu, to_device, to_numpy
 
 # --- the SPEC's four messages, verbatim -----------------------------------------------------------
 
@@ -387,7 +387,7 @@ def test_bundle_arrays_may_be_adjacent_slices_of_one_buffer(device, descending):
     plan_words = to_device(np.array(words), device)
     offsets, seeds = (plan_words[1:3], plan_words[0:1]) if descending else (plan_words[0:2], plan_words[2:3])
     wplan = kc.WritePlan(offsets=offsets, seed_slot_indices=seeds, num_valid_reqs=ints[2:3])
-    i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+    i64 = int64s_on(device)
     kc.write(ctx, wplan, tag=0, input_ids=i64([7]), positions=i64([0]), out_cache_loc=i64([3]))
     assert to_numpy(cells).tolist() == [1, 1, 0, 0] and to_numpy(ints).tolist() == [0, 0, 1]
     assert to_numpy(plan_words).tolist() == words
@@ -960,7 +960,7 @@ def test_a_one_row_source_takes_any_stride_and_hashes_as_row_0(device):
                                  num_bytes_per_token=16, read_bytes=16)
         ctx = kc.CanaryContext.allocate(4, device=device, real_kv_sources=(source,), hash_mode=kc.HashMode.ALL)
         wplan = kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=1, device=device)
-        i64 = lambda values: to_device(np.asarray(values, np.int64), device)  # noqa: E731
+        i64 = int64s_on(device)
         kc.write(ctx, wplan, tag=kc.LaunchTag.HEAD_K_FULL, input_ids=i64([7]), positions=i64([0]),
                  out_cache_loc=i64([1]))
         assert ctx.violations().total == 0

@@ -6,6 +6,8 @@ at a time, each run against the tests that should notice it. No GPU is needed bu
     python tools/host_mutants.py --list
     python tools/host_mutants.py --replay out.json --tests tests --json again.json
     python tools/host_mutants.py --replay out.json --tests tests -k "cuda or gpu"  # on a GPU machine
+    python tools/host_mutants.py --files kvcanary_cupy/session.py --lines 444 647 --tests tests/test_session.py
+    python tools/host_mutants.py --files kvcanary_cupy/ops/step.py --skip sample.json --json rest.json
 
 A change flips one comparison (``<`` and ``<=``, ``==`` and ``!=``, ``in`` and ``not in``, ``is``
 and ``is not``), swaps ``and`` and ``or``, drops a ``not``, or turns a ``raise`` into ``pass``.
@@ -18,6 +20,11 @@ Verdicts: ``tests`` (a test failed: caught), ``hang`` (past ``--timeout``: caugh
 memory, which workers sharing one GPU can exhaust: the device, not the change; not counted, and
 ``--replay`` takes it again, best with fewer workers) and ``survived``: either equivalent (no input
 can tell it apart) or a gap in the tests, which the results file says change by change.
+
+A row of an earlier run names its change by line and by text. Where the file has moved since,
+``--replay`` and ``--skip`` find the change by its text (the nearest of the same text, one change
+per row), so a run's survivors can be judged again, or the rest of a sample drawn, after the file
+has been edited.
 """
 
 from __future__ import annotations
@@ -185,6 +192,36 @@ OUT_OF_MEMORY = ("outofmemory", "out of memory", "cuda_error_out_of_memory", "cu
 REPLAYED = ("survived", "unjudged")
 
 
+def matching(changes: list[Change], originals: dict, rows: list[dict]) -> list[Change]:
+    """The changes that ``rows`` of earlier runs name, in source order: the change at a row's line
+    where its text is still there, otherwise the nearest change of the row's text (the line it
+    changes, and how) that no other row took. Rows of several runs that name one change take it
+    once."""
+    def text(change: Change) -> tuple:
+        source = originals[change.filename]
+        return (change.filename, change.operator, line_text(source, change.line),
+                changed_line(change.apply(source), change.line))
+
+    texts = {change: text(change) for change in changes}
+    by_line = {(change.filename, change.line, change.operator, texts[change][3]): change for change in changes}
+    # runs that judged the same change name it once
+    named = {(row["filename"], row["line"], row["operator"], row["after"]): row for row in rows}
+    taken: set[Change] = set()
+    moved = []
+    for key, row in named.items():
+        change = by_line.get(key)
+        if change is None:
+            moved.append(row)
+        else:
+            taken.add(change)
+    for row in moved:
+        wanted = (row["filename"], row["operator"], row.get("before"), row["after"])
+        alike = [change for change in changes if change not in taken and texts[change] == wanted]
+        if alike:
+            taken.add(min(alike, key=lambda change: abs(change.line - row["line"])))
+    return sorted(taken, key=lambda change: change.ident)
+
+
 def verdict_of(returncode: int, output: str) -> str:
     """A finished pytest run's verdict: ``unjudged`` where a failure ran out of device memory."""
     if returncode == 0:
@@ -230,6 +267,10 @@ def main(argv=None) -> int:
     parser.add_argument("--replay", nargs="+", metavar="JSON",
                         help="judge again the changes that survived these earlier --json runs "
                              "or that they left unjudged")
+    parser.add_argument("--skip", nargs="+", metavar="JSON",
+                        help="leave out the changes these earlier --json runs judged (to draw the rest of a sample)")
+    parser.add_argument("--lines", nargs="+", type=int, metavar="LINE",
+                        help="only the candidates on these lines (of the files given)")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
     tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
@@ -241,6 +282,12 @@ def main(argv=None) -> int:
     changes = []
     for name in args.files:
         changes += candidates(name, originals[name], first_ident=len(changes))
+    if args.lines:
+        changes = [change for change in changes if change.line in set(args.lines)]
+    if args.skip:
+        judged = [row for path in args.skip for row in json.loads(pathlib.Path(path).read_text())["rows"]]
+        left_out = set(matching(changes, originals, judged))
+        changes = [change for change in changes if change not in left_out]
     if args.list:
         for change in changes:
             before = line_text(originals[change.filename], change.line)
@@ -248,11 +295,7 @@ def main(argv=None) -> int:
         print(f"{len(changes)} candidates")
         return 0
     if args.replay:
-        survivors = {(row["filename"], row["line"], row["operator"], row["after"])
-                     for row in earlier if row["verdict"] in REPLAYED}
-        drawn = [change for change in changes if (change.filename, change.line, change.operator,
-                                                  changed_line(change.apply(originals[change.filename]), change.line))
-                 in survivors]
+        drawn = matching(changes, originals, [row for row in earlier if row["verdict"] in REPLAYED])
     elif 0 < args.mutants < len(changes):
         drawn = random.Random(args.seed).sample(changes, args.mutants)
     else:
