@@ -17,9 +17,12 @@ from _devices import HAS_CUDA
 
 def test_cpu_compiles_take_the_cache_directory_lock(tmp_path, monkeypatch):
     """A CPU build of a new signature (the functions it calls compiled with it) takes the lock file
-    of its cache directory once, so that two processes never fill one cache at the same time; a
-    signature already built in the process takes none."""
+    of its cache directory once, so that two processes never fill one cache at the same time, and
+    holds it while numba compiles each function; a signature already built in the process takes
+    none."""
     fcntl = pytest.importorskip("fcntl")
+    from numba.core import event
+
     from kvcanary_cupy.ops.backends._cpu import hashing
 
     (tmp_path / "kvc_lock_probe.py").write_text(
@@ -37,9 +40,22 @@ def test_cpu_compiles_take_the_cache_directory_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hashing.fcntl, "flock", recorded)
     lock = (str(tmp_path / "__pycache__" / "kvcanary-compile.lock"), fcntl.LOCK_EX)
-    assert probe.outer(3) == 7 and taken == [lock]
-    assert probe.outer(4) == 9 and taken == [lock]
-    assert probe.outer(1.5) == 4.0 and taken == [lock, lock]
+    compiles = []  # (function, whether the lock was held) as numba starts each compile
+
+    class Compiles(event.Listener):
+        def on_start(self, started):
+            function = started.data["dispatcher"].py_func
+            if function.__module__ == "kvc_lock_probe":
+                compiles.append((function.__name__, hashing._COMPILE_LOCK.depth > 0))
+
+        def on_end(self, ended):
+            pass
+
+    with event.install_listener("numba:compile", Compiles()):
+        assert probe.outer(3) == 7 and taken == [lock]
+        assert probe.outer(4) == 9 and taken == [lock]
+        assert probe.outer(1.5) == 4.0 and taken == [lock, lock]
+    assert compiles == [("outer", True), ("inner", True)] * 2
     assert hashing._COMPILE_LOCK.depth == 0 and hashing._COMPILE_LOCK.handle is None
 
 
