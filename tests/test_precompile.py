@@ -59,6 +59,26 @@ def test_cpu_compiles_take_the_cache_directory_lock(tmp_path, monkeypatch):
     assert hashing._COMPILE_LOCK.depth == 0 and hashing._COMPILE_LOCK.handle is None
 
 
+def test_a_cpu_build_that_asks_for_no_cache_stores_none_and_takes_no_lock(tmp_path, monkeypatch):
+    """``njit`` without ``cache=True`` is numba's plain build: nothing is written beside the
+    source, and no compile lock is taken."""
+    pytest.importorskip("fcntl")
+    from kvcanary_cupy.ops.backends._cpu import hashing
+
+    (tmp_path / "kvc_uncached_probe.py").write_text(
+        "from kvcanary_cupy.ops.backends._cpu.hashing import njit\n\n"
+        "@njit(nogil=True)\ndef twice(x):\n    return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kvc_uncached_probe as probe
+
+    taken = []
+    monkeypatch.setattr(hashing.fcntl, "flock", lambda handle, operation: taken.append(handle.name))
+    assert probe.twice(21) == 42 and probe.twice(0.25) == 0.5
+    assert taken == []
+    assert sorted(path.name for path in (tmp_path / "__pycache__").glob("*")
+                  if not path.name.endswith(".pyc")) == []
+
+
 def test_cpu_backend_without_a_writable_cache_directory_compiles_with_a_warning(tmp_path, monkeypatch):
     """A read-only install with no writable user cache directory (and no NUMBA_CACHE_DIR): numba
     finds nowhere to store its cache, so the functions are compiled in each process instead, and
