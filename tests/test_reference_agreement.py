@@ -207,6 +207,34 @@ def test_write_agrees_past_the_int64_maximum_position():
     _assert_same(ctx, expected)
 
 
+def test_write_agrees_on_the_padding_slot_as_seed_and_an_empty_request():
+    """A request seeded by slot 0 takes slot 0's position as its predecessor's under the chain
+    position assert (SPEC §3.1 step 2: any seed of 0 or more), and a request with no entries records
+    nothing, not even for a seed past the pool; the model and the backend alike."""
+    rng = np.random.default_rng(2064)
+    num_slots = 8
+    buf = rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8)
+    words = buf.view(np.int64)
+    seed_position = int(rng.integers(1, 10**6))
+    words[0, 1] = seed_position
+    ids = rng.integers(1, 2**31, size=3).astype(np.int64)
+    pos = np.array([seed_position + 5, seed_position + 6, seed_position + 1], np.int64)
+    write = dict(offsets=np.array([0, 2, 2, 3], np.int64), seed_slots=np.array([0, num_slots + 1, 0], np.int64),
+                 num_valid_reqs=np.array([3], np.int32), input_ids=ids, positions=pos,
+                 out_cache_loc=np.array([2, 3, 5], np.int64))
+    ctx = _context(rng, num_slots, [], kc.HashMode.NONE, 8, 32, buf, assert_flag=1)
+    expected = _reference_state(ctx)
+    ref.write(expected[0], [], expected[1], expected[2], expected[3], expected[4], expected_tokens=None,
+              expected_positions=None, chain_position_assert=np.array([1], np.int32), tag=2, **write)
+    rows = expected[1][:int(expected[2][0])]
+    assert [(int(r[1]), int(r[2]), int(r[6]), int(r[7])) for r in rows] == [
+        (2, seed_position + 5, seed_position + 1, int(kc.FailReason.WRITE_POSITION))]
+    kc.write(ctx, kc.WritePlan(offsets=write["offsets"], seed_slot_indices=write["seed_slots"],
+                               num_valid_reqs=write["num_valid_reqs"]),
+             tag=2, input_ids=ids, positions=pos, out_cache_loc=write["out_cache_loc"])
+    _assert_same(ctx, expected)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_plan_agrees(seed):
     rng = np.random.default_rng(3000 + seed)
