@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import reference as ref
 from _conformance import canary_buffer, i64, load_cases, source_views
 from _devices import BACKENDS, to_device, to_numpy
 
@@ -161,6 +162,102 @@ def test_scatter_case(device, index, case):
                              offsets=to_device(i64(case["offsets"]), device),
                              req_pool_indices=to_device(i64(case["req_pool_indices"]), device), pool_out=pool_out)
     assert to_numpy(pool_out).tolist() == case["expected"]["pool_out"]
+
+
+# The plain-Python model (kvcanary_cupy.reference), which the backends are fuzzed against, meets the
+# same cases: the oracle is checked against the specification's own values, not only against them.
+
+def _model_sources(case: dict) -> list:
+    if case["hash_mode"] == int(kc.HashMode.NONE):
+        return []
+    partial = case["hash_mode"] == int(kc.HashMode.PARTIAL)
+    return [(view, s["page_size"], s["num_bytes_per_token"],
+             kc._layout.PARTIAL_READ_BYTES if partial else s["read_bytes"]) for view, s in source_views(case)]
+
+
+def _model_run(case: dict, op) -> tuple[np.ndarray, list, int, int, int]:
+    """(canary bytes, ring rows, write index, slot and kernel counters) after ``op`` on the case's
+    state."""
+    buf = canary_buffer(case)
+    ring = np.zeros((case["ring_capacity"], 8), np.int64)
+    write_index = np.zeros(1, np.int32)
+    counters = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    op(buf, _model_sources(case), ring, write_index, *counters)
+    total = int(write_index[0])
+    rows = ring[:max(0, min(total, ring.shape[0]))].tolist()
+    return buf, rows, total, int(counters[0][0]), int(counters[1][0])
+
+
+def _assert_model_state(got, case: dict, canary_hex: str) -> None:
+    buf, rows, total, slot_runs, kernel_runs = got
+    expected = case["expected"]
+    assert buf.tobytes().hex() == canary_hex
+    assert rows == expected["violations"]
+    assert (total, slot_runs, kernel_runs) == (expected["violation_write_index"], expected["slot_run_counter"],
+                                               expected["kernel_run_counter"])
+
+
+@pytest.mark.parametrize("index,case", _ids("verify"), ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_the_model_meets_the_verify_case(index, case):
+    got = _model_run(case, lambda *state: ref.verify(
+        *state, slots=i64(case["slot_indices"]), expected_tokens=i64(case["expected_tokens"]),
+        expected_positions=i64(case["expected_positions"]), prev_slots=i64(case["prev_slot_indices"]),
+        num_valid=np.array([case["num_valid"]], np.int32), enable=np.array([case["enable"]], np.int32),
+        check_expected_token=case["check_expected_token"], tag=case["tag"]))
+    _assert_model_state(got, case, case["canary_buf"])
+
+
+@pytest.mark.parametrize("index,case", _ids("write"), ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_the_model_meets_the_write_case(index, case):
+    expected_tokens = case["expected_input_tokens"]
+    got = _model_run(case, lambda *state: ref.write(
+        *state, offsets=i64(case["offsets"]), seed_slots=i64(case["seed_slot_indices"]),
+        num_valid_reqs=np.array([case["num_valid_reqs"]], np.int32), input_ids=i64(case["input_ids"]),
+        positions=i64(case["positions"]), out_cache_loc=i64(case["out_cache_loc"]),
+        expected_tokens=None if expected_tokens is None else i64(expected_tokens),
+        expected_positions=None if expected_tokens is None else i64(case["expected_input_positions"]),
+        chain_position_assert=np.array([case.get("chain_position_assert", 0)], np.int32), tag=case["tag"]))
+    _assert_model_state(got, case, case["expected"]["canary_buf"])
+
+
+@pytest.mark.parametrize("index,case", _ids("plan"), ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_the_model_meets_the_plan_case(index, case):
+    bs = len(case["req_pool_indices"])
+    table = case["req_to_token"]
+    lut, expected_pool = case["full_to_swa_index_mapping"], case["req_to_verify_expected_tokens"]
+    verify_capacity, write_capacity = case["verify_capacity"], case["write_req_capacity"]
+    v_arrays = [np.zeros(verify_capacity, np.int64) for _ in range(4)]
+    v_num_valid, v_enable, w_num_valid_reqs = (np.zeros(1, np.int32) for _ in range(3))
+    w_offsets, w_seeds = np.zeros(write_capacity + 1, np.int64), np.zeros(write_capacity, np.int64)
+    ref.plan(req_pool_indices=i64(case["req_pool_indices"]), prefix_lens=i64(case["prefix_lens"]),
+             extend_lens=i64(case["extend_seq_lens"]),
+             req_to_token=np.array(table, np.int32).reshape(len(table), len(table[0]) if table else 0),
+             swa_window=case["swa_window_size"], lut=None if lut is None else i64(lut),
+             expected_pool=None if expected_pool is None else np.array(expected_pool, np.int32),
+             valid_lens=None if expected_pool is None else i64(case["req_to_verify_expected_tokens_valid_lens"]),
+             token_offset=case["kv_token_id_vs_position_offset"],
+             v_slots=v_arrays[0], v_tokens=v_arrays[1], v_positions=v_arrays[2], v_prev=v_arrays[3],
+             v_num_valid=v_num_valid, v_enable=v_enable, w_offsets=w_offsets, w_seeds=w_seeds,
+             w_num_valid_reqs=w_num_valid_reqs)
+    expected = case["expected"]
+    num_valid = int(v_num_valid[0])
+    assert (num_valid, int(v_enable[0])) == (expected["num_valid"], expected["enable"])
+    if expected["enable"]:
+        fields = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices")
+        for field, values in zip(fields, v_arrays):
+            assert values[:num_valid].tolist() == expected[field], field
+    assert w_offsets.tolist() == expected["offsets"]
+    assert w_seeds[:bs].tolist() == expected["seed_slot_indices"]
+    assert int(w_num_valid_reqs[0]) == expected["num_valid_reqs"]
+
+
+@pytest.mark.parametrize("index,case", _ids("scatter_req_token_ids"),
+                         ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_the_model_meets_the_scatter_case(index, case):
+    pool_out = np.array(case["pool_out"], dtype=np.int32)
+    ref.scatter_req_token_ids(flat_in=i64(case["flat_in"]), offsets=i64(case["offsets"]),
+                              req_pool_indices=i64(case["req_pool_indices"]), pool_out=pool_out)
+    assert pool_out.tolist() == case["expected"]["pool_out"]
 
 
 def test_spec_test_values():
