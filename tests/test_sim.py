@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -152,6 +153,38 @@ def test_demo_cli_writes_png_chart(tmp_path):
     assert {fault["class"] for fault in json.loads(summary.read_text())["fault_log"]} == set(FAULT_CLASSES)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_chart_names_each_fault_class_once_and_its_median_or_a_dash(tmp_path, monkeypatch):
+    """The legend names each class injected once, however many of its faults there were; a class
+    never caught shows a dash for its median steps to detection."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvcanary_cupy.sim.chart import write_chart
+
+    result = run(SimConfig(steps=40, hash_mode=kc.HashMode.NONE, device="cpu"), ["kv_bitflip", "token_swap"])
+    assert [fault.cls for fault in result.faults] == ["kv_bitflip", "token_swap", "kv_bitflip"]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert write_chart(result, str(tmp_path / "run.png"))
+    top, bottom = figures[0].axes
+    assert sorted(top.get_legend_handles_labels()[1]) == ["kv_bitflip", "token_swap", "violations reported"]
+    medians = {name: row["median_steps_to_detection"] for name, row in result.per_class().items()}
+    assert medians["kv_bitflip"] is None and medians["token_swap"] is not None
+    assert [text.get_text() for text in bottom.texts] == ["-", f"median {medians['token_swap']:g} steps"]
+    monkeypatch.undo()
+    plt.close(figures[0])
+
+
+@pytest.mark.parametrize("terminal,argv,shown", [(True, [], True), (True, ["--no-progress"], False),
+                                                  (False, [], False)])
+def test_demo_shows_progress_only_on_a_terminal_unless_told_not_to(terminal, argv, shown, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert demo_main(["--device", "cpu", "--steps", "3", "--faults", "none", *argv]) == 0
+    err = capsys.readouterr().err
+    assert ("readying the kernels" in err) is shown
+    assert ("3/3 steps" in err) is shown
 
 
 def test_demo_cli_on_cuda_without_cupy_says_why(capsys):
@@ -330,6 +363,10 @@ def test_sim_config_refuses_what_cannot_run():
         SimConfig(static_decode=True, poll_every=2)
     with pytest.raises(ValueError, match=r"^kv-canary: max_running must be an integer >= 1, got 0$"):
         SimConfig(max_running=0)
+    with pytest.raises(ValueError, match=r"^kv-canary: steps must be an integer >= 1, got 2\.5$"):
+        SimConfig(steps=2.5)
+    with pytest.raises(ValueError, match=r"^kv-canary: max_running must be an integer >= 1, got True$"):
+        SimConfig(max_running=True)
     with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):
         SimConfig(pool_slots=100, max_len=256, page_size=32)
     with pytest.raises(ValueError, match=r"^kv-canary: host_slots must be 0 \(no host tier\) or more than a request's "
