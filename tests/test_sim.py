@@ -367,6 +367,8 @@ def test_sim_config_refuses_what_cannot_run():
         SimConfig(steps=2.5)
     with pytest.raises(ValueError, match=r"^kv-canary: max_running must be an integer >= 1, got True$"):
         SimConfig(max_running=True)
+    with pytest.raises(ValueError, match=r"^kv-canary: unknown fault class\(es\) \['kv_bitflop'\]; known: kv_bitflip, "):
+        run(SimConfig(steps=1, device="cpu"), ["kv_bitflop"])
     with pytest.raises(ValueError, match=r"^kv-canary: pool_slots must be >= 288 .*got 100$"):
         SimConfig(pool_slots=100, max_len=256, page_size=32)
     with pytest.raises(ValueError, match=r"^kv-canary: host_slots must be 0 \(no host tier\) or more than a request's "
