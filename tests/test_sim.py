@@ -483,11 +483,14 @@ def test_static_decode_on_the_gpu_finds_what_the_cpu_finds(kwargs, graphs):
 
 def test_a_class_the_engine_cannot_host_does_not_hold_up_the_others():
     """With one running request no slot can alias another request's: slot_alias is reported as not
-    injectable, and the classes after it in turn are still injected."""
+    injectable, and the classes after it in turn are still injected. Two running requests are
+    enough to host it."""
     result = run(SimConfig(steps=120, max_running=1, hash_mode=kc.HashMode.ALL), FAULT_CLASSES)
     assert set(result.not_injectable) == {"slot_alias"}
     assert "max_running" in result.not_injectable["slot_alias"]
     assert {f.cls for f in result.faults} == set(FAULT_CLASSES) - {"slot_alias"}
+    two = run(SimConfig(steps=120, max_running=2, hash_mode=kc.HashMode.ALL), ["slot_alias"])
+    assert not two.not_injectable and {f.cls for f in two.faults} == {"slot_alias"}
     assert result.false_positives == []
     assert "slot_alias         not injected" in result.summary()
     assert result.to_json()["not_injectable"] == result.not_injectable
@@ -1224,6 +1227,18 @@ def test_the_host_tier_reports_each_move_by_its_own_count():
     data = tier.to_json()
     assert (data["slots"], data["offloads"], data["reloads"], data["prefix_stores"], data["prefix_loads"]) == (
         1024, 7, 5, 3, 2)
+
+
+def test_the_host_tier_hands_out_its_last_free_slots():
+    """A take of exactly the slots left gets them all (slot 0 is never handed out); one more finds
+    the tier full."""
+    from kvcanary_cupy.sim.host_tier import HostTier
+
+    tier = HostTier(SimConfig(host_slots=1024), 64, with_swa=False)
+    assert tier.take(60).tolist() == list(range(1, 61))
+    assert tier.take(4) is None
+    assert tier.take(3).tolist() == [61, 62, 63]
+    assert tier.take(1) is None
 
 
 def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
