@@ -76,16 +76,21 @@ def test_verify_case(device, index, case):
                 all_rows=lambda: _rows(_run_verify(case, "cpu", ring_capacity=total)))
 
 
+def _on(device: str, arrays: dict) -> dict:
+    """Each of the host ``arrays`` copied to ``device`` (None kept)."""
+    return {name: None if array is None else to_device(array, device) for name, array in arrays.items()}
+
+
+def _verify_plan(case: dict) -> dict:
+    """The verify case's plan as host arrays, by ``kc.VerifyPlan``'s field names."""
+    fields = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices")
+    return {**{name: i64(case[name]) for name in fields}, "num_valid": np.array([case["num_valid"]], np.int32),
+            "enable": np.array([case["enable"]], np.int32)}
+
+
 def _run_verify(case: dict, device: str, ring_capacity: int | None = None) -> kc.CanaryContext:
     ctx = _context(case, device, ring_capacity)
-    vplan = kc.VerifyPlan(
-        slot_indices=to_device(i64(case["slot_indices"]), device),
-        expected_tokens=to_device(i64(case["expected_tokens"]), device),
-        expected_positions=to_device(i64(case["expected_positions"]), device),
-        prev_slot_indices=to_device(i64(case["prev_slot_indices"]), device),
-        num_valid=to_device(np.array([case["num_valid"]], np.int32), device),
-        enable=to_device(np.array([case["enable"]], np.int32), device),
-    )
+    vplan = kc.VerifyPlan(**_on(device, _verify_plan(case)))
     kc.verify(ctx, vplan, tag=case["tag"], check_expected_token=case["check_expected_token"])
     return ctx
 
@@ -104,53 +109,58 @@ def _run_write(case: dict, device: str, ring_capacity: int | None = None) -> kc.
     ctx = _context(case, device, ring_capacity)
     wplan = kc.WritePlan.from_host(offsets=case["offsets"], seed_slot_indices=case["seed_slot_indices"],
                                    num_valid_reqs=case["num_valid_reqs"], device=device)
-    expected_tokens = case["expected_input_tokens"]
-    kc.write(
-        ctx, wplan, tag=case["tag"],
-        input_ids=to_device(i64(case["input_ids"]), device),
-        positions=to_device(i64(case["positions"]), device),
-        out_cache_loc=to_device(i64(case["out_cache_loc"]), device),
-        expected_input_tokens=None if expected_tokens is None else to_device(i64(expected_tokens), device),
-        expected_input_positions=None if expected_tokens is None else to_device(
-            i64(case["expected_input_positions"]), device),
-    )
+    kc.write(ctx, wplan, tag=case["tag"], **_on(device, _write_inputs(case)))
     return ctx
+
+
+def _write_inputs(case: dict) -> dict:
+    """The write case's entries as host arrays, by ``kc.write``'s argument names (the expected
+    tokens and positions None where the case has none)."""
+    expected = case["expected_input_tokens"] is not None
+    return {"input_ids": i64(case["input_ids"]), "positions": i64(case["positions"]),
+            "out_cache_loc": i64(case["out_cache_loc"]),
+            "expected_input_tokens": i64(case["expected_input_tokens"]) if expected else None,
+            "expected_input_positions": i64(case["expected_input_positions"]) if expected else None}
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("index,case", _ids("plan"), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_plan_case(device, index, case):
-    bs = len(case["req_pool_indices"])
     vplan = kc.VerifyPlan.allocate(case["verify_capacity"], device=device)
     wplan = kc.WritePlan.allocate(case["write_req_capacity"], device=device)
-    table = case["req_to_token"]
-    req_to_token = np.array(table, dtype=np.int32).reshape(len(table), len(table[0]) if table else 0)
-    lut = case["full_to_swa_index_mapping"]
+    kc.plan(vplan, wplan, swa_window_size=case["swa_window_size"],
+            kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"],
+            **_on(device, _plan_inputs(case)))
+    _assert_plans(case, {name: to_numpy(getattr(vplan, name)) for name in kc.VerifyPlan.ARRAYS},
+                  {name: to_numpy(getattr(wplan, name)) for name in kc.WritePlan.ARRAYS})
+
+
+def _plan_inputs(case: dict) -> dict:
+    """The plan case's batch and tables as host arrays, by ``kc.plan``'s argument names (None where
+    the case has none)."""
+    table, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
     expected_pool = case["req_to_verify_expected_tokens"]
-    kc.plan(
-        vplan, wplan,
-        req_pool_indices=to_device(i64(case["req_pool_indices"]), device),
-        prefix_lens=to_device(i64(case["prefix_lens"]), device),
-        extend_seq_lens=to_device(i64(case["extend_seq_lens"]), device),
-        req_to_token=to_device(req_to_token, device),
-        swa_window_size=case["swa_window_size"],
-        full_to_swa_index_mapping=None if lut is None else to_device(i64(lut), device),
-        req_to_verify_expected_tokens=None if expected_pool is None else to_device(
-            np.array(expected_pool, dtype=np.int32), device),
-        req_to_verify_expected_tokens_valid_lens=None if expected_pool is None else to_device(
-            i64(case["req_to_verify_expected_tokens_valid_lens"]), device),
-        kv_token_id_vs_position_offset=case["kv_token_id_vs_position_offset"],
-    )
+    return {"req_pool_indices": i64(case["req_pool_indices"]), "prefix_lens": i64(case["prefix_lens"]),
+            "extend_seq_lens": i64(case["extend_seq_lens"]),
+            "req_to_token": np.array(table, dtype=np.int32).reshape(len(table), len(table[0]) if table else 0),
+            "full_to_swa_index_mapping": None if lut is None else i64(lut),
+            "req_to_verify_expected_tokens": None if expected_pool is None else np.array(expected_pool, np.int32),
+            "req_to_verify_expected_tokens_valid_lens": None if expected_pool is None else i64(
+                case["req_to_verify_expected_tokens_valid_lens"])}
+
+
+def _assert_plans(case: dict, vplan: dict, wplan: dict) -> None:
+    """``vplan`` and ``wplan`` (host arrays by the plans' field names) are the case's expected plans."""
     expected = case["expected"]
-    num_valid = int(to_numpy(vplan.num_valid)[0])
+    num_valid = int(vplan["num_valid"][0])
     assert num_valid == expected["num_valid"]
-    assert int(to_numpy(vplan.enable)[0]) == expected["enable"]
+    assert int(vplan["enable"][0]) == expected["enable"]
     if expected["enable"]:
         for field in ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices"):
-            assert to_numpy(getattr(vplan, field))[:num_valid].tolist() == expected[field], field
-    assert to_numpy(wplan.offsets).tolist() == expected["offsets"]
-    assert to_numpy(wplan.seed_slot_indices)[:bs].tolist() == expected["seed_slot_indices"]
-    assert int(to_numpy(wplan.num_valid_reqs)[0]) == expected["num_valid_reqs"]
+            assert vplan[field][:num_valid].tolist() == expected[field], field
+    assert wplan["offsets"].tolist() == expected["offsets"]
+    assert wplan["seed_slot_indices"][:len(case["req_pool_indices"])].tolist() == expected["seed_slot_indices"]
+    assert int(wplan["num_valid_reqs"][0]) == expected["num_valid_reqs"]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -199,56 +209,45 @@ def _assert_model_state(got, case: dict, canary_hex: str) -> None:
 
 @pytest.mark.parametrize("index,case", _ids("verify"), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_the_model_meets_the_verify_case(index, case):
+    plan = _verify_plan(case)
     got = _model_run(case, lambda *state: ref.verify(
-        *state, slots=i64(case["slot_indices"]), expected_tokens=i64(case["expected_tokens"]),
-        expected_positions=i64(case["expected_positions"]), prev_slots=i64(case["prev_slot_indices"]),
-        num_valid=np.array([case["num_valid"]], np.int32), enable=np.array([case["enable"]], np.int32),
-        check_expected_token=case["check_expected_token"], tag=case["tag"]))
+        *state, slots=plan["slot_indices"], expected_tokens=plan["expected_tokens"],
+        expected_positions=plan["expected_positions"], prev_slots=plan["prev_slot_indices"],
+        num_valid=plan["num_valid"], enable=plan["enable"], check_expected_token=case["check_expected_token"],
+        tag=case["tag"]))
     _assert_model_state(got, case, case["canary_buf"])
 
 
 @pytest.mark.parametrize("index,case", _ids("write"), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_the_model_meets_the_write_case(index, case):
-    expected_tokens = case["expected_input_tokens"]
+    entries = _write_inputs(case)
     got = _model_run(case, lambda *state: ref.write(
         *state, offsets=i64(case["offsets"]), seed_slots=i64(case["seed_slot_indices"]),
-        num_valid_reqs=np.array([case["num_valid_reqs"]], np.int32), input_ids=i64(case["input_ids"]),
-        positions=i64(case["positions"]), out_cache_loc=i64(case["out_cache_loc"]),
-        expected_tokens=None if expected_tokens is None else i64(expected_tokens),
-        expected_positions=None if expected_tokens is None else i64(case["expected_input_positions"]),
+        num_valid_reqs=np.array([case["num_valid_reqs"]], np.int32), input_ids=entries["input_ids"],
+        positions=entries["positions"], out_cache_loc=entries["out_cache_loc"],
+        expected_tokens=entries["expected_input_tokens"], expected_positions=entries["expected_input_positions"],
         chain_position_assert=np.array([case.get("chain_position_assert", 0)], np.int32), tag=case["tag"]))
     _assert_model_state(got, case, case["expected"]["canary_buf"])
 
 
 @pytest.mark.parametrize("index,case", _ids("plan"), ids=lambda v: str(v) if isinstance(v, int) else "")
 def test_the_model_meets_the_plan_case(index, case):
-    bs = len(case["req_pool_indices"])
-    table = case["req_to_token"]
-    lut, expected_pool = case["full_to_swa_index_mapping"], case["req_to_verify_expected_tokens"]
-    verify_capacity, write_capacity = case["verify_capacity"], case["write_req_capacity"]
-    v_arrays = [np.zeros(verify_capacity, np.int64) for _ in range(4)]
-    v_num_valid, v_enable, w_num_valid_reqs = (np.zeros(1, np.int32) for _ in range(3))
-    w_offsets, w_seeds = np.zeros(write_capacity + 1, np.int64), np.zeros(write_capacity, np.int64)
-    ref.plan(req_pool_indices=i64(case["req_pool_indices"]), prefix_lens=i64(case["prefix_lens"]),
-             extend_lens=i64(case["extend_seq_lens"]),
-             req_to_token=np.array(table, np.int32).reshape(len(table), len(table[0]) if table else 0),
-             swa_window=case["swa_window_size"], lut=None if lut is None else i64(lut),
-             expected_pool=None if expected_pool is None else np.array(expected_pool, np.int32),
-             valid_lens=None if expected_pool is None else i64(case["req_to_verify_expected_tokens_valid_lens"]),
+    inputs = _plan_inputs(case)
+    vplan = {name: np.zeros(case["verify_capacity"], np.int64) for name in kc.VerifyPlan.ARRAYS[:4]}
+    vplan.update(num_valid=np.zeros(1, np.int32), enable=np.zeros(1, np.int32))
+    wplan = {"offsets": np.zeros(case["write_req_capacity"] + 1, np.int64),
+             "seed_slot_indices": np.zeros(case["write_req_capacity"], np.int64),
+             "num_valid_reqs": np.zeros(1, np.int32)}
+    ref.plan(req_pool_indices=inputs["req_pool_indices"], prefix_lens=inputs["prefix_lens"],
+             extend_lens=inputs["extend_seq_lens"], req_to_token=inputs["req_to_token"],
+             swa_window=case["swa_window_size"], lut=inputs["full_to_swa_index_mapping"],
+             expected_pool=inputs["req_to_verify_expected_tokens"],
+             valid_lens=inputs["req_to_verify_expected_tokens_valid_lens"],
              token_offset=case["kv_token_id_vs_position_offset"],
-             v_slots=v_arrays[0], v_tokens=v_arrays[1], v_positions=v_arrays[2], v_prev=v_arrays[3],
-             v_num_valid=v_num_valid, v_enable=v_enable, w_offsets=w_offsets, w_seeds=w_seeds,
-             w_num_valid_reqs=w_num_valid_reqs)
-    expected = case["expected"]
-    num_valid = int(v_num_valid[0])
-    assert (num_valid, int(v_enable[0])) == (expected["num_valid"], expected["enable"])
-    if expected["enable"]:
-        fields = ("slot_indices", "expected_tokens", "expected_positions", "prev_slot_indices")
-        for field, values in zip(fields, v_arrays):
-            assert values[:num_valid].tolist() == expected[field], field
-    assert w_offsets.tolist() == expected["offsets"]
-    assert w_seeds[:bs].tolist() == expected["seed_slot_indices"]
-    assert int(w_num_valid_reqs[0]) == expected["num_valid_reqs"]
+             v_slots=vplan["slot_indices"], v_tokens=vplan["expected_tokens"], v_positions=vplan["expected_positions"],
+             v_prev=vplan["prev_slot_indices"], v_num_valid=vplan["num_valid"], v_enable=vplan["enable"],
+             w_offsets=wplan["offsets"], w_seeds=wplan["seed_slot_indices"], w_num_valid_reqs=wplan["num_valid_reqs"])
+    _assert_plans(case, vplan, wplan)
 
 
 @pytest.mark.parametrize("index,case", _ids("scatter_req_token_ids"),
