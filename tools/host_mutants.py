@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
 
-    earlier = [row for path in args.replay or () for row in json.loads(pathlib.Path(path).read_text())["rows"]]
+    earlier = _rows_of(args.replay or ())
     if not args.files:
         args.files = sorted({row["filename"] for row in earlier}) if earlier else list(DEFAULT_FILES)
     originals = {name: (ROOT / name).read_bytes() for name in args.files}
@@ -283,10 +283,10 @@ def main(argv=None) -> int:
     for name in args.files:
         changes += candidates(name, originals[name], first_ident=len(changes))
     if args.lines:
-        changes = [change for change in changes if change.line in set(args.lines)]
+        lines = set(args.lines)
+        changes = [change for change in changes if change.line in lines]
     if args.skip:
-        judged = [row for path in args.skip for row in json.loads(pathlib.Path(path).read_text())["rows"]]
-        left_out = set(matching(changes, originals, judged))
+        left_out = set(matching(changes, originals, _rows_of(args.skip)))
         changes = [change for change in changes if change not in left_out]
     if args.list:
         for change in changes:
@@ -332,6 +332,11 @@ def main(argv=None) -> int:
     if args.json:
         _write_json(args, rows, started)
     return 0
+
+
+def _rows_of(paths) -> list[dict]:
+    """Every row of the earlier --json runs at ``paths``."""
+    return [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]]
 
 
 def _summary(args, rows: list, started: float) -> dict:
