@@ -340,10 +340,9 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
     seeds[rng.random(num_requests) < 0.05] = -7
     seeds[rng.random(num_requests) < 0.03] = 0  # the padding slot (an SWA predecessor's LUT cell): read, not written
     locs = fresh.astype(np.int64)
-    if n and rng.random() < 0.3:  # a repeated slot inside one request: its last entry wins
-        r = int(rng.integers(0, num_requests))
-        if offsets[r + 1] - offsets[r] >= 2:
-            locs[offsets[r + 1] - 1] = locs[offsets[r]]
+    # A repeated slot inside one request (its last entry wins), placed once the spans are final: a
+    # span cut later would otherwise leave the two entries in two requests, which race on a GPU.
+    repeating = int(rng.integers(0, num_requests)) if n and rng.random() < 0.3 else None
     hostile = rng.random(n) < rng.choice([0.0, 0.02, 0.1])
     locs[hostile] = rng.choice([-1, -9, num_slots, num_slots + 100, UNRESOLVED], size=int(hostile.sum()))
     input_ids = rng.integers(0, 150_000, size=n, dtype=np.int64)
@@ -367,6 +366,10 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
             offsets[0] = rng.choice(HUGE_OFFSETS[:2])  # the first request begins before the entries
         if rng.random() < 0.7:
             offsets[-1] = rng.choice(HUGE_OFFSETS[2:])  # the last one runs past them
+    if repeating is not None:
+        first, last = max(int(offsets[repeating]), 0), min(int(offsets[repeating + 1]), n) - 1
+        if last > first:
+            locs[last] = locs[first]
     if num_requests > 1 and rng.random() < 0.1:
         # The requests in the reverse order of their entries, each followed by an empty request (its
         # begin past its end): spans out of order, none overlapping another (the request that may
