@@ -25,7 +25,7 @@ class Tiny:
     """Two requests in a 64-slot pool with per-layer K/V buffers, on ``device``."""
 
     def __init__(self, device, mode="log", verify_capacity=None, swa=False, hash_mode=kc.HashMode.ALL, stream=None,
-                 static=False, frame=None, bound=False, **canary_options):
+                 static=False, frame=None, bound=False, swa_slots_given=False, **canary_options):
         self.device = device
         self.stream = stream
         # static: the batch arrays are buffers refilled in place, one per field and length, as a
@@ -34,6 +34,9 @@ class Tiny:
         self.buffers = {} if static or bound else None
         self.bound = {} if bound else None
         self.frame = frame or (lambda array: array)
+        # swa_slots_given: each batch names its SWA slots (swa_out_cache_loc) instead of the canary
+        # translating its full slots through the LUT
+        self.swa_slots_given = swa_slots_given
         self.spin = spin_kernel() if stream is not None else None
         self.table = to_device(np.zeros((ROWS, WIDTH), np.int32), device)
         self.k = to_device(np.zeros((SLOTS, 2, 8), np.float32), device)
@@ -53,8 +56,9 @@ class Tiny:
         self.next_slot = 1
         self.rng = np.random.default_rng(0)
 
-    def step(self, extend: dict, stale_position: dict | None = None) -> kc.ForwardBatch:
-        """One forward; ``stale_position`` writes a request's new tokens that many positions back."""
+    def step(self, extend: dict, stale_position: dict | None = None, before: bool = True) -> kc.ForwardBatch:
+        """One forward; ``stale_position`` writes a request's new tokens that many positions back;
+        without ``before`` only its after_forward runs (a forward of its own, planned there)."""
         rids = list(extend)
         ids, pos, loc = [], [], []
         table = to_numpy(self.table).copy()
@@ -69,16 +73,19 @@ class Tiny:
         i64 = int64s_on(self.device)
         fields = dict(req_pool_indices=[self.rows[r] for r in rids], prefix_lens=[self.lens[r] for r in rids],
                       extend_seq_lens=[extend[r] for r in rids], input_ids=ids, positions=pos, out_cache_loc=loc)
+        if self.swa_slots_given:
+            fields["swa_out_cache_loc"] = to_numpy(self.lut)[loc].tolist()
         batch = kc.ForwardBatch(**{name: self.frame(self.array(name, values)) for name, values in fields.items()},
                                 req_ids=rids)
-        before, after = self.canary.before_forward, self.canary.after_forward
+        before, after = self.canary.before_forward if before else None, self.canary.after_forward
         if self.bound is not None:
             shape = tuple(len(values) for values in fields.values())
             if shape not in self.bound:
                 self.bound[shape] = self.canary.static_forward(batch)
             forward = self.bound[shape]
-            before, after = (lambda _, **kw: forward.before(**kw)), (lambda _, **kw: forward.after(**kw))
-        self.call(before, batch)
+            before, after = (before and (lambda _, **kw: forward.before(**kw))), (lambda _, **kw: forward.after(**kw))
+        if before is not None:
+            self.call(before, batch)
         n = len(loc)
         for buf in (self.k, self.v):
             buf[i64(loc)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
@@ -535,12 +542,13 @@ def test_session_on_a_busy_non_blocking_stream_matches_the_cpu():
     assert _event_keys(report) == _event_keys(expected)
 
 
-def _decode_run(device, frame=None, static=True, bound=False):
+def _decode_run(device, frame=None, static=True, bound=False, swa_slots_given=False, before=True):
     """A prefill, then decode forwards of one geometry (so a GPU canary prepares their launches at
     the second and launches them from then on), over static buffers refilled in place or fresh
     arrays, with a KV corruption, a stale write position (write rows in both groups) and an SWA
-    corruption on the way; polled after each forward."""
-    eng = Tiny(device, swa=True, static=static, frame=frame, bound=bound)
+    corruption on the way; polled after each forward. ``swa_slots_given``: the batches name their
+    SWA slots; without ``before`` the decode forwards are after_forward calls alone."""
+    eng = Tiny(device, swa=True, static=static, frame=frame, bound=bound, swa_slots_given=swa_slots_given)
     events = []
     eng.step({"a": 4, "b": 3})
     for forward in range(7):
@@ -548,7 +556,7 @@ def _decode_run(device, frame=None, static=True, bound=False):
             eng.k[eng.slot("b", 1), 0, 0] += 1.0
         if forward == 5:
             eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", eng.lens["a"] - 2)]), 1, 2] -= 1.0
-        eng.step({"a": 1, "b": 1}, stale_position={"b": 2} if forward == 3 else None)
+        eng.step({"a": 1, "b": 1}, stale_position={"b": 2} if forward == 3 else None, before=before)
         report = eng.canary.poll()
         events.append((report.total, report.capacity_overflows, _event_keys(report)))
     buffers = [to_numpy(group.ctx.canary_buf) for group in eng.canary.groups]
@@ -604,6 +612,32 @@ def test_prepared_launches_match_the_cpu(frame, static):
                                              r"torch tensor with its negative bit set"):
             canary.before_forward(batch)
         assert canary.forwards == forwards
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("form", ["swa slots given", "after_forward alone"])
+def test_prepared_launches_of_given_swa_slots_and_of_an_after_forward_alone_match_the_cpu(device, form):
+    """Two more ways a batch geometry comes back: batches that name their SWA slots (the prepared
+    write binds them, no translation), and decode forwards that call after_forward alone (planned
+    there, and prepared there at the second meeting). Each reports what the usual run reports,
+    less its HEAD rows where no before_forward ran, and leaves the same canary buffers; on a GPU
+    it equals the CPU forward by forward, its plans and writes prepared once."""
+    options = {"swa_slots_given": True} if form == "swa slots given" else {"before": False}
+    _, expected, expected_buffers = _decode_run("cpu", **options)
+    _, usual, usual_buffers = _decode_run("cpu")
+    kept = (lambda key: True) if form == "swa slots given" else (lambda key: key[1] != "head")
+    assert [sorted(keys) for _, _, keys in expected] == [sorted(filter(kept, keys)) for _, _, keys in usual]
+    assert [total for total, _, _ in expected][-1] > 0
+    assert all(np.array_equal(ours, theirs) for ours, theirs in zip(expected_buffers, usual_buffers))
+    eng, events, buffers = _decode_run(device, **options)
+    assert events == expected
+    for ours, theirs in zip(buffers, expected_buffers):
+        assert np.array_equal(ours, theirs)
+    if device == "cuda":
+        canary = eng.canary
+        assert len(canary._prepared_plans.prepared) == 1 and len(canary._prepared_writes.prepared) == 1
+        prepared_writes = next(iter(canary._prepared_writes.prepared.values()))
+        assert (prepared_writes.translate is None) == (form == "swa slots given")
 
 
 def _forward_frames() -> list[dict]:
