@@ -851,3 +851,29 @@ def test_host_mutants_judge_a_change_in_a_copy_by_its_tests(tmp_path):
     assert mutants.verdict_of(1, "E   RuntimeError: CUDA error: out of memory") == "unjudged"
     assert mutants.verdict_of(1, "E   AssertionError") == "tests"
     assert mutants.verdict_of(0, "") == "survived"
+
+
+def test_host_mutants_confirm_a_catch_only_where_its_test_fails_with_the_change_and_passes_without(tmp_path):
+    """--confirm: the first failing test of a catch runs alone with the change and without it. A
+    catch stands where it fails with and passes without; a test that passes when run again, or
+    fails without the change too, leaves the change unjudged, saying which run disagreed."""
+    (mutants,) = import_tools("host_mutants")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_probe.py").write_text(
+        "import pathlib\n\n\ndef test_probe():\n"
+        "    assert pathlib.Path(__file__).with_name('flag').read_text() != 'changed'\n")
+    flag = tmp_path / "tests" / "flag"
+    tail = "FAILED tests/test_probe.py::test_probe - AssertionError: assert 'changed' != 'changed'\n1 failed in 0.1s"
+    flag.write_text("changed")
+    assert mutants.confirmed(tmp_path, flag, b"kept", tail, 60) == (
+        "tests", "tests/test_probe.py::test_probe failed again with the change and passed without it")
+    assert flag.read_text() == "kept"
+    flag.write_text("changed")
+    verdict, seen = mutants.confirmed(tmp_path, flag, b"changed", tail, 60)
+    assert (verdict, seen) == ("unjudged", "tests/test_probe.py::test_probe failed without the change")
+    flag.write_text("kept")  # the first failure was not the change's: the test passes with it
+    verdict, seen = mutants.confirmed(tmp_path, flag, b"kept", tail, 60)
+    assert (verdict, seen) == ("unjudged", "tests/test_probe.py::test_probe passed when run again with the change")
+    assert mutants.confirmed(tmp_path, flag, b"kept", "1 failed in 0.1s", 60) == ("tests", "no failing test named")
+    named = mutants.FAILED_TEST.search("ERROR tests/test_a.py::test_b[swa slots given-cuda] - ValueError: x")
+    assert named.group(1) == "tests/test_a.py::test_b[swa slots given-cuda]"

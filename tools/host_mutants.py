@@ -5,7 +5,7 @@ at a time, each run against the tests that should notice it. No GPU is needed bu
     python tools/host_mutants.py --files kvcanary_cupy/ops/write.py --tests tests/test_write.py
     python tools/host_mutants.py --list
     python tools/host_mutants.py --replay out.json --tests tests --json again.json
-    python tools/host_mutants.py --replay out.json --tests tests -k "cuda or gpu"  # on a GPU machine
+    python tools/host_mutants.py --replay out.json --tests tests -k "cuda or gpu" --confirm  # on a GPU machine
     python tools/host_mutants.py --files kvcanary_cupy/session.py --lines 444 647 --tests tests/test_session.py
     python tools/host_mutants.py --files kvcanary_cupy/ops/step.py --skip sample.json --json rest.json
 
@@ -20,6 +20,12 @@ Verdicts: ``tests`` (a test failed: caught), ``hang`` (past ``--timeout``: caugh
 memory, which workers sharing one GPU can exhaust: the device, not the change; not counted, and
 ``--replay`` takes it again, best with fewer workers) and ``survived``: either equivalent (no input
 can tell it apart) or a gap in the tests, which the results file says change by change.
+
+A test that fails now and then (a GPU shared by several workers can make a graph capture fail
+for want of memory, in other words than an allocation's) would call a change caught that is not.
+``--confirm`` runs each catch's first failing test alone twice more, with the change and without:
+the catch stands only where the test fails with the change and passes without it; otherwise the
+change is ``unjudged``, and the row says which run disagreed.
 
 A row of an earlier run names its change by line and by text. Where the file has moved since,
 ``--replay`` and ``--skip`` find the change by its text (the nearest of the same text, one change
@@ -40,6 +46,7 @@ import os
 import pathlib
 import queue
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -229,8 +236,29 @@ def verdict_of(returncode: int, output: str) -> str:
     return "unjudged" if any(sign in output.lower() for sign in OUT_OF_MEMORY) else "tests"
 
 
+_OUTCOME = {"tests": "failed", "hang": "hung", "survived": "passed", "unjudged": "ran out of device memory"}
+FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (\S+?\.py::[^\[\s]+(?:\[[^\]]*\])?)", re.MULTILINE)
+
+
+def confirmed(workdir: pathlib.Path, target: pathlib.Path, original: bytes, tail: str, timeout: float) -> tuple[str, str]:
+    """(verdict, what was seen) for a catch: its first failing test, named in ``tail``, run alone
+    in ``workdir`` with the change in place (as it is on entry) and then without it."""
+    found = FAILED_TEST.search(tail)
+    if not found:
+        return "tests", "no failing test named"
+    test = found.group(1)
+    again, _ = run_tests(workdir, [test], timeout)
+    if again not in ("tests", "hang"):
+        return "unjudged", f"{test} {_OUTCOME[again]} when run again with the change"
+    target.write_bytes(original)
+    without, _ = run_tests(workdir, [test], timeout)
+    if without != "survived":
+        return "unjudged", f"{test} {_OUTCOME[without]} without the change"
+    return "tests", f"{test} failed again with the change and passed without it"
+
+
 def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict, tests: list[str],
-          timeout: float) -> dict:
+          timeout: float, confirm: bool = False) -> dict:
     workdir = workers.get()
     target = workdir / change.filename
     try:
@@ -245,6 +273,8 @@ def judge(change: Change, workers: "queue.Queue[pathlib.Path]", originals: dict,
         target.write_bytes(changed)
         started = time.monotonic()
         verdict, tail = run_tests(workdir, tests, timeout)
+        if confirm and verdict == "tests":
+            verdict, row["confirmed"] = confirmed(workdir, target, originals[change.filename], tail, timeout)
         return {**row, "verdict": verdict, "tail": tail[-600:], "seconds": round(time.monotonic() - started, 1)}
     finally:
         target.write_bytes(originals[change.filename])
@@ -271,6 +301,9 @@ def main(argv=None) -> int:
                         help="leave out the changes these earlier --json runs judged (to draw the rest of a sample)")
     parser.add_argument("--lines", nargs="+", type=int, metavar="LINE",
                         help="only the candidates on these lines (of the files given)")
+    parser.add_argument("--confirm", action="store_true",
+                        help="run each catch's first failing test again alone, with the change and without; "
+                             "a catch that does not repeat, or that fails without the change, is unjudged")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
     tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
@@ -316,7 +349,7 @@ def main(argv=None) -> int:
         print(f"[{time.monotonic() - started:.0f} s] unchanged sources pass; {len(drawn)} changes, "
               f"{args.workers} workers", flush=True)
         with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-            futures = [pool.submit(judge, change, workers, originals, tests, args.timeout) for change in drawn]
+            futures = [pool.submit(judge, change, workers, originals, tests, args.timeout, args.confirm) for change in drawn]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 row = future.result()
                 rows.append(row)
