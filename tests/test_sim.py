@@ -437,6 +437,28 @@ def test_split_batches_alternate_prefill_and_decode():
     assert turns > 10
 
 
+def test_every_scheduled_request_writes_a_token_and_prefills_keep_to_the_budget():
+    """A forward carries only requests with new tokens: a prefill that the step's token budget
+    leaves nothing for waits for the next step (its prefix is not verified before it writes), and
+    the prefill chunks of one forward stay within the budget."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    config = SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120))
+    engine = Engine(config)
+    squeezed = 0
+    for step in range(60):
+        engine.step_index = step
+        engine.admit_arrivals()
+        prefilling = [r for r in engine.running if r.remaining > 0 and not r.decoding]
+        batch = engine.schedule()
+        assert (batch.extend_lens > 0).all(), f"step {step}"
+        prefills = [n for r, n in zip(batch.requests, batch.extend_lens.tolist()) if not r.decoding]
+        assert sum(prefills) <= config.chunk_tokens
+        squeezed += len(prefills) < len(prefilling)
+        engine.advance(batch)
+    assert squeezed > 10  # steps where the budget left a prefill out
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("kwargs", [dict(speculative=3), dict(speculative=1, swa_window=24, layout="mla", seed=2)],
                          ids=["3-drafts-paged", "1-draft-mla-swa"])
