@@ -459,6 +459,31 @@ def test_every_scheduled_request_writes_a_token_and_prefills_keep_to_the_budget(
     assert squeezed > 10  # steps where the budget left a prefill out
 
 
+def test_state_faults_hurt_a_decoding_request_while_one_can_be_hurt():
+    """The requests a state fault may hurt: the decoding ones among those with tokens cached and
+    enough work left, while there are any; the prefilling ones only when none decodes."""
+    from kvcanary_cupy.sim.engine import Engine
+    from kvcanary_cupy.sim.faults import _MIN_REMAINING, FaultInjector
+
+    engine = Engine(SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120)))
+    injector = FaultInjector(engine, ["kv_bitflip"])
+    beside_prefills = prefills_alone = 0
+    for step in range(60):
+        engine.step_index = step
+        engine.admit_arrivals()
+        eligible = [r for r in engine.running if r.remaining >= _MIN_REMAINING and r.seq_len > 0]
+        decoding = [r for r in eligible if r.decoding]
+        victims = injector._victims()
+        if decoding:
+            assert victims == decoding, f"step {step}"
+            beside_prefills += len(decoding) < len(eligible)
+        else:
+            assert victims == eligible, f"step {step}"
+            prefills_alone += bool(eligible)
+        engine.advance(engine.schedule())
+    assert beside_prefills and prefills_alone
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("kwargs", [dict(speculative=3), dict(speculative=1, swa_window=24, layout="mla", seed=2)],
                          ids=["3-drafts-paged", "1-draft-mla-swa"])
