@@ -1288,6 +1288,21 @@ def test_the_host_tier_hands_out_its_last_free_slots():
     assert tier.take(1) is None
 
 
+def test_an_evicted_prefix_takes_the_host_tiers_last_free_slots():
+    """An evicted prefix is kept in the host tier when the tier has room for all its pages, its
+    last free slots included; with no room left it is not kept."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    engine = Engine(SimConfig(host_slots=1024, seed=1))
+    ps = engine.page_size
+    pages = [engine._take_page() for _ in range(2)]
+    engine.tier.take(len(engine.tier.free) - 2 * ps)
+    engine._store_prefix(7, pages)
+    assert engine.host_prefixes[7].size == 2 * ps and len(engine.tier.free) == 0
+    engine._store_prefix(8, pages[:1])
+    assert 8 not in engine.host_prefixes and engine.tier.prefix_stores == 1
+
+
 def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
     """The chart's bars are the violations reported at each step; each fault is a line at its step,
     solid when it was caught and dotted when it was not."""
