@@ -1303,6 +1303,29 @@ def test_an_evicted_prefix_takes_the_host_tiers_last_free_slots():
     assert 8 not in engine.host_prefixes and engine.tier.prefix_stores == 1
 
 
+def test_a_shared_prefix_is_published_at_the_step_its_request_reaches_it():
+    """A request of a template publishes the template's prefix (its whole pages) at the end of the
+    step in which its length reaches the prefix's, so that the requests after it share it, also
+    where a prefill chunk ends exactly there."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    config = SimConfig(seed=2, chunk_tokens=32, templates=2, template_len=64, share_prob=1.0)
+    engine = Engine(config)
+    share_len = config.template_len // engine.page_size * engine.page_size
+    exactly = 0
+    for step in range(60):
+        engine.step_index = step
+        engine.admit_arrivals()
+        unpublished = {r.template for r in engine.running if r.template not in engine.prefix_cache}
+        batch = engine.schedule()
+        engine.advance(batch)
+        for request in batch.requests:
+            if request.template in unpublished and request.seq_len >= share_len:
+                assert request.template in engine.prefix_cache, f"step {step}"
+                exactly += request.seq_len == share_len
+    assert exactly
+
+
 def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
     """The chart's bars are the violations reported at each step; each fault is a line at its step,
     solid when it was caught and dotted when it was not."""
