@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -1324,6 +1325,25 @@ def test_a_shared_prefix_is_published_at_the_step_its_request_reaches_it():
                 assert request.template in engine.prefix_cache, f"step {step}"
                 exactly += request.seq_len == share_len
     assert exactly
+
+
+def test_only_a_request_with_tokens_cached_may_move_to_a_host_tier():
+    """A request that has cached nothing yet (a prefill the budget left out) stays in the pool, and
+    without a host tier no request may move; one with tokens cached and room for them may."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    for host_slots in (2048, 0):
+        engine = Engine(SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120), host_slots=host_slots))
+        seen = collections.Counter()
+        for step in range(30):
+            engine.step_index = step
+            engine.admit_arrivals()
+            for request in engine.running:
+                movable = engine.can_offload(request)
+                seen[request.seq_len > 0, movable] += 1
+                assert not movable or (host_slots and request.seq_len > 0), f"step {step}"
+            engine.advance(engine.schedule())
+        assert seen[False, False] and seen[True, bool(host_slots)]
 
 
 def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
