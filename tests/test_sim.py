@@ -10,6 +10,7 @@ import pathlib
 import re
 import sys
 
+import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
@@ -684,8 +685,6 @@ def test_a_request_that_shares_a_prefix_corrupted_before_it_was_reported_is_a_vi
 def test_the_engine_keeps_its_books_through_offloads_reloads_and_aborts():
     """Pages, reservations and host slots add up at every step of a run that offloads often,
     keeps and loads prefixes, and aborts requests both running and offloaded."""
-    import numpy as np
-
     from kvcanary_cupy.sim.engine import Engine
 
     engine = Engine(SimConfig(seed=1, offload_prob=0.5, evict_prob=0.3, pool_slots=3072, hash_mode=kc.HashMode.ALL))
@@ -1344,6 +1343,27 @@ def test_only_a_request_with_tokens_cached_may_move_to_a_host_tier():
                 assert not movable or (host_slots and request.seq_len > 0), f"step {step}"
             engine.advance(engine.schedule())
         assert seen[False, False] and seen[True, bool(host_slots)]
+
+
+def test_a_speculative_batch_keeps_all_only_where_every_request_keeps_every_token():
+    """The tokens a speculative batch keeps (those the after_forward fingerprints): all of them only
+    where every request keeps all it wrote; otherwise each request's first ``kept_lens`` entries,
+    also where every request rejects a draft."""
+    from kvcanary_cupy.sim.engine import StepBatch
+
+    def batch(kept_lens):
+        ids = np.arange(100, 107, dtype=np.int64)
+        return StepBatch([object(), object()], np.array([1, 2]), np.array([5, 9]), np.array([3, 4]), ids,
+                         np.arange(20, 27), np.arange(40, 47), ids.copy(), np.arange(20, 27),
+                         None if kept_lens is None else np.array(kept_lens))
+
+    assert batch(None).keeps_all and batch([3, 4]).keeps_all
+    for kept_lens, entries in (([1, 4], [0, 3, 4, 5, 6]), ([2, 1], [0, 1, 3])):
+        kept = batch(kept_lens)
+        assert not kept.keeps_all
+        kept = kept.kept()
+        assert kept.input_ids.tolist() == [100 + e for e in entries]
+        assert kept.out_cache_loc.tolist() == [40 + e for e in entries] and kept.extend_lens.tolist() == kept_lens
 
 
 def test_demo_chart_draws_the_violations_and_marks_each_fault_caught_or_not(tmp_path, monkeypatch):
