@@ -99,3 +99,20 @@ def test_probe_variants_apply_and_compile(source, label, patch):
     code = _patched(spec.code, patch, f"{spec.filename} ({label})")
     compiled = _ptxas.compile_spec(dataclasses.replace(spec, code=code), "sm_90")
     assert compiled.ok, f"{label}: {compiled.error}\n{compiled.log}"
+
+
+def test_a_source_that_does_not_compile_is_reported_with_its_file_arch_and_log():
+    """ptxas_log raises for a source NVRTC refuses, naming the file, the architecture and the
+    compiler's own message; a failed NVRTC call is never taken for a result."""
+    import dataclasses
+
+    from cuda.bindings import nvrtc
+
+    spec = SPECS[0]
+    broken = dataclasses.replace(spec, code=spec.code + "\n__device__ int kv_canary_broken = ;\n")
+    refused = rf"(?s)^{spec.filename} \[sm_90\]: .*NVRTC_ERROR_COMPILATION.*expected an expression"
+    with pytest.raises(RuntimeError, match=refused):
+        _ptxas.ptxas_log(broken, "sm_90")
+    with pytest.raises(RuntimeError, match="NVRTC_ERROR_INVALID_INPUT"):
+        _ptxas._ok((nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_INPUT, None))
+    assert _ptxas._ok((nvrtc.nvrtcResult.NVRTC_SUCCESS, 7)) == 7
