@@ -77,22 +77,22 @@ class Tiny:
             fields["swa_out_cache_loc"] = to_numpy(self.lut)[loc].tolist()
         batch = kc.ForwardBatch(**{name: self.frame(self.array(name, values)) for name, values in fields.items()},
                                 req_ids=rids)
-        before, after = self.canary.before_forward if before else None, self.canary.after_forward
+        before_op, after_op = self.canary.before_forward, self.canary.after_forward
         if self.bound is not None:
             shape = tuple(len(values) for values in fields.values())
             if shape not in self.bound:
                 self.bound[shape] = self.canary.static_forward(batch)
             forward = self.bound[shape]
-            before, after = (before and (lambda _, **kw: forward.before(**kw))), (lambda _, **kw: forward.after(**kw))
-        if before is not None:
-            self.call(before, batch)
+            before_op, after_op = (lambda _, **kw: forward.before(**kw)), (lambda _, **kw: forward.after(**kw))
+        if before:
+            self.call(before_op, batch)
         n = len(loc)
         for buf in (self.k, self.v):
             buf[i64(loc)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
         if hasattr(self, "swa_k"):
             swa = to_numpy(self.lut)[loc]
             self.swa_k[i64(swa)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
-        self.call(after, batch)
+        self.call(after_op, batch)
         for rid in rids:
             self.lens[rid] += extend[rid]
         return batch

@@ -415,6 +415,19 @@ def test_static_decode_finds_what_eager_decode_finds(kwargs):
     assert static.static_decode["graph_replays"] == 0  # no graphs on the CPU
 
 
+def _admitted_steps(engine, count: int):
+    """Steps 0 to ``count - 1`` of ``engine``, each begun as the runner begins one (its index set,
+    its arrivals admitted); the caller schedules and advances it."""
+    for step in range(count):
+        engine.step_index = step
+        engine.admit_arrivals()
+        yield step
+
+
+# A prefill budget small beside the prompts: some steps leave a waiting prefill out entirely.
+_TIGHT_BUDGET = dict(seed=5, chunk_tokens=48, prompt_len=(30, 120))
+
+
 def test_split_batches_alternate_prefill_and_decode():
     """With split batches no forward mixes a prefill chunk with a decode, and while both have work
     they take turns."""
@@ -422,9 +435,7 @@ def test_split_batches_alternate_prefill_and_decode():
 
     engine = Engine(SimConfig(split_batches=True, seed=3))
     previous, turns = None, 0
-    for step in range(80):
-        engine.step_index = step
-        engine.admit_arrivals()
+    for step in _admitted_steps(engine, 80):
         waiting = [r for r in engine.running if r.remaining > 0]
         both = any(r.decoding for r in waiting) and any(not r.decoding for r in waiting)
         batch = engine.schedule()
@@ -445,12 +456,10 @@ def test_every_scheduled_request_writes_a_token_and_prefills_keep_to_the_budget(
     the prefill chunks of one forward stay within the budget."""
     from kvcanary_cupy.sim.engine import Engine
 
-    config = SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120))
+    config = SimConfig(**_TIGHT_BUDGET)
     engine = Engine(config)
     squeezed = 0
-    for step in range(60):
-        engine.step_index = step
-        engine.admit_arrivals()
+    for step in _admitted_steps(engine, 60):
         prefilling = [r for r in engine.running if r.remaining > 0 and not r.decoding]
         batch = engine.schedule()
         assert (batch.extend_lens > 0).all(), f"step {step}"
@@ -467,12 +476,10 @@ def test_state_faults_hurt_a_decoding_request_while_one_can_be_hurt():
     from kvcanary_cupy.sim.engine import Engine
     from kvcanary_cupy.sim.faults import _MIN_REMAINING, FaultInjector
 
-    engine = Engine(SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120)))
+    engine = Engine(SimConfig(**_TIGHT_BUDGET))
     injector = FaultInjector(engine, ["kv_bitflip"])
     beside_prefills = prefills_alone = 0
-    for step in range(60):
-        engine.step_index = step
-        engine.admit_arrivals()
+    for step in _admitted_steps(engine, 60):
         eligible = [r for r in engine.running if r.remaining >= _MIN_REMAINING and r.seq_len > 0]
         decoding = [r for r in eligible if r.decoding]
         victims = injector._victims()
@@ -1313,9 +1320,7 @@ def test_a_shared_prefix_is_published_at_the_step_its_request_reaches_it():
     engine = Engine(config)
     share_len = config.template_len // engine.page_size * engine.page_size
     exactly = 0
-    for step in range(60):
-        engine.step_index = step
-        engine.admit_arrivals()
+    for step in _admitted_steps(engine, 60):
         unpublished = {r.template for r in engine.running if r.template not in engine.prefix_cache}
         batch = engine.schedule()
         engine.advance(batch)
@@ -1332,11 +1337,9 @@ def test_only_a_request_with_tokens_cached_may_move_to_a_host_tier():
     from kvcanary_cupy.sim.engine import Engine
 
     for host_slots in (2048, 0):
-        engine = Engine(SimConfig(seed=5, chunk_tokens=48, prompt_len=(30, 120), host_slots=host_slots))
+        engine = Engine(SimConfig(**_TIGHT_BUDGET, host_slots=host_slots))
         seen = collections.Counter()
-        for step in range(30):
-            engine.step_index = step
-            engine.admit_arrivals()
+        for step in _admitted_steps(engine, 30):
             for request in engine.running:
                 movable = engine.can_offload(request)
                 seen[request.seq_len > 0, movable] += 1
