@@ -227,6 +227,29 @@ def test_cli_compiles_every_device_seen(capsys):
     assert ("cpu: copy_records ready" in out) == HAS_CUDA  # beside GPUs, a host tier's copy
 
 
+def test_info_lists_the_cpu_and_every_cuda_device_with_its_name(capsys):
+    """``info`` lists the CPU and each CUDA device seen, every device with its name and memory as
+    CuPy reports them; with none, the CPU alone."""
+    from kvcanary_cupy._dlpack import cuda_device_count
+
+    assert cli_main(["info"]) == 0
+    out = capsys.readouterr().out
+    count = cuda_device_count()
+    lines = out.splitlines()
+    assert "  devices     : cpu" + "".join(f", cuda:{i}" for i in range(count)) in lines, out
+    listed = [line for line in lines if line.startswith("    cuda:")]
+    if count == 0:
+        assert listed == [], out
+        return
+    cupy = pytest.importorskip("cupy")
+    names = []
+    for i in range(count):
+        name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
+        names.append(name.decode() if isinstance(name, bytes) else name)
+    assert [line.split(",")[0] for line in listed] == [f"    cuda:{i}: {name}" for i, name in enumerate(names)]
+    assert all(line.endswith(" GiB") for line in listed), out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")
 def test_every_source_is_loaded_and_ops_compile_nothing_more():

@@ -40,6 +40,9 @@ class Fault:
     # whether the fault changed what its victims read: a use_after_free does only once its page is
     # handed out again while its request still holds it (until then the slots keep its own records)
     took_effect: bool = True
+    # a use_after_free's step at which its page was handed out again while its request held it: the
+    # steps before it are the allocator's delay, not the canary's
+    reused_step: Optional[int] = None
 
     @property
     def detected(self) -> bool:
@@ -230,7 +233,7 @@ class FaultInjector:
 
         def retaken() -> None:  # a page handed out once its request is done harms nobody
             if any(r is request for r in eng.running):
-                fault.took_effect = True
+                fault.took_effect, fault.reused_step = True, eng.step_index
         eng.on_retake[page] = retaken
         return fault
 
