@@ -521,6 +521,20 @@ def test_canary_fuzz_table_and_totals_count_each_column_from_its_own_field(tmp_p
         assert line.endswith(said)
 
 
+def test_detection_seeds_tells_a_cell_that_holds_on_the_tables_seed_from_one_another_seed_breaks():
+    """tools/detection_seeds.py holds a cell to its bound on every seed: use_after_free's 4 holds on
+    the table's own seed and not on seed 19, where the allocator takes 5 steps to hand the freed
+    page out again and the canary reports it in that step."""
+    (seeds,) = import_tools("detection_seeds")
+    own = seeds.cell_runs("use_after_free", "NONE", range(11, 12), "cpu")
+    assert own["holds"] and own["cell"] == "≤ 4" and own["faults"] == 10 and own["worst"] <= 4
+    other = seeds.cell_runs("use_after_free", "NONE", range(19, 20), "cpu")
+    assert not other["holds"] and other["worst"] == 5 and other["unreported"] == other["false_positives"] == 0
+    assert max(other["reuse_waits"]) == 5 and sum(other["reuse_waits"].values()) == other["faults"]
+    missed = seeds.cell_runs("kv_bitflip@40", "PARTIAL", range(19, 20), "cpu")
+    assert missed["holds"] and missed["cell"] == "missed" and missed["unreported"] == missed["faults"] == 10
+
+
 def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tmp_path):
     """tools/kernel_mutants.py: every CUDA source has changes to draw, each one line's; a change is
     made in a worker's copy of the sources, which a check's package reads in place of its own, and
