@@ -803,6 +803,41 @@ def test_host_mutants_change_one_operator_or_statement_and_keep_every_line_in_pl
         assert changed.count(b"\n") == source.count(b"\n")
 
 
+def test_host_mutants_find_operators_beside_parentheses_and_arithmetic_only_when_asked():
+    """An operator between parenthesised operands is a candidate like any other (its gap holds
+    unbalanced parentheses and may hold a comment). ``--arithmetic``'s changes turn one arithmetic
+    or bitwise operator, in an expression or an augmented assignment, and leave out annotations and
+    the operators of strings and sequences."""
+    (mutants,) = import_tools("host_mutants")
+    source = (b"def f(a: int | None, b) -> int | None:\n"
+              b"    c = (a + 1) - (b << 2)  # x\n"
+              b"    c += a % 3 if (a) is not (b) else 0\n"
+              b"    s = 'ab' * 2 + f'{a}'\n"
+              b"    t = [a] * 2\n"
+              b"    return (c  # why\n"
+              b"            < b) or (a & b) == (a ^ b)\n")
+    logic = {(c.line, c.operator): mutants.changed_line(c.apply(source), c.line)
+             for c in mutants.candidates("f.py", source)}
+    assert logic == {
+        (3, "is not"): "c += a % 3 if (a) is (b) else 0",
+        (6, "<"): "return (c  # why",
+        (7, "or"): "< b) and (a & b) == (a ^ b)",
+        (7, "=="): "< b) or (a & b) != (a ^ b)",
+    }
+    arithmetic = {(c.line, c.operator, mutants.changed_line(c.apply(source), c.line))
+                  for c in mutants.candidates("f.py", source, kinds=("arithmetic",))}
+    assert arithmetic == {
+        (2, "+", "c = (a - 1) - (b << 2)  # x"), (2, "-", "c = (a + 1) + (b << 2)  # x"),
+        (2, "<<", "c = (a + 1) - (b >> 2)  # x"), (3, "+=", "c -= a % 3 if (a) is not (b) else 0"),
+        (3, "%", "c += a // 3 if (a) is not (b) else 0"), (7, "&", "< b) or (a | b) == (a ^ b)"),
+        (7, "^", "< b) or (a & b) == (a | b)"),
+    }
+    for change in mutants.candidates("f.py", source, kinds=("logic", "arithmetic")):
+        changed = change.apply(source)
+        compile(changed, "f.py", "exec")
+        assert changed.count(b"\n") == source.count(b"\n")
+
+
 def test_host_mutants_find_an_earlier_runs_changes_after_the_file_has_moved():
     """Rows of an earlier run name changes by line and text: where lines were added above them,
     the change of the same text is found (of two alike lines, the nearer one to the row's line);

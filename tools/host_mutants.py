@@ -10,7 +10,10 @@ at a time, each run against the tests that should notice it. No GPU is needed bu
     python tools/host_mutants.py --files kvcanary_cupy/ops/step.py --skip sample.json --json rest.json
 
 A change flips one comparison (``<`` and ``<=``, ``==`` and ``!=``, ``in`` and ``not in``, ``is``
-and ``is not``), swaps ``and`` and ``or``, drops a ``not``, or turns a ``raise`` into ``pass``.
+and ``is not``), swaps ``and`` and ``or``, drops a ``not``, or turns a ``raise`` into ``pass``;
+``--arithmetic`` runs instead the changes of one arithmetic or bitwise operator (``+`` and ``-``,
+``*`` and ``//``, ``<<`` and ``>>``, ``&`` and ``|``) in an expression of numbers or an augmented
+assignment.
 Every such place of the files given is a candidate; ``--mutants`` of them are drawn with ``--seed``
 (all of them by default) and judged in the order drawn. Each worker owns a copy of the package and
 the tests (the files' numba caches copied with their sources' times, so the CPU backend loads
@@ -40,7 +43,6 @@ import ast
 import collections
 import concurrent.futures
 import dataclasses
-import io
 import json
 import os
 import pathlib
@@ -52,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_FILES = ("kvcanary_cupy/validate/rules.py",)
@@ -62,6 +63,14 @@ DEFAULT_TESTS = ("tests/test_validation.py", "tests/test_api.py", "tests/test_ca
 COMPARE_FLIPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
                  ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.In: ("in", "not in"),
                  ast.NotIn: ("not in", "in"), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is")}
+# with --arithmetic: each arithmetic or bitwise operator's text and the text it is turned to
+ARITHMETIC_FLIPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "//"), ast.FloorDiv: ("//", "*"),
+                    ast.Mod: ("%", "//"), ast.LShift: ("<<", ">>"), ast.RShift: (">>", "<<"),
+                    ast.BitAnd: ("&", "|"), ast.BitOr: ("|", "&"), ast.BitXor: ("^", "|")}
+ARITHMETIC_OPERATORS = {text for pair in ARITHMETIC_FLIPS.values() for text in (pair[0], pair[0] + "=")}
+# operands that make an arithmetic operator a string's or a sequence's: a change would fail on its
+# first use, which says nothing of the tests
+_NOT_NUMBERS = (ast.JoinedStr, ast.List, ast.Tuple, ast.ListComp, ast.Dict, ast.Set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,32 +98,51 @@ def _line_starts(source: bytes) -> list[int]:
 
 
 def _operator_span(source: bytes, start: int, end: int, wanted: set[str]) -> tuple[int, int] | None:
-    """The byte span of the one operator token in ``source[start:end]`` (the gap between two
-    operands) whose text is in ``wanted``; ``not in`` and ``is not`` are two tokens."""
-    gap = source[start:end].decode()
-    try:
-        tokens = [t for t in tokenize.generate_tokens(io.StringIO(gap).readline)
-                  if t.type in (tokenize.OP, tokenize.NAME)]
-    except (tokenize.TokenError, IndentationError):
+    """The byte span of the operator in ``source[start:end]``, the gap between two operands, where
+    its text is in ``wanted``; ``not in`` and ``is not`` are two words. Besides the operator a gap
+    holds only parentheses, space, line continuations and comments (the tokenizer refuses a gap's
+    unbalanced parentheses)."""
+    gap = re.sub(r"#[^\n]*", lambda comment: " " * len(comment.group()), source[start:end].decode())
+    first = re.search(r"[^\s()\\]+", gap)
+    if first is None:
         return None
-    words = [t.string for t in tokens]
-    lines = gap.splitlines(keepends=True) or [""]
-
-    def offset(row: int, col: int) -> int:
-        return start + len("".join(lines[:row - 1]).encode()) + len(lines[row - 1][:col].encode())
-
-    for first in range(len(tokens)):
-        for count in (2, 1):
-            text = " ".join(words[first:first + count])
-            if len(words[first:first + count]) == count and text in wanted:
-                return offset(*tokens[first].start), offset(*tokens[first + count - 1].end)
-    return None
+    text, stop = first.group(), first.end()
+    second = re.match(r"\s+(in|not)\b", gap[stop:]) if text in ("not", "is") else None
+    if second is not None:
+        text, stop = f"{text} {second.group(1)}", stop + second.end()
+    if text not in wanted:
+        return None
+    return start + len(gap[:first.start()].encode()), start + len(gap[:stop].encode())
 
 
-def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Change]:
-    """Every change of one file, in source order."""
+def _annotation_nodes(tree: ast.AST) -> set[int]:
+    """The ids of every node inside an annotation (``int | None`` is no arithmetic)."""
+    annotations = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            annotations += [a.annotation for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                                                   arguments.vararg, arguments.kwarg) if a is not None]
+            annotations.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            annotations.append(node.annotation)
+    return {id(inner) for annotation in annotations if annotation is not None for inner in ast.walk(annotation)}
+
+
+def _numeric(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    return not isinstance(node, _NOT_NUMBERS)
+
+
+def candidates(filename: str, source: bytes, first_ident: int = 0, kinds=("logic",)) -> list[Change]:
+    """Every change of one file of ``kinds``, in source order: ``logic`` (comparisons, ``and`` and
+    ``or``, ``not``, ``raise``) and ``arithmetic`` (arithmetic and bitwise operators, in expressions
+    and augmented assignments)."""
     tree = ast.parse(source)
     starts = _line_starts(source)
+    logic, arithmetic = "logic" in kinds, "arithmetic" in kinds
+    in_annotations = _annotation_nodes(tree) if arithmetic else set()
 
     def at(lineno: int, col: int) -> int:
         return starts[lineno - 1] + col
@@ -126,7 +154,7 @@ def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Chang
             found.append((span[0], line, operator, span[1], after_text))
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
+        if logic and isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
             for op, left, right in zip(node.ops, operands, operands[1:]):
                 if type(op) not in COMPARE_FLIPS:
@@ -135,19 +163,30 @@ def candidates(filename: str, source: bytes, first_ident: int = 0) -> list[Chang
                 span = _operator_span(source, at(left.end_lineno, left.end_col_offset),
                                       at(right.lineno, right.col_offset), {before})
                 add(left.end_lineno, before, span, flip)
-        elif isinstance(node, ast.BoolOp):
+        elif logic and isinstance(node, ast.BoolOp):
             word = "and" if isinstance(node.op, ast.And) else "or"
             for left, right in zip(node.values, node.values[1:]):
                 span = _operator_span(source, at(left.end_lineno, left.end_col_offset),
                                       at(right.lineno, right.col_offset), {word})
                 add(left.end_lineno, word, span, "or" if word == "and" else "and")
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        elif logic and isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             first = at(node.lineno, node.col_offset)
             word = source[first:first + 4]
             # the word and one space: a parenthesised operand keeps its parenthesis
             add(node.lineno, "not", (first, first + 4) if word in (b"not ", b"not(") else None,
                 "" if word == b"not " else "(")
-        elif isinstance(node, ast.Raise) and node.exc is not None:
+        elif (arithmetic and isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC_FLIPS
+              and id(node) not in in_annotations and _numeric(node.left) and _numeric(node.right)):
+            before, flip = ARITHMETIC_FLIPS[type(node.op)]
+            span = _operator_span(source, at(node.left.end_lineno, node.left.end_col_offset),
+                                  at(node.right.lineno, node.right.col_offset), {before})
+            add(node.left.end_lineno, before, span, flip)
+        elif arithmetic and isinstance(node, ast.AugAssign) and type(node.op) in ARITHMETIC_FLIPS:
+            before, flip = (text + "=" for text in ARITHMETIC_FLIPS[type(node.op)])
+            span = _operator_span(source, at(node.target.end_lineno, node.target.end_col_offset),
+                                  at(node.value.lineno, node.value.col_offset), {before})
+            add(node.target.end_lineno, before, span, flip)
+        elif logic and isinstance(node, ast.Raise) and node.exc is not None:
             span = (at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset))
             # the lines the raise spanned stay, empty, so every later line keeps its number
             add(node.lineno, "raise", span, "pass" + "\n" * (node.end_lineno - node.lineno))
@@ -304,6 +343,10 @@ def main(argv=None) -> int:
     parser.add_argument("--confirm", action="store_true",
                         help="run each catch's first failing test again alone, with the change and without; "
                              "a catch that does not repeat, or that fails without the change, is unjudged")
+    parser.add_argument("--arithmetic", action="store_true",
+                        help="change arithmetic and bitwise operators instead (+ and -, * and //, %% to //, << and >>, "
+                             "& and |, ^ to |; each also in an augmented assignment); --replay takes the kinds "
+                             "of its rows")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
     tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
@@ -311,10 +354,14 @@ def main(argv=None) -> int:
     earlier = _rows_of(args.replay or ())
     if not args.files:
         args.files = sorted({row["filename"] for row in earlier}) if earlier else list(DEFAULT_FILES)
+    if earlier:  # the kinds of the rows replayed
+        kinds = {"arithmetic" if row["operator"] in ARITHMETIC_OPERATORS else "logic" for row in earlier}
+    else:
+        kinds = {"arithmetic" if args.arithmetic else "logic"}
     originals = {name: (ROOT / name).read_bytes() for name in args.files}
     changes = []
     for name in args.files:
-        changes += candidates(name, originals[name], first_ident=len(changes))
+        changes += candidates(name, originals[name], first_ident=len(changes), kinds=kinds)
     if args.lines:
         lines = set(args.lines)
         changes = [change for change in changes if change.line in lines]
