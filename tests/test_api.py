@@ -201,6 +201,22 @@ def test_a_row_describes_its_reasons_by_name_or_as_none():
     assert second.describe().startswith(f"HEAD_K_FULL: slot {ring[1, 1]} position {ring[1, 2]} [none] token")
 
 
+def test_a_row_describes_its_tokens_chain_and_aux_in_full():
+    """``describe()`` gives the stored and expected tokens and the stored chain hash and aux word as
+    the 64-bit patterns they are (an int64 cell that reads negative is its unsigned pattern)."""
+    from kvcanary_cupy import _layout as L
+
+    ring = np.random.default_rng(97).integers(1, 50, size=(1, 8))
+    ring[0, L.RING_COL_KERNEL_KIND] = int(kc.LaunchTag.TAIL_K_FULL)
+    ring[0, L.RING_COL_FAIL_BITS] = int(kc.FailReason.CHAIN_HASH)
+    ring[0, L.RING_COL_STORED_CHAIN_HASH] = -0x3F1E5A0C9B7D2E41  # the cell of 0xC0E1A5F36482D1BF
+    ring[0, L.RING_COL_EXPECTED_AUX] = 0x00A1B2C3D4E5F607
+    (row,) = _context_over_ring(ring, 1).violations()
+    assert row.describe() == (
+        f"TAIL_K_FULL: slot {ring[0, 1]} position {ring[0, 2]} [CHAIN_HASH] token stored={ring[0, 3]} "
+        f"expected={ring[0, 4]} chain stored=0xc0e1a5f36482d1bf aux=0x00a1b2c3d4e5f607")
+
+
 def test_a_row_of_no_launch_tag_keeps_its_kind():
     """A ring row whose kind is no LaunchTag (a ring of the caller's own, written by something else)
     decodes with its kind as the number it is, not as some tag."""

@@ -115,6 +115,9 @@ class _DeviceOnly:
     (dict(rows=[1, 6, 2]), "got rows[1] = 6"),
     (dict(rows=[1, 3, 3]), "rows must not name a row twice, got row 3 2 times"),
     (dict(rows=[1, 2]), "rows must have length 3"),
+    # rows left to their default (1 .. count): a table of as many rows as req_to_token has one too many
+    (dict(tall_table=True), "rows must be request rows in [1, 6) (row 0 is the padding row: block-table row r is "
+                            "canary row r + 1), got rows[5] = 6"),
     (dict(rows=np.array([1.0, 2.0, 3.0])), "rows must hold integers"),
     # a 2-D array whose first dimension matches was taken whole: a row wrote several canary rows
     (dict(rows=np.array([[1, 4], [2, 5], [3, 0]])), "rows must be 1-D, got shape (3, 2)"),
@@ -136,7 +139,7 @@ def test_mirror_refuses_bad_arguments_and_changes_nothing(device, bad, words):
     rng = np.random.default_rng(13)
     start = rng.integers(1, 100, size=(6, 20), dtype=np.int32)
     target = to_device(start.astype(np.int64) if bad.pop("wide_target", False) else start, device)
-    table = rng.integers(1, 50, size=(3, 2), dtype=np.int32)
+    table = rng.integers(1, 50, size=(6 if bad.pop("tall_table", False) else 3, 2), dtype=np.int32)
     if bad.pop("float_table", False):
         table = table.astype(np.float32)
     if bad.pop("flat_table", False):

@@ -62,3 +62,21 @@ def test_every_op_and_the_session_stay_in_bounds_on_hostile_cases(tmp_path):
     assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
     assert child.stdout.count("cases in bounds") == 6, child.stdout
     assert "canary fuzz status 0" in child.stdout, child.stdout[-2000:]
+
+
+def test_a_host_sources_words_run_from_row_0_to_its_last_used_byte():
+    """The CPU backend reads a host source's KV through ``host_words()``: one flat word view from
+    row 0 to the source's last used byte. It reaches every byte a slot hashes and nothing past the
+    buffer: rows strided by 48 bytes of which 32 are used end 16 bytes before the buffer does."""
+    import numpy as np
+
+    import kvcanary_cupy as kc
+
+    buffer = np.random.default_rng(71).integers(1, 256, size=(5, 48), dtype=np.uint8)
+    view = buffer[:, :32]
+    source = kc.RealKvSource(tensor=view, page_size=2, num_bytes_per_token=16, read_bytes=16)
+    words = source.host_words()
+    assert words.dtype == np.uint64 and words.nbytes == 4 * 48 + 32
+    assert words.__array_interface__["data"][0] == buffer.__array_interface__["data"][0]
+    raw = words.view(np.uint8)
+    assert all((raw[row * 48:row * 48 + 32] == view[row]).all() for row in range(5))

@@ -500,7 +500,7 @@ class _HandMade:
     """A producer that exports a DLPack tensor over ``array``'s bytes as it is told to: any type
     code and bits, no strides (row-major) and a byte offset."""
 
-    def __init__(self, array, shape, *, code, bits, byte_offset=0):
+    def __init__(self, array, shape, *, code, bits, byte_offset=0, lanes=1):
         import ctypes
         from kvcanary_cupy import _dlpack as D
         self.array, self.ndim = array, len(shape)
@@ -509,7 +509,7 @@ class _HandMade:
         tensor = self.managed.dl_tensor
         tensor.data, tensor.ndim, tensor.byte_offset = array.ctypes.data, len(shape), byte_offset
         tensor.device.device_type, tensor.device.device_id = 1, 0
-        tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = code, bits, 1
+        tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = code, bits, lanes
         tensor.shape = self.shape_cells
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -534,6 +534,18 @@ def test_a_hand_made_dlpack_tensor_is_viewed_at_its_offset_and_row_major():
     with pytest.raises(TypeError, match=r"^kv-canary: tensor must have elements of whole bytes \(at least one\), got a "
                                         r"DLPack dtype of 0 bits x 1 lanes"):
         native_view(_HandMade(raw, (4,), code=4, bits=0), "tensor")
+
+
+def test_a_dlpack_dtype_of_several_lanes_is_viewed_as_its_lanes_bytes_together():
+    """A vector dtype (DLPack's lanes: e.g. two 16-bit floats an element) has elements of lanes x
+    bits: its byte view is 4 bytes an element, and 4-bit values two lanes to an element are whole
+    bytes."""
+    from kvcanary_cupy._dlpack import native_view
+    raw = np.random.default_rng(106).integers(1, 256, size=64, dtype=np.uint8)
+    view = native_view(_HandMade(raw, (3, 4), code=2, bits=16, lanes=2), "tensor")
+    assert view.shape == (3, 16) and (view == raw[:48].reshape(3, 16)).all()
+    packed = native_view(_HandMade(raw, (2, 8), code=1, bits=4, lanes=2), "tensor")
+    assert packed.shape == (2, 8) and (packed == raw[:16].reshape(2, 8)).all()
 
 
 @pytest.mark.parametrize("code, bits", [(17, 4), (15, 6), (16, 6), (1, 12)])

@@ -30,6 +30,28 @@ def test_options_carry_layout_and_std():
             assert define in spec.options
 
 
+def test_each_define_reads_in_c_as_the_constant_it_hands_on():
+    """Every ``-D`` constant the CUDA sources get, read as C reads its literal, is the Python
+    constant of its name (a 64-bit hash constant as its unsigned pattern): the kernels hash and
+    lay out records as the CPU backend does."""
+    import re
+
+    layout = _loader._layout
+    defines = dict(option[2:].split("=", 1) for option in layout.nvrtc_defines())
+    assert len(defines) == len(layout.nvrtc_defines())
+    for name, literal in defines.items():
+        short = name.removeprefix("KVC_")
+        if short.startswith("BIT_"):
+            want = int(layout.FailReason[short.removeprefix("BIT_")])
+        else:
+            want = getattr(layout, {"I64_MAX": "INT64_MAX"}.get(short, short))
+        digits = re.fullmatch(r"\(?(-?(?:0x[0-9A-F]+|\d+))(ULL|LL)?\)?", literal)
+        assert digits, (name, literal)
+        read = int(digits.group(1), 0)
+        assert read == (want & layout.U64_MASK if digits.group(2) == "ULL" else want), (name, literal, want)
+    assert int(defines["KVC_CHAIN_ANCHOR"].removesuffix("ULL"), 16) == 0xC0FFEE1234567890
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_compiles_cleanly(spec, arch):

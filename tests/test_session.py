@@ -171,15 +171,24 @@ def test_events_carry_the_step_of_the_forward_that_found_them(device, sweep):
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("lost_row", [ROWS, ROWS + 3])
-def test_cells_outside_the_table_name_their_request(device, lost_row):
+@pytest.mark.parametrize("beside_a_prefix", [False, True], ids=["beside-a-prefill", "beside-a-prefix"])
+def test_cells_outside_the_table_name_their_request(device, lost_row, beside_a_prefix):
     """A pool row past ``req_to_token`` (the first one past it too) resolves no slot: each verify
     entry and the write's seed are reported with the request and the position of the cell, and the
-    slot said to be unresolved."""
+    slot said to be unresolved; a request of the table that verifies the same positions beside it
+    (its prefix cached) is not taken for it."""
     eng = Tiny(device)
     i64 = int64s_on(device)
-    batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([0, 2]), extend_seq_lens=i64([2, 1]),
-                            input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]), out_cache_loc=i64([1, 2, 3]),
-                            req_ids=["a", "lost"])
+    if beside_a_prefix:
+        eng.step({"a": 2})
+        assert eng.canary.poll().total == 0
+        batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([2, 2]),
+                                extend_seq_lens=i64([1, 1]), input_ids=i64([5, 7]), positions=i64([2, 2]),
+                                out_cache_loc=i64([40, 41]), req_ids=["a", "lost"])
+    else:
+        batch = kc.ForwardBatch(req_pool_indices=i64([1, lost_row]), prefix_lens=i64([0, 2]),
+                                extend_seq_lens=i64([2, 1]), input_ids=i64([5, 6, 7]), positions=i64([0, 1, 2]),
+                                out_cache_loc=i64([1, 2, 3]), req_ids=["a", "lost"])
     one_forward(eng.canary, batch)
     report = eng.canary.poll()
     assert {(e.phase, e.request, e.position) for e in report} == {
@@ -3021,10 +3030,13 @@ def test_a_slot_at_the_pools_size_that_a_write_named_is_read_as_out_of_range(dev
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
+@pytest.mark.parametrize("verify_capacity", [None, 5], ids=["room", "just-fits"])
+def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device, verify_capacity):
     """A padding request (pool row 0) checks nothing (SPEC 3.3), whatever row 0 of the table
-    holds: a corrupted slot that row 0 also names is put on the request that read it, alone."""
-    eng = Tiny(device)
+    holds: a corrupted slot that row 0 also names is put on the request that read it, alone. Nor
+    does its length count toward the verify capacity: where the request's own entries just fit (4
+    at HEAD, 5 at TAIL), its verifies ran, and their rows are named."""
+    eng = Tiny(device, verify_capacity=verify_capacity)
     eng.step({"a": 4, "b": 3})
     assert eng.canary.poll().total == 0
     eng.set_table(np.s_[0, :4], to_numpy(eng.table)[1, :4])  # row 0 names the slots of 'a'
@@ -3033,7 +3045,46 @@ def test_a_padding_request_is_never_named_whatever_its_table_row_holds(device):
     batch = kc.ForwardBatch(req_pool_indices=i64([1, 0]), prefix_lens=i64([4, 4]), extend_seq_lens=i64([1, 0]),
                             input_ids=i64([7]), positions=i64([4]), out_cache_loc=i64([40]), req_ids=["a", "padding"])
     one_forward(eng.canary, batch)
-    events = eng.canary.poll().events
-    assert {event.phase for event in events} == {"head", "tail"}
+    report = eng.canary.poll()
+    events = report.events
+    assert report.capacity_overflows == 0 and {event.phase for event in events} == {"head", "tail"}
     assert all(event.request == "a" and event.position == 1 and event.slot == eng.slot("a", 1)
                and event.violation.fail_reason & kc.FailReason.REAL_KV_HASH for event in events)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_poll_interrupted_while_it_empties_a_ring_hands_on_every_count(device, monkeypatch):
+    """A poll interrupted as it empties the first ring holds its report for the next poll, which
+    hands it over with the rows, dropped rows and skipped verifies of the rings it reads again
+    (none was emptied): every count twice, the second time with no step."""
+    def run() -> Tiny:
+        eng = Tiny(device, verify_capacity=10, swa=True, ring_capacity=4)
+        eng.step({"a": 6, "b": 2})
+        eng.step({"a": 1, "b": 1})
+        eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", 5)]), 0, 0] += 1.0
+        for slot in range(eng.slot("a", 0), eng.slot("a", 6)):
+            eng.k[slot, 1, 3] -= 1.0
+        eng.step({"a": 1, "b": 1})
+        eng.call(eng.canary.sweep, kc.LiveRequests(  # 12 entries, past the verify capacity
+            req_pool_indices=to_device(np.array([1, 2], np.int64), eng.device),
+            seq_lens=to_device(np.array([8, 4], np.int64), eng.device), req_ids=["a", "b"]))
+        return eng
+
+    whole = run().canary.poll()
+    assert whole.dropped > 0 and whole.capacity_overflows > 0 and whole.total > whole.dropped
+    eng = run()
+    clear = kc.CanaryContext.clear_violations
+
+    def interrupted(ctx):
+        monkeypatch.setattr(kc.CanaryContext, "clear_violations", clear)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kc.CanaryContext, "clear_violations", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.canary.poll()
+    again = eng.canary.poll()
+    assert (again.total, again.dropped, again.capacity_overflows) == (
+        2 * whole.total, 2 * whole.dropped, 2 * whole.capacity_overflows)
+    assert _event_keys(again.events[:len(whole.events)]) == _event_keys(whole)
+    assert all(event.step is None for event in again.events[len(whole.events):])
+    assert not eng.canary.poll()

@@ -309,6 +309,10 @@ CONSTRUCTION = [
         tensor=np.lib.stride_tricks.as_strided(np.zeros(4096, np.uint8), shape=(8, 64), strides=(16, 1)),
         page_size=1, num_bytes_per_token=64, read_bytes=64), ValueError,
      r"RealKvSource.tensor rows must not overlap: row stride >= page_size \* num_bytes_per_token = 64 bytes, got 16"),
+    ("layouts from_buffer rows overlap", lambda: kc.layouts.from_buffer(
+        np.lib.stride_tricks.as_strided(_noise(256, np.uint8), shape=(4, 32), strides=(16, 1)), page_size=2),
+     ValueError, r"buffer rows must not overlap: row stride >= page_size \* num_bytes_per_token = 32 bytes, got 16 "
+                 r"\(shape \(4, 32\)\)$"),
     ("layouts paged page_size", lambda: kc.layouts.paged([np.zeros((4, 2, 8, 16), np.uint8)], page_size=8),
      ValueError, r"page_size must be the tokens a page of k_buffers\[0\] holds, shape\[1\] of \[pages, page_size, "
                  r"heads, head_dim\]: got 8 for shape \(4, 2, 8, 16\) \(head_major=True takes"),
@@ -1039,6 +1043,18 @@ def test_interleaved_takes_a_one_slot_buffer_whatever_its_row_stride():
     start = view.__array_interface__["data"][0]
     assert [part.tensor.__array_interface__["data"][0] - start for part in (k_part, v_part)] == [0, 128]
     assert (k_part.num_bytes_per_token, v_part.num_bytes_per_token) == (128, 128)
+
+
+def test_write_plan_from_host_takes_a_count_at_either_end_of_int32():
+    """``num_valid_reqs`` goes into an int32 cell: both of int32's ends are taken as they are (the
+    ops then read a count below 0 as none), one past either end is refused, naming the range."""
+    for count in (-2**31, 2**31 - 1):
+        plan = kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=count)
+        assert plan.num_valid_reqs.tolist() == [count]
+    for count in (-2**31 - 1, 2**31):
+        with pytest.raises(ValueError, match=rf"^kv-canary: num_valid_reqs must fit in int32 "
+                                             rf"\[-2147483648, 2147483647\], got {count}$"):
+            kc.WritePlan.from_host(offsets=[0, 1], seed_slot_indices=[-1], num_valid_reqs=count)
 
 
 def test_write_plan_from_host_takes_ranges_to_either_end_of_int64():
