@@ -151,10 +151,13 @@ def test_write_agrees(seed):
     _assert_same(ctx, expected)
 
 
-@pytest.mark.parametrize("enable", [2, -1, 2**31 - 1])
-def test_verify_agrees_for_any_non_zero_enable(enable):
+@pytest.mark.parametrize("enable, first_row", [(2, 0), (-1, 0), (2**31 - 1, 0), (1, 2**31 - 3)],
+                         ids=["2", "-1", "int32-max", "write-index-wraps"])
+def test_verify_agrees_for_any_non_zero_enable(enable, first_row):
     """SPEC §3.2 step 1 stops only when ``enable == 0``: the model checks a plan whose ``enable`` holds
-    any other value, as the backend does, and finds the damage in it."""
+    any other value, as the backend does, and finds the damage in it. A ring write index that
+    passes int32's maximum on the way wraps to its minimum in both (the rows past the ring are
+    counted, not stored)."""
     rng = np.random.default_rng(1500 + enable % 97)
     num_slots = 24
     specs = _sources(rng, num_slots)
@@ -166,12 +169,14 @@ def test_verify_agrees_for_any_non_zero_enable(enable):
     positions = words[slots, 1] + (rng.random(slots.shape[0]) < 0.3)  # some positions are off by one
     tokens = words[slots, 0].copy()
     ctx = _context(rng, num_slots, specs, mode, 64, 32, buf)
+    ctx.violation_write_index[0] = first_row
     expected = _reference_state(ctx)
     plan = dict(slots=slots, expected_tokens=tokens, expected_positions=positions, prev_slots=prevs,
                 num_valid=np.array([slots.shape[0]], np.int32), enable=np.array([enable], np.int32))
     ref.verify(expected[0], _ref_sources(specs, mode), expected[1], expected[2], expected[3], expected[4],
                check_expected_token=True, tag=3, **plan)
-    assert int(expected[2][0]) > 0  # rows were found: the model did not skip the step
+    found = (int(expected[2][0]) - first_row) % 2**32  # rows were found: the model did not skip the step
+    assert found > (3 if first_row else 0) and (int(expected[2][0]) < 0) == bool(first_row)
     assert int(expected[3][0]) == 7 + slots.shape[0]
     kc.verify(ctx, kc.VerifyPlan(slot_indices=slots, expected_tokens=tokens, expected_positions=positions,
                                  prev_slot_indices=prevs, num_valid=plan["num_valid"], enable=plan["enable"]),

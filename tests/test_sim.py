@@ -158,10 +158,12 @@ def test_demo_cli_writes_png_chart(tmp_path):
 
 
 def test_the_chart_names_each_fault_class_once_and_its_median_or_a_dash(tmp_path, monkeypatch):
-    """The legend names each class injected once, however many of its faults there were; a class
-    never caught shows a dash for its median steps to detection."""
+    """The legend names each class injected once, however many of its faults there were, each in a
+    colour of its own that its detection-rate bar shares; a class never caught shows a dash for its
+    median steps to detection."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
 
     from kvcanary_cupy.sim.chart import write_chart
 
@@ -172,11 +174,28 @@ def test_the_chart_names_each_fault_class_once_and_its_median_or_a_dash(tmp_path
     assert write_chart(result, str(tmp_path / "run.png"))
     top, bottom = figures[0].axes
     assert sorted(top.get_legend_handles_labels()[1]) == ["kv_bitflip", "token_swap", "violations reported"]
+    colours = {label: to_hex(handle.get_color()) for handle, label in zip(*top.get_legend_handles_labels())
+               if label != "violations reported"}
+    assert len(set(colours.values())) == 2
+    assert [to_hex(bar.get_facecolor()) for bar in bottom.patches] == [colours[name] for name in result.per_class()]
     medians = {name: row["median_steps_to_detection"] for name, row in result.per_class().items()}
     assert medians["kv_bitflip"] is None and medians["token_swap"] is not None
     assert [text.get_text() for text in bottom.texts] == ["-", f"median {medians['token_swap']:g} steps"]
     monkeypatch.undo()
     plt.close(figures[0])
+
+
+def test_the_demo_help_states_the_smallest_pool_the_defaults_take(capsys):
+    """``--help`` gives the smallest ``--pool-slots`` at the default page size and request length:
+    the demo takes that pool and refuses one slot fewer, saying the same number."""
+    with pytest.raises(SystemExit):
+        demo_main(["--help"])
+    said = re.search(r"beside\s+the\s+padding\s+page:\s+(\d+)\s+with\s+pages\s+of\s+16", capsys.readouterr().out)
+    assert said, "the help names the smallest pool"
+    smallest = int(said.group(1))
+    assert SimConfig(pool_slots=smallest).pool_slots == smallest
+    with pytest.raises(ValueError, match=rf"^kv-canary: pool_slots must be >= {smallest} "):
+        SimConfig(pool_slots=smallest - 1)
 
 
 @pytest.mark.parametrize("terminal,argv,shown", [(True, [], True), (True, ["--no-progress"], False),
