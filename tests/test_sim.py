@@ -397,6 +397,40 @@ def test_sim_config_refuses_what_cannot_run():
         SimConfig(host_slots=256, max_len=256)
     with pytest.raises(ValueError, match=r"^kv-canary: offload_prob must be within \[0, 1\], got 1.5$"):
         SimConfig(offload_prob=1.5)
+    # settings only the Python API gives: refused with the package's words, not NumPy's
+    for setting, words in [(dict(chunk_tokens=0), r"chunk_tokens must be an integer >= 1, got 0$"),
+                           (dict(layers=0), r"layers must be an integer >= 1, got 0$"),
+                           (dict(vocab=1), r"vocab must be an integer >= 2, got 1$"),
+                           (dict(templates=-1), r"templates must be an integer >= 0, got -1$"),
+                           (dict(template_len=-3), r"template_len must be an integer >= 0, got -3$"),
+                           (dict(share_prob=1.2), r"share_prob must be within \[0, 1\], got 1.2$"),
+                           (dict(arrivals_per_step=-1.0), r"arrivals_per_step must be >= 0, got -1.0$"),
+                           (dict(prompt_len=(0, 4)), r"prompt_len must be a tuple \(low, high\) of integers with "
+                                                     r"1 <= low <= high, got \(0, 4\)$"),
+                           (dict(output_len=(9, 3)), r"output_len must be a tuple .* got \(9, 3\)$"),
+                           (dict(max_len=65), r"max_len must be >= template_len \+ 2 = 66 where requests share "
+                                              r"templates, got 65 \(templates=0 shares none\)$")]:
+        with pytest.raises(ValueError, match="^kv-canary: " + words):
+            SimConfig(**setting)
+    assert SimConfig(max_len=65, templates=0).max_len == SimConfig(max_len=66).max_len - 1
+
+
+def test_a_prompt_longer_than_max_len_is_cut_to_leave_a_token_to_decode():
+    """Requests are drawn at most ``max_len`` tokens long, of which the prompt leaves at least one to
+    decode, a shared template's whole; where prompts may be longer, the run finds its faults and
+    nothing else."""
+    from kvcanary_cupy.sim.engine import Engine
+
+    config = SimConfig(steps=60, max_len=160, prompt_len=(120, 220), pool_slots=2048, hash_mode=kc.HashMode.ALL)
+    engine = Engine(config)
+    drawn = [engine._new_request() for _ in range(300)]
+    assert all(r.prompt_len < r.total <= config.max_len for r in drawn)
+    assert sum(r.prompt_len == config.max_len - 1 for r in drawn) > 100
+    shared = [r for r in drawn if r.template >= 0]
+    assert shared and all(r.prompt_len > config.template_len and
+                          (r.tokens[:config.template_len] == engine.template_tokens[r.template]).all() for r in shared)
+    result = run(config, list(FAULT_CLASSES))
+    assert len(result.faults) >= 4 and result.missed == [] and result.false_positives == []
 
 
 # What a run shows of the canary's findings: when each fault was caught and by which event, and how
@@ -710,10 +744,11 @@ def test_a_request_that_shares_a_prefix_corrupted_before_it_was_reported_is_a_vi
 
 def test_the_engine_keeps_its_books_through_offloads_reloads_and_aborts():
     """Pages, reservations and host slots add up at every step of a run that offloads often,
-    keeps and loads prefixes, and aborts requests both running and offloaded."""
+    keeps and loads prefixes, and aborts requests both running and offloaded, in a pool small
+    enough that admissions wait for room (a prefix loaded back from the tier takes pages too)."""
     from kvcanary_cupy.sim.engine import Engine
 
-    engine = Engine(SimConfig(seed=1, offload_prob=0.5, evict_prob=0.3, pool_slots=3072, hash_mode=kc.HashMode.ALL))
+    engine = Engine(SimConfig(seed=1, offload_prob=0.5, evict_prob=0.3, pool_slots=1536, hash_mode=kc.HashMode.ALL))
     tier = engine.tier
     aborted_away = 0
     for step in range(150):
@@ -737,6 +772,7 @@ def test_the_engine_keeps_its_books_through_offloads_reloads_and_aborts():
         assert len(held) + len(engine.free_pages) == engine.num_pages - 1  # page 0 is the padding page
         assert all(engine.page_ref[page] > 0 for page in held)
         assert engine.reserved_pages == sum(r.own_pages_needed - r.own_taken for r in requests)
+        assert all(0 <= r.own_taken <= r.own_pages_needed for r in requests)  # no page beyond its reservation
         assert engine.reserved_pages <= len(engine.free_pages)
         kept = [entry.host_slots for entry in engine.offloaded.values()] + list(engine.host_prefixes.values())
         used = np.concatenate(kept) if kept else np.zeros(0, np.int64)

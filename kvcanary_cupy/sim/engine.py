@@ -32,7 +32,9 @@ from .pools import kv_pool, slot_bytes, swa_pool
 LAYOUTS = ("paged", "per_layer", "interleaved", "mla")
 # the smallest value of each integer setting (the demo's options take the same bounds)
 SMALLEST = {"steps": 1, "seed": 0, "page_size": 1, "max_running": 1, "max_len": 1, "swa_window": 0,
-            "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1, "speculative": 0}
+            "sweep_every": 0, "poll_every": 1, "host_slots": 0, "offload_steps": 1, "speculative": 0,
+            "chunk_tokens": 1, "templates": 0, "template_len": 0, "layers": 1, "heads": 1, "head_dim": 1,
+            "vocab": 2, "ring_capacity": 1}
 _FREED = -1
 
 
@@ -131,9 +133,22 @@ class SimConfig:
             raise ValueError(f"kv-canary: host_slots must be 0 (no host tier) or more than a request's up to "
                              f"{self.max_len} tokens, "
                              f"got {self.host_slots!r}")
-        for name in ("offload_prob", "draft_miss"):
+        for name in ("offload_prob", "draft_miss", "share_prob", "evict_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"kv-canary: {name} must be within [0, 1], got {getattr(self, name)!r}")
+        if not self.arrivals_per_step >= 0.0:
+            raise ValueError(f"kv-canary: arrivals_per_step must be >= 0, got {self.arrivals_per_step!r}")
+        for name in ("prompt_len", "output_len"):
+            low_high = getattr(self, name)
+            if (not isinstance(low_high, tuple) or len(low_high) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in low_high)
+                    or not 1 <= low_high[0] <= low_high[1]):
+                raise ValueError(f"kv-canary: {name} must be a tuple (low, high) of integers with 1 <= low <= high, "
+                                 f"got {low_high!r}")
+        if self.templates and self.share_prob and self.max_len < self.template_len + 2:
+            # a prompt holds its template and a token of its own, and decodes at least one more
+            raise ValueError(f"kv-canary: max_len must be >= template_len + 2 = {self.template_len + 2} where "
+                             f"requests share templates, got {self.max_len!r} (templates=0 shares none)")
         if self.speculative and self.static_decode:
             # a static forward binds one token a request; verify forwards take 1 + speculative
             raise ValueError("kv-canary: speculative and static_decode are not run together, got "
