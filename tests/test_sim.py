@@ -1533,3 +1533,60 @@ def test_a_full_host_tier_takes_no_more_slots_nor_an_evicted_prefix():
     assert len(held) == 1008 and len(tier.free) == 15
     engine._store_prefix(0, [1])  # a page of 16 slots: one more than the tier has
     assert engine.host_prefixes == {} and tier.prefix_stores == 0 and len(tier.free) == 15
+
+
+def test_the_times_a_run_reports_are_its_own(monkeypatch):
+    """Under a clock that ticks a millisecond at every reading, each time the run reports is the
+    readings it spans: the canary's part of a decode forward is its before and after calls (one
+    tick each), the whole canary's share lies inside the wall time, the host tier's copies and the
+    kernels' readying take some ticks and no more than the run, and the summary's figures are
+    those times'."""
+    import time
+
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0 + next(ticks) / 1000)
+    result = run(SimConfig(steps=40, split_batches=True, offload_prob=0.3, hash_mode=kc.HashMode.ALL), [])
+    assert result.decode_forwards > 5 and result.decode_canary_s == pytest.approx(0.002 * result.decode_forwards)
+    assert 0.003 * result.steps <= result.canary_s < result.wall_s < 1000.0
+    assert 0.0 < result.kernels_s < 1000.0
+    tier = result.to_json()["host_tier"]
+    assert tier["offloads"] > 0 and 0.0 < tier["kv_copy_ms"] and 0.0 < tier["records_copy_ms"]
+    assert tier["kv_copy_ms"] + tier["records_copy_ms"] < 1e3 * result.wall_s
+    assert result.to_json()["canary_ms_per_step"] == round(1e3 * result.canary_s / result.steps, 4)
+    assert f"({100 * result.canary_s / result.wall_s:.0f}% of the step loop)" in result.summary()
+
+
+def test_the_progress_bar_fills_in_proportion_and_says_its_rate(monkeypatch):
+    """Half done, the bar is half filled and gives the steps a second since it began; it redraws at
+    most ten times a second, but always at the last step."""
+    import io
+    import time
+
+    from kvcanary_cupy.sim.runner import Progress
+
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    bar = Progress(8, stream=out, width=10)
+    now[0] = 102.0
+    bar.update(4, "note")
+    assert out.getvalue() == "\r[#####.....] 4/8 steps    2.0/s note"
+    now[0] = 102.05
+    bar.update(5)
+    assert out.getvalue().count("\r") == 1  # a twentieth of a second later: not redrawn
+    bar.update(8)
+    assert out.getvalue().endswith("\r[##########] 8/8 steps    3.9/s ")
+
+
+@pytest.mark.parametrize("offset, mode, found", [(40, "PARTIAL", False), (40, "ALL", True), (0, "PARTIAL", True)])
+def test_a_pinned_bit_flip_lands_at_its_offset_in_either_half_of_an_interleaved_row(offset, mode, found):
+    """With ``bitflip_offset`` pinned, a kv_bitflip in an interleaved row (K then V, two sources) flips
+    that byte of the K half or of the V half: PARTIAL misses byte 40 of either and sees byte 0,
+    ALL sees byte 40."""
+    result = run(SimConfig(steps=200, layout="interleaved", hash_mode=MODES[mode]), ["kv_bitflip"],
+                 bitflip_offset=offset)
+    faults = result.faults
+    token_bytes = 2 * 32 * 2  # a half: the heads of one of K or V, float16
+    assert len(faults) >= 15 and all(f.detail["source_offset"] == offset for f in faults)
+    assert {f.detail["byte"] // token_bytes for f in faults} == {0, 1}  # both halves are hit
+    assert all(f.detected == found for f in faults) and result.false_positives == []
