@@ -405,9 +405,10 @@ def test_sim_config_refuses_what_cannot_run():
                            (dict(template_len=-3), r"template_len must be an integer >= 0, got -3$"),
                            (dict(share_prob=1.2), r"share_prob must be within \[0, 1\], got 1.2$"),
                            (dict(arrivals_per_step=-1.0), r"arrivals_per_step must be >= 0, got -1.0$"),
-                           (dict(prompt_len=(0, 4)), r"prompt_len must be a tuple \(low, high\) of integers with "
+                           (dict(prompt_len=(0, 4)), r"prompt_len must be a pair \(low, high\) of integers with "
                                                      r"1 <= low <= high, got \(0, 4\)$"),
-                           (dict(output_len=(9, 3)), r"output_len must be a tuple .* got \(9, 3\)$"),
+                           (dict(output_len=(9, 3)), r"output_len must be a pair .* got \(9, 3\)$"),
+                           (dict(output_len=[4, 2.5]), r"output_len must be a pair .* got \[4, 2.5\]$"),
                            (dict(max_len=65), r"max_len must be >= template_len \+ 2 = 66 where requests share "
                                               r"templates, got 65 \(templates=0 shares none\)$")]:
         with pytest.raises(ValueError, match="^kv-canary: " + words):

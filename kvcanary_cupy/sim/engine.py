@@ -140,10 +140,10 @@ class SimConfig:
             raise ValueError(f"kv-canary: arrivals_per_step must be >= 0, got {self.arrivals_per_step!r}")
         for name in ("prompt_len", "output_len"):
             low_high = getattr(self, name)
-            if (not isinstance(low_high, tuple) or len(low_high) != 2
+            if (not isinstance(low_high, (tuple, list)) or len(low_high) != 2
                     or not all(isinstance(v, int) and not isinstance(v, bool) for v in low_high)
                     or not 1 <= low_high[0] <= low_high[1]):
-                raise ValueError(f"kv-canary: {name} must be a tuple (low, high) of integers with 1 <= low <= high, "
+                raise ValueError(f"kv-canary: {name} must be a pair (low, high) of integers with 1 <= low <= high, "
                                  f"got {low_high!r}")
         if self.templates and self.share_prob and self.max_len < self.template_len + 2:
             # a prompt holds its template and a token of its own, and decodes at least one more
