@@ -517,11 +517,14 @@ def test_expected_tokens_are_read_at_the_token_offset(device):
     assert tokens == {("head", 1, 1001), ("tail", 1, 1001)}  # the next position's chain breaks too
 
 
-def _overflow_swa_and_sweep(eng: Tiny) -> kc.CanaryReport:
+def _overflow_swa_and_sweep(eng: Tiny, k_corrupted=(("b", 1),)) -> kc.CanaryReport:
+    """Three forwards with an SWA row and the K rows of ``k_corrupted`` (request, position) corrupted
+    before the third, then a sweep of 12 entries, past a verify capacity of 10; the poll's report."""
     eng.step({"a": 6, "b": 2})
     eng.step({"a": 1, "b": 1})
     eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", 5)]), 0, 0] += 1.0
-    eng.k[eng.slot("b", 1), 1, 3] -= 1.0
+    for rid, position in k_corrupted:
+        eng.k[eng.slot(rid, position), 1, 3] -= 1.0
     eng.step({"a": 1, "b": 1})
     eng.call(eng.canary.sweep, kc.LiveRequests(req_pool_indices=to_device(np.array([1, 2], np.int64), eng.device),
                                                seq_lens=to_device(np.array([8, 4], np.int64), eng.device),
@@ -3057,22 +3060,10 @@ def test_a_poll_interrupted_while_it_empties_a_ring_hands_on_every_count(device,
     """A poll interrupted as it empties the first ring holds its report for the next poll, which
     hands it over with the rows, dropped rows and skipped verifies of the rings it reads again
     (none was emptied): every count twice, the second time with no step."""
-    def run() -> Tiny:
-        eng = Tiny(device, verify_capacity=10, swa=True, ring_capacity=4)
-        eng.step({"a": 6, "b": 2})
-        eng.step({"a": 1, "b": 1})
-        eng.swa_k[int(to_numpy(eng.lut)[eng.slot("a", 5)]), 0, 0] += 1.0
-        for slot in range(eng.slot("a", 0), eng.slot("a", 6)):
-            eng.k[slot, 1, 3] -= 1.0
-        eng.step({"a": 1, "b": 1})
-        eng.call(eng.canary.sweep, kc.LiveRequests(  # 12 entries, past the verify capacity
-            req_pool_indices=to_device(np.array([1, 2], np.int64), eng.device),
-            seq_lens=to_device(np.array([8, 4], np.int64), eng.device), req_ids=["a", "b"]))
-        return eng
-
-    whole = run().canary.poll()
+    corrupted = [("a", position) for position in range(6)]  # more rows than a ring of 4 holds
+    whole = _overflow_swa_and_sweep(Tiny(device, verify_capacity=10, swa=True, ring_capacity=4), corrupted)
     assert whole.dropped > 0 and whole.capacity_overflows > 0 and whole.total > whole.dropped
-    eng = run()
+    eng = Tiny(device, verify_capacity=10, swa=True, ring_capacity=4)
     clear = kc.CanaryContext.clear_violations
 
     def interrupted(ctx):
@@ -3081,7 +3072,7 @@ def test_a_poll_interrupted_while_it_empties_a_ring_hands_on_every_count(device,
 
     monkeypatch.setattr(kc.CanaryContext, "clear_violations", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        eng.canary.poll()
+        _overflow_swa_and_sweep(eng, corrupted)
     again = eng.canary.poll()
     assert (again.total, again.dropped, again.capacity_overflows) == (
         2 * whole.total, 2 * whole.dropped, 2 * whole.capacity_overflows)

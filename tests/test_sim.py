@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import sys
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -58,19 +59,34 @@ def test_table_covers_every_class():
     assert {key.split("@")[0].split("/")[0] for key in TABLE} == set(FAULT_CLASSES)
 
 
+TABLE_SEED = 11  # the run the table's cells were measured on
+
+
+def table_run(scenario: str, mode: str, seed: int = TABLE_SEED, device: str = "cpu"):
+    """The table's run of ``scenario`` (``class[/no-checks][@byte]``) in ``mode``: 110 steps, a
+    fault every 10 from step 10, the simulator's defaults."""
+    cls, _, variant = scenario.partition("@")
+    cls, _, option = cls.partition("/")
+    config = SimConfig(steps=110, seed=seed, device=device, hash_mode=MODES[mode],
+                       expected_checks=option != "no-checks")
+    return run(config, [cls], fault_every=10, bitflip_offset=int(variant) if variant else None)
+
+
+def cell_bound(cell: str) -> Optional[int]:
+    """The most steps a cell allows before the report (``None``: ``missed``, never reported)."""
+    return None if cell == "missed" else int(cell.replace("≤", "").strip())
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("scenario", sorted(TABLE))
 def test_documented_detection(scenario, mode):
     cell = TABLE[scenario][mode]
-    cls, _, variant = scenario.partition("@")
-    cls, _, option = cls.partition("/")
-    config = SimConfig(steps=110, seed=11, hash_mode=MODES[mode], expected_checks=option != "no-checks")
-    result = run(config, [cls], fault_every=10, bitflip_offset=int(variant) if variant else None)
+    result = table_run(scenario, mode)
     assert len(result.faults) >= 8
-    if cell == "missed":
+    bound = cell_bound(cell)
+    if bound is None:
         assert not any(f.detected for f in result.faults), [f.first_event for f in result.faults if f.detected]
     else:
-        bound = int(cell.replace("≤", "").strip())
         late = [(f.step, f.latency) for f in result.faults if not f.detected or f.latency > bound]
         assert not late, f"{scenario} in {mode}: undetected or later than {bound} steps: {late}"
     assert result.false_positives == []
@@ -1584,10 +1600,12 @@ def test_a_pinned_bit_flip_lands_at_its_offset_in_either_half_of_an_interleaved_
     """With ``bitflip_offset`` pinned, a kv_bitflip in an interleaved row (K then V, two sources) flips
     that byte of the K half or of the V half: PARTIAL misses byte 40 of either and sees byte 0,
     ALL sees byte 40."""
-    result = run(SimConfig(steps=200, layout="interleaved", hash_mode=MODES[mode]), ["kv_bitflip"],
-                 bitflip_offset=offset)
+    from kvcanary_cupy.sim.pools import KV_DTYPE
+
+    config = SimConfig(steps=200, layout="interleaved", hash_mode=MODES[mode])
+    result = run(config, ["kv_bitflip"], bitflip_offset=offset)
     faults = result.faults
-    token_bytes = 2 * 32 * 2  # a half: the heads of one of K or V, float16
+    token_bytes = config.heads * config.head_dim * np.dtype(KV_DTYPE).itemsize  # a half: K's or V's heads
     assert len(faults) >= 15 and all(f.detail["source_offset"] == offset for f in faults)
     assert {f.detail["byte"] // token_bytes for f in faults} == {0, 1}  # both halves are hit
     assert all(f.detected == found for f in faults) and result.false_positives == []

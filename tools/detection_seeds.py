@@ -14,35 +14,31 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import pathlib
 import sys
 import time
 
-from kvcanary_cupy.sim import SimConfig, run
 
-
-def the_table() -> tuple[dict, dict]:
-    """The table as tests/test_sim.py reads it, and its hash modes (imported when run: the test
-    module asks which devices the machine has)."""
+@functools.cache
+def table_tests():
+    """tests/test_sim.py, which reads the table and runs its cells (imported when first asked: the
+    test module asks which devices the machine has)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-    from test_sim import MODES, TABLE  # noqa: PLC0415
+    import test_sim  # noqa: PLC0415
 
-    return TABLE, MODES
+    return test_sim
 
 
 def cell_runs(scenario: str, mode: str, seeds: range, device: str) -> dict:
     """The faults of ``scenario`` in ``mode`` over ``seeds``: counts, latencies and the verdict."""
-    table, modes = the_table()
-    cls, _, variant = scenario.partition("@")
-    cls, _, option = cls.partition("/")
-    bound_text = table[scenario][mode]
+    tests = table_tests()
+    bound_text = tests.TABLE[scenario][mode]
     latencies, reuse_waits = collections.Counter(), collections.Counter()
     faults = unreported = false_positives = 0
     for seed in seeds:
-        config = SimConfig(steps=110, seed=seed, device=device, hash_mode=modes[mode],
-                           expected_checks=option != "no-checks")
-        result = run(config, [cls], fault_every=10, bitflip_offset=int(variant) if variant else None)
+        result = tests.table_run(scenario, mode, seed, device)
         false_positives += len(result.false_positives)
         for fault in result.faults:
             faults += 1
@@ -52,11 +48,8 @@ def cell_runs(scenario: str, mode: str, seeds: range, device: str) -> dict:
                 unreported += 1
             if fault.reused_step is not None:
                 reuse_waits[fault.reused_step - fault.step] += 1
-    if bound_text == "missed":
-        holds = not latencies
-    else:
-        bound = int(bound_text.replace("≤", "").strip())
-        holds = unreported == 0 and max(latencies) <= bound
+    bound = tests.cell_bound(bound_text)
+    holds = not latencies if bound is None else unreported == 0 and max(latencies) <= bound
     return dict(scenario=scenario, mode=mode, cell=bound_text, faults=faults, unreported=unreported,
                 worst=max(latencies, default=None), latencies=dict(sorted(latencies.items())),
                 reuse_waits=dict(sorted(reuse_waits.items())), false_positives=false_positives,
@@ -71,10 +64,10 @@ def main() -> None:
     parser.add_argument("--json", help="write every cell's counts here")
     args = parser.parse_args()
     seeds, started, rows = range(*args.seeds), time.perf_counter(), []
-    table, modes = the_table()
+    tests = table_tests()
     print(f"{'scenario':22} {'mode':8} {'cell':7} {'faults':>6} {'worst':>5}  holds  latencies (steps: faults)")
-    for scenario in table:
-        for mode in modes:
+    for scenario in tests.TABLE:
+        for mode in tests.MODES:
             row = cell_runs(scenario, mode, seeds, args.device)
             rows.append(row)
             print(f"{scenario:22} {mode:8} {row['cell']:7} {row['faults']:>6} {str(row['worst']):>5}  "
