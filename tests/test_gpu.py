@@ -401,6 +401,25 @@ def test_torch_cuda_tensors_are_viewed_in_place_without_dlpack(monkeypatch):
         assert np.array_equal(ours, theirs)
 
 
+def test_a_torch_view_spans_the_bytes_from_its_first_element_to_its_last():
+    """The memory a tensor's CuPy view is made over covers exactly its elements' span, from the
+    first to the end of the last: strided, transposed and broadcast (stride 0) tensors included, and
+    a broadcast one reads its single row again and again."""
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import native_view
+
+    column = torch.arange(1, 4, dtype=torch.int64, device="cuda")
+    cases = [(torch.arange(10, dtype=torch.int64, device="cuda")[::2], 9 * 8),  # elements 0, 2, .., 8
+             (torch.arange(24, dtype=torch.int16, device="cuda").reshape(4, 6).t(), 24 * 2),
+             (column.expand(5, 3), 3 * 8),
+             (column[:1].expand(7), 8)]
+    for tensor, span in cases:
+        view = native_view(tensor, "x")
+        assert view.data.ptr == tensor.data_ptr() and view.data.mem.size == span, (tuple(tensor.stride()), span)
+        assert np.array_equal(view.get(), tensor.cpu().numpy())
+    assert np.array_equal(native_view(column.expand(5, 3), "x").sum(axis=0).get(), [5, 10, 15])
+
+
 def test_torch_tensors_dlpack_must_judge_still_take_dlpack():
     """bfloat16 is adopted through DLPack (as CuPy's bfloat16 where it has one, else as bytes), a
     tensor requiring grad is refused with the package's message, an empty tensor is adopted."""
