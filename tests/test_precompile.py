@@ -220,14 +220,12 @@ def test_cli_piped_into_a_reader_that_stops_ends_quietly():
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
 
 
-def test_cli_compiles_every_device_seen(capsys, monkeypatch):
+def test_cli_compiles_every_device_seen(capsys, ticking_clock):
     """Each build is reported with the seconds it took (under a clock that ticks half a second at
     every reading: a few ticks, not the clock's reading itself)."""
     import re
-    import time
 
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(time, "perf_counter", lambda: 5000.0 + next(ticks) / 2)
+    ticking_clock(5000.0, 0.5)
     assert cli_main(["compile"]) == 0
     out = capsys.readouterr().out
     took = [float(seconds) for seconds in re.findall(r" ready in (\d+\.\d\d) s$", out, re.MULTILINE)]
