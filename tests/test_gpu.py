@@ -48,6 +48,22 @@ def test_each_plan_tile_equals_the_cpu_backend(tile, monkeypatch):
         assert F.compare("plan", case, oracle, gpu) == [], f"tile {tile} case {i}"
 
 
+def test_resident_grids_are_the_drivers_occupancy_times_the_sms():
+    """The grids the loader figures from a kernel's registers and shared memory (one wave of blocks,
+    the most the card holds at once: the step's block 0 waits for its verify blocks) are CUDA's own
+    occupancy figure for each kernel and block size, times the SMs."""
+    for op in F.MAKERS:
+        case = F.MAKERS[op](np.random.default_rng([2027, list(F.MAKERS).index(op)]), 3000)
+        F.RUNNERS[op](case, "cuda")
+    figured = dict(_loader._resident)
+    assert {source for source, _, _, _ in figured} >= {"verify", "step", "plan", "records"}, figured
+    for (source, kernel, device_id, block), grid in figured.items():
+        function = _loader.get_kernel(source, kernel, device_id)
+        with cupy.cuda.Device(device_id):
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, 0)
+        assert grid == per_sm * _loader.device_info(device_id).sm_count, (source, kernel, block, grid, per_sm)
+
+
 # --- an engine-shaped step ------------------------------------------------------------------------
 
 
