@@ -458,6 +458,9 @@ def test_torch_view_waits_for_torchs_current_stream():
 
     side = torch.cuda.Stream()
     values = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    # CuPy's sum loaded and a block in its pool first: a first load or allocation may wait for the
+    # whole device, and would hide a view that does not wait
+    assert int(cupy.arange(1 << 20, dtype=np.int64).sum()) == ((1 << 20) - 1) << 19
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning on the side stream first
