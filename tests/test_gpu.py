@@ -58,7 +58,7 @@ def test_resident_grids_are_the_drivers_occupancy_times_the_sms():
     figured = dict(_loader._resident)
     assert {source for source, _, _, _ in figured} >= {"verify", "step", "plan", "records"}, figured
     for (source, kernel, device_id, block), grid in figured.items():
-        function = _loader.get_kernel(source, kernel, device_id)
+        function = _loader.get_kernel(source, kernel, device_id).kernel  # the RawKernel's cupy.cuda.Function
         with cupy.cuda.Device(device_id):
             per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, block, 0)
         assert grid == per_sm * _loader.device_info(device_id).sm_count, (source, kernel, block, grid, per_sm)
