@@ -580,7 +580,7 @@ def test_cuda_kernels_without_sources_have_no_hashing_code():
 
 
 @pytest.mark.parametrize("mode", list(kc.HashMode))
-@pytest.mark.parametrize("reads", [(), (16,), (32, 32, 16, 32), (64,), (16,) * 9])
+@pytest.mark.parametrize("reads", [(), (16,), (32, 32, 16, 32), (64,), (16,) * 8, (16,) * 9])
 def test_cuda_decode_write_instance_is_compiled_for_every_context(mode, reads, monkeypatch):
     """The decode write's instance for any context (sources or none, hashed or not, short reads or
     long, few sources or many) is one the write module compiles, and it hashes exactly when the
@@ -589,6 +589,7 @@ def test_cuda_decode_write_instance_is_compiled_for_every_context(mode, reads, m
     from kvcanary_cupy.ops.backends._cuda import write as cuda_write
     from kvcanary_cupy.rawkernels import _loader
 
+    assert cuda_write._DECODE_LANES == 8  # the reads' bound cases: 8 sources, then 9
     rng = np.random.default_rng(5)
     sources = tuple(random_source(rng, 8, num_bytes_per_token=max(read, 16), read_bytes=read).build("cpu")
                     for read in reads)
