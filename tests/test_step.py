@@ -585,3 +585,25 @@ def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
             case["_full_rows"] = Counter(map(tuple, big["ring"][:oracle["write_index"]].tolist()))
         assert F.compare("step", case, oracle, fused) == [], f"bs {bs}, {entries}, case {i}"
 
+
+
+def test_packed_kernel_parameters_are_addresses_or_c_scalars():
+    """A packed launch (the step's and every prepared one) turns each parameter into the C value the
+    kernel receives: a device array's address, or an int64, int32, uint64 or uint32 scalar. Any
+    other value is a launcher's mistake, refused by its type, never passed on as some address."""
+    import ctypes
+    import types
+
+    from kvcanary_cupy.ops.backends._cuda import _c_parameter
+
+    device_array = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x7F00_1000))
+    assert _c_parameter(device_array).value == 0x7F00_1000
+    for scalar, ctype in ((np.int64(-5), ctypes.c_int64), (np.int32(-7), ctypes.c_int32),
+                          (np.uint64(2**64 - 1), ctypes.c_uint64), (np.uint32(9), ctypes.c_uint32)):
+        value = _c_parameter(scalar)
+        assert type(value) is ctype and value.value == scalar.item()
+    with pytest.raises(TypeError, match=r"^kv-canary: kernel parameter of dtype float64 has no C type here$"):
+        _c_parameter(np.float64(1.5))
+    for value, name in ((np.arange(2), "ndarray"), (None, "NoneType"), (3, "int")):
+        with pytest.raises(TypeError, match=rf"^kv-canary: kernel parameter of type {name} cannot be packed$"):
+            _c_parameter(value)
