@@ -328,6 +328,7 @@ def main(argv=None) -> int:
                              f"otherwise {', '.join(DEFAULT_FILES)})")
     parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="the test files each change runs")
     parser.add_argument("-k", "--keyword", help="pytest's -k: only the tests whose names match (e.g. \"cuda or gpu\")")
+    parser.add_argument("-m", "--marker", help="pytest's -m: only the tests so marked (e.g. \"gpu\")")
     parser.add_argument("--mutants", type=int, default=0, help="how many changes to draw (0: all, in source order)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
                              "of its rows")
     parser.add_argument("--list", action="store_true", help="list the candidates and run nothing")
     args = parser.parse_args(argv)
-    tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ())]
+    tests = [*args.tests, *(("-k", args.keyword) if args.keyword else ()),
+             *(("-m", args.marker) if args.marker else ())]
 
     earlier = _rows_of(args.replay or ())
     if not args.files:
@@ -421,7 +423,8 @@ def _rows_of(paths) -> list[dict]:
 
 def _summary(args, rows: list, started: float) -> dict:
     verdicts = collections.Counter(row["verdict"] for row in rows)
-    return {"files": args.files, "tests": args.tests, "keyword": args.keyword, "seed": args.seed,
+    return {"files": args.files, "tests": args.tests, "keyword": args.keyword,
+            "marker": args.marker, "seed": args.seed,
             "drawn": args.mutants or "all", "judged": len(rows), "verdicts": dict(verdicts),
             "wall_s": round(time.monotonic() - started, 1)}
 
