@@ -1333,10 +1333,11 @@ def test_sweeps_run_every_sweep_every_steps(monkeypatch):
     assert len(swept) == 2 and swept_run.verified_entries > unswept.verified_entries
 
 
-def test_a_first_forward_verifies_nothing_it_only_writes():
+@pytest.mark.parametrize("swa_window", [0, 8], ids=["full-only", "with-swa-group"])
+def test_a_first_forward_verifies_nothing_it_only_writes(swa_window):
     """Verified entries count what the canary checked, not the tokens it fingerprinted: a run's first
-    forward writes its prompts' tokens and has nothing yet to verify."""
-    result = run(SimConfig(steps=1), [])
+    forward writes its prompts' tokens, in every group, and has nothing yet to verify."""
+    result = run(SimConfig(steps=1, swa_window=swa_window), [])
     assert result.tokens > 0 and result.verified_entries == 0
 
 
