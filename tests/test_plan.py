@@ -319,6 +319,8 @@ def test_every_batch_shape_names_a_compiled_plan_kernel():
             assert tile == (SMALL_TILE if bs <= SMALL_TILE and most <= SMALL_TILE_MAX_ENTRIES else TILE)
             for lut in (True, False):
                 assert _loader.plan_instance(tile, lut) in _loader.SPECS["plan"].kernels
+    # the bound as measured (plan_tile's docstring): batches of up to 64 K entries take the small tile
+    assert plan_tile(SMALL_TILE, 1 << 16) == SMALL_TILE and plan_tile(1, (1 << 16) + 1) == TILE
 
 
 @pytest.mark.parametrize("device", BACKENDS)

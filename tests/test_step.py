@@ -607,3 +607,28 @@ def test_packed_kernel_parameters_are_addresses_or_c_scalars():
     for value, name in ((np.arange(2), "ndarray"), (None, "NoneType"), (3, "int")):
         with pytest.raises(TypeError, match=rf"^kv-canary: kernel parameter of type {name} cannot be packed$"):
             _c_parameter(value)
+
+
+def test_only_a_packed_launch_detaches_from_its_arrays():
+    """A prepared launch kept in a cache lets go of the arrays it was built with and is pointed at
+    the caller's before each call. An unpacked launch holds nothing but those arrays: detaching it
+    is refused, and it keeps them."""
+    import types
+
+    from kvcanary_cupy.ops.backends._cuda import Launch
+
+    def device_array(address):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=address))
+
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
+    first, second = device_array(0x7F00_1000), device_array(0x7F00_2000)
+    packed = Launch(fn, 4, 128, (first, np.int64(3), second, first), packed=True)
+    assert packed.parameters_of(first) == [0, 3] and packed.parameters_of(second) == [2]
+    assert packed.parameters_of(device_array(0x7F00_1000)) == []  # the object, not its address
+    assert packed.detach() is packed and packed.args == ()
+    packed.rebind(((0, 1), (3, 1), (2, 0)), [0x7F00_3000, 0x7F00_4000])
+    assert [value.value for value in packed._packed.values] == [0x7F00_4000, 3, 0x7F00_3000, 0x7F00_4000]
+    plain = Launch(fn, 4, 128, (first, np.int64(3)))
+    with pytest.raises(ValueError, match=r"^kv-canary: only a packed launch holds its parameters without its arrays$"):
+        plain.detach()
+    assert plain.args == (first, np.int64(3))
