@@ -6,6 +6,7 @@ at a time, each run against the tests that should notice it. No GPU is needed bu
     python tools/host_mutants.py --list
     python tools/host_mutants.py --replay out.json --tests tests --json again.json
     python tools/host_mutants.py --replay out.json --tests tests -k "cuda or gpu" --confirm  # on a GPU machine
+    python tools/host_mutants.py --replay out.json --tests tests/test_step.py -m gpu --confirm  # a file's GPU tests
     python tools/host_mutants.py --files kvcanary_cupy/session.py --lines 444 647 --tests tests/test_session.py
     python tools/host_mutants.py --files kvcanary_cupy/ops/step.py --skip sample.json --json rest.json
 
