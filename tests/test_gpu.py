@@ -258,6 +258,28 @@ def test_streams_resolve_on_the_arrays_device():
     assert canary.context.counters()["slot_run_counter"] == 3
 
 
+def test_a_stream_of_another_device_is_refused_on_a_machine_of_one_gpu():
+    """A stream that says it belongs to another GPU than the arrays' (torch's form: ``cuda_stream``
+    and ``device.index``) is refused before any launch, where only one GPU is there to make a real
+    one; the same stream saying the arrays' device runs the op."""
+    import types
+
+    ctx = kc.CanaryContext.allocate(64, device="cuda:0")
+    vplan = kc.VerifyPlan.allocate(8, device="cuda:0")
+    handle = cupy.cuda.Stream(non_blocking=True)
+
+    def stream_of(index):
+        return types.SimpleNamespace(cuda_stream=handle.ptr, device=types.SimpleNamespace(index=index))
+
+    with pytest.raises(ValueError, match=r"^kv-canary: stream must belong to the arrays' device cuda:0, "
+                                         r"got a stream of cuda:1$"):
+        kc.verify(ctx, vplan, tag=0, stream=stream_of(1))
+    assert ctx.counters()["kernel_run_counter"] == 0
+    kc.verify(ctx, vplan, tag=0, stream=stream_of(0))
+    handle.synchronize()
+    assert ctx.counters()["kernel_run_counter"] == 1
+
+
 def test_host_side_fills_run_on_the_arrays_device():
     """clear_violations, set_chain_position_assert and a poll's zeroing fill cells of a canary on
     cuda:1 with device 0 current: each is done when it returns, however busy device 0 is (CuPy
