@@ -323,6 +323,34 @@ def test_every_batch_shape_names_a_compiled_plan_kernel():
     assert plan_tile(SMALL_TILE, 1 << 16) == SMALL_TILE and plan_tile(1, (1 << 16) + 1) == TILE
 
 
+def test_the_cuda_plan_grid_is_a_write_block_and_a_block_a_tile_of_entries_up_to_the_resident_grid(monkeypatch):
+    """The CUDA plan launch, on the host with the kernel stood in for: block 0 writes the write plan,
+    and the entry blocks are one a tile of the entries the batch can have at most, or of the write
+    plan's offsets they pad, whichever is more; never fewer than one, and never past the blocks
+    that fill the GPU once (here 6)."""
+    from kvcanary_cupy.ops.backends._cuda import plan as launcher
+    from kvcanary_cupy.ops.batches import PlanBatch
+
+    monkeypatch.setattr(launcher, "kernel", lambda source, name, device_id: name)
+    monkeypatch.setattr(launcher, "resident_grid", lambda source, name, device_id, block: 6)
+
+    def grid(batch_size, verify_capacity, write_capacity=None):
+        batch = PlanBatch(req_pool_indices=np.arange(batch_size), prefix_lens=np.full(batch_size, 40),
+                          extend_seq_lens=np.ones(batch_size, np.int64),
+                          req_to_token=np.zeros((batch_size, 4096), np.int32))
+        launch = launcher.prepare(kc.VerifyPlan.allocate(verify_capacity),
+                                  kc.WritePlan.allocate(write_capacity or batch_size), batch)
+        assert launch.block == (launcher.plan_tile(batch_size, min(verify_capacity, batch_size * 4096)),)
+        return launch.grid[0]
+
+    small = launcher.SMALL_TILE
+    assert grid(1, 8) == 2  # one entry block for a few entries
+    assert grid(3, 2 * small + 1) == 4  # three tiles of entries
+    assert grid(3, 0) == 2  # no entries: one entry block still pads the write plan
+    assert grid(3, 8, write_capacity=2 * small + 1) == 4  # a write plan of three tiles of offsets
+    assert grid(64, 64 * 4096) == 6  # the resident grid
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_write_offsets_past_int64_wrap_as_in_the_reference(device):
     """Extends that add up past 2^63 - 1: the write plan's offsets are int64 sums and wrap, on every

@@ -2571,6 +2571,38 @@ def test_construction_keeps_a_torch_table_zero_copy():
     assert int(canary.req_to_token[1, 3]) == 42
 
 
+def test_cuda_slot_translation_launches_once_for_slots_and_never_for_none(monkeypatch):
+    """The CUDA launcher of an SWA group's slot translation, on the host with the kernel stood in
+    for: no slots, no launch (CuPy refuses a grid of no blocks); slots, one launch on the stream
+    given, over them, the LUT and the output, at most the resident grid."""
+    import contextlib
+    import types
+
+    from kvcanary_cupy.ops.backends._cuda import session as launcher
+
+    launched, entered = [], []
+    monkeypatch.setattr(launcher, "kernel", lambda source, name, device_id:
+                        lambda grid, block, args: launched.append((name, grid, args)))
+    monkeypatch.setattr(launcher, "resident_grid", lambda *args: 4)
+
+    def device_array(length):
+        return types.SimpleNamespace(shape=(length,), device=types.SimpleNamespace(id=0))
+
+    @contextlib.contextmanager
+    def stream():
+        entered.append(len(launched))
+        yield
+
+    lut, out = device_array(5), device_array(9)
+    launcher.translate_slots(device_array(0), lut, out, stream=stream())
+    assert launched == [] and entered == []
+    slots = device_array(9)
+    launcher.translate_slots(slots, lut, out, stream=stream())
+    ((name, grid, args),) = launched
+    assert entered == [0] and name == "kvc_translate_slots" and 1 <= grid[0] <= 4
+    assert args[0] is slots and args[2] is lut and args[4] is out and (int(args[1]), int(args[3])) == (9, 5)
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_bookkeeping_kernels(device):
     """The session's device bookkeeping: a SWA group's write slots through the LUT (-1 outside it),
