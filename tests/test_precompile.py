@@ -604,3 +604,38 @@ def test_cli_refuses_a_source_count_past_the_bound_in_one_line(capsys):
     assert cli_main(["compile", "--device", "cpu", "--source-counts", f"0,{count}"]) == 2
     assert capsys.readouterr().err.strip() == (f"kv-canary: source_counts item must be at most 65536 (a context's "
                                                f"number of real-KV sources), got {count}")
+
+
+def test_resident_grids_follow_cudas_occupancy_rules(monkeypatch):
+    """How many blocks of a kernel fill every SM once, counted as CUDA's occupancy rules count them:
+    threads, registers (given out 256 at a time to each warp), the blocks an SM takes, and static
+    shared memory (1 KB more a block kept by the driver). An H100's figures and kernels stood in
+    for; on a GPU, tests/test_gpu.py compares the same count with the driver's own."""
+    import sys
+    import types
+
+    kernels = {}
+    monkeypatch.setattr(_loader, "_resident", {})
+    monkeypatch.setattr(_loader, "get_kernel", lambda source, kernel, device_id: kernels[kernel])
+    monkeypatch.setattr(_loader, "device_info", lambda device_id: _loader.DeviceInfo(
+        sm_count=132, max_threads_per_sm=2048, regs_per_sm=65536, max_blocks_per_sm=32))
+    attributes = {"MaxSharedMemoryPerMultiprocessor": 233472}
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda device_id: types.SimpleNamespace(attributes=attributes))))
+    cases = [  # block, registers a thread, static shared bytes, blocks an SM
+        (256, 32, 0, 8),  # threads and registers alike: 2048 / 256, 65536 / (32 * 32 * 8)
+        (512, 16, 0, 4),  # threads: registers would take 8
+        (256, 64, 0, 4),  # registers: 2048 a warp, 8 warps
+        (256, 33, 0, 6),  # 1056 registers a warp given out as 1280
+        (80, 64, 0, 10),  # a block of 2.5 warps takes 3 warps' registers
+        (32, 16, 0, 32),  # threads would take 64: at most 32 blocks an SM
+        (128, 32, 32 * 1024, 6),  # shared memory: 233472 // (32 KB + 1 KB)
+        (1024, 255, 0, 1),  # registers would take none: one block all the same
+    ]
+    for index, (block, registers, shared, per_sm) in enumerate(cases):
+        kernels[f"kernel{index}"] = types.SimpleNamespace(num_regs=registers, shared_size_bytes=shared)
+        assert _loader.resident_grid("verify", f"kernel{index}", 0, block) == per_sm * 132, (block, registers, shared)
+    # a CuPy that does not tell the SM's shared memory: no limit from it, rather than one block
+    attributes.clear()
+    kernels["unknown"] = types.SimpleNamespace(num_regs=32, shared_size_bytes=32 * 1024)
+    assert _loader.resident_grid("verify", "unknown", 0, 128) == 16 * 132
