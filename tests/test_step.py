@@ -632,3 +632,44 @@ def test_only_a_packed_launch_detaches_from_its_arrays():
     with pytest.raises(ValueError, match=r"^kv-canary: only a packed launch holds its parameters without its arrays$"):
         plain.detach()
     assert plain.args == (first, np.int64(3))
+
+
+def test_the_cuda_step_grid_is_a_block_a_tile_of_entries_and_the_write_plans_block_up_to_the_resident_grid(
+        monkeypatch):
+    """The CUDA step's launches, on the host with the kernels stood in for. The verify blocks are
+    one a block of the entries the batch can have at most; block 0, which stores the write plan,
+    comes on top but for the tail form, whose last block writes. Block 0 waits for the verify
+    blocks, so the grid never passes the blocks that fill the GPU once (here 6): a block past them
+    might never start. Batches too large for one launch add the write's."""
+    from kvcanary_cupy.ops.backends._cuda import step as launcher
+    from kvcanary_cupy.ops.backends._cuda import write as write_launcher
+    from kvcanary_cupy.ops.batches import PlanBatch, WriteBatch
+
+    for module in (launcher, write_launcher):
+        monkeypatch.setattr(module, "kernel", lambda source, name, device_id: name)
+        monkeypatch.setattr(module, "resident_grid", lambda source, name, device_id, block: 6)
+        monkeypatch.setattr(module, "vec16", lambda array: True)
+        monkeypatch.setattr(module, "Launch", lambda fn, grid, block, args, packed=False: (fn, grid, block))
+    ctx = kc.CanaryContext.allocate(1 << 16)
+    block = launcher._BLOCK
+
+    def launches(batch_size, new_tokens, verify_capacity):
+        batch = PlanBatch(req_pool_indices=np.arange(batch_size), prefix_lens=np.full(batch_size, 40),
+                          extend_seq_lens=np.full(batch_size, new_tokens, np.int64),
+                          req_to_token=np.zeros((batch_size, 4 * block), np.int32))
+        entries = np.arange(batch_size * new_tokens)
+        writes = WriteBatch(tag=0, input_ids=entries, positions=entries, out_cache_loc=entries)
+        made = launcher.prepare(ctx, kc.WritePlan.allocate(batch_size), batch, writes,
+                                verify_capacity=verify_capacity, verify_tag=0, check_expected_token=False)
+        (name, grid, size), *others = made
+        assert name.startswith("kvc_step<") and size == block
+        return grid, [other_name for other_name, _, _ in others]
+
+    tail = launcher.TAIL_MAX_REQUESTS
+    assert launches(tail, 1, 8) == (1, [])  # the tail form: verify blocks only, at least one
+    assert launches(tail, 1, 2 * block + 1) == (3, [])
+    assert launches(tail + 1, 1, 8) == (2, [])  # block 0 and a verify block
+    assert launches(tail + 1, 1, 2 * block + 1) == (4, [])
+    assert launches(tail + 1, 1, 10 * block) == (6, [])  # the resident grid
+    grid, writes = launches(3, 300, 2 * block + 1)  # too many new tokens for the step to write
+    assert grid == 4 and len(writes) == 1 and writes[0].startswith("kvc_write")
