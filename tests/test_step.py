@@ -638,9 +638,10 @@ def test_the_cuda_step_grid_is_a_block_a_tile_of_entries_and_the_write_plans_blo
         monkeypatch):
     """The CUDA step's launches, on the host with the kernels stood in for. The verify blocks are
     one a block of the entries the batch can have at most; block 0, which stores the write plan,
-    comes on top but for the tail form, whose last block writes. Block 0 waits for the verify
-    blocks, so the grid never passes the blocks that fill the GPU once (here 6): a block past them
-    might never start. Batches too large for one launch add the write's."""
+    comes on top but for the tail form, whose last block writes. The grid never passes the blocks
+    that fill the GPU once (here 6): where block 0 writes a decode batch it waits for the verify
+    blocks, and a block past the resident ones might never start. Batches too large for one launch
+    add the write's."""
     from kvcanary_cupy.ops.backends._cuda import step as launcher
     from kvcanary_cupy.ops.backends._cuda import write as write_launcher
     from kvcanary_cupy.ops.batches import PlanBatch, WriteBatch
