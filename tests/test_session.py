@@ -2573,8 +2573,8 @@ def test_construction_keeps_a_torch_table_zero_copy():
 
 def test_cuda_slot_translation_launches_once_for_slots_and_never_for_none(monkeypatch):
     """The CUDA launcher of an SWA group's slot translation, on the host with the kernel stood in
-    for: no slots, no launch (CuPy refuses a grid of no blocks); slots, one launch on the stream
-    given, over them, the LUT and the output, at most the resident grid."""
+    for: no slots, no launch (an empty batch of an SWA group costs nothing); slots, one launch on
+    the stream given, over them, the LUT and the output, at most the resident grid."""
     import contextlib
     import types
 
