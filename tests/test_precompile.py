@@ -639,3 +639,50 @@ def test_resident_grids_follow_cudas_occupancy_rules(monkeypatch):
     attributes.clear()
     kernels["unknown"] = types.SimpleNamespace(num_regs=32, shared_size_bytes=32 * 1024)
     assert _loader.resident_grid("verify", "unknown", 0, 128) == 16 * 132
+
+
+def test_the_loader_hands_cupy_what_the_nvrtc_check_compiles_once_an_architecture_and_loads_it_on_each_device(
+        monkeypatch):
+    """What the loader gives CuPy to compile is what ``compile_specs()`` lists: the sources, options
+    and name expressions that tests/test_rawkernels_compile.py compiles with NVRTC on machines
+    without a GPU. A source compiles once for two devices of one architecture, and each device
+    loads every kernel of it (CuPy stood in for)."""
+    import sys
+    import types
+
+    compiled, loaded, current = [], [], []
+
+    class Device:
+        def __init__(self, device_id=0):
+            self.id, self.compute_capability = device_id, "90"
+
+        def __enter__(self):
+            current.append(self.id)
+
+        def __exit__(self, *exception):
+            current.pop()
+
+    class RawModule:
+        def __init__(self, **arguments):
+            compiled.append(arguments)
+
+        def get_function(self, kernel):
+            loaded.append((current[-1], kernel))
+            return kernel
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=Device), RawModule=RawModule))
+    monkeypatch.setattr(_loader, "_modules", {})
+    monkeypatch.setattr(_loader, "_loaded", set())
+    monkeypatch.setattr(_loader, "_key_locks", {})
+    specs = _loader.compile_specs()
+    for device_id in (0, 1):
+        for spec in specs:
+            _loader._module(spec.name, device_id)
+            _loader._module(spec.name, device_id)
+    assert len(compiled) == len(specs)
+    for arguments, spec in zip(compiled, specs):
+        assert arguments["code"] == spec.code and arguments["options"] == spec.options
+        assert tuple(arguments.get("name_expressions", ())) == tuple(spec.name_expressions)
+    assert sorted(loaded) == sorted((device_id, kernel) for device_id in (0, 1) for spec in specs
+                                    for kernel in spec.kernels)
