@@ -365,3 +365,27 @@ def test_canaries_on_a_gpu_that_is_not_current(pair):
         src, dst = _random_records(pair[0], 40, 18), _random_records(pair[1], 40, 19)
         kc.copy_records(src=src, dst=dst, src_slots=_i64(src_slots, pair[0]), dst_slots=_i64(dst_slots, pair[1]))
     assert np.array_equal(to_numpy(dst.canary_buf), want)
+
+
+def test_a_copy_between_two_gpus_takes_no_stream(monkeypatch):
+    """Records copied between two GPUs run on each device's current stream: a stream given for such a
+    copy is refused in words before any stream is resolved, which the host decides without a GPU.
+    Within one GPU, or between it and the host, the stream is the GPU side's; between host canaries
+    its form is checked, then ignored (streams resolved by a stand-in)."""
+    import importlib
+
+    op = importlib.import_module("kvcanary_cupy.ops.copy_records")  # the module, not the op it exports
+    monkeypatch.setattr(op, "resolve_stream", lambda stream, device: (stream, str(device)))
+    _streams = op._streams
+
+    with pytest.raises(ValueError, match=r"^kv-canary: stream must be None when src and dst are on different "
+                                         r"GPUs \(cuda:0 and cuda:1: each side runs on its device's current "
+                                         r"stream\), got 7$"):
+        _streams(parse_device("cuda:0"), parse_device("cuda:1"), 7)
+    assert _streams(parse_device("cpu"), parse_device("cpu"), 7) == (None, None)
+    assert _streams(parse_device("cuda:1"), parse_device("cuda:1"), 7) == ((7, "cuda:1"), (7, "cuda:1"))
+    assert _streams(parse_device("cpu"), parse_device("cuda:1"), 7) == (None, (7, "cuda:1"))
+    assert _streams(parse_device("cuda:0"), parse_device("cpu"), 7) == ((7, "cuda:0"), None)
+    assert _streams(parse_device("cuda:0"), parse_device("cuda:1"), None) == ((None, "cuda:0"), (None, "cuda:1"))
+    with pytest.raises(TypeError, match=r"^kv-canary: stream must be None, a CuPy or torch stream"):
+        _streams(parse_device("cuda:0"), parse_device("cuda:1"), "fast")
