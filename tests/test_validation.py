@@ -987,6 +987,36 @@ def test_stream_form_names_each_form_a_gpu_launch_resolves():
             stream_form(handle)
 
 
+def test_a_torch_stream_of_another_gpu_is_refused_before_it_is_resolved(monkeypatch):
+    """A stream in torch's form (``cuda_stream`` and ``device.index``) whose device is not the
+    arrays' is refused in words, decided on the host; one of the arrays' device, or of no device
+    said, is taken as an external stream on the arrays' device (CuPy stood in for)."""
+    import contextlib
+    import types
+
+    from kvcanary_cupy._dlpack import parse_device
+    from kvcanary_cupy.ops import _dispatch
+
+    taken = []
+
+    def from_external(handle):
+        taken.append(handle.__cuda_stream__()[1])
+        return handle
+
+    monkeypatch.setattr(_dispatch, "require_cupy", lambda name: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=types.SimpleNamespace(from_external=from_external), Device=lambda index: contextlib.nullcontext())))
+
+    def torch_stream(index):
+        return types.SimpleNamespace(cuda_stream=0x5000 + (index or 0), device=types.SimpleNamespace(index=index))
+
+    with pytest.raises(ValueError, match=r"^kv-canary: stream must belong to the arrays' device cuda:0, "
+                                         r"got a stream of cuda:1$"):
+        _dispatch.resolve_stream(torch_stream(1), parse_device("cuda:0"))
+    for index in (0, None, -1):
+        _dispatch.resolve_stream(torch_stream(index), parse_device("cuda:0"))
+    assert taken == [0x5000, 0x5000, 0x4FFF]
+
+
 @pytest.mark.parametrize("tag_name", ["verify_tag", "write_tag"])
 def test_step_names_the_tag_it_refuses(tag_name):
     i64 = lambda values: np.asarray(values, np.int64)  # noqa: E731
