@@ -340,7 +340,7 @@ def test_the_cuda_plan_grid_is_a_write_block_and_a_block_a_tile_of_entries_up_to
                           req_to_token=np.zeros((batch_size, 4096), np.int32))
         launch = launcher.prepare(kc.VerifyPlan.allocate(verify_capacity),
                                   kc.WritePlan.allocate(write_capacity or batch_size), batch)
-        assert launch.block == (launcher.plan_tile(batch_size, min(verify_capacity, batch_size * 4096)),)
+        assert launch.block == (launcher.plan_tile(batch_size, launcher.most_verify_entries(batch, verify_capacity)),)
         return launch.grid[0]
 
     small = launcher.SMALL_TILE
