@@ -20,6 +20,10 @@ FUZZ_SEED=${FUZZ_SEED:-1}
 CANARY_START=${CANARY_START:-0}
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-300}
 stages=${*:-tests fuzz sanitize demo}
+# the shared conformance cases, where they travelled beside the tree (the GPU tests skip them otherwise)
+if [ -z "${KVCANARY_CONFORMANCE:-}" ] && [ -f .conformance/cases.json ]; then
+  export KVCANARY_CONFORMANCE=$PWD/.conformance/cases.json
+fi
 summary="$OUT/summary.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -27,6 +31,7 @@ summary="$OUT/summary.txt"
   echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START (under memcheck from $((CANARY_START + 900000)))"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
+  python3 -c "import sys; sys.path.insert(0, 'tests'); import _conformance as c; n = len(c.load_cases()); print('conformance cases:', f'{n} from {c.CASES_PATH}' if n else 'not present (the GPU tests skip them)')"
 } > "$summary" 2>&1
 has() { [[ " $stages " == *" $1 "* ]]; }
 
