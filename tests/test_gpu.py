@@ -538,6 +538,40 @@ def test_torch_view_inside_a_cupy_capture_waits_for_no_event():
     assert torch.equal(values.cpu(), torch.arange(1 << 10, dtype=torch.int64) * 3)
 
 
+def test_a_torch_view_makes_an_event_only_where_torch_and_cupy_are_on_different_streams(monkeypatch):
+    """Ordering CuPy after torch takes an event only where their current streams differ: none when
+    both are the legacy default (under either of its handles, 0 and 1) or one stream both name; one
+    when torch works on a side stream. A view is adopted every forward, and an event costs host time."""
+    import contextlib
+
+    torch = _cuda_torch()
+    from kvcanary_cupy._dlpack import native_view
+
+    values = torch.arange(1 << 10, dtype=torch.int64, device="cuda")
+    made = []
+    create = cupy.cuda.runtime.eventCreateWithFlags
+
+    def counted(flags):
+        made.append(flags)
+        return create(flags)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "eventCreateWithFlags", counted)
+    shared = cupy.cuda.Stream(non_blocking=True)
+    cases = [("both on the default stream", None, None, 0),
+             ("CuPy on the default stream's other handle", cupy.cuda.ExternalStream(1), None, 0),
+             ("one stream both name", shared, torch.cuda.ExternalStream(shared.ptr), 0),
+             ("torch on a side stream", None, torch.cuda.Stream(), 1)]
+    for label, cupy_stream, torch_stream, events in cases:
+        made.clear()
+        with contextlib.ExitStack() as streams:
+            if cupy_stream is not None:
+                streams.enter_context(cupy_stream)
+            if torch_stream is not None:
+                streams.enter_context(torch.cuda.stream(torch_stream))
+            total = int(native_view(values, "values").sum())
+        assert (len(made), total) == (events, (1 << 9) * ((1 << 10) - 1)), label
+
+
 def test_numba_device_arrays_through_the_cuda_array_interface():
     numba_cuda = pytest.importorskip("numba.cuda")
     if not numba_cuda.is_available():
