@@ -460,9 +460,7 @@ def test_a_torch_view_spans_the_bytes_from_its_first_element_to_its_last():
 
 def test_torch_tensors_dlpack_must_judge_still_take_dlpack():
     """bfloat16 is adopted through DLPack (as CuPy's bfloat16 where it has one, else as bytes), a
-    tensor requiring grad is refused with the package's message, an empty tensor is adopted, and so
-    is an empty slice of a wider one (its data pointer set, and strides whose span in elements
-    would come out negative)."""
+    tensor requiring grad is refused with the package's message, an empty tensor is adopted."""
     torch = _cuda_torch()
     from kvcanary_cupy._dlpack import native_view
 
@@ -472,10 +470,6 @@ def test_torch_tensors_dlpack_must_judge_still_take_dlpack():
     with pytest.raises(ValueError, match=r"^kv-canary: kv cannot be shared through DLPack"):
         native_view(torch.zeros(4, device="cuda", requires_grad=True), "kv")
     assert native_view(torch.zeros(0, dtype=torch.int64, device="cuda"), "x").shape == (0,)
-    wide = torch.arange(6 * 40, dtype=torch.int64, device="cuda").reshape(6, 40)
-    empty_slice = wide[2:2, :4]
-    assert empty_slice.data_ptr() != 0 and empty_slice.stride() == (40, 1)
-    assert native_view(empty_slice, "x").shape == (0, 4)
 
 
 def test_torch_view_waits_for_torchs_current_stream():
