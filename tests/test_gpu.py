@@ -551,8 +551,11 @@ def test_a_torch_view_makes_an_event_only_where_torch_and_cupy_are_on_different_
 
     monkeypatch.setattr(cupy.cuda.runtime, "eventCreateWithFlags", counted)
     shared = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; the handle is all it needs here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        legacy = cupy.cuda.ExternalStream(1)
     cases = [("both on the default stream", None, None, 0),
-             ("CuPy on the default stream's other handle", cupy.cuda.ExternalStream(1), None, 0),
+             ("CuPy on the default stream's other handle", legacy, None, 0),
              ("one stream both name", shared, torch.cuda.ExternalStream(shared.ptr), 0),
              ("torch on a side stream", None, torch.cuda.Stream(), 1)]
     for label, cupy_stream, torch_stream, events in cases:
