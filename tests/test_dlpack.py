@@ -558,3 +558,82 @@ def test_a_dlpack_dtype_of_part_bytes_is_refused(code, bits):
     with pytest.raises(TypeError, match=rf"^kv-canary: tensor must have elements of whole bytes \(at least one\), "
                                         rf"got a DLPack dtype of {bits} bits x 1 lanes \(pass a uint8 view"):
         native_view(_HandMade(raw, (16,), code=code, bits=bits), "tensor")
+
+
+class _OrderingRuntime:
+    """Stands in for CuPy's CUDA runtime: records the event calls, and which streams capture."""
+
+    eventDisableTiming = 2
+
+    class CUDARuntimeError(Exception):
+        pass
+
+    def __init__(self, capturing=(), unaskable=()):
+        self.calls, self.capturing, self.unaskable = [], set(capturing), set(unaskable)
+
+    def streamIsCapturing(self, stream):
+        if stream in self.unaskable:
+            raise self.CUDARuntimeError("operation not permitted when stream is capturing")
+        return 1 if stream in self.capturing else 0
+
+    def eventCreateWithFlags(self, flags):
+        self.calls.append(("create", flags))
+        return "event"
+
+    def eventRecord(self, event, stream):
+        self.calls.append(("record", stream))
+
+    def streamWaitEvent(self, stream, event):
+        self.calls.append(("wait", stream))
+
+    def eventDestroy(self, event):
+        self.calls.append(("destroy",))
+
+
+@pytest.mark.parametrize("producer, consumer, runtime_kw, ordered", [
+    (7, 7, {}, False),  # one stream both name
+    (0, 0, {}, False),
+    (0, 1, {}, False),  # the legacy default under its two handles
+    (1, 0, {}, False),
+    (7, 0, {}, True),
+    (0, 7, {}, True),
+    (7, 9, {}, True),
+    (7, 9, {"capturing": {9}}, False),  # inside a capture the caller orders its streams
+    (7, 9, {"capturing": {7}}, False),
+    (7, 0, {"unaskable": {0}}, False),  # the legacy stream while a blocking stream captures
+], ids=["same", "legacy", "legacy-0-1", "legacy-1-0", "side-to-legacy", "legacy-to-side", "two-streams",
+        "consumer-capturing", "producer-capturing", "legacy-unaskable"])
+def test_cupy_is_ordered_after_torch_with_an_event_only_between_two_streams_neither_capturing(
+        monkeypatch, producer, consumer, runtime_kw, ordered):
+    """The order DLPack's exchange makes between torch's current stream and CuPy's, decided on the
+    host (CuPy and torch stood in for): an event recorded on torch's stream and waited for on CuPy's,
+    on the tensor's device, only where the two are different streams and neither captures a graph.
+    A view is taken every forward, so an event that orders nothing costs host time for nothing."""
+    import contextlib
+    import types
+
+    from kvcanary_cupy import _dlpack
+
+    runtime = _OrderingRuntime(**runtime_kw)
+    asked = []
+
+    def current_stream(index):
+        asked.append(("cupy", index))
+        return types.SimpleNamespace(ptr=consumer)
+
+    def device(index):
+        asked.append(("device", index))
+        return contextlib.nullcontext()
+
+    def torch_stream(index):
+        asked.append(("torch", index))
+        return producer
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, get_current_stream=current_stream,
+                                                            Device=device))
+    monkeypatch.setattr(_dlpack, "cupy_module", lambda: cupy)
+    monkeypatch.setattr(_dlpack, "_torch_current_stream", torch_stream)
+    _dlpack.order_after_torch(3)
+    expected = [("create", 2), ("record", producer), ("wait", consumer), ("destroy",)] if ordered else []
+    assert runtime.calls == expected
+    assert set(asked) == ({("cupy", 3), ("torch", 3), ("device", 3)} if ordered else {("cupy", 3), ("torch", 3)})
