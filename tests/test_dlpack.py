@@ -560,7 +560,7 @@ def test_a_dlpack_dtype_of_part_bytes_is_refused(code, bits):
         native_view(_HandMade(raw, (16,), code=code, bits=bits), "tensor")
 
 
-class _OrderingRuntime:
+class _CudaRuntimeStandIn:
     """Stands in for CuPy's CUDA runtime: records the event calls, and which streams capture."""
 
     eventDisableTiming = 2
@@ -614,7 +614,7 @@ def test_cupy_is_ordered_after_torch_with_an_event_only_between_two_streams_neit
 
     from kvcanary_cupy import _dlpack
 
-    runtime = _OrderingRuntime(**runtime_kw)
+    runtime = _CudaRuntimeStandIn(**runtime_kw)
     asked = []
 
     def current_stream(index):
@@ -637,3 +637,20 @@ def test_cupy_is_ordered_after_torch_with_an_event_only_between_two_streams_neit
     expected = [("create", 2), ("record", producer), ("wait", consumer), ("destroy",)] if ordered else []
     assert runtime.calls == expected
     assert set(asked) == ({("cupy", 3), ("torch", 3), ("device", 3)} if ordered else {("cupy", 3), ("torch", 3)})
+
+
+def test_a_stream_captures_only_where_cupy_says_so_and_the_cpus_none_never(monkeypatch):
+    """Whether an op's resolved stream is capturing a CUDA graph, as CuPy's runtime answers for its
+    handle (stood in for here); the CPU's ``None`` stream never is, and without CuPy nothing is."""
+    import types
+
+    from kvcanary_cupy import _dlpack
+
+    runtime = _CudaRuntimeStandIn(capturing={7}, unaskable={0})
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(_dlpack, "cupy_module", lambda: cupy)
+    assert [_dlpack.stream_capturing(types.SimpleNamespace(ptr=ptr)) for ptr in (7, 9, 0)] == [True, False, True]
+    assert _dlpack.stream_capturing(None) is False
+    monkeypatch.setattr(_dlpack, "cupy_module", lambda: None)
+    assert _dlpack.stream_capturing(types.SimpleNamespace(ptr=7)) is False
+    assert runtime.calls == []
