@@ -654,3 +654,25 @@ def test_a_stream_captures_only_where_cupy_says_so_and_the_cpus_none_never(monke
     monkeypatch.setattr(_dlpack, "cupy_module", lambda: None)
     assert _dlpack.stream_capturing(types.SimpleNamespace(ptr=7)) is False
     assert runtime.calls == []
+
+
+def test_which_torch_tensors_are_viewed_from_their_attributes():
+    """The in-place view of a torch tensor (what CUDA tensors take instead of DLPack's exchange) is
+    for a dtype CuPy has, strided, with elements and memory, and nothing DLPack would refuse to
+    export: no grad, no lazy conjugate or negation. The rule reads attributes only, so CPU tensors
+    show it; every other tensor goes through DLPack, which decides."""
+    from kvcanary_cupy._dlpack import _torch_viewable
+
+    plain = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    viewable = [plain, plain[:, 1:3], plain.t(), torch.ones(3, dtype=torch.bool), torch.randn(5).half()]
+    complex_values = torch.randn(4, dtype=torch.complex64)
+    others = {"bfloat16": torch.randn(4).bfloat16(),
+              "complex": complex_values,
+              "lazy conjugate": complex_values.conj(),
+              "lazy negation": torch._neg_view(torch.arange(4.0)),
+              "requires grad": torch.randn(4, requires_grad=True),
+              "sparse": plain.to_sparse(),
+              "empty": plain[2:2],
+              "no elements of a shape": torch.zeros((0, 4), dtype=torch.int64)}
+    assert [_torch_viewable(t) for t in viewable] == [True] * len(viewable)
+    assert {name: _torch_viewable(t) for name, t in others.items()} == dict.fromkeys(others, False)
