@@ -586,18 +586,22 @@ def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
         assert F.compare("step", case, oracle, fused) == [], f"bs {bs}, {entries}, case {i}"
 
 
+def _device_array_at(address: int):
+    """What a packed launch reads of a device array: its data pointer (no GPU needed)."""
+    import types
+
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=address))
+
 
 def test_packed_kernel_parameters_are_addresses_or_c_scalars():
     """A packed launch (the step's and every prepared one) turns each parameter into the C value the
     kernel receives: a device array's address, or an int64, int32, uint64 or uint32 scalar. Any
     other value is a launcher's mistake, refused by its type, never passed on as some address."""
     import ctypes
-    import types
 
     from kvcanary_cupy.ops.backends._cuda import _c_parameter
 
-    device_array = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x7F00_1000))
-    assert _c_parameter(device_array).value == 0x7F00_1000
+    assert _c_parameter(_device_array_at(0x7F00_1000)).value == 0x7F00_1000
     for scalar, ctype in ((np.int64(-5), ctypes.c_int64), (np.int32(-7), ctypes.c_int32),
                           (np.uint64(2**64 - 1), ctypes.c_uint64), (np.uint32(9), ctypes.c_uint32)):
         value = _c_parameter(scalar)
@@ -617,14 +621,11 @@ def test_only_a_packed_launch_detaches_from_its_arrays():
 
     from kvcanary_cupy.ops.backends._cuda import Launch
 
-    def device_array(address):
-        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=address))
-
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
-    first, second = device_array(0x7F00_1000), device_array(0x7F00_2000)
+    first, second = _device_array_at(0x7F00_1000), _device_array_at(0x7F00_2000)
     packed = Launch(fn, 4, 128, (first, np.int64(3), second, first), packed=True)
     assert packed.parameters_of(first) == [0, 3] and packed.parameters_of(second) == [2]
-    assert packed.parameters_of(device_array(0x7F00_1000)) == []  # the object, not its address
+    assert packed.parameters_of(_device_array_at(0x7F00_1000)) == []  # the object, not its address
     assert packed.detach() is packed and packed.args == ()
     packed.rebind(((0, 1), (3, 1), (2, 0)), [0x7F00_3000, 0x7F00_4000])
     assert [value.value for value in packed._packed.values] == [0x7F00_4000, 3, 0x7F00_3000, 0x7F00_4000]
