@@ -567,13 +567,14 @@ def test_kernel_mutants_change_one_line_of_a_copy_that_the_package_then_reads(tm
 def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_before_the_tests():
     (mutants,) = import_tools("kernel_mutants")
     change = next(m for m in mutants.candidates() if m.filename == "batch_plan.cuh")
-    every = mutants.Checks(cases=8, memcheck=True, tests=True, racecheck=True).commands(change, 3)
+    every = mutants.Checks(cases=8, memcheck=True, tests=True, racecheck=True, synccheck=True).commands(change, 3)
     assert [name for _, name, _ in every] == ["fuzz plan step", "memcheck fuzz plan step", "racecheck fuzz plan step",
-                                              "tests"]
-    assert [caught for caught, _, _ in every] == ["fuzz", "memcheck", "racecheck", "tests"]
-    raced = every[2][2]
-    assert raced[:3] == ["compute-sanitizer", "--tool", "racecheck"]
-    assert raced[raced.index("--ops") + 1:][:2] == ["plan", "step"]
+                                              "synccheck fuzz plan step", "tests"]
+    assert [caught for caught, _, _ in every] == ["fuzz", "memcheck", "racecheck", "synccheck", "tests"]
+    for (tool, _, argv) in every[1:4]:
+        assert argv[:3] == ["compute-sanitizer", "--tool", tool]
+        assert argv[argv.index("--ops") + 1:][:2] == ["plan", "step"]
+        assert "--exact-allocations" in argv
     plain = mutants.Checks(cases=8, memcheck=False, tests=False).commands(change, 3)
     assert [name for _, name, _ in plain] == ["fuzz plan step"]
     # the write's forced forms each draw cases of their own, not the first cases of the plain fuzz again

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
-# compute-sanitizer (memcheck, racecheck, initcheck over the differential fuzz with exact allocations,
+# compute-sanitizer (memcheck, racecheck, initcheck, synccheck over the differential fuzz with exact allocations,
 # memcheck over a few kc.Canary runs) and the demo on the GPU, the independent parts concurrently.
 # Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
@@ -55,7 +55,7 @@ if has sanitize; then
   # Every array an allocation of its exact size (CuPy's pool off), with a gap after each where this
   # compute-sanitizer can pad: memcheck then sees a read or store one element past an array.
   padding=$(compute-sanitizer --help 2>&1 | grep -q -- --padding && echo "--padding 64")
-  for tool in memcheck racecheck initcheck; do
+  for tool in memcheck racecheck initcheck synccheck; do
     timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all $padding \
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
       --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
@@ -86,7 +86,7 @@ if has fuzz; then
   for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
 if has sanitize; then
-  for tool in memcheck racecheck initcheck; do
+  for tool in memcheck racecheck initcheck synccheck; do
     # the fuzz table's rows, as "op mismatches/cases"
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
     echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"

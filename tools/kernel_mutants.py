@@ -16,7 +16,8 @@ with the write's three forced forms for the write's sources; the session kernels
 fuzz (``tools/canary_fuzz.py``) and the block-table kernels their GPU tests. A change that survives
 the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--memcheck``: every array
 an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no fixed
-order), then the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``tests``
+order; ``--synccheck``: a barrier or warp primitive that names threads which do not reach it), then
+the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests``
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
 (NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
 not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
@@ -142,14 +143,15 @@ class Checks:
     memcheck: bool        # the fuzz again under compute-sanitizer's memcheck, exact allocations
     tests: bool           # the GPU tests of the change's ops
     racecheck: bool = False  # the fuzz again under racecheck: shared-memory accesses of two warps unordered
+    synccheck: bool = False  # the fuzz again under synccheck: barriers and warp primitives missing threads
 
     def commands(self, mutant: Mutant, seed: int) -> list:
         """(verdict if it fails, name, argv) for each check of ``mutant``."""
         python = sys.executable
         ops = OPS_BY_FILE[mutant.filename]
         pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
-        memcheck = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", *memcheck_padding()]
-        racecheck = ["compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1"]
+        def sanitizer(tool: str) -> list:
+            return ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
         stages = []
         if ops:
             def fuzz_seeded(fuzz_seed: int) -> list:
@@ -165,18 +167,18 @@ class Checks:
                                    fuzz_seeded(seed + 100_000 * offset) + ["write", "--write-team", team,
                                                                            "--cases", str(max(1, self.cases // 2))]))
             small_fuzz = [*fuzz, *ops, "--cases", "20", "--max-entries", "20000", "--large-every", "10"]  # sanitizers are slow
-            if self.memcheck:
-                stages.append(("memcheck", "memcheck fuzz " + " ".join(ops),
-                               [*memcheck, *small_fuzz, "--exact-allocations"]))
-            if self.racecheck:
-                stages.append(("racecheck", "racecheck fuzz " + " ".join(ops),
-                               [*racecheck, *small_fuzz, "--exact-allocations"]))
+            for tool, wanted in (("memcheck", self.memcheck), ("racecheck", self.racecheck),
+                                 ("synccheck", self.synccheck)):
+                if wanted:
+                    padding = memcheck_padding() if tool == "memcheck" else ()
+                    stages.append((tool, f"{tool} fuzz " + " ".join(ops),
+                                   [*sanitizer(tool), *padding, *small_fuzz, "--exact-allocations"]))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
             if self.memcheck:
                 stages.append(("memcheck", "memcheck canary fuzz",
-                               [*memcheck, *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
+                               [*sanitizer("memcheck"), *memcheck_padding(), *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
         if mutant.filename == "block_tables.cu":
             stages.append(("tests", "tests", pytest + ["tests/test_block_tables.py"]))
         elif self.tests and mutant.filename == "session.cu":
@@ -456,11 +458,14 @@ def main() -> int:
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's racecheck")
+    parser.add_argument("--synccheck", action="store_true",
+                        help="after the fuzz, the fuzz again under compute-sanitizer's synccheck")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
     parser.add_argument("--cubins", action="store_true",
                         help="no checks: whether each change leaves every kernel image as it was (no GPU needed)")
     args = parser.parse_args()
-    checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests, racecheck=args.racecheck)
+    checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests, racecheck=args.racecheck,
+                    synccheck=args.synccheck)
 
     if args.replay:
         pool = drawn = [m for m in replayed(args.replay, args.crashed)
