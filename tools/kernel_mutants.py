@@ -151,7 +151,8 @@ class Checks:
         ops = OPS_BY_FILE[mutant.filename]
         pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
         def sanitizer(tool: str) -> list:
-            return ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
+            padding = memcheck_padding() if tool == "memcheck" else ()
+            return ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", *padding]
         stages = []
         if ops:
             def fuzz_seeded(fuzz_seed: int) -> list:
@@ -170,15 +171,14 @@ class Checks:
             for tool, wanted in (("memcheck", self.memcheck), ("racecheck", self.racecheck),
                                  ("synccheck", self.synccheck)):
                 if wanted:
-                    padding = memcheck_padding() if tool == "memcheck" else ()
                     stages.append((tool, f"{tool} fuzz " + " ".join(ops),
-                                   [*sanitizer(tool), *padding, *small_fuzz, "--exact-allocations"]))
+                                   [*sanitizer(tool), *small_fuzz, "--exact-allocations"]))
         elif mutant.filename == "session.cu":
             session_fuzz = [python, "tools/canary_fuzz.py", "--device", "cuda", "--start", str(seed)]
             stages.append(("fuzz", "canary fuzz", session_fuzz + ["--seeds", "12", "--forwards", "40"]))
             if self.memcheck:
                 stages.append(("memcheck", "memcheck canary fuzz",
-                               [*sanitizer("memcheck"), *memcheck_padding(), *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
+                               [*sanitizer("memcheck"), *session_fuzz, "--seeds", "4", "--forwards", "30", "--exact-allocations"]))
         if mutant.filename == "block_tables.cu":
             stages.append(("tests", "tests", pytest + ["tests/test_block_tables.py"]))
         elif self.tests and mutant.filename == "session.cu":
