@@ -38,8 +38,13 @@ def to_device(array: np.ndarray, device: str, keep_strides: bool = False):
         row_items = array.strides[0] // array.itemsize
         padded = np.lib.stride_tricks.as_strided(array, shape=(array.shape[0], row_items),
                                                  strides=(array.strides[0], array.itemsize))
-        return cupy.asarray(np.ascontiguousarray(padded))[:, : array.shape[1]]
-    return cupy.asarray(array)
+        copy = cupy.asarray(np.ascontiguousarray(padded))[:, : array.shape[1]]
+    else:
+        copy = cupy.asarray(array)
+    # copied on the current stream, which a test's non-blocking streams do not wait for: in place
+    # before any stream reads it (else a kernel's stores may land before the copy does)
+    cupy.cuda.get_current_stream().synchronize()
+    return copy
 
 
 def int64s_on(device: str):
