@@ -233,6 +233,7 @@ def test_streams_resolve_on_the_arrays_device():
         batch = kc.ForwardBatch(req_pool_indices=cupy.array([1]), prefix_lens=cupy.array([0]),
                                 extend_seq_lens=cupy.array([3]), input_ids=cupy.array([7, 8, 9]),
                                 positions=cupy.arange(3), out_cache_loc=cupy.arange(1, 4))
+        cupy.cuda.Device(1).synchronize()  # the batch, made on device 1's default stream, before own reads it
     with cupy.cuda.Device(1), own, cupy.cuda.Device(0):  # own: device 1's current stream; device 0 current
         assert canary._stream(None).ptr == own.ptr
         one_forward(canary, batch)

@@ -1469,6 +1469,7 @@ def test_a_static_forward_captured_in_a_graph_is_held_until_closed():
     gc.collect()
     assert all(not record.closed for group in eng.canary.groups for record in group.static_log)
     eng.k[eng.slot("a", 1), 0, 0] += 1.0
+    cupy.cuda.Device().synchronize()  # made on the current stream, which the replay's does not wait for
     graph.launch(stream)
     stream.synchronize()
     report = eng.canary.poll()
