@@ -37,7 +37,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 
 pids=()
 if has tests; then
-  timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1 &
+  timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rfs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1 &
   pids+=($!)
 fi
 if has fuzz; then
@@ -78,7 +78,16 @@ if has canary; then
   done
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
-if has tests; then echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"; fi
+if has tests; then
+  echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"
+  # each failed test once more, alone on the card now that the other stages are done: one that
+  # passes alone failed with the load of the others (a race of its own, or a want of memory)
+  mapfile -t failed < <(grep -E '^FAILED ' "$LOGS/tests.log" | sed -E 's/^FAILED //; s/ - .*$//')
+  if [ "${#failed[@]}" -gt 0 ]; then
+    timeout "$STAGE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rf "${failed[@]}" > "$LOGS/tests-again.log" 2>&1
+    echo "gpu tests that failed, run again alone: $(tail -n 1 "$LOGS/tests-again.log")" >> "$summary"
+  fi
+fi
 if has canary; then
   for ((part = 0; part < CANARY_PARTS; part++)); do echo "canary fuzz $part: $(tail -n 1 "$LOGS/canary-fuzz-$part.log")" >> "$summary"; done
 fi
