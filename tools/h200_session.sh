@@ -34,6 +34,7 @@ summary="$OUT/summary.txt"
   python3 -c "import sys; sys.path.insert(0, 'tests'); import _conformance as c; n = len(c.load_cases()); print('conformance cases:', f'{n} from {c.CASES_PATH}' if n else 'not present (the GPU tests skip them)')"
 } > "$summary" 2>&1
 has() { [[ " $stages " == *" $1 "* ]]; }
+sanitizers="memcheck racecheck initcheck synccheck"  # each over the fuzz, and in the summary
 
 pids=()
 if has tests; then
@@ -55,7 +56,7 @@ if has sanitize; then
   # Every array an allocation of its exact size (CuPy's pool off), with a gap after each where this
   # compute-sanitizer can pad: memcheck then sees a read or store one element past an array.
   padding=$(compute-sanitizer --help 2>&1 | grep -q -- --padding && echo "--padding 64")
-  for tool in memcheck racecheck initcheck synccheck; do
+  for tool in $sanitizers; do
     timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all $padding \
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
       --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
@@ -95,7 +96,7 @@ if has fuzz; then
   for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
 fi
 if has sanitize; then
-  for tool in memcheck racecheck initcheck synccheck; do
+  for tool in $sanitizers; do
     # the fuzz table's rows, as "op mismatches/cases"
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
     echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"
