@@ -34,6 +34,10 @@ try:
     import fcntl
 except ImportError:  # not POSIX: numba's own locking alone
     fcntl = None
+try:
+    from numba.core.cpu import CPUTargetOptions
+except ImportError:  # a numba that moved them: the serial builds count references as any build does
+    CPUTargetOptions = None
 
 
 def _sources_digest() -> str:
@@ -203,11 +207,20 @@ _S_READ = L.SRC_READ_BYTES
 BIT_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 
+# numba counts a reference to each array a loop hands to a helper inlined at its IR level, on every
+# pass, with atomic updates: they made the serial builds of the verify and real-KV hashing loops
+# five to six times slower an entry than the same loops run by a parallel build on one thread
+# (whose loop bodies count none). Those loops allocate nothing, so their serial builds run without
+# numba's reference counting, where this numba has the option.
+WITHOUT_REFERENCE_COUNTS = {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
+
+
 def serial_and_parallel(fn):
-    """``(serial, parallel)`` jitted builds of ``fn`` (whose loop is a ``numba.prange``). numba's
-    on-disk cache is keyed by the function's name and line, not by its compile flags: two builds
-    of one function would share a cache entry and load each other's code, so each build gets a
-    copy of ``fn`` under a name of its own."""
+    """``(serial, parallel)`` jitted builds of ``fn`` (whose loop is a ``numba.prange`` and which
+    allocates nothing: its serial build counts no references). numba's on-disk cache is keyed by
+    the function's name and line, not by its compile flags: two builds of one function would share
+    a cache entry and load each other's code, so each build gets a copy of ``fn`` under a name of
+    its own."""
 
     def renamed(suffix):
         copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
@@ -216,7 +229,8 @@ def serial_and_parallel(fn):
         copy.__module__ = fn.__module__
         return copy
 
-    return njit(**JIT)(renamed("_serial")), njit(parallel=True, **JIT)(renamed("_parallel"))
+    return (njit(**JIT, **WITHOUT_REFERENCE_COUNTS)(renamed("_serial")),
+            njit(parallel=True, **JIT)(renamed("_parallel")))
 
 
 _PARALLEL_REGION = threading.Lock()

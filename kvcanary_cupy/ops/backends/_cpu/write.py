@@ -11,7 +11,8 @@ from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH,
 
 _BIT_TOKEN = int(L.FailReason.WRITE_TOKEN)
 _BIT_POSITION = int(L.FailReason.WRITE_POSITION)
-PARALLEL_MIN_ENTRIES = 4096
+# As verify's threshold: the same hashing loop.
+PARALLEL_MIN_ENTRIES = 2048
 
 
 @njit(**JIT)
