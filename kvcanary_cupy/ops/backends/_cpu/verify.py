@@ -17,9 +17,9 @@ _BIT_CHAIN = int(L.FailReason.CHAIN_HASH)
 _BIT_POSITION = int(L.FailReason.POSITION)
 _BIT_KV = int(L.FailReason.REAL_KV_HASH)
 _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
-# Below this many entries the thread pool saves little: on two cores, 12 us of the check and the
-# hash of one source at 2,048 entries (where the serial builds take 67 us), and it costs more than
-# it saves below about 512.
+# Below this many entries the thread pool saves little: on two cores, a quarter to a third of the
+# check's and the hash's time at 2,048 entries, and about nothing at 512
+# (benchmarks/results/2026-12-05-cpu-2core-serial-builds-8a80dc9.txt).
 PARALLEL_MIN_ENTRIES = 2048
 
 
