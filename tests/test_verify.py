@@ -183,6 +183,20 @@ def test_more_sources_than_numba_threads_take_are_hashed(device):
         ("head", 1233, 1234, ("REAL_KV_HASH",)), ("tail", 1233, 1234, ("REAL_KV_HASH",))]
 
 
+def test_the_cpu_loops_serial_builds_count_no_references():
+    """The CPU backend's serial builds of its check, hash and plan loops run without numba's
+    reference counting (docs/design.md): counted, the check and the hash took four to six times as
+    long an entry. A numba without the option, or one whose JIT is off, keeps its default."""
+    from kvcanary_cupy.ops.backends._cpu import hashing, plan, verify
+
+    builds = (verify._entry_bits_serial, hashing.hash_slots_serial, plan._fill_entries_serial)
+    if not hasattr(hashing.CPUTargetOptions, "_nrt") or not all(hasattr(b, "targetoptions") for b in builds):
+        pytest.skip("this numba builds every loop with its reference counting")
+    assert [b.targetoptions.get("_nrt") for b in builds] == [False] * 3
+    parallel = (verify._entry_bits_parallel, hashing.hash_slots_parallel, plan._fill_entries_parallel)
+    assert [b.targetoptions.get("parallel") for b in parallel] == [True] * 3
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_counters_with_more_sources_than_numba_threads_take(device):
     """SPEC §3.2 steps 1-2 hold however many sources a canary hashes: with 101 (verified serially on
