@@ -28,38 +28,18 @@ import time
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils
-from numba.core import types as nbtypes
-from numba.extending import intrinsic
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import kvcanary_cupy as kc  # noqa: E402
 from kvcanary_cupy import _layout as L  # noqa: E402
 from kvcanary_cupy.ops.backends._cpu import records  # noqa: E402
-from kvcanary_cupy.ops.backends._cpu.hashing import prefetch, slot_words  # noqa: E402
+from kvcanary_cupy.ops.backends._cpu.hashing import _cache_line_hint, prefetch, slot_words  # noqa: E402
 
 _FIELDS = L.SLOT_FIELD_COUNT
 
 
-@intrinsic
-def _prefetch_for_write(typingctx, array, index):
-    """As the backend's ``prefetch``, with the hint that the line will be written."""
-    if not isinstance(array, nbtypes.Array) or not isinstance(index, nbtypes.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        int32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32])
-        name = "llvm.prefetch.p0" if str(address.type) == "ptr" else "llvm.prefetch.p0i8"
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name),
-                     [address, int32(1), int32(3), int32(1)])
-        return context.get_dummy_value()
-
-    return nbtypes.void(array, index), codegen
+_prefetch_for_write = _cache_line_hint(for_write=True)
 
 
 @numba.njit

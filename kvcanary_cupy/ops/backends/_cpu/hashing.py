@@ -252,27 +252,35 @@ def threads_can_hash(sources) -> bool:
     return len(sources) <= numba.config.PARFOR_MAX_TUPLE_SIZE
 
 
-@intrinsic
-def prefetch(typingctx, array, index):
-    """Asks the CPU to bring the cache line of element ``index`` of the C-contiguous ``array``
-    (counted as if flat) closer, without waiting and without faulting: random reads issued ahead
-    of their use overlap instead of stalling one after another."""
-    if not isinstance(array, nbtypes.Array) or not isinstance(index, nbtypes.Integer):
-        return None
+def _cache_line_hint(*, for_write: bool):
+    """An intrinsic ``hint(array, index)`` that asks the CPU to bring the cache line of element
+    ``index`` of the C-contiguous ``array`` (counted as if flat) closer, without waiting and without
+    faulting; ``for_write``: saying that the line is about to be stored to."""
 
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        int32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32])
-        # the intrinsic is named after its pointer type: "ptr" (opaque pointers) or "i8*" (older LLVM)
-        name = "llvm.prefetch.p0" if str(address.type) == "ptr" else "llvm.prefetch.p0i8"
-        # read, keep in every cache level, data cache
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name),
-                     [address, int32(0), int32(3), int32(1)])
-        return context.get_dummy_value()
+    @intrinsic
+    def hint(typingctx, array, index):
+        if not isinstance(array, nbtypes.Array) or not isinstance(index, nbtypes.Integer):
+            return None
 
-    return nbtypes.void(array, index), codegen
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+            int32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [address.type, int32, int32, int32])
+            # the intrinsic is named after its pointer type: "ptr" (opaque pointers) or "i8*" (older LLVM)
+            name = "llvm.prefetch.p0" if str(address.type) == "ptr" else "llvm.prefetch.p0i8"
+            # read or write, keep in every cache level, data cache
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, name),
+                         [address, int32(1 if for_write else 0), int32(3), int32(1)])
+            return context.get_dummy_value()
+
+        return nbtypes.void(array, index), codegen
+
+    return hint
+
+
+# Random reads issued ahead of their use overlap instead of stalling one after another.
+prefetch = _cache_line_hint(for_write=False)
 
 
 if numba.config.DISABLE_JIT:  # numba's debugging switch: the jitted functions run as plain Python
