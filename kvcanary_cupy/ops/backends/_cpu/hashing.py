@@ -209,9 +209,9 @@ BIT_OUT_OF_RANGE = int(L.FailReason.OUT_OF_RANGE)
 
 # numba counts a reference to each array a loop hands to a helper inlined at its IR level, on every
 # pass, with atomic updates: they made the serial builds of the verify check and real-KV hashing
-# loops four to six times slower an entry than uncounted (and than the parallel builds on one
-# thread, whose loop bodies count none; tools/cpu_serial_probe.py). Those loops allocate nothing, so their serial builds run without
-# numba's reference counting, where this numba has the option.
+# loops four to six times slower an entry than uncounted, and than the parallel builds on one
+# thread, whose loop bodies count none (tools/cpu_serial_probe.py). Those loops allocate nothing,
+# so their serial builds run without numba's reference counting, where this numba has the option.
 WITHOUT_REFERENCE_COUNTS = {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
 
 
