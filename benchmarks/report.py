@@ -124,16 +124,17 @@ def all_targets(rows: list[dict]) -> list[dict]:
 def index(paths: list) -> str:
     """A table of runs, one line each: its commit and time, the card's ceilings measured in it, and
     its targets met. Files without the suite's ceilings (single-op probes) are left out."""
-    lines = ["# Benchmark runs on H200 cards", "",
+    lines = ["# Benchmark runs on H200 and H100 cards", "",
              "Made by `python benchmarks/report.py --index benchmarks/results` from the JSON of each run in",
              "this folder (older ones gzipped); each run's table is the `.md` of the same name. H200 cards",
-             "differ (random reads 37 to 41 G/s): compare a run with the ceilings measured in it. Each target",
+             "differ (random reads 37 to 41 G/s), and an H100 reads less (30 G/s) against the same bars, set",
+             "for an H200: compare a run with the ceilings measured in it. Each target",
              "check counts once; the prose written beside the runs up to 2026-12-02 counted each ALL-hash",
              "write check twice (on its row and again across rows): 168 checks for 165, and each of those",
              "three as two met or two missed.", "",
-             "| run | commit | taken (UTC) | rows | copy GB/s | random reads G/s | random gather G/s | "
+             "| run | card | commit | taken (UTC) | rows | copy GB/s | random reads G/s | random gather G/s | "
              "empty kernel µs | targets met |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(paths, key=lambda p: (json_time(p), str(p))):
         ceilings, rows, data = load(str(path))
         if ceilings is None or not rows:
@@ -141,7 +142,8 @@ def index(paths: list) -> str:
         every = all_targets(rows)
         reads = ceilings.get("read32_entries_per_s")
         name = pathlib.Path(path).name
-        lines.append(f"| `{name}` | {str((data.get('commit_info') or {}).get('id', ''))[:10]} | "
+        card = str(ceilings.get("device_name") or "–").replace("NVIDIA ", "")
+        lines.append(f"| `{name}` | {card} | {str((data.get('commit_info') or {}).get('id', ''))[:10]} | "
                      f"{str(data.get('datetime', ''))[:16].replace('T', ' ')} | {len(rows)} | "
                      f"{ceilings['copy_gbps']:.0f} | {'–' if reads is None else f'{reads / 1e9:.2f}'} | "
                      f"{ceilings['gather32_entries_per_s'] / 1e9:.2f} | {ceilings['empty_kernel_us']:.2f} | "
