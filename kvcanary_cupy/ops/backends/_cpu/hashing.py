@@ -399,6 +399,12 @@ def real_kv_hash4(sources, table, s0, s1, s2, s3):
     return a0, a1, a2, a3, o0, o1, o2, o3
 
 
+# Where verify and write take the threaded builds of their hash and check loops: below this
+# many entries the thread pool saves little, on two cores a quarter to a third of the check's
+# and the hash's time at 2,048 entries and about nothing at 512
+# (benchmarks/results/2026-12-05-cpu-2core-serial-builds-8a80dc9.txt).
+PARALLEL_MIN_ENTRIES = 2048
+
 # Entries ahead of the one being hashed (or checked) whose rows are prefetched: the source rows
 # of a batch are random reads, and issued one group at a time they dominated the CPU verify.
 PREFETCH_AHEAD = 32

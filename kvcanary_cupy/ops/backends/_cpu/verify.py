@@ -6,7 +6,8 @@ import numba
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT, PREFETCH_AHEAD, njit,
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, INLINE, JIT,
+                      PARALLEL_MIN_ENTRIES, PREFETCH_AHEAD, njit,
                       as_i64, hash_slots_parallel, hash_slots_serial, hashable, link, one_parallel_call_at_a_time,
                       prefetch, real_kv_hash, record, serial_and_parallel, slot_words, source_arguments,
                       threads_can_hash)
@@ -17,10 +18,6 @@ _BIT_CHAIN = int(L.FailReason.CHAIN_HASH)
 _BIT_POSITION = int(L.FailReason.POSITION)
 _BIT_KV = int(L.FailReason.REAL_KV_HASH)
 _BIT_TOKEN = int(L.FailReason.VERIFY_TOKEN)
-# Below this many entries the thread pool saves little: on two cores, a quarter to a third of the
-# check's and the hash's time at 2,048 entries, and about nothing at 512
-# (benchmarks/results/2026-12-05-cpu-2core-serial-builds-8a80dc9.txt).
-PARALLEL_MIN_ENTRIES = 2048
 
 
 @njit(**INLINE)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from .... import _layout as L
-from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT, as_i64, njit,
+from .hashing import (BIT_OUT_OF_RANGE, F_POSITION, F_PREV_HASH, F_REAL_KV_HASH, F_TOKEN, JIT,
+                      PARALLEL_MIN_ENTRIES, as_i64, njit,
                       hash_slots_parallel, hash_slots_serial, link, mix3, one_parallel_call_at_a_time, record,
                       slot_words, source_arguments, threads_can_hash)
 
 _BIT_TOKEN = int(L.FailReason.WRITE_TOKEN)
 _BIT_POSITION = int(L.FailReason.WRITE_POSITION)
-# As verify's threshold: the same hashing loop.
-PARALLEL_MIN_ENTRIES = 2048
 
 
 @njit(**JIT)
