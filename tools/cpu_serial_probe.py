@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
 import types
 
 import numba
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _shapes  # noqa: E402
+from _wall import median_us  # noqa: E402
 
 from kvcanary_cupy.ops.backends._cpu import hashing, verify  # noqa: E402
 
@@ -43,16 +43,6 @@ def _counted(fn):
     """``fn`` built serially with numba's defaults, reference counting included."""
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_counted")
     return numba.njit(nogil=True)(copy)
-
-
-def _median_us(run, tries: int) -> float:
-    run()
-    spent = []
-    for _ in range(tries):
-        start = time.perf_counter()
-        run()
-        spent.append(time.perf_counter() - start)
-    return float(np.median(spent)) * 1e6
 
 
 def main() -> None:
@@ -103,7 +93,7 @@ def main() -> None:
                 got = np.zeros(size, dtype)
                 run(build, size, got)
                 assert np.array_equal(got, want), (name, size, label)
-                times[label] = _median_us(lambda: run(build, size, got), args.tries)
+                times[label] = median_us(lambda: run(build, size, got), args.tries)
             numba.set_num_threads(threads)
             print(f"{name:<7} {size:>7} " + " ".join(f"{times[k]:>8.1f}" for k in times))
 

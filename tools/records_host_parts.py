@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
-import statistics
 import time
 
 import cupy
@@ -30,19 +29,11 @@ from kvcanary_cupy.ops.backends._cpu import records as cpu_records
 from kvcanary_cupy.ops.backends._cuda import records as gpu_records
 from kvcanary_cupy.ops.batches import RecordCopy
 
+from _wall import median_us
+
 copy_module = importlib.import_module("kvcanary_cupy.ops.copy_records")  # the module, not kc.copy_records
 POOL = 1 << 16
 COUNTS = (128, 1024, 4096)
-
-
-def median_us(fn, reps: int = 200) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e6, 1)
 
 
 class _Timed:
@@ -136,7 +127,8 @@ def main() -> None:
                                                    stream.synchronize())),
             "wait alone": median_us(stream.synchronize),
         }
-        print("  ".join(f"{name} {value}" for name, value in row.items()))
+        print("  ".join(f"{name} {value:.1f}" if isinstance(value, float) else f"{name} {value}"
+                        for name, value in row.items()))
         for direction, call in (
                 ("to host", lambda: kc.copy_records(src=gpu, dst=host, src_slots=gpu_slots, dst_slots=host_slots)),
                 ("from host", lambda: (kc.copy_records(src=host, dst=gpu, src_slots=host_slots, dst_slots=gpu_slots),
