@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Sequence
 
-import numpy as np
-
 from . import _layout as L
 from . import validate as check
-from ._dlpack import data_pointer, native_view
-from .sources import RealKvSource
+from ._dlpack import native_view
+from .sources import RealKvSource, byte_rows
 
 __all__ = ["from_buffer", "per_layer", "paged", "interleaved", "mla"]
 
@@ -159,17 +157,6 @@ def paged(k_buffers: Sequence[Any], v_buffers: Sequence[Any] = (), *, layers: Op
     return tuple(out)
 
 
-def _byte_rows(name: str, view):
-    """``view`` as ``[rows, row_bytes]`` uint8 sharing its memory (rows may be strided)."""
-    flat = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
-    if data_pointer(flat) != data_pointer(view) or (view.shape[0] > 1 and flat.strides[0] != view.strides[0]):
-        raise ValueError(f"{check.PREFIX}{name} rows must be contiguous inside, "
-                         f"got strides {tuple(view.strides)} in bytes")
-    if flat.dtype != np.uint8:
-        flat = flat.view(np.uint8)
-    return flat
-
-
 def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = None, split: bool = True,
                 read_bytes: Optional[int] = None) -> tuple[RealKvSource, ...]:
     """One buffer per layer whose row holds a token's K bytes then its V bytes (e.g.
@@ -184,7 +171,7 @@ def interleaved(buffers: Sequence[Any], *, layers: Optional[Iterable[int]] = Non
         if not split:
             out.append(whole)
             continue
-        rows = _byte_rows(name, view)
+        rows = byte_rows(view)  # from_buffer has found its rows contiguous inside
         half = int(rows.shape[1]) // 2
         if half % L.SOURCE_ALIGN_BYTES or 2 * half != rows.shape[1]:
             raise ValueError(f"{check.PREFIX}{name} rows must split into two halves (K, V) of a multiple of 16 "

@@ -81,10 +81,15 @@ class RealKvSource:
         if self.num_rows == 0:
             return np.zeros(0, dtype=np.uint64)
         span_bytes = (self.num_rows - 1) * self.row_stride_bytes + used_bytes
-        rows = self._native.reshape(self.num_rows, -1)
-        rows = rows if rows.dtype == np.uint8 else rows.view(np.uint8)
-        first_word = rows[:1, :8].view(np.uint64)
+        first_word = byte_rows(self._native)[:1, :8].view(np.uint64)
         return np.lib.stride_tricks.as_strided(first_word, shape=(span_bytes // 8,), strides=(8,))
+
+
+def byte_rows(view):
+    """``view``, whose rows are contiguous bytes inside as :class:`RealKvSource` requires (the rows
+    themselves may be strided), as ``[rows, row_bytes]`` uint8 over the same memory."""
+    rows = view.reshape(int(view.shape[0]), int(np.prod(view.shape[1:])))
+    return rows if rows.dtype == np.uint8 else rows.view(np.uint8)
 
 
 def source_list(name: str, sources: Any) -> tuple:
