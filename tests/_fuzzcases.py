@@ -551,6 +551,19 @@ def seed_slots(pool_rows: np.ndarray, prefix: np.ndarray, req_to_token: np.ndarr
             if 0 < rp < rows and 0 < p <= width}
 
 
+def pad_prefix_cells(rng: np.random.Generator, pool_rows: np.ndarray, prefix: np.ndarray,
+                     req_to_token: np.ndarray) -> int:
+    """Puts the padding slot in one cell before the last of about half the live prefixes, which
+    verify skips (SPEC §3.2); the last cell, a request's seed, is left as it was. Returns how many."""
+    rows, width = req_to_token.shape
+    padded = 0
+    for rp, p in zip(pool_rows, prefix):
+        if 0 < rp < rows and 2 <= p <= width and rng.random() < 0.5:
+            req_to_token[rp, int(rng.integers(0, p - 1))] = L.PADDING_SLOT
+            padded += 1
+    return padded
+
+
 def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     """An engine batch with chained prefixes (some corrupted) and new tokens, decode-shaped more often
     than not; hostile corners as in the plan and write cases. New tokens never write a seed slot and
@@ -636,6 +649,8 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.5:
         expected = np.where(rng.random(tokens.shape) < 0.01, tokens + 1, tokens).astype(np.int32)
         valid = rng.integers(-1, width + 3, size=bs).astype(np.int64)
+    if not swa and rng.random() < 0.1:  # after the slots are drawn, so no new token writes slot 0
+        pad_prefix_cells(rng, pool_rows, prefix, req_to_token)
     total = verify_total(pool_rows, prefix, swa)
     return {
         "op": "step",

@@ -29,25 +29,16 @@ def test_step_equals_plan_verify_write(device):
 def test_step_skips_prefix_cells_of_the_padding_slot_as_plan_verify_write_do(device):
     """SPEC §3.2 checks only entries with ``slot != 0``. An engine's table may hold the padding
     slot inside a live prefix; the step's own verify must skip those entries as kc.verify does,
-    not check them against slot 0's record (the random cases draw table cells from 1 up, so only
-    this test puts 0 there). The cell zeroed lies before the prefix's last, so the seeds and the
-    new tokens' slots stay those of the case; a request sharing the row may take it as its seed."""
-    from kvcanary_cupy._layout import PADDING_SLOT
-
+    not check them against slot 0's record (one random step case in ten has such cells; here every
+    case has). The cell padded lies before the prefix's last, so the seeds and the new tokens'
+    slots stay those of the case; a request sharing the row may take it as its seed."""
     rng = np.random.default_rng(406)
     checked = 0
     while checked < (12 if device == "cpu" else 40):
         case = F.make_step_case(rng, 4000)
         if case["swa_window_size"]:
             continue  # through the SWA table the padding cell resolves to another slot
-        table = case["req_to_token"]
-        rows, width = table.shape
-        zeroed = 0
-        for rp, p in zip(case["req_pool_indices"], case["prefix_lens"]):
-            if 0 < rp < rows and 2 <= p <= width and rng.random() < 0.5:
-                table[rp, int(rng.integers(0, p - 1))] = PADDING_SLOT
-                zeroed += 1
-        if not zeroed:
+        if not F.pad_prefix_cells(rng, case["req_pool_indices"], case["prefix_lens"], case["req_to_token"]):
             continue
         fused = F.run_step(case, device)
         unfused = F.run_step_unfused(case, "cpu")
