@@ -564,6 +564,22 @@ def pad_prefix_cells(rng: np.random.Generator, pool_rows: np.ndarray, prefix: np
     return padded
 
 
+def write_padding_slot(rng: np.random.Generator, out_cache_loc: np.ndarray, seeds: set) -> bool:
+    """Sends one new token to the padding slot, as an engine whose allocator handed out slot 0 would:
+    the write stores it like any other slot (SPEC §3.1 skips only negative ones) and verify never
+    reads it. Not where slot 0 is a request's seed (on a GPU the seed's read races the store).
+    Returns whether a token now writes slot 0."""
+    if L.PADDING_SLOT in seeds:
+        return False
+    if (out_cache_loc == L.PADDING_SLOT).any():
+        return True
+    writes = np.flatnonzero(out_cache_loc >= 0)
+    if not writes.size:
+        return False
+    out_cache_loc[int(rng.choice(writes))] = L.PADDING_SLOT
+    return True
+
+
 def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     """An engine batch with chained prefixes (some corrupted) and new tokens, decode-shaped more often
     than not; hostile corners as in the plan and write cases. New tokens never write a seed slot and
@@ -651,6 +667,8 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
         valid = rng.integers(-1, width + 3, size=bs).astype(np.int64)
     if not swa and rng.random() < 0.1:  # after the slots are drawn, so no new token writes slot 0
         pad_prefix_cells(rng, pool_rows, prefix, req_to_token)
+    if rng.random() < 0.1:  # after the prefix cells, whose padding may make slot 0 a seed
+        write_padding_slot(rng, locs, seed_slots(pool_rows, prefix, req_to_token, lut))
     total = verify_total(pool_rows, prefix, swa)
     return {
         "op": "step",

@@ -49,6 +49,32 @@ def test_step_skips_prefix_cells_of_the_padding_slot_as_plan_verify_write_do(dev
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+def test_step_stores_a_token_sent_to_the_padding_slot_as_plan_verify_write_do(device):
+    """SPEC §3.1 skips only negative slots: a token an engine sends to the padding slot is stored
+    there like any other, its real-KV hash included, though verify never reads it back. Each of the
+    step's write paths (the last block's warp, block 0 with the new slots hashed ahead, a second
+    launch) must store it as kc.write does (one random step case in ten has such a token; here
+    every case has)."""
+    from kvcanary_cupy._layout import PADDING_SLOT
+
+    rng = np.random.default_rng(408)
+    checked = 0
+    while checked < (12 if device == "cpu" else 60):
+        case = F.make_step_case(rng, 2000)
+        seeds = F.seed_slots(case["req_pool_indices"], case["prefix_lens"], case["req_to_token"],
+                             case["full_to_swa_index_mapping"])
+        if not F.write_padding_slot(rng, case["out_cache_loc"], seeds):
+            continue
+        before = case["pool"]["canary"][PADDING_SLOT].copy()
+        fused = F.run_step(case, device)
+        unfused = F.run_step_unfused(case, "cpu")
+        if unfused["write_index"] > unfused["ring"].shape[0]:
+            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
+        assert F.compare("step", case, unfused, fused) == [], f"case {checked}"
+        checked += int(not np.array_equal(unfused["canary"][PADDING_SLOT], before))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_step_relaunch_accumulates(device):
     """Launching twice is two steps: the second verifies what the first wrote (and the GPU's
     block-completion counter is reset between launches)."""
