@@ -370,6 +370,8 @@ def make_write_case(rng: np.random.Generator, max_entries: int) -> dict:
         first, last = max(int(offsets[repeating]), 0), min(int(offsets[repeating + 1]), n) - 1
         if last > first:
             locs[last] = locs[first]
+    if rng.random() < 0.1:
+        write_padding_slot(rng, locs, set(seeds.tolist()))
     if num_requests > 1 and rng.random() < 0.1:
         # The requests in the reverse order of their entries, each followed by an empty request (its
         # begin past its end): spans out of order, none overlapping another (the request that may
@@ -565,10 +567,10 @@ def pad_prefix_cells(rng: np.random.Generator, pool_rows: np.ndarray, prefix: np
 
 
 def write_padding_slot(rng: np.random.Generator, out_cache_loc: np.ndarray, seeds: set) -> bool:
-    """Sends one new token to the padding slot, as an engine whose allocator handed out slot 0 would:
-    the write stores it like any other slot (SPEC §3.1 skips only negative ones) and verify never
-    reads it. Not where slot 0 is a request's seed (on a GPU the seed's read races the store).
-    Returns whether a token now writes slot 0."""
+    """Sends one new token of a write or step case to the padding slot, as an engine whose allocator
+    handed out slot 0 would: the write stores it like any other slot (SPEC §3.1 skips only negative
+    ones) and verify never reads it. Not where slot 0 is a request's seed (on a GPU the seed's read
+    races the store). Returns whether a token now writes slot 0."""
     if L.PADDING_SLOT in seeds:
         return False
     if (out_cache_loc == L.PADDING_SLOT).any():
