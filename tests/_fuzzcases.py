@@ -667,7 +667,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.5:
         expected = np.where(rng.random(tokens.shape) < 0.01, tokens + 1, tokens).astype(np.int32)
         valid = rng.integers(-1, width + 3, size=bs).astype(np.int64)
-    if not swa and rng.random() < 0.1:  # after the slots are drawn, so no new token writes slot 0
+    if not swa and rng.random() < 0.1:  # after the new tokens' slots are drawn, none of them slot 0
         pad_prefix_cells(rng, pool_rows, prefix, req_to_token)
     if rng.random() < 0.1:  # after the prefix cells, whose padding may make slot 0 a seed
         write_padding_slot(rng, locs, seed_slots(pool_rows, prefix, req_to_token, lut))

@@ -13,16 +13,23 @@ from _builders import fields, link_of, ring_rows, slot_words
 from _devices import BACKENDS, requires_gpu, spin_kernel, to_device, to_numpy
 
 
+def _assert_step_equals_plan_verify_write(case: dict, device: str, label: str) -> dict:
+    """The step on ``device`` against plan + verify + write on the CPU, every row compared where the
+    ring overflowed; returns the CPU's outputs."""
+    fused = F.run_step(case, device)
+    unfused = F.run_step_unfused(case, "cpu")
+    if unfused["write_index"] > unfused["ring"].shape[0]:
+        case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
+    assert F.compare("step", case, unfused, fused) == [], label
+    return unfused
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 def test_step_equals_plan_verify_write(device):
     rng = np.random.default_rng(404)
     for i in range(120 if device == "cpu" else 300):
         case = F.make_step_case(rng, 50_000 if i % 40 == 39 else 2000)
-        fused = F.run_step(case, device)
-        unfused = F.run_step_unfused(case, "cpu")
-        if unfused["write_index"] > unfused["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
-        assert F.compare("step", case, unfused, fused) == [], f"case {i}"
+        _assert_step_equals_plan_verify_write(case, device, f"case {i}")
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -40,11 +47,7 @@ def test_step_skips_prefix_cells_of_the_padding_slot_as_plan_verify_write_do(dev
             continue  # through the SWA table the padding cell resolves to another slot
         if not F.pad_prefix_cells(rng, case["req_pool_indices"], case["prefix_lens"], case["req_to_token"]):
             continue
-        fused = F.run_step(case, device)
-        unfused = F.run_step_unfused(case, "cpu")
-        if unfused["write_index"] > unfused["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
-        assert F.compare("step", case, unfused, fused) == [], f"case {checked}"
+        _assert_step_equals_plan_verify_write(case, device, f"case {checked}")
         checked += 1
 
 
@@ -66,11 +69,7 @@ def test_step_stores_a_token_sent_to_the_padding_slot_as_plan_verify_write_do(de
         if not F.write_padding_slot(rng, case["out_cache_loc"], seeds):
             continue
         before = case["pool"]["canary"][PADDING_SLOT].copy()
-        fused = F.run_step(case, device)
-        unfused = F.run_step_unfused(case, "cpu")
-        if unfused["write_index"] > unfused["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
-        assert F.compare("step", case, unfused, fused) == [], f"case {checked}"
+        unfused = _assert_step_equals_plan_verify_write(case, device, f"case {checked}")
         checked += int(not np.array_equal(unfused["canary"][PADDING_SLOT], before))
 
 
@@ -219,11 +218,7 @@ def test_step_block_zero_write_with_sources_equals_plan_verify_write():
         arrays = {k: (None if case[k] is None else to_device(case[k], "cuda")) for k in F.STEP_ARRAYS}
         ctx = F.build_context(case["pool"], "cuda")
         assert kc.CanaryStep(ctx, **arrays, **{k: case[k] for k in F.STEP_SETTINGS}).num_launches == 1
-        fused = F.run_step(case, "cuda")
-        unfused = F.run_step_unfused(case, "cpu")
-        if unfused["write_index"] > unfused["ring"].shape[0]:
-            case["_full_rows"] = F.full_rows("step", case, unfused["write_index"])
-        assert F.compare("step", case, unfused, fused) == [], f"case {i}"
+        _assert_step_equals_plan_verify_write(case, "cuda", f"case {i}")
 
 
 @requires_gpu
