@@ -3,7 +3,8 @@ randomized inputs, garbage included: out-of-range and negative indices, UNRESOLV
 too short for the pool, duplicate slots, broken offsets, ring overflow.
 
 ``KVCANARY_AGREEMENT_SEEDS=N`` draws N random cases an op instead of 40 (a deeper run than the
-suite's; the first 40 are the suite's own)."""
+suite's; the first 40 are the suite's own), and ``KVCANARY_AGREEMENT_FIRST_SEED=S`` starts them at
+seed S instead of 0, so that a later deep run draws cases no earlier one did."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from kvcanary_cupy import reference as ref
 from _builders import random_source
 
 U = kc.UNRESOLVED_SLOT
-SEEDS = range(int(os.environ.get("KVCANARY_AGREEMENT_SEEDS", "40")))
+FIRST_SEED = int(os.environ.get("KVCANARY_AGREEMENT_FIRST_SEED", "0"))
+SEEDS = range(FIRST_SEED, FIRST_SEED + int(os.environ.get("KVCANARY_AGREEMENT_SEEDS", "40")))
 
 
 def _index(rng, low, high, extras=(U,), p_extra=0.05):
