@@ -53,6 +53,19 @@ def test_an_overflowing_ring_is_not_judged_without_every_row(op):
 
 
 @pytest.mark.parametrize("op", ["write", "step"])
+def test_the_overflow_aware_compare_gathers_every_row_itself(op):
+    """``compare_overflow_aware`` gives an overflowing case the launch's every row before it judges
+    the kept ones, as the callers did by hand; it judges them as ``compare`` does."""
+    case = _overflowing(op, 7)
+    oracle = F.RUNNERS[op](case, "cpu")
+    other = _copy(oracle)
+    other["ring"][0, L.RING_COL_POSITION] += 1000
+    assert F.compare_overflow_aware(op, case, oracle, other) == ["kept ring rows are not violations of this launch"]
+    assert case["_full_rows"] == F.full_rows(op, case, oracle["write_index"])
+    assert F.compare_overflow_aware(op, case, oracle, _copy(oracle)) == []
+
+
+@pytest.mark.parametrize("op", ["write", "step"])
 def test_a_ring_one_row_short_is_judged_against_every_row(op):
     """A launch that records one row more than its ring keeps overflowed: the kept rows are judged
     against every row of the launch, each as often as it was recorded (a row kept twice that the
@@ -341,7 +354,7 @@ def _case_with_buffers_apart(op: str) -> dict:
         case = F.MAKERS[op](rng, 60)
         if op == "records" and case["where"] == "one":
             continue
-        if op in ("verify", "write", "step"):
+        if op in F.RING_OPS:
             outputs = F.RUNNERS[op](case, "cpu")
             if outputs["write_index"] >= outputs["ring"].shape[0]:
                 continue
