@@ -659,6 +659,31 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
     assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident, others[3].ident]
 
 
+def test_kernel_mutants_count_a_check_past_its_timeout_only_where_the_unchanged_sources_end_in_time(tmp_path):
+    """A check that runs past ``--timeout`` catches the change (a hang) only where the same check
+    ends within it on the unchanged sources; one that runs past it either way (the GPU tests of a
+    header every kernel includes, on a card many workers share) leaves the change unfinished, for
+    ``--replay`` to take again."""
+    import time
+
+    (mutants,) = import_tools("kernel_mutants")
+    change = next(m for m in mutants.candidates() if m.filename == "verify.cu")
+    worker = mutants.Worker(tmp_path / "w0")
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys, time\nfrom kvcanary_cupy.rawkernels import _loader\n"
+                     f"if sys.argv[1] == 'always' or {change.after!r} in _loader._read('verify.cu').splitlines():\n"
+                     "    time.sleep(60)\n")
+    checks = _checks_running(mutants, probe, "tests")
+
+    hung = worker.judge(change, checks("changed"), 0, 8, time.perf_counter() + 60)
+    assert hung["verdict"] == "hang" and hung["by"] == "tests" and "crash" not in hung
+    slow = worker.judge(change, checks("always"), 0, 8, time.perf_counter() + 60)
+    assert slow["verdict"] == "unfinished"
+    assert slow["by"] == "tests: runs past the timeout on the unchanged sources too (hang)"
+    assert (tmp_path / "w0" / "rawkernels" / "verify.cu").exists() and \
+        change.after not in (tmp_path / "w0" / "rawkernels" / "verify.cu").read_text().splitlines()
+
+
 def test_kernel_mutants_judge_a_change_once_more_after_its_check_crashed_either_way(tmp_path):
     """A check that crashes on the changed and on the unchanged sources alike leaves the change
     unjudged; while the deadline allows, the change is judged once more after a wait (such crashes

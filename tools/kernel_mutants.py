@@ -18,9 +18,11 @@ the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--mem
 an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no fixed
 order; ``--synccheck``: a barrier or warp primitive that names threads which do not reach it), then
 the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests``
-(caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught), ``stillborn``
-(NVRTC refused it, or crashed compiling it; not counted), ``unfinished`` (cut short by ``--limit``;
-not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
+(caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught where the same
+check on the unchanged sources ends within it), ``stillborn`` (NVRTC refused it, or crashed compiling
+it; not counted), ``unfinished`` (cut short by ``--limit``, or its check runs past ``--timeout`` on
+the unchanged sources too, as the GPU tests of a much-included header may on a card that many
+workers share; not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
 the unchanged sources too: the check, not the change, is at fault; the change is judged once more a
 little later while the deadline allows, the first try kept in its row as ``first_try``; still so, it
 is not counted, and ``--replay`` takes it again) and ``survived``.
@@ -271,7 +273,7 @@ class Worker:
         lines[mutant.line - 1] = mutant.after + "\n"
         source.write_text("".join(lines), encoding="utf-8")
         start = time.perf_counter()
-        verdict, by, tail, crashed = "survived", "", "", None
+        verdict, by, tail, confirm = "survived", "", "", None
         try:
             for caught, name, argv in checks.commands(mutant, seed):
                 left = end - time.perf_counter()
@@ -280,21 +282,23 @@ class Worker:
                     outcome = "unfinished"
                 if outcome != "pass":
                     verdict, by = (caught if outcome in ("fail", "crash") else outcome), name
-                    crashed = argv if outcome == "crash" else None
+                    confirm = argv if outcome in ("crash", "hang") else None
                     break
         finally:
             source.write_text(original, encoding="utf-8")
         row = {**dataclasses.asdict(mutant), "verdict": verdict, "by": by,
                "seconds": round(time.perf_counter() - start, 1),
                "tail": tail if verdict in ("survived", "stillborn", "hang") else tail[-200:]}
-        if crashed is not None:
-            # a crash is the change's only if the same check passes without it
-            row["crash"] = tail
+        if confirm is not None:
+            # a crash or a hang is the change's only if the same check ends well without it
+            if verdict != "hang":
+                row["crash"] = tail
             left = end - time.perf_counter()
-            unchanged, _ = self.run(crashed, min(timeout, max(left, 0.0)))
+            unchanged, _ = self.run(confirm, min(timeout, max(left, 0.0)))
             if unchanged != "pass":
                 row["verdict"] = "unjudged" if unchanged in ("fail", "crash") else "unfinished"
-                row["by"] = f"{by}: fails on the unchanged sources too ({unchanged})"
+                how = "runs past the timeout" if unchanged == "hang" else "fails"
+                row["by"] = f"{by}: {how} on the unchanged sources too ({unchanged})"
             row["seconds"] = round(time.perf_counter() - start, 1)
         return row
 
