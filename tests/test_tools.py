@@ -587,7 +587,7 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
     """``--replay`` of several runs: their survivors and the changes ``--limit`` cut short, a change
     two runs share judged once, a survivor whose line moved found by its text, and the changes
-    another verdict met left out."""
+    another verdict met left out unless named by their place."""
     import json
 
     (mutants,) = import_tools("kernel_mutants")
@@ -609,6 +609,10 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
                                                                (third.filename, third.line, third.after),
                                                                (fourth.filename, fourth.line, fourth.after)]
     assert mutants.replayed([str(p) for p in runs], only_crashed=True) == []
+    # a change another verdict met, named by where that run had it, is judged again
+    named = frozenset({f"{second.filename}:{second.line}"})
+    assert [m.ident for m in mutants.replayed([str(runs[0])], named=named)] == [first.ident, second.ident]
+    assert [m.ident for m in mutants.replayed([str(runs[0])], only_crashed=True, named=named)] == [second.ident]
 
 
 def _checks_running(mutants, probe, check: str):

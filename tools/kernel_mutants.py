@@ -412,13 +412,15 @@ def crashed(row: dict) -> bool:
          or SANITIZER_CLEAN.search(tail) is not None)
 
 
-def replayed(paths: list[str], only_crashed: bool = False) -> list[Mutant]:
+def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = frozenset()) -> list[Mutant]:
     """The changes that survived earlier runs (their ``--json``) or were cut short there by
     ``--limit``, that a crashed check judged (``crashed``), or that were left unjudged (their check
-    crashed on the unchanged sources too); with ``only_crashed`` the last two alone. Each still
-    where it was, each once."""
+    crashed on the unchanged sources too); with ``only_crashed`` the last two alone. The changes at a
+    ``FILE:LINE`` of ``named`` (where the earlier run had them) whatever their verdict: a check found
+    at fault since (a test that failed on its own) judges them again. Each still where it was, each
+    once."""
     rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if crashed(row) or row["verdict"] == "unjudged"
+            if crashed(row) or row["verdict"] == "unjudged" or f"{row['filename']}:{row['line']}" in named
             or (row["verdict"] in ("survived", "unfinished") and not only_crashed)]
     mutants, seen = [], set()
     for row in rows:
@@ -448,7 +450,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=150, help="seconds a check may run")
     parser.add_argument("--deadline", type=float, default=400, help="no change starts after this many seconds")
     parser.add_argument("--limit", type=float, default=560, help="no check runs past this many seconds")
-    parser.add_argument("--files", nargs="*", help="draw only from these sources (with --replay: FILE or FILE:LINE)")
+    parser.add_argument("--files", nargs="*", help="draw only from these sources (with --replay: FILE or FILE:LINE, the changes at "
+                        "a FILE:LINE taken whatever their verdict)")
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
@@ -472,7 +475,8 @@ def main() -> int:
                     synccheck=args.synccheck)
 
     if args.replay:
-        pool = drawn = [m for m in replayed(args.replay, args.crashed)
+        named = frozenset(name for name in args.files or () if ":" in name)
+        pool = drawn = [m for m in replayed(args.replay, args.crashed, named)
                         if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
         pool = [m for m in candidates() if not args.files or m.filename in args.files]
