@@ -447,7 +447,9 @@ def main() -> int:
                         help="leave out the first SKIP changes drawn (judged by an earlier run of this seed)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--cases", type=int, default=120, help="fuzz cases an op, each change")
-    parser.add_argument("--timeout", type=float, default=150, help="seconds a check may run")
+    # the GPU tests of a change to canary_common.cuh (every kernel's) took up to 146 s with twelve
+    # workers on one H100
+    parser.add_argument("--timeout", type=float, default=240, help="seconds a check may run")
     parser.add_argument("--deadline", type=float, default=400, help="no change starts after this many seconds")
     parser.add_argument("--limit", type=float, default=560, help="no check runs past this many seconds")
     parser.add_argument("--files", nargs="*", help="draw only from these sources (with --replay: FILE or FILE:LINE, the changes at "
