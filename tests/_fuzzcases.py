@@ -844,6 +844,11 @@ RUNNERS = {"verify": run_verify, "write": run_write, "plan": run_plan, "scatter"
 RING_OPS = ("verify", "write", "step")  # the ops that record violations
 
 
+def ring_overflowed(outputs: dict) -> bool:
+    """Whether a launch recorded more violation rows than its ring keeps."""
+    return outputs["write_index"] > outputs["ring"].shape[0]
+
+
 def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
     """Differences between two backends' outputs (ring rows compared as a multiset, their tags in order)."""
     problems = []
@@ -852,7 +857,7 @@ def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
             if not np.array_equal(np.asarray(oracle[key]), np.asarray(other[key])):
                 problems.append(key)
         kept = min(max(oracle["write_index"], 0), oracle["ring"].shape[0])
-        if oracle["write_index"] <= oracle["ring"].shape[0]:
+        if not ring_overflowed(oracle):
             if Counter(map(tuple, oracle["ring"][:kept].tolist())) != Counter(map(tuple, other["ring"][:kept].tolist())):
                 problems.append("ring rows")
         if not np.array_equal(oracle["ring"][kept:], other["ring"][kept:]):
@@ -863,7 +868,7 @@ def compare(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
         kinds = slice(0, kept), L.RING_COL_KERNEL_KIND
         if not np.array_equal(oracle["ring"][kinds], other["ring"][kinds]):
             problems.append("ring rows' tags out of launch order")
-        if oracle["write_index"] > oracle["ring"].shape[0]:
+        if ring_overflowed(oracle):
             if case.get("_full_rows") is None:
                 # Without every row of the launch the kept ones could be anything at all.
                 raise ValueError(f"{op}: the ring overflowed; compare needs case['_full_rows'] (full_rows())")
@@ -902,7 +907,7 @@ def full_rows(op: str, case: dict, total: int) -> Counter:
 def compare_overflow_aware(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
     """``compare``, first giving ``case`` every violation row of its launch (``full_rows``) where the
     oracle's ring overflowed, as ``compare`` then needs."""
-    if op in RING_OPS and oracle["write_index"] > oracle["ring"].shape[0]:
+    if op in RING_OPS and ring_overflowed(oracle):
         case["_full_rows"] = full_rows(op, case, oracle["write_index"])
     return compare(op, case, oracle, other)
 

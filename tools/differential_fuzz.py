@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                 case = firsts[i] if k < 0 else F.MAKERS[op](rng, cap)
                 oracle = F.RUNNERS[op](case, "cpu")
                 whole = None
-                if op in F.RING_OPS and oracle["write_index"] > oracle["ring"].shape[0]:
+                if op in F.RING_OPS and F.ring_overflowed(oracle):
                     # The ring keeps only the rows recorded first (on a GPU, mostly the first blocks'):
                     # the case runs again with a ring that keeps every row, and those are compared too.
                     whole = F.with_ring(case, oracle["write_index"])
