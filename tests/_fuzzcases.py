@@ -9,7 +9,7 @@ indices. ``run_*`` executes a case on a device and returns every output as host 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -898,17 +898,19 @@ def with_ring(case: dict, capacity: int) -> dict:
     return big
 
 
-def full_rows(op: str, case: dict, total: int) -> Counter:
-    """Every violation row of ``case`` (``total`` of them) on the CPU, with a ring that keeps all."""
-    out = RUNNERS[op](with_ring(case, total), "cpu")
+def full_rows(op: str, case: dict, total: int, *, run: Callable[[dict], dict] | None = None) -> Counter:
+    """Every violation row of ``case`` (``total`` of them) on the CPU, with a ring that keeps all.
+    ``run`` runs a case on the CPU where the oracle is not ``op``'s runner (a step launched twice)."""
+    out = (run or (lambda c: RUNNERS[op](c, "cpu")))(with_ring(case, total))
     return Counter(map(tuple, out["ring"][:total].tolist()))
 
 
-def compare_overflow_aware(op: str, case: dict, oracle: dict, other: dict) -> list[str]:
-    """``compare``, first giving ``case`` every violation row of its launch (``full_rows``) where the
-    oracle's ring overflowed, as ``compare`` then needs."""
+def compare_overflow_aware(op: str, case: dict, oracle: dict, other: dict, *,
+                           run: Callable[[dict], dict] | None = None) -> list[str]:
+    """``compare``, first giving ``case`` every violation row of its launch (``full_rows``, with
+    ``run``) where the oracle's ring overflowed, as ``compare`` then needs."""
     if op in RING_OPS and ring_overflowed(oracle):
-        case["_full_rows"] = full_rows(op, case, oracle["write_index"])
+        case["_full_rows"] = full_rows(op, case, oracle["write_index"], run=run)
     return compare(op, case, oracle, other)
 
 
