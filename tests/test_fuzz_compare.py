@@ -7,6 +7,7 @@ every row shows it."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections import Counter
 
@@ -63,6 +64,26 @@ def test_the_overflow_aware_compare_gathers_every_row_itself(op):
     assert F.compare_overflow_aware(op, case, oracle, other) == ["kept ring rows are not violations of this launch"]
     assert case["_full_rows"] == F.full_rows(op, case, oracle["write_index"])
     assert F.compare_overflow_aware(op, case, oracle, _copy(oracle)) == []
+
+
+def test_the_overflow_aware_compare_takes_every_row_from_the_run_that_made_the_oracle():
+    """A step launched twice over one context, whose ring keeps rows of both launches: every row
+    comes from the same two launches (``run=``), not from one launch of the case."""
+    rng = np.random.default_rng(7)
+    twice = functools.partial(F.run_step_unfused, device="cpu", launches=2)
+    for _ in range(2000):
+        case = F.make_step_case(rng, 300)
+        once = F.run_step(case, "cpu")
+        if 0 < once["write_index"] < once["ring"].shape[0] < twice(case)["write_index"]:
+            break
+    else:
+        raise AssertionError("no step case whose ring overflows in its second launch only")
+    oracle = twice(case)
+    assert F.compare_overflow_aware("step", case, oracle, _copy(oracle), run=twice) == []
+    assert case["_full_rows"] == F.full_rows("step", case, oracle["write_index"], run=twice)
+    one_launch = dict(case)
+    assert F.compare_overflow_aware("step", one_launch, oracle, _copy(oracle)) == \
+        ["kept ring rows are not violations of this launch"]
 
 
 @pytest.mark.parametrize("op", ["write", "step"])
