@@ -626,6 +626,7 @@ def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
     neither its bound nor a tile's is reached otherwise."""
     from kvcanary_cupy.ops.backends._cuda import step as cuda_step
 
+    twice = functools.partial(F.run_step_unfused, device="cpu", launches=2)
     for i, case in enumerate(_step_form_cases(bs, entries, 2, seed=1)):
         n = len(case["input_ids"])
         arrays = {k: (None if case[k] is None else to_device(case[k], "cuda")) for k in F.STEP_ARRAYS}
@@ -636,7 +637,6 @@ def test_step_at_its_form_boundaries_equals_plan_verify_write(bs, entries):
         for _ in range(2):
             step.launch()
         fused = F._context_outputs(ctx)
-        twice = functools.partial(F.run_step_unfused, device="cpu", launches=2)
         oracle = twice(case)
         assert F.compare_overflow_aware("step", case, oracle, fused, run=twice) == [], \
             f"bs {bs}, {entries}, case {i}"
