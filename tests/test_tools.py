@@ -667,7 +667,8 @@ def test_kernel_mutants_count_a_check_past_its_timeout_only_where_the_unchanged_
     """A check that runs past ``--timeout`` catches the change (a hang) only where the same check
     ends within it on the unchanged sources; one that runs past it either way (the GPU tests of a
     header every kernel includes, on a card many workers share) leaves the change unfinished, for
-    ``--replay`` to take again."""
+    ``--replay`` to take again, and so does one that ``--limit`` cuts short on the unchanged sources,
+    which the row then says instead of a timeout."""
     import time
 
     (mutants,) = import_tools("kernel_mutants")
@@ -684,6 +685,9 @@ def test_kernel_mutants_count_a_check_past_its_timeout_only_where_the_unchanged_
     slow = worker.judge(change, checks("always"), 0, 8, time.perf_counter() + 60)
     assert slow["verdict"] == "unfinished"
     assert slow["by"] == "tests: runs past the timeout on the unchanged sources too (hang)"
+    # the same check on the unchanged sources stopped by --limit before its timeout: no more is known
+    cut = worker.judge(change, checks("always"), 0, 3, time.perf_counter() + 4)
+    assert cut["verdict"] == "unfinished" and cut["by"] == "tests: cut short by --limit on the unchanged sources"
     assert (tmp_path / "w0" / "rawkernels" / "verify.cu").exists() and \
         change.after not in (tmp_path / "w0" / "rawkernels" / "verify.cu").read_text().splitlines()
 

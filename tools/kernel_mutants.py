@@ -297,8 +297,12 @@ class Worker:
             unchanged, _ = self.run(confirm, min(timeout, max(left, 0.0)))
             if unchanged != "pass":
                 row["verdict"] = "unjudged" if unchanged in ("fail", "crash") else "unfinished"
-                how = "runs past the timeout" if unchanged == "hang" else "fails"
-                row["by"] = f"{by}: {how} on the unchanged sources too ({unchanged})"
+                if unchanged == "hang" and left < timeout:
+                    # ``--limit`` stopped it first: it says nothing of how long it takes
+                    row["by"] = f"{by}: cut short by --limit on the unchanged sources"
+                else:
+                    how = "runs past the timeout" if unchanged == "hang" else "fails"
+                    row["by"] = f"{by}: {how} on the unchanged sources too ({unchanged})"
             row["seconds"] = round(time.perf_counter() - start, 1)
         return row
 
