@@ -6,7 +6,10 @@
 # $OUT/summary.txt is the short record. Stages: tests fuzz sanitize demo canary bench (canary:
 # tools/canary_fuzz.py, random correct engines driving kc.Canary, CANARY_SEEDS of them in CANARY_PARTS
 # processes). FUZZ_SEED and CANARY_START move the fuzzes to cases no earlier run made (the defaults
-# repeat the usual ones); the summary records both.
+# repeat the usual ones); the summary records both. The full run of a results row
+# (tests/results/2026-12-05-h200.md), all from seeds no earlier run drew:
+#   OUT=out/val FUZZ_CASES=1500 CANARY_SEEDS=400 CANARY_PARTS=4 FUZZ_SEED=<new> CANARY_START=<new> \
+#     STAGE_TIMEOUT=420 bash tools/h200_session.sh tests fuzz sanitize demo canary
 set -uo pipefail
 OUT=${OUT:-out}
 LOGS="$OUT/logs"
