@@ -573,6 +573,7 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
     assert [caught for caught, _, _ in every] == ["fuzz", "memcheck", "racecheck", "synccheck", "tests"]
     for (tool, _, argv) in every[1:4]:
         assert argv[:3] == ["compute-sanitizer", "--tool", tool]
+        assert argv[argv.index("--launch-timeout") + 1] == "300"  # a slow first touch of CUDA still checked
         assert argv[argv.index("--ops") + 1:][:2] == ["plan", "step"]
         assert "--exact-allocations" in argv
     plain = mutants.Checks(cases=8, memcheck=False, tests=False).commands(change, 3)

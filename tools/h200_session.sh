@@ -39,51 +39,57 @@ summary="$OUT/summary.txt"
 has() { [[ " $stages " == *" $1 "* ]]; }
 sanitizers="memcheck racecheck initcheck synccheck"  # each over the fuzz, and in the summary
 
-pids=()
+declare -A stage_pid stage_rc  # each background stage's process by its log's name, then its exit status
+started() { stage_pid[$1]=$!; }
 if has tests; then
   timeout "$STAGE_TIMEOUT" python3 -m pytest tests -q -p no:cacheprovider -rfs -k "cuda or gpu" > "$LOGS/tests.log" 2>&1 &
-  pids+=($!)
+  started tests
 fi
 if has fuzz; then
   for op in verify write plan scatter step records; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops "$op" --cases "$FUZZ_CASES" --seed "$FUZZ_SEED" --json "$LOGS/fuzz-$op.json" \
-      > "$LOGS/fuzz-$op.log" 2>&1 & pids+=($!)
+      > "$LOGS/fuzz-$op.log" 2>&1 & started "fuzz-$op"
   done
   # the write's three forms on every shape, not only on the shapes the host gives each
   for team in thread one two; do
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops write --write-team "$team" --cases $((FUZZ_CASES / 2)) --seed $((FUZZ_SEED + 6)) \
-      --json "$LOGS/fuzz-write-$team.json" > "$LOGS/fuzz-write-$team.log" 2>&1 & pids+=($!)
+      --json "$LOGS/fuzz-write-$team.json" > "$LOGS/fuzz-write-$team.log" 2>&1 & started "fuzz-write-$team"
   done
 fi
 if has sanitize; then
   # Every array an allocation of its exact size (CuPy's pool off), with a gap after each where this
   # compute-sanitizer can pad: memcheck then sees a read or store one element past an array.
-  padding=$(compute-sanitizer --help 2>&1 | grep -q -- --padding && echo "--padding 64")
+  sanitizer_options=$(compute-sanitizer --help 2>&1 | grep -q -- --padding && echo "--padding 64")
+  # A target that first touches CUDA later than compute-sanitizer's default 10 s (a fresh machine
+  # starting every stage at once) is left unchecked, with no summary line; wait longer for it.
+  sanitizer_options="$sanitizer_options --launch-timeout 300"
   for tool in $sanitizers; do
-    timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all $padding \
+    timeout "$STAGE_TIMEOUT" compute-sanitizer --tool "$tool" --target-processes all $sanitizer_options \
       python3 tools/differential_fuzz.py --cases "$SANITIZE_CASES" --max-entries 20000 --large-every 10 --seed $((FUZZ_SEED + 1)) \
-      --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & pids+=($!)
+      --exact-allocations > "$LOGS/sanitize-$tool.log" 2>&1 & started "sanitize-$tool"
   done
   # the session's own kernels (the SWA group's slot translation, its counts), which only kc.Canary runs
-  timeout "$STAGE_TIMEOUT" compute-sanitizer --tool memcheck --target-processes all $padding \
+  timeout "$STAGE_TIMEOUT" compute-sanitizer --tool memcheck --target-processes all $sanitizer_options \
     python3 tools/canary_fuzz.py --device cuda --seeds 8 --start $((CANARY_START + 900000)) --forwards 30 \
-    --exact-allocations > "$LOGS/sanitize-memcheck-session.log" 2>&1 & pids+=($!)
+    --exact-allocations > "$LOGS/sanitize-memcheck-session.log" 2>&1 & started sanitize-memcheck-session
 fi
 if has demo; then
   timeout "$STAGE_TIMEOUT" python3 -m kvcanary_cupy demo --device cuda --no-progress --json "$LOGS/demo-cuda.json" > "$LOGS/demo-cuda.log" 2>&1 &
-  pids+=($!)
+  started demo-cuda
 fi
 if has canary; then
   # several processes: the fuzz's own work is host-side Python
   for ((part = 0; part < CANARY_PARTS; part++)); do
     timeout "$STAGE_TIMEOUT" python3 tools/canary_fuzz.py --device cuda --seeds $((CANARY_SEEDS / CANARY_PARTS)) \
       --start $((CANARY_START + part * CANARY_SEEDS / CANARY_PARTS)) --forwards 60 --json "$LOGS/canary-fuzz-$part.json" \
-      > "$LOGS/canary-fuzz-$part.log" 2>&1 & pids+=($!)
+      > "$LOGS/canary-fuzz-$part.log" 2>&1 & started "canary-fuzz-$part"
   done
 fi
-for pid in "${pids[@]}"; do wait "$pid"; done
+for name in "${!stage_pid[@]}"; do wait "${stage_pid[$name]}"; stage_rc[$name]=$?; done
+# what a stage's summary line adds when the stage did not end by itself
+cut_short() { [ "${stage_rc[$1]:-0}" = 124 ] && echo " (cut short by STAGE_TIMEOUT, $STAGE_TIMEOUT s)"; }
 if has tests; then
-  echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")" >> "$summary"
+  echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")$(cut_short tests)" >> "$summary"
   # each failed test once more, alone on the card now that the other stages are done: one that
   # passes alone failed with the load of the others (a race of its own, or a want of memory)
   mapfile -t failed < <(grep -E '^FAILED ' "$LOGS/tests.log" | sed -E 's/^FAILED //; s/ - .*$//')
@@ -93,20 +99,23 @@ if has tests; then
   fi
 fi
 if has canary; then
-  for ((part = 0; part < CANARY_PARTS; part++)); do echo "canary fuzz $part: $(tail -n 1 "$LOGS/canary-fuzz-$part.log")" >> "$summary"; done
+  for ((part = 0; part < CANARY_PARTS; part++)); do echo "canary fuzz $part: $(tail -n 1 "$LOGS/canary-fuzz-$part.log")$(cut_short "canary-fuzz-$part")" >> "$summary"; done
 fi
 if has fuzz; then
-  for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")" >> "$summary"; done
+  for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")$(cut_short "fuzz-$op")" >> "$summary"; done
 fi
 if has sanitize; then
   for tool in $sanitizers; do
     # the fuzz table's rows, as "op mismatches/cases"
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
-    echo "sanitize $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1); fuzz mismatches: $fuzzed" >> "$summary"
+    verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1)
+    # no summary line: the sanitizer never ran the fuzz (it failed to attach, say); its log's first error says why
+    [ -n "$verdict" ] || verdict="no summary: $( (grep -m 1 -E 'Error' "$LOGS/sanitize-$tool.log" || tail -n 1 "$LOGS/sanitize-$tool.log") | sed 's/^=* *//')"
+    echo "sanitize $tool: $verdict$(cut_short "sanitize-$tool"); fuzz mismatches: $fuzzed" >> "$summary"
   done
-  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)" >> "$summary"
+  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)$(cut_short sanitize-memcheck-session)" >> "$summary"
 fi
-if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; fi
+if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; cut_short demo-cuda | sed 's/^ /demo:/' >> "$summary"; fi
 if has bench; then
   python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-only -k "not bench_cpu" \
     --benchmark-json "$OUT/bench.json" > "$LOGS/bench.log" 2>&1

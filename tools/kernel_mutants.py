@@ -154,7 +154,8 @@ class Checks:
         pytest = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cuda or gpu"]
         def sanitizer(tool: str) -> list:
             padding = memcheck_padding() if tool == "memcheck" else ()
-            return ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", *padding]
+            # the default 10 s for the target to first touch CUDA is short on a card many workers share
+            return ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", "--launch-timeout", "300", *padding]
         stages = []
         if ops:
             def fuzz_seeded(fuzz_seed: int) -> list:
