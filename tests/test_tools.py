@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import lzma
 import os
 import weakref
 
@@ -51,6 +52,30 @@ def test_canary_fuzz_on_the_cpu_finds_no_false_positive_and_misses_no_fault(tmp_
     for feature in ("mode=off", "prefix_sharing=on", "prefix_cache=on", "fault=slot_steal@shared",
                     "fault=draft_token", "fault=draft_kv_flip"):
         assert feature in printed
+
+
+def test_canary_fuzz_writes_brief_rows_compressed_and_keeps_a_failing_row_whole(tmp_path, capsys):
+    """``--brief-rows`` into a ``.json.xz``: each clean seed as its outcome and work, the totals and
+    table as the full rows give them; a failing row keeps its configuration and findings."""
+    (fuzz,) = import_tools("canary_fuzz")
+    argv = ["--device", "cpu", "--start", "84", "--seeds", "4", "--forwards", "16"]
+    assert fuzz.main(argv + ["--json", str(tmp_path / "full.json")]) == 0
+    assert fuzz.main(argv + ["--json", str(tmp_path / "brief.json.xz"), "--brief-rows"]) == 0
+    capsys.readouterr()
+    full = json.loads((tmp_path / "full.json").read_text())
+    with lzma.open(tmp_path / "brief.json.xz", "rt", encoding="utf-8") as handle:
+        brief = json.load(handle)
+    assert brief["by_feature"] == full["by_feature"]
+    assert {key: value for key, value in brief["total"].items() if key != "wall_s"} == \
+        {key: value for key, value in full["total"].items() if key != "wall_s"}
+    assert [row["seed"] for row in brief["rows"]] == [84, 85, 86, 87]
+    for short, whole in zip(brief["rows"], full["rows"]):
+        assert set(short) <= set(fuzz.BRIEF_FIELDS) and "config" not in short
+        assert {key: short[key] for key in short if key != "wall_s"} == \
+            {key: whole[key] for key in short if key != "wall_s"}
+        assert short["work"]["forwards"] == 16
+    failing = dict(full["rows"][0], missed=True)
+    assert fuzz.brief(failing) == failing
 
 
 def test_canary_fuzz_on_the_cpu_keeps_prefixes_in_the_host_tier_and_runs_the_draft_canary_static(tmp_path, capsys):

@@ -26,8 +26,11 @@ model's KV written for the wrong token), now and then on a slot that several req
 must be reported, and the reports must name the request it harms and the position it harms
 (:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
 seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
-was reported and named; the table sums the rows by feature. The exit status is 1 when any seed had
-a false positive, a counter mismatch, a missed or misnamed fault or a crash.
+was reported and named; the table sums the rows by feature. With ``--brief-rows`` a seed that ran
+clean keeps only its outcome and its work (``BRIEF_FIELDS``): the configuration is the seed's, and
+``--start SEED --seeds 1`` draws it again; a failing seed's row stays whole. A ``--json`` path that
+ends in ``.xz`` is written compressed. The exit status is 1 when any seed had a false positive, a
+counter mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import lzma
 import logging
 import pathlib
 import sys
@@ -1757,6 +1761,16 @@ def table(rows: list[dict]) -> dict:
     return dict(sorted(by_feature.items()))
 
 
+# what a clean seed's brief row keeps: which fault, whether and where it was placed and reported,
+# and how much the engine did
+BRIEF_FIELDS = ("seed", "fault", "injected", "detected", "fault_at", "first_report", "work", "wall_s")
+
+
+def brief(row: dict) -> dict:
+    """``row`` as ``--brief-rows`` keeps it."""
+    return dict(row) if failed(row) else {key: row[key] for key in BRIEF_FIELDS if key in row}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (CuPy): static forwards then also in CUDA "
@@ -1764,7 +1778,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--forwards", type=int, default=40, help="forwards a run, before its final sweeps")
-    parser.add_argument("--json", help="write every seed's row and the totals here")
+    parser.add_argument("--json", help="write every seed's row and the totals here (xz-compressed where it ends in .xz)")
+    parser.add_argument("--brief-rows", action="store_true",
+                        help="in --json, a seed that ran clean as its outcome and work only (a failing seed's row whole)")
     parser.add_argument("--exact-allocations", action="store_true",
                         help="CuPy's memory pool off: every CuPy array an allocation of its exact size, so that "
                              "compute-sanitizer's memcheck sees a read or store one past it")
@@ -1800,8 +1816,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"with the canary off had none), {total['missed']} missed, {total['misnamed']} misnamed, "
           f"{total['crashes']} crashes")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"device": args.device, "forwards": args.forwards, "rows": rows, "by_feature": by_feature,
+        opener = lzma.open if args.json.endswith(".xz") else open
+        with opener(args.json, "wt", encoding="utf-8") as handle:
+            json.dump({"device": args.device, "forwards": args.forwards,
+                       "rows": [brief(r) for r in rows] if args.brief_rows else rows, "by_feature": by_feature,
                        "total": total}, handle, indent=1, default=int)
     return int(any(failed(r) for r in rows))
 
