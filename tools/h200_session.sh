@@ -9,7 +9,9 @@
 # repeat the usual ones); the summary records both. The full run of a results row
 # (tests/results/2026-12-05-h200.md), all from seeds no earlier run drew:
 #   OUT=out/val FUZZ_CASES=1500 CANARY_SEEDS=400 CANARY_PARTS=4 FUZZ_SEED=<new> CANARY_START=<new> \
-#     STAGE_TIMEOUT=420 bash tools/h200_session.sh tests fuzz sanitize demo canary
+#     STAGE_TIMEOUT=540 bash tools/h200_session.sh tests fuzz sanitize demo canary
+# (420 s until 0661586, whose slower machine ran the GPU tests past it; beside the other stages they
+# took 256 s at 62b64c0)
 set -uo pipefail
 OUT=${OUT:-out}
 LOGS="$OUT/logs"
