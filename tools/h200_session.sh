@@ -117,7 +117,7 @@ if has sanitize; then
   done
   echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)$(cut_short sanitize-memcheck-session)" >> "$summary"
 fi
-if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; cut_short demo-cuda | sed 's/^ /demo:/' >> "$summary"; fi
+if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; cut_short demo-cuda | sed 's/^ /demo: /' >> "$summary"; fi
 if has bench; then
   python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-only -k "not bench_cpu" \
     --benchmark-json "$OUT/bench.json" > "$LOGS/bench.log" 2>&1
