@@ -90,6 +90,14 @@ fi
 for name in "${!stage_pid[@]}"; do wait "${stage_pid[$name]}"; stage_rc[$name]=$?; done
 # what a stage's summary line adds when the stage did not end by itself
 cut_short() { [ "${stage_rc[$1]:-0}" = 124 ] && echo " (cut short by STAGE_TIMEOUT, $STAGE_TIMEOUT s)"; }
+# a sanitizer log's summary line; without one the sanitizer never ran its target (it failed to
+# attach, say), and the log's first error says why
+sanitizer_verdict() {
+  local verdict
+  verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$1" | tail -n 1)
+  [ -n "$verdict" ] || verdict="no summary: $( (grep -m 1 -E 'Error' "$1" || tail -n 1 "$1") | sed 's/^=* *//')"
+  echo "$verdict"
+}
 if has tests; then
   echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")$(cut_short tests)" >> "$summary"
   # each failed test once more, alone on the card now that the other stages are done: one that
@@ -110,12 +118,9 @@ if has sanitize; then
   for tool in $sanitizers; do
     # the fuzz table's rows, as "op mismatches/cases"
     fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
-    verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -n 1)
-    # no summary line: the sanitizer never ran the fuzz (it failed to attach, say); its log's first error says why
-    [ -n "$verdict" ] || verdict="no summary: $( (grep -m 1 -E 'Error' "$LOGS/sanitize-$tool.log" || tail -n 1 "$LOGS/sanitize-$tool.log") | sed 's/^=* *//')"
-    echo "sanitize $tool: $verdict$(cut_short "sanitize-$tool"); fuzz mismatches: $fuzzed" >> "$summary"
+    echo "sanitize $tool: $(sanitizer_verdict "$LOGS/sanitize-$tool.log")$(cut_short "sanitize-$tool"); fuzz mismatches: $fuzzed" >> "$summary"
   done
-  echo "sanitize memcheck, session fuzz: $(grep -E 'ERROR SUMMARY' "$LOGS/sanitize-memcheck-session.log" | tail -n 1); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)$(cut_short sanitize-memcheck-session)" >> "$summary"
+  echo "sanitize memcheck, session fuzz: $(sanitizer_verdict "$LOGS/sanitize-memcheck-session.log"); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)$(cut_short sanitize-memcheck-session)" >> "$summary"
 fi
 if has demo; then sed 's/^/demo: /' "$LOGS/demo-cuda.log" >> "$summary"; cut_short demo-cuda | sed 's/^ /demo: /' >> "$summary"; fi
 if has bench; then
