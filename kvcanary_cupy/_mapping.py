@@ -327,7 +327,7 @@ class RowMapper:
                     found.setdefault(int(slot), []).append(index)
         return found
 
-    def place_verify_rows(self, group, rows: Sequence, dropped: bool) -> dict:
+    def place_verify_rows(self, group, rows: Sequence, dropped: bool, static_ran: set = frozenset()) -> dict:
         """``{row index: (launch index or None, (phase, step, request, position))}`` for the rows
         only a verify records.
 
@@ -340,19 +340,27 @@ class RowMapper:
         tables are now, if none did before the write). When the ring dropped rows, the kept ones are the
         first: they go to the first launches, their step told only where every such launch
         recorded one, their request and position only where every entry of those launches that
-        they fit names the same (the ring does not tell when the slot went bad)."""
+        they fit names the same (the ring does not tell when the slot went bad). A row of a slot
+        that no logged write wrote, whose stored fields are not the slot's record now, gets its
+        phase alone (:meth:`_from_an_older_record`)."""
         log = group.log
         keyed: dict = {}
         for i, v in enumerate(rows):
             if not self.is_write_row(group, v):
                 keyed.setdefault(_verify_key(v), []).append(i)
         candidates = self._candidates(group, keyed)
-        rewrites = self._rewrites(group, {key[1] for key, order in candidates.items() if order})
+        rewrites = self._rewrites(group, {key[1] for key in keyed})
         placed: dict = {}
         for key, pending in keyed.items():
             order = candidates[key]
             writes = [index for index in rewrites.get(key[1], ()) if order and index < order[-1]]
             if not writes:
+                # a static forward's writes are known only from its arrays as they are now, which
+                # need not be what each of its runs wrote
+                for i in [] if static_ran or key[1] in rewrites else \
+                        self._from_an_older_record(group, rows, key[1], pending):
+                    pending.remove(i)
+                    placed[i] = (None, self.phase_only(group, rows[i]))
                 self._assign(group, rows, key, pending, order, order, dropped, placed)
                 continue
             now = self.fields(group, key[1])
@@ -374,6 +382,19 @@ class RowMapper:
                         (name, position), = names
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
         return placed
+
+    def _from_an_older_record(self, group, rows: Sequence, slot: int, pending: list) -> list:
+        """The rows of ``pending`` (a pool slot's, which no logged write wrote, with eager forwards
+        alone since the previous poll) whose stored fields are not the slot's record now: something the canary does not
+        show gave the slot another record after they were recorded (``kc.copy_records`` moving
+        another token's record into a freed slot: a compaction, a reload). Which of the launches
+        that read the slot saw the old record is not known, and a launch that checks the slot as
+        the tables are now may have read only the new one: such rows get their phase alone."""
+        if not 0 <= slot < group.ctx.num_slots:
+            return []
+        now = self.fields(group, slot)
+        record = (now["token"], now["position"], now["prev_hash"])
+        return [i for i in pending if (rows[i].stored_token, rows[i].position, rows[i].stored_chain_hash) != record]
 
     def written_after(self, group, index: int) -> frozenset:
         """The slots the write launches of the forward of ``group.log[index]`` wrote after it."""
@@ -491,7 +512,7 @@ class RowMapper:
         """``(phase, step, request, position)`` of every row (``None`` where unknown)."""
         log = group.log
         self._wanted[group.name] = np.unique(np.array([v.slot_idx for v in rows], np.int64))
-        placed = self.place_verify_rows(group, rows, dropped)
+        placed = self.place_verify_rows(group, rows, dropped, static_ran)
         out, pointer, misses = [], 0, set()
         taken: dict = {}  # by (launch, match): the rows given to it, one each an entry or request
         replayed: dict = {}  # by (launch, key): the verify rows a lone replay's launch fits exactly

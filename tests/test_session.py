@@ -1167,6 +1167,37 @@ def test_a_pool_row_handed_to_a_request_sharing_a_prefix_before_the_poll_names_n
         ("head", 2, "a", 1), ("tail", 2, "a", 1), ("head", 3, "c", 1), ("tail", 3, "c", 1)]
 
 
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_of_a_record_a_copy_replaced_before_the_poll_name_no_later_reader_of_the_slot(device):
+    """a's first slot holds b's record (a slot handed out while in use) when forward 2 reads it.
+    a then finishes and its pool row goes to c; a compaction moves c's first token, KV and
+    record (kc.copy_records), into that freed slot, and forward 4 reads it there, clean. Nothing
+    the canary logged wrote the slot, and its record now is not the one forward 2's rows hold: as
+    the tables are now, only c's forwards check the slot, but c never read the old record. Those
+    rows get their phase alone; forward 4 finds nothing."""
+    eng = Tiny(device)
+    eng.step({"a": 4, "b": 3})
+    assert not eng.canary.poll()
+    stolen = eng.slot("a", 0)
+    kc.copy_records(src=eng.canary.context, dst=eng.canary.context, src_slots=int64s_on(device)([eng.slot("b", 2)]),
+                    dst_slots=int64s_on(device)([stolen]))
+    eng.step({"a": 1})
+    eng.rows["c"], eng.lens["c"] = eng.rows.pop("a"), 0
+    eng.set_table(np.s_[eng.rows["c"]], np.zeros(WIDTH, np.int32))
+    eng.step({"c": 2})
+    old = eng.slot("c", 0)
+    for buf in (eng.k, eng.v):
+        buf[stolen] = buf[old]
+    kc.copy_records(src=eng.canary.context, dst=eng.canary.context, src_slots=int64s_on(device)([old]),
+                    dst_slots=int64s_on(device)([stolen]))
+    eng.set_table((eng.rows["c"], 0), stolen)
+    eng.step({"c": 1})
+    report = eng.canary.poll()
+    assert report and all(event.request != "c" for event in report)
+    assert {(e.phase, e.step, e.request, e.position) for e in report if e.slot == stolen} == {
+        ("head", None, None, None), ("tail", None, None, None)}
+
 class _InterruptedOnce:
     """A logger that raises KeyboardInterrupt at its first warning, as an engine's logger can when
     the process is interrupted, and takes the later ones."""
