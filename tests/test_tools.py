@@ -139,6 +139,16 @@ def test_canary_fuzz_takes_a_record_written_over_whole_named_at_the_next_positio
     assert rows[0]["fault_where"].endswith("position 0 slot 20") and rows[0]["detected"]
 
 
+def test_canary_fuzz_names_no_later_reader_of_a_slot_whose_record_a_compaction_replaced(tmp_path, capsys):
+    """Seed 2295335 steals a shared slot; a copy of its bad record is read, and that slot is freed
+    before the poll, a compaction then moving a new request's record into it: the rows of the old
+    record name none of the new request's forwards (the fuzz fails a seed whose events name anyone
+    but the victims and the thief)."""
+    _, rows, _ = run_fuzz(tmp_path, capsys, start=2295335, seeds=1, forwards=60)
+    assert rows[0]["fault"] == "slot_steal@shared" and rows[0]["config"]["compaction"]
+    assert rows[0]["detected"] and not rows[0]["misnamed"]
+
+
 def run_broken_fuzz(tmp_path, capsys, start: int = 84, seeds: int = 12,
                     forwards: int = 16) -> tuple[str, list, dict, dict]:
     """Seeds of tools/canary_fuzz.py, by default 84-95 (the canary off in one, both faults of a
