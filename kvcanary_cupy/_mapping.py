@@ -363,10 +363,8 @@ class RowMapper:
                     placed[i] = (None, self.phase_only(group, rows[i]))
                 self._assign(group, rows, key, pending, order, order, dropped, placed)
                 continue
-            now = self.fields(group, key[1])
             stale_kv = not self.kv_changed(group, key[1])
-            after = [i for i in pending if (rows[i].stored_token, rows[i].position, rows[i].stored_chain_hash)
-                     == (now["token"], now["position"], now["prev_hash"])
+            after = [i for i in pending if self._shows_record_now(group, rows[i])
                      and not (stale_kv and int(rows[i].fail_reason) & _BIT_KV)]
             before = [i for i in pending if i not in after]
             earlier = [index for index in order if index < writes[-1]]
@@ -383,18 +381,22 @@ class RowMapper:
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
         return placed
 
+    def _shows_record_now(self, group, v) -> bool:
+        """Whether verify row ``v`` stored the fields its pool slot's record holds now."""
+        now = self.fields(group, v.slot_idx)
+        return (v.stored_token, v.position, v.stored_chain_hash) == (now["token"], now["position"], now["prev_hash"])
+
     def _from_an_older_record(self, group, rows: Sequence, slot: int, pending: list) -> list:
-        """The rows of ``pending`` (a pool slot's, which no logged write wrote, with eager forwards
-        alone since the previous poll) whose stored fields are not the slot's record now: something the canary does not
-        show gave the slot another record after they were recorded (``kc.copy_records`` moving
-        another token's record into a freed slot: a compaction, a reload). Which of the launches
-        that read the slot saw the old record is not known, and a launch that checks the slot as
-        the tables are now may have read only the new one: such rows get their phase alone."""
+        """The rows of ``pending`` (a pool slot's, which no logged write wrote, with eager
+        forwards alone since the previous poll) whose stored fields are not the slot's record now:
+        something the canary does not show gave the slot another record after they were recorded
+        (``kc.copy_records`` moving another token's record into a freed slot: a compaction, a
+        reload). Which of the launches that read the slot saw the old record is not known, and a
+        launch that checks the slot as the tables are now may have read only the new one: such rows
+        get their phase alone."""
         if not 0 <= slot < group.ctx.num_slots:
             return []
-        now = self.fields(group, slot)
-        record = (now["token"], now["position"], now["prev_hash"])
-        return [i for i in pending if (rows[i].stored_token, rows[i].position, rows[i].stored_chain_hash) != record]
+        return [i for i in pending if not self._shows_record_now(group, rows[i])]
 
     def written_after(self, group, index: int) -> frozenset:
         """The slots the write launches of the forward of ``group.log[index]`` wrote after it."""
