@@ -327,7 +327,7 @@ class RowMapper:
                     found.setdefault(int(slot), []).append(index)
         return found
 
-    def place_verify_rows(self, group, rows: Sequence, dropped: bool, static_ran: set = frozenset()) -> dict:
+    def place_verify_rows(self, group, rows: Sequence, dropped: bool, static_ran: set) -> dict:
         """``{row index: (launch index or None, (phase, step, request, position))}`` for the rows
         only a verify records.
 
@@ -357,10 +357,10 @@ class RowMapper:
             if not writes:
                 # a static forward's writes are known only from its arrays as they are now, which
                 # need not be what each of its runs wrote
-                for i in [] if static_ran or key[1] in rewrites else \
-                        self._from_an_older_record(group, rows, key[1], pending):
-                    pending.remove(i)
-                    placed[i] = (None, self.phase_only(group, rows[i]))
+                if not static_ran and key[1] not in rewrites:
+                    older = self._from_an_older_record(group, rows, key[1], pending)
+                    placed.update((i, (None, self.phase_only(group, rows[i]))) for i in older)
+                    pending = [i for i in pending if i not in older]
                 self._assign(group, rows, key, pending, order, order, dropped, placed)
                 continue
             stale_kv = not self.kv_changed(group, key[1])

@@ -1167,7 +1167,6 @@ def test_a_pool_row_handed_to_a_request_sharing_a_prefix_before_the_poll_names_n
         ("head", 2, "a", 1), ("tail", 2, "a", 1), ("head", 3, "c", 1), ("tail", 3, "c", 1)]
 
 
-
 @pytest.mark.parametrize("device", BACKENDS)
 def test_rows_of_a_record_a_copy_replaced_before_the_poll_name_no_later_reader_of_the_slot(device):
     """a's first slot holds b's record (a slot handed out while in use) when forward 2 reads it.
@@ -1197,6 +1196,7 @@ def test_rows_of_a_record_a_copy_replaced_before_the_poll_name_no_later_reader_o
     assert report and all(event.request != "c" for event in report)
     assert {(e.phase, e.step, e.request, e.position) for e in report if e.slot == stolen} == {
         ("head", None, None, None), ("tail", None, None, None)}
+
 
 class _InterruptedOnce:
     """A logger that raises KeyboardInterrupt at its first warning, as an engine's logger can when
