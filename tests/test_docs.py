@@ -64,3 +64,34 @@ def test_the_kc_names_a_document_uses_exist(document):
                 break
             target = getattr(target, part)
     assert not missing, f"{document.name} names what kvcanary_cupy does not have: {sorted(missing)}"
+
+
+@requires_results
+def test_the_cpu_runs_page_is_written_from_the_results_files():
+    """docs/cpu-runs.md is tools/cpu_runs.py's table of the CPU results files: a file added without
+    the page written again (``python tools/cpu_runs.py --write``), or a file whose seeds do not add up,
+    fails here."""
+    from _tools import import_tools
+
+    (cpu_runs,) = import_tools("cpu_runs")
+    assert cpu_runs.DOCUMENT.read_text(encoding="utf-8") == cpu_runs.render()
+
+
+def test_the_cpu_runs_table_checks_that_a_file_adds_up(tmp_path):
+    """A seed range its runs do not cover, or runs of other forwards, is an error, not a row."""
+    from _tools import import_tools
+
+    (cpu_runs,) = import_tools("cpu_runs")
+    header = ("date: 2026-12-06\ncommit: 0000000 (a test)\nseeds: 100-199 with 40 forwards\n"
+              "command: tools/canary_fuzz.py\n")
+    totals = ("{n} seeds x {f} forwards on cpu in 1.0 s: 0 with false positives, 0 with counter mismatches, "
+              "{n} faults injected (0 found no place), 0 missed, 1 misnamed, 0 crashes\n")
+    path = tmp_path / "2026-12-06-cpu-canary-fuzz-40f-0000000.txt"
+    path.write_text(header + totals.format(n=60, f=40) + totals.format(n=40, f=40))
+    (row,) = cpu_runs.fuzz_ranges(path)
+    assert (row.first, row.seeds, row.forwards, row.faults, row.findings) == (100, 100, 40, 100, (0, 0, 0, 2, 0))
+    for log, rule in ((totals.format(n=60, f=40), "not all run"), (totals.format(n=100, f=60), "60"),
+                      (totals.format(n=100, f=40) * 2, "past the seeds")):
+        path.write_text(header + log)
+        with pytest.raises(ValueError, match=rule):
+            cpu_runs.fuzz_ranges(path)

@@ -1,0 +1,225 @@
+"""The long CPU runs, one table row per seed range, read from their committed results files: the
+kc.Canary fuzz (tools/canary_fuzz.py, tests/results/*-cpu-canary-fuzz*.txt) and the CPU backend
+against the plain-Python model (tests/test_reference_agreement.py,
+tests/results/*-cpu-reference-agreement*.txt).
+
+docs/cpu-runs.md is what ``python tools/cpu_runs.py --write`` writes, and tests/test_docs.py checks
+that it still is, so a new results file needs only this command. A file whose seed ranges do not add
+up to what its runs say they ran is an error, not a row."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "tests" / "results"
+DOCUMENT = ROOT / "docs" / "cpu-runs.md"
+
+# the totals line tools/canary_fuzz.py prints at the end of a run (a file of several parts has one a part)
+FUZZ_TOTALS = re.compile(
+    r"^(?P<seeds>\d+) seeds x (?P<forwards>\d+) forwards on cpu in [\d.]+ s: (?P<false_positives>\d+) with false "
+    r"positives, (?P<counter_mismatches>\d+) with counter mismatches, (?P<faults>\d+) faults injected .*, "
+    r"(?P<missed>\d+) missed, (?P<misnamed>\d+) misnamed, (?P<crashes>\d+) crashes$",
+    re.MULTILINE)
+# a range of canary-fuzz seeds as the header names it: "2000000-2009999 with 60 forwards", or
+# "(2050000-2050999, 60 forwards)" in a file that ran the fuzz after other checks
+SEED_RANGE = re.compile(r"(\d+)-(\d+)(?: with |, )(\d+) forwards")
+CASES_A_SEED = 5  # a seed of the agreement test draws a case of each of its five ops
+FINDINGS = ("false_positives", "counter_mismatches", "missed", "misnamed", "crashes")
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzRange:
+    """Seeds ``first``..``first + seeds - 1`` of one results file, all run with ``forwards`` forwards."""
+
+    path: str
+    date: str
+    commit: str
+    first: int
+    seeds: int
+    forwards: int
+    bounds_checked: bool
+    faults: int
+    findings: tuple[int, ...]  # in the order of FINDINGS
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreementRun:
+    path: str
+    date: str
+    commit: str
+    first: int
+    last: int
+    passed: int
+    failed: int
+
+
+def _header(text: str) -> dict[str, str]:
+    """The ``key: value`` lines before the log, continuation lines (indented) joined to theirs."""
+    header, key = {}, None
+    for line in text.splitlines():
+        if line.startswith("  ") and key is not None:
+            header[key] += " " + line.strip()
+            continue
+        match = re.match(r"([a-z]+): (.*)$", line)
+        if not match or line.startswith("result:"):
+            break
+        key = match.group(1)
+        header[key] = match.group(2)
+    return header
+
+
+def _relative(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+def fuzz_ranges(path: pathlib.Path) -> list[FuzzRange]:
+    """The seed ranges ``path`` names in its ``seeds:`` line, each with the runs (parts) that cover it
+    in order: a range's parts run its forwards, and their seeds add up to its size."""
+    text = path.read_text(encoding="utf-8")
+    header = _header(text)
+    runs = [match.groupdict() for match in FUZZ_TOTALS.finditer(text)]
+    named = header.get("seeds", header.get("what", ""))
+    spans = list(SEED_RANGE.finditer(named))
+    if not spans:
+        raise ValueError(f"{_relative(path)}: names no seed range")
+    ranges = []
+    for number, span in enumerate(spans):
+        # what the header says of this range: up to the next range
+        said = named[span.end():spans[number + 1].start() if number + 1 < len(spans) else None]
+        first, last, forwards = map(int, span.groups())
+        covered, faults, findings = 0, 0, [0] * len(FINDINGS)
+        while covered < last - first + 1:
+            if not runs:
+                raise ValueError(f"{_relative(path)}: seeds {first}-{last} are not all run")
+            run = runs.pop(0)
+            if int(run["forwards"]) != forwards:
+                raise ValueError(f"{_relative(path)}: seeds {first}-{last} say {forwards} forwards, "
+                                 f"a run of them {run['forwards']}")
+            covered += int(run["seeds"])
+            faults += int(run["faults"])
+            findings = [total + int(run[name]) for total, name in zip(findings, FINDINGS)]
+        if covered != last - first + 1:
+            raise ValueError(f"{_relative(path)}: seeds {first}-{last} run as {covered} seeds")
+        ranges.append(FuzzRange(path=_relative(path), date=header["date"], commit=header["commit"].split()[0],
+                                first=first, seeds=covered, forwards=forwards,
+                                bounds_checked="bounds checking" in said or "bounds" in path.name, faults=faults,
+                                findings=tuple(findings)))
+    if runs:
+        raise ValueError(f"{_relative(path)}: {len(runs)} runs past the seeds it names")
+    return ranges
+
+
+def agreement_run(path: pathlib.Path) -> AgreementRun:
+    text = path.read_text(encoding="utf-8")
+    header = _header(text)
+    first, last = map(int, re.search(r"\(seeds (\d+)-(\d+)", header["what"]).groups())
+    result = re.search(r"^(?:(\d+) failed, )?(\d+) passed, .* in [\d.]+s", text, re.MULTILINE)
+    if result is None:
+        raise ValueError(f"{_relative(path)}: no pytest result line")
+    run = AgreementRun(path=_relative(path), date=header["date"], commit=header["commit"].split()[0].rstrip(","),
+                       first=first, last=last, passed=int(result.group(2)), failed=int(result.group(1) or 0))
+    if run.passed + run.failed != (last - first + 1) * CASES_A_SEED:
+        raise ValueError(f"{_relative(path)}: seeds {first}-{last} ran as {run.passed + run.failed} cases")
+    return run
+
+
+def _fuzz_files(results: pathlib.Path) -> list[pathlib.Path]:
+    """The canary-fuzz files, and the bounds-checking files that ran fuzz seeds after their other checks."""
+    bounds = [p for p in sorted(results.glob("*-cpu-bounds-*.txt")) if FUZZ_TOTALS.search(p.read_text(encoding="utf-8"))]
+    return sorted(results.glob("*-cpu-canary-fuzz*.txt")) + bounds
+
+
+def _runs_of_each(spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """How many of ``spans`` (``(first, last)`` seed ranges) run each one's seeds, and how many seeds
+    they run in all, each counted once; spans that overlap but differ are an error (the seeds they
+    share could not be told from the rows)."""
+    for a in spans:
+        for b in spans:
+            if a != b and a[0] <= b[1] and b[0] <= a[1]:
+                raise ValueError(f"seeds {a[0]}-{a[1]} and {b[0]}-{b[1]} overlap in part")
+    return [spans.count(span) for span in spans], sum(last - first + 1 for first, last in set(spans))
+
+
+def _times(runs: int) -> str:
+    return {1: "", 2: " (run twice)"}.get(runs, f" (run {runs} times)")
+
+
+def _number(value: int) -> str:
+    return f"{value:,}"
+
+
+def render(results: pathlib.Path = RESULTS) -> str:
+    ranges = sorted((r for p in _fuzz_files(results) for r in fuzz_ranges(p)), key=lambda r: (r.first, r.path))
+    agreements = sorted((agreement_run(p) for p in sorted(results.glob("*-cpu-reference-agreement*.txt"))),
+                        key=lambda r: (r.first, r.path))
+    lines = [
+        "# The long CPU runs",
+        "",
+        "Every long run of the CPU backend, one row per seed range, as its results file in `tests/results/`",
+        "says it; `python tools/cpu_runs.py --write` writes this page from those files, and the test suite",
+        "checks that it is current. The findings of a canary-fuzz run are what `tools/canary_fuzz.py`",
+        "counts: seeds with a false positive (a violation in a clean run), seeds whose counters disagree",
+        "with what the engine did, injected faults not reported (missed) or reported against a request",
+        "they do not harm (misnamed), and crashes. A clean run has all five at 0. Runs with numba's bounds",
+        "checking on (`NUMBA_BOUNDSCHECK=1`) would also stop at the first index out of range.",
+        "",
+        "## The canary fuzz on the CPU",
+        "",
+        "| first seed | seeds | forwards | bounds checked | commit | faults injected "
+        "| false positives | counter mismatches | missed | misnamed | crashes | file |",
+        "|---:|---:|---:|:---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    fuzz_runs, fuzz_distinct = _runs_of_each([(r.first, r.first + r.seeds - 1) for r in ranges])
+    for r, runs in zip(ranges, fuzz_runs):
+        findings = " | ".join(str(value) for value in r.findings)
+        lines.append(f"| {_number(r.first)} | {_number(r.seeds)}{_times(runs)} | {r.forwards} | {'yes' if r.bounds_checked else ''} "
+                     f"| {r.commit} | {_number(r.faults)} | {findings} | `{r.path}` |")
+    totals = [sum(r.findings[i] for r in ranges) for i in range(len(FINDINGS))]
+    lines += [
+        f"| **all** | **{_number(sum(r.seeds for r in ranges))}** | | "
+        f"{_number(sum(r.seeds for r in ranges if r.bounds_checked))} | "
+        f"| **{_number(sum(r.faults for r in ranges))}** | " + " | ".join(f"**{value}**" for value in totals) + " | |",
+        "",
+        f"{_number(fuzz_distinct)} of these seeds are distinct: rows marked *run twice* ran the same seeds.",
+        "",
+        "## The CPU backend against the plain-Python model",
+        "",
+        "verify, write, plan, scatter and `copy_records` of the numba backend against `kvcanary_cupy.reference`,",
+        "random cases (garbage included) compared byte for byte; each seed draws one case of each op.",
+        "",
+        "| seeds | commit | cases passed | failed | file |",
+        "|---|---|---:|---:|---|",
+    ]
+    agreement_runs, agreement_distinct = _runs_of_each([(a.first, a.last) for a in agreements])
+    for a, runs in zip(agreements, agreement_runs):
+        lines.append(f"| {_number(a.first)}–{_number(a.last)}{_times(runs)} | {a.commit} | {_number(a.passed)} "
+                     f"| {a.failed} | `{a.path}` |")
+    lines += [
+        f"| **all** | | **{_number(sum(a.passed for a in agreements))}** | **{sum(a.failed for a in agreements)}** | |",
+        "",
+        f"{_number(agreement_distinct * CASES_A_SEED)} of these cases are distinct ({_number(agreement_distinct)} seeds, "
+        f"a case of each of the {CASES_A_SEED} ops a seed): rows marked *run twice* drew the same seeds.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"write {_relative(DOCUMENT)} instead of printing")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        DOCUMENT.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
