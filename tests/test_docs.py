@@ -77,6 +77,22 @@ def test_the_cpu_runs_page_is_written_from_the_results_files():
     assert cpu_runs.DOCUMENT.read_text(encoding="utf-8") == cpu_runs.render()
 
 
+@requires_results
+def test_the_cpu_figures_of_the_readme_and_the_results_notes_are_the_tables():
+    """The seeds, faults and cases the README and docs/results.md give for the CPU runs are the sums of
+    docs/cpu-runs.md, so a run added to the table without the figures moved on fails here."""
+    from _tools import import_tools
+
+    (cpu_runs,) = import_tools("cpu_runs")
+    runs = cpu_runs.read()
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    notes = " ".join((ROOT / "docs" / "results.md").read_text(encoding="utf-8").split())
+    assert f"On the CPU backend, {runs.distinct_seeds:,} more seeds ran" in readme
+    assert f"{runs.distinct_cases:,} random cases agreed" in readme
+    assert f"On the CPU backend, {runs.distinct_seeds:,} seeds that no GPU run drew" in notes
+    assert f"{runs.faults:,} faults injected" in notes
+
+
 def test_the_cpu_runs_table_checks_that_a_file_adds_up(tmp_path):
     """A seed range its runs do not cover, or runs of other forwards, is an error, not a row."""
     from _tools import import_tools

@@ -153,10 +153,38 @@ def _number(value: int) -> str:
     return f"{value:,}"
 
 
-def render(results: pathlib.Path = RESULTS) -> str:
-    ranges = sorted((r for p in _fuzz_files(results) for r in fuzz_ranges(p)), key=lambda r: (r.first, r.path))
+@dataclasses.dataclass(frozen=True)
+class CpuRuns:
+    """Every canary-fuzz seed range and agreement run of the results files, in seed order."""
+
+    fuzz: tuple[FuzzRange, ...]
+    agreements: tuple[AgreementRun, ...]
+
+    @property
+    def distinct_seeds(self) -> int:
+        """Canary-fuzz seeds run, each counted once."""
+        return _runs_of_each([(r.first, r.first + r.seeds - 1) for r in self.fuzz])[1]
+
+    @property
+    def faults(self) -> int:
+        return sum(r.faults for r in self.fuzz)
+
+    @property
+    def distinct_cases(self) -> int:
+        """Agreement cases compared, each seed's counted once."""
+        return _runs_of_each([(a.first, a.last) for a in self.agreements])[1] * CASES_A_SEED
+
+
+def read(results: pathlib.Path = RESULTS) -> CpuRuns:
+    fuzz = sorted((r for p in _fuzz_files(results) for r in fuzz_ranges(p)), key=lambda r: (r.first, r.path))
     agreements = sorted((agreement_run(p) for p in sorted(results.glob("*-cpu-reference-agreement*.txt"))),
                         key=lambda r: (r.first, r.path))
+    return CpuRuns(fuzz=tuple(fuzz), agreements=tuple(agreements))
+
+
+def render(runs: CpuRuns | None = None) -> str:
+    runs = read() if runs is None else runs
+    ranges, agreements = runs.fuzz, runs.agreements
     lines = [
         "# The long CPU runs",
         "",
@@ -174,18 +202,18 @@ def render(results: pathlib.Path = RESULTS) -> str:
         "| false positives | counter mismatches | missed | misnamed | crashes | file |",
         "|---:|---:|---:|:---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    fuzz_runs, fuzz_distinct = _runs_of_each([(r.first, r.first + r.seeds - 1) for r in ranges])
-    for r, runs in zip(ranges, fuzz_runs):
+    fuzz_runs = _runs_of_each([(r.first, r.first + r.seeds - 1) for r in ranges])[0]
+    for r, times in zip(ranges, fuzz_runs):
         findings = " | ".join(str(value) for value in r.findings)
-        lines.append(f"| {_number(r.first)} | {_number(r.seeds)}{_times(runs)} | {r.forwards} | {'yes' if r.bounds_checked else ''} "
+        lines.append(f"| {_number(r.first)} | {_number(r.seeds)}{_times(times)} | {r.forwards} | {'yes' if r.bounds_checked else ''} "
                      f"| {r.commit} | {_number(r.faults)} | {findings} | `{r.path}` |")
     totals = [sum(r.findings[i] for r in ranges) for i in range(len(FINDINGS))]
     lines += [
         f"| **all** | **{_number(sum(r.seeds for r in ranges))}** | | "
         f"{_number(sum(r.seeds for r in ranges if r.bounds_checked))} | "
-        f"| **{_number(sum(r.faults for r in ranges))}** | " + " | ".join(f"**{value}**" for value in totals) + " | |",
+        f"| **{_number(runs.faults)}** | " + " | ".join(f"**{value}**" for value in totals) + " | |",
         "",
-        f"{_number(fuzz_distinct)} of these seeds are distinct: rows marked *run twice* ran the same seeds.",
+        f"{_number(runs.distinct_seeds)} of these seeds are distinct: rows marked *run twice* ran the same seeds.",
         "",
         "## The CPU backend against the plain-Python model",
         "",
@@ -195,14 +223,14 @@ def render(results: pathlib.Path = RESULTS) -> str:
         "| seeds | commit | cases passed | failed | file |",
         "|---|---|---:|---:|---|",
     ]
-    agreement_runs, agreement_distinct = _runs_of_each([(a.first, a.last) for a in agreements])
-    for a, runs in zip(agreements, agreement_runs):
-        lines.append(f"| {_number(a.first)}–{_number(a.last)}{_times(runs)} | {a.commit} | {_number(a.passed)} "
+    agreement_runs = _runs_of_each([(a.first, a.last) for a in agreements])[0]
+    for a, times in zip(agreements, agreement_runs):
+        lines.append(f"| {_number(a.first)}–{_number(a.last)}{_times(times)} | {a.commit} | {_number(a.passed)} "
                      f"| {a.failed} | `{a.path}` |")
     lines += [
         f"| **all** | | **{_number(sum(a.passed for a in agreements))}** | **{sum(a.failed for a in agreements)}** | |",
         "",
-        f"{_number(agreement_distinct * CASES_A_SEED)} of these cases are distinct ({_number(agreement_distinct)} seeds, "
+        f"{_number(runs.distinct_cases)} of these cases are distinct ({_number(runs.distinct_cases // CASES_A_SEED)} seeds, "
         f"a case of each of the {CASES_A_SEED} ops a seed): rows marked *run twice* drew the same seeds.",
         "",
     ]
