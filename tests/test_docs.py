@@ -90,7 +90,9 @@ def test_the_cpu_figures_of_the_readme_and_the_results_notes_are_the_tables():
     assert f"On the CPU backend, {runs.distinct_seeds:,} more seeds ran" in readme
     assert f"{runs.distinct_cases:,} random cases agreed" in readme
     assert f"On the CPU backend, {runs.distinct_seeds:,} seeds that no GPU run drew" in notes
+    assert f"{runs.distinct_bounds_checked:,} of them with numba's bounds checking on" in notes
     assert f"{runs.faults:,} faults injected" in notes
+    assert f"{runs.distinct_cases:,} distinct cases" in notes
 
 
 def test_the_cpu_runs_table_checks_that_a_file_adds_up(tmp_path):

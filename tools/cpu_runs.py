@@ -166,6 +166,11 @@ class CpuRuns:
         return _runs_of_each([(r.first, r.first + r.seeds - 1) for r in self.fuzz])[1]
 
     @property
+    def distinct_bounds_checked(self) -> int:
+        """Canary-fuzz seeds run with numba's bounds checking on, each counted once."""
+        return _runs_of_each([(r.first, r.first + r.seeds - 1) for r in self.fuzz if r.bounds_checked])[1]
+
+    @property
     def faults(self) -> int:
         return sum(r.faults for r in self.fuzz)
 
