@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from _tools import import_tools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a results path in backticks or a Markdown link, or a short form (`-swa-9e25cfb.json`) that names a
@@ -71,8 +73,6 @@ def test_the_cpu_runs_page_is_written_from_the_results_files():
     """docs/cpu-runs.md is tools/cpu_runs.py's table of the CPU results files: a file added without
     the page written again (``python tools/cpu_runs.py --write``), or a file whose seeds do not add up,
     fails here."""
-    from _tools import import_tools
-
     (cpu_runs,) = import_tools("cpu_runs")
     assert cpu_runs.DOCUMENT.read_text(encoding="utf-8") == cpu_runs.render()
 
@@ -81,8 +81,6 @@ def test_the_cpu_runs_page_is_written_from_the_results_files():
 def test_the_cpu_figures_of_the_readme_and_the_results_notes_are_the_tables():
     """The seeds, faults and cases the README and docs/results.md give for the CPU runs are the sums of
     docs/cpu-runs.md, so a run added to the table without the figures moved on fails here."""
-    from _tools import import_tools
-
     (cpu_runs,) = import_tools("cpu_runs")
     runs = cpu_runs.read()
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
@@ -97,8 +95,6 @@ def test_the_cpu_figures_of_the_readme_and_the_results_notes_are_the_tables():
 
 def test_the_cpu_runs_table_checks_that_a_file_adds_up(tmp_path):
     """A seed range its runs do not cover, or runs of other forwards, is an error, not a row."""
-    from _tools import import_tools
-
     (cpu_runs,) = import_tools("cpu_runs")
     header = ("date: 2026-12-06\ncommit: 0000000 (a test)\nseeds: 100-199 with 40 forwards\n"
               "command: tools/canary_fuzz.py\n")

@@ -37,7 +37,6 @@ class FuzzRange:
     """Seeds ``first``..``first + seeds - 1`` of one results file, all run with ``forwards`` forwards."""
 
     path: str
-    date: str
     commit: str
     first: int
     seeds: int
@@ -46,16 +45,23 @@ class FuzzRange:
     faults: int
     findings: tuple[int, ...]  # in the order of FINDINGS
 
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.first, self.first + self.seeds - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class AgreementRun:
     path: str
-    date: str
     commit: str
     first: int
     last: int
     passed: int
     failed: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.first, self.last
 
 
 def _header(text: str) -> dict[str, str]:
@@ -105,7 +111,7 @@ def fuzz_ranges(path: pathlib.Path) -> list[FuzzRange]:
             findings = [total + int(run[name]) for total, name in zip(findings, FINDINGS)]
         if covered != last - first + 1:
             raise ValueError(f"{_relative(path)}: seeds {first}-{last} run as {covered} seeds")
-        ranges.append(FuzzRange(path=_relative(path), date=header["date"], commit=header["commit"].split()[0],
+        ranges.append(FuzzRange(path=_relative(path), commit=header["commit"].split()[0],
                                 first=first, seeds=covered, forwards=forwards,
                                 bounds_checked="bounds checking" in said or "bounds" in path.name, faults=faults,
                                 findings=tuple(findings)))
@@ -121,7 +127,7 @@ def agreement_run(path: pathlib.Path) -> AgreementRun:
     result = re.search(r"^(?:(\d+) failed, )?(\d+) passed, .* in [\d.]+s", text, re.MULTILINE)
     if result is None:
         raise ValueError(f"{_relative(path)}: no pytest result line")
-    run = AgreementRun(path=_relative(path), date=header["date"], commit=header["commit"].split()[0].rstrip(","),
+    run = AgreementRun(path=_relative(path), commit=header["commit"].split()[0].rstrip(","),
                        first=first, last=last, passed=int(result.group(2)), failed=int(result.group(1) or 0))
     if run.passed + run.failed != (last - first + 1) * CASES_A_SEED:
         raise ValueError(f"{_relative(path)}: seeds {first}-{last} ran as {run.passed + run.failed} cases")
@@ -134,19 +140,25 @@ def _fuzz_files(results: pathlib.Path) -> list[pathlib.Path]:
     return sorted(results.glob("*-cpu-canary-fuzz*.txt")) + bounds
 
 
-def _runs_of_each(spans: list[tuple[int, int]]) -> tuple[list[int], int]:
-    """How many of ``spans`` (``(first, last)`` seed ranges) run each one's seeds, and how many seeds
-    they run in all, each counted once; spans that overlap but differ are an error (the seeds they
-    share could not be told from the rows)."""
+def _whole_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` (``(first, last)`` seed ranges), once each is known to share seeds with another only
+    by being the same range: seeds shared in part could not be told from the rows."""
     for a in spans:
         for b in spans:
             if a != b and a[0] <= b[1] and b[0] <= a[1]:
                 raise ValueError(f"seeds {a[0]}-{a[1]} and {b[0]}-{b[1]} overlap in part")
-    return [spans.count(span) for span in spans], sum(last - first + 1 for first, last in set(spans))
+    return spans
 
 
-def _times(runs: int) -> str:
-    return {1: "", 2: " (run twice)"}.get(runs, f" (run {runs} times)")
+def _distinct(spans: list[tuple[int, int]]) -> int:
+    """How many seeds ``spans`` run, each counted once."""
+    return sum(last - first + 1 for first, last in set(_whole_spans(spans)))
+
+
+def _times_run(spans: list[tuple[int, int]]) -> list[str]:
+    """For each of ``spans``, how many of them run its seeds, as a note to its row."""
+    counts = [spans.count(span) for span in _whole_spans(spans)]
+    return [{1: "", 2: " (run twice)"}.get(count, f" (run {count} times)") for count in counts]
 
 
 def _number(value: int) -> str:
@@ -163,12 +175,12 @@ class CpuRuns:
     @property
     def distinct_seeds(self) -> int:
         """Canary-fuzz seeds run, each counted once."""
-        return _runs_of_each([(r.first, r.first + r.seeds - 1) for r in self.fuzz])[1]
+        return _distinct([r.span for r in self.fuzz])
 
     @property
     def distinct_bounds_checked(self) -> int:
         """Canary-fuzz seeds run with numba's bounds checking on, each counted once."""
-        return _runs_of_each([(r.first, r.first + r.seeds - 1) for r in self.fuzz if r.bounds_checked])[1]
+        return _distinct([r.span for r in self.fuzz if r.bounds_checked])
 
     @property
     def faults(self) -> int:
@@ -177,7 +189,7 @@ class CpuRuns:
     @property
     def distinct_cases(self) -> int:
         """Agreement cases compared, each seed's counted once."""
-        return _runs_of_each([(a.first, a.last) for a in self.agreements])[1] * CASES_A_SEED
+        return _distinct([a.span for a in self.agreements]) * CASES_A_SEED
 
 
 def read(results: pathlib.Path = RESULTS) -> CpuRuns:
@@ -207,10 +219,9 @@ def render(runs: CpuRuns | None = None) -> str:
         "| false positives | counter mismatches | missed | misnamed | crashes | file |",
         "|---:|---:|---:|:---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    fuzz_runs = _runs_of_each([(r.first, r.first + r.seeds - 1) for r in ranges])[0]
-    for r, times in zip(ranges, fuzz_runs):
+    for r, times in zip(ranges, _times_run([r.span for r in ranges])):
         findings = " | ".join(str(value) for value in r.findings)
-        lines.append(f"| {_number(r.first)} | {_number(r.seeds)}{_times(times)} | {r.forwards} | {'yes' if r.bounds_checked else ''} "
+        lines.append(f"| {_number(r.first)} | {_number(r.seeds)}{times} | {r.forwards} | {'yes' if r.bounds_checked else ''} "
                      f"| {r.commit} | {_number(r.faults)} | {findings} | `{r.path}` |")
     totals = [sum(r.findings[i] for r in ranges) for i in range(len(FINDINGS))]
     lines += [
@@ -228,9 +239,8 @@ def render(runs: CpuRuns | None = None) -> str:
         "| seeds | commit | cases passed | failed | file |",
         "|---|---|---:|---:|---|",
     ]
-    agreement_runs = _runs_of_each([(a.first, a.last) for a in agreements])[0]
-    for a, times in zip(agreements, agreement_runs):
-        lines.append(f"| {_number(a.first)}–{_number(a.last)}{_times(times)} | {a.commit} | {_number(a.passed)} "
+    for a, times in zip(agreements, _times_run([a.span for a in agreements])):
+        lines.append(f"| {_number(a.first)}–{_number(a.last)}{times} | {a.commit} | {_number(a.passed)} "
                      f"| {a.failed} | `{a.path}` |")
     lines += [
         f"| **all** | | **{_number(sum(a.passed for a in agreements))}** | **{sum(a.failed for a in agreements)}** | |",
