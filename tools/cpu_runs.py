@@ -83,10 +83,11 @@ def _relative(path: pathlib.Path) -> str:
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
-def fuzz_ranges(path: pathlib.Path) -> list[FuzzRange]:
+def fuzz_ranges(path: pathlib.Path, text: str | None = None) -> list[FuzzRange]:
     """The seed ranges ``path`` names in its ``seeds:`` line, each with the runs (parts) that cover it
-    in order: a range's parts run its forwards, and their seeds add up to its size."""
-    text = path.read_text(encoding="utf-8")
+    in order: a range's parts run its forwards, and their seeds add up to its size. ``text`` is the
+    file's, where the caller has read it already."""
+    text = path.read_text(encoding="utf-8") if text is None else text
     header = _header(text)
     runs = [match.groupdict() for match in FUZZ_TOTALS.finditer(text)]
     named = header.get("seeds", header.get("what", ""))
@@ -134,10 +135,13 @@ def agreement_run(path: pathlib.Path) -> AgreementRun:
     return run
 
 
-def _fuzz_files(results: pathlib.Path) -> list[pathlib.Path]:
-    """The canary-fuzz files, and the bounds-checking files that ran fuzz seeds after their other checks."""
-    bounds = [p for p in sorted(results.glob("*-cpu-bounds-*.txt")) if FUZZ_TOTALS.search(p.read_text(encoding="utf-8"))]
-    return sorted(results.glob("*-cpu-canary-fuzz*.txt")) + bounds
+def _fuzz_files(results: pathlib.Path) -> list[tuple[pathlib.Path, str]]:
+    """The canary-fuzz files, and the bounds-checking files that ran fuzz seeds after their other
+    checks, each with its text."""
+    fuzz = [(p, p.read_text(encoding="utf-8")) for p in sorted(results.glob("*-cpu-canary-fuzz*.txt"))]
+    bounds = [(p, text) for p in sorted(results.glob("*-cpu-bounds-*.txt"))
+              if FUZZ_TOTALS.search(text := p.read_text(encoding="utf-8"))]
+    return fuzz + bounds
 
 
 def _whole_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -193,7 +197,7 @@ class CpuRuns:
 
 
 def read(results: pathlib.Path = RESULTS) -> CpuRuns:
-    fuzz = sorted((r for p in _fuzz_files(results) for r in fuzz_ranges(p)), key=lambda r: (r.first, r.path))
+    fuzz = sorted((r for p, text in _fuzz_files(results) for r in fuzz_ranges(p, text)), key=lambda r: (r.first, r.path))
     agreements = sorted((agreement_run(p) for p in sorted(results.glob("*-cpu-reference-agreement*.txt"))),
                         key=lambda r: (r.first, r.path))
     return CpuRuns(fuzz=tuple(fuzz), agreements=tuple(agreements))
