@@ -144,24 +144,23 @@ def _fuzz_files(results: pathlib.Path) -> list[tuple[pathlib.Path, str]]:
     return fuzz + bounds
 
 
-def _whole_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` (``(first, last)`` seed ranges), once each is known to share seeds with another only
-    by being the same range: seeds shared in part could not be told from the rows."""
+def _check_whole(spans: list[tuple[int, int]]) -> None:
+    """``spans`` (``(first, last)`` seed ranges) share seeds only by being the same range: seeds
+    shared in part could not be told from the rows."""
     for a in spans:
         for b in spans:
             if a != b and a[0] <= b[1] and b[0] <= a[1]:
                 raise ValueError(f"seeds {a[0]}-{a[1]} and {b[0]}-{b[1]} overlap in part")
-    return spans
 
 
 def _distinct(spans: list[tuple[int, int]]) -> int:
-    """How many seeds ``spans`` run, each counted once."""
-    return sum(last - first + 1 for first, last in set(_whole_spans(spans)))
+    """How many seeds ``spans`` (whole ranges, see ``_check_whole``) run, each counted once."""
+    return sum(last - first + 1 for first, last in set(spans))
 
 
 def _times_run(spans: list[tuple[int, int]]) -> list[str]:
-    """For each of ``spans``, how many of them run its seeds, as a note to its row."""
-    counts = [spans.count(span) for span in _whole_spans(spans)]
+    """For each of ``spans`` (whole ranges), how many of them run its seeds, as a note to its row."""
+    counts = [spans.count(span) for span in spans]
     return [{1: "", 2: " (run twice)"}.get(count, f" (run {count} times)") for count in counts]
 
 
@@ -175,6 +174,10 @@ class CpuRuns:
 
     fuzz: tuple[FuzzRange, ...]
     agreements: tuple[AgreementRun, ...]
+
+    def __post_init__(self) -> None:
+        _check_whole([r.span for r in self.fuzz])
+        _check_whole([a.span for a in self.agreements])
 
     @property
     def distinct_seeds(self) -> int:
