@@ -553,6 +553,29 @@ def seed_slots(pool_rows: np.ndarray, prefix: np.ndarray, req_to_token: np.ndarr
             if 0 < rp < rows and 0 < p <= width}
 
 
+def seed_cells(case: dict) -> list:
+    """The (pool row, column) of each live request's seed cell in a step case whose cell, through
+    the LUT if there is one, resolves to a slot of the pool."""
+    req_to_token, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
+    rows, width = req_to_token.shape
+    cells = [(int(rp), int(p) - 1) for rp, p in zip(case["req_pool_indices"], case["prefix_lens"])
+             if 0 < rp < rows and 0 < p <= width]
+    return [(rp, col) for rp, col in cells if through_lut(lut, int(req_to_token[rp, col])) >= 0]
+
+
+def seed_past_the_pool(case: dict, cells: list) -> None:
+    """Makes each seed cell resolve to ``num_slots``, the first slot past the pool: the write then
+    chains from no slot, and a kernel that loaded the seed's words would read past the canary
+    buffer (under exact allocations, outside its allocation)."""
+    req_to_token, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
+    past = case["pool"]["num_slots"]
+    for rp, col in cells:
+        if lut is None:
+            req_to_token[rp, col] = past
+        else:
+            lut[int(req_to_token[rp, col])] = past
+
+
 def pad_prefix_cells(rng: np.random.Generator, pool_rows: np.ndarray, prefix: np.ndarray,
                      req_to_token: np.ndarray) -> int:
     """Puts the padding slot in one cell before the last of about half the live prefixes, which
@@ -789,7 +812,8 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
     than every later one so that its look-up for its last columns runs to the batch's last request;
     and long rows of a pool row each, the last running to the input's end.
     The step: a batch that the step kernel's block 0 writes (decode-shaped, past the tail write's
-    bound), fewer requests than the block's threads, whose write plan holds exactly the batch."""
+    bound), fewer requests than the block's threads, whose write plan holds exactly the batch, and
+    whose first live requests chain from a seed one past the pool (the slot's words are not read)."""
     if op == "write":
         def full_plan_with_sources(case: dict) -> bool:
             capacity = len(case["offsets"]) - 1
@@ -828,10 +852,13 @@ def memcheck_cases(op: str, rng: np.random.Generator) -> list:
 
         def block_0_writes_with_threads_to_spare(case: dict) -> bool:
             bs, n = len(case["req_pool_indices"]), len(case["input_ids"])
-            return plan_block_write(bs, n) and not tail_write(bs, n) and bs < _BLOCK
+            return (plan_block_write(bs, n) and not tail_write(bs, n) and bs < _BLOCK
+                    and len(seed_cells(case)) > 0)
 
-        return [first_drawn(make_step_case, rng, 20_000, block_0_writes_with_threads_to_spare, 4000,
-                            "step whose kernel's block 0 writes with threads past the batch")]
+        step = first_drawn(make_step_case, rng, 20_000, block_0_writes_with_threads_to_spare, 4000,
+                           "step whose kernel's block 0 writes with threads past the batch")
+        seed_past_the_pool(step, seed_cells(step)[:4])
+        return [step]
     return []
 
 

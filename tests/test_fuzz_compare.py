@@ -464,8 +464,9 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
     and more entries than requests (the warp forms), a scatter batch whose every request names
     one pool row (more later writers than the kernel remembers, the first request the longest) and
     one of long rows, a pool row each, the last to the input's end (the long-rows form), and a
-    step that the step kernel's block 0 writes with threads to spare; the fuzz runs them before its
-    random cases only with ``--exact-allocations``, the CPU backend agreeing with itself."""
+    step that the step kernel's block 0 writes with threads to spare, seeds one past the pool among
+    its requests'; the fuzz runs them before its random cases only with ``--exact-allocations``,
+    the CPU backend agreeing with itself."""
     from kvcanary_cupy.ops.backends._cuda.scatter import _BLOCK as SCATTER_THREADS, scatter_form
     from kvcanary_cupy.ops.backends._cuda.step import _BLOCK as STEP_THREADS, plan_block_write, tail_write
 
@@ -486,14 +487,18 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
         (step,) = F.memcheck_cases("step", np.random.default_rng(seed))
         bs, n = len(step["req_pool_indices"]), len(step["input_ids"])
         assert plan_block_write(bs, n) and not tail_write(bs, n) and bs < STEP_THREADS
+        seeds = F.seed_slots(step["req_pool_indices"], step["prefix_lens"], step["req_to_token"],
+                             step["full_to_swa_index_mapping"])
+        assert step["pool"]["num_slots"] in seeds
     assert F.memcheck_cases("verify", np.random.default_rng(0)) == []
     (fuzz,) = import_tools("differential_fuzz")
     for exact, extra in ((["--exact-allocations"], 1), ([], 0)):
         out = tmp_path / f"fuzz{extra}.json"
-        assert fuzz.main(["--device", "cpu", "--cases", "2", "--ops", "write", "scatter", "verify", "--json", str(out),
-                          *exact]) == 0
+        assert fuzz.main(["--device", "cpu", "--cases", "2", "--ops", "write", "scatter", "verify", "step", "--json",
+                          str(out), *exact]) == 0
         ops = json.loads(out.read_text())["ops"]
-        assert [ops[op]["cases"] for op in ("write", "scatter", "verify")] == [2 + extra, 2 + 2 * extra, 2]
+        assert [ops[op]["cases"] for op in ("write", "scatter", "verify", "step")] == [2 + extra, 2 + 2 * extra, 2,
+                                                                                       2 + extra]
 
 
 def _writers_of_each_slot(case: dict) -> dict:
