@@ -544,23 +544,24 @@ def through_lut(lut: Optional[np.ndarray], slot: int) -> int:
     return int(lut[slot]) if slot < len(lut) else UNRESOLVED
 
 
+def live_seed_cells(pool_rows: np.ndarray, prefix: np.ndarray, req_to_token: np.ndarray) -> list:
+    """The (pool row, column) of the cell each live request of a step chains from: its prefix's last."""
+    rows, width = req_to_token.shape
+    return [(int(rp), int(p) - 1) for rp, p in zip(pool_rows, prefix) if 0 < rp < rows and 0 < p <= width]
+
+
 def seed_slots(pool_rows: np.ndarray, prefix: np.ndarray, req_to_token: np.ndarray,
                lut: Optional[np.ndarray]) -> set:
     """The slots a step's requests chain their new tokens from: a GPU write into one of them races
     with the request that reads it as its seed."""
-    rows, width = req_to_token.shape
-    return {through_lut(lut, int(req_to_token[rp, p - 1])) for rp, p in zip(pool_rows, prefix)
-            if 0 < rp < rows and 0 < p <= width}
+    return {through_lut(lut, int(req_to_token[cell])) for cell in live_seed_cells(pool_rows, prefix, req_to_token)}
 
 
 def seed_cells(case: dict) -> list:
-    """The (pool row, column) of each live request's seed cell in a step case whose cell, through
-    the LUT if there is one, resolves to a slot of the pool."""
+    """The live seed cells of a step case that resolve, through the LUT if there is one, to a slot."""
     req_to_token, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
-    rows, width = req_to_token.shape
-    cells = [(int(rp), int(p) - 1) for rp, p in zip(case["req_pool_indices"], case["prefix_lens"])
-             if 0 < rp < rows and 0 < p <= width]
-    return [(rp, col) for rp, col in cells if through_lut(lut, int(req_to_token[rp, col])) >= 0]
+    return [cell for cell in live_seed_cells(case["req_pool_indices"], case["prefix_lens"], req_to_token)
+            if through_lut(lut, int(req_to_token[cell])) >= 0]
 
 
 def seed_past_the_pool(case: dict, cells: list) -> None:
@@ -569,11 +570,11 @@ def seed_past_the_pool(case: dict, cells: list) -> None:
     buffer (under exact allocations, outside its allocation)."""
     req_to_token, lut = case["req_to_token"], case["full_to_swa_index_mapping"]
     past = case["pool"]["num_slots"]
-    for rp, col in cells:
+    for cell in cells:
         if lut is None:
-            req_to_token[rp, col] = past
+            req_to_token[cell] = past
         else:
-            lut[int(req_to_token[rp, col])] = past
+            lut[int(req_to_token[cell])] = past
 
 
 def pad_prefix_cells(rng: np.random.Generator, pool_rows: np.ndarray, prefix: np.ndarray,
