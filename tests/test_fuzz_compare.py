@@ -464,8 +464,8 @@ def test_the_cases_only_memcheck_can_judge_have_their_shapes_and_come_first_unde
     and more entries than requests (the warp forms), a scatter batch whose every request names
     one pool row (more later writers than the kernel remembers, the first request the longest) and
     one of long rows, a pool row each, the last to the input's end (the long-rows form), and a
-    step that the step kernel's block 0 writes with threads to spare, seeds one past the pool among
-    its requests'; the fuzz runs them before its random cases only with ``--exact-allocations``,
+    step that the step kernel's block 0 writes with threads to spare, some of its requests' seeds
+    one past the pool; the fuzz runs them before its random cases only with ``--exact-allocations``,
     the CPU backend agreeing with itself."""
     from kvcanary_cupy.ops.backends._cuda.scatter import _BLOCK as SCATTER_THREADS, scatter_form
     from kvcanary_cupy.ops.backends._cuda.step import _BLOCK as STEP_THREADS, plan_block_write, tail_write
