@@ -149,6 +149,21 @@ def test_canary_fuzz_names_no_later_reader_of_a_slot_whose_record_a_compaction_r
     assert rows[0]["detected"] and not rows[0]["misnamed"]
 
 
+def test_canary_fuzz_takes_a_table_alias_whose_slot_was_written_again_with_the_victims_record(tmp_path, capsys):
+    """Seed 2620018 points request 5's cell of position 0 at request 0's slot 55. Request 0
+    finishes, and a request sharing request 5's first token is loaded back from the host tier into
+    slot 55: the cell then reads the very record request 5's own slot holds. What read the alias
+    before is reported, its rows unnamed (slot 55 was written again before the poll), and the
+    final sweeps find nothing: the fuzz takes that alias as healed, not misnamed."""
+    (fuzz,) = import_tools("canary_fuzz")
+    _, rows, _ = run_fuzz(tmp_path, capsys, start=2620018, seeds=1, forwards=40)
+    assert rows[0]["fault"] == "table_alias" and rows[0]["fault_where"] == "request 5 position 0 -> slot 55 of 0"
+    assert rows[0]["detected"] and rows[0]["named"] == ["None"] and not rows[0]["misnamed"]
+    config = fuzz.draw_config(2620018, "cpu")
+    healed = fuzz.FuzzEngine(config, fuzz.Device("cpu"), fuzz.draw_fault(config, 40)).run(40)
+    assert healed.alias_healed()
+
+
 def run_broken_fuzz(tmp_path, capsys, start: int = 84, seeds: int = 12,
                     forwards: int = 16) -> tuple[str, list, dict, dict]:
     """Seeds of tools/canary_fuzz.py, by default 84-95 (the canary off in one, both faults of a
