@@ -237,6 +237,47 @@ def test_cuda_requests_of_one_row_past_the_remembered_writers_leave_each_column_
     _check_cuda_against_model(np.random.default_rng(9), lens, int(lens.sum()), [1] * bs, 3, 256)
 
 
+def _later_requests_from_before_flat_in(groups: int = 600, width: int = 256, before: int = 200):
+    """Groups of four requests: r0 writes a whole row of its own, r2 writes the same row from
+    ``before`` ids ahead of flat_in (so only its columns ``before`` on), r1 and r3 write nothing (a
+    reversed range, a row outside the pool) and let the offsets go back and forth. Columns below
+    ``before`` are r0's alone."""
+    rng = np.random.default_rng(74)
+    tail = width - before  # what r2 reads of flat_in: its first ids
+    starts = [tail + k * (width + 40) for k in range(groups)]
+    offsets, rpi = [], []
+    for k, start in enumerate(starts):
+        offsets += [start, start + width, -before, tail]
+        rpi += [k + 1, -1, k + 1, -1]
+    offsets.append(starts[-1] + width + 40)
+    flat_in = rng.integers(-2**31, 2**31, size=offsets[-1]).tolist()
+    pool = rng.integers(-2**31, 2**31, size=(groups + 1, width)).astype(np.int32)
+    return flat_in, offsets, rpi, pool
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_later_request_from_before_flat_in_leaves_the_columns_it_skips_to_the_earlier(device):
+    """A later request of the same row that starts before flat_in writes only the columns whose ids
+    lie in it; the earlier request's values stay in the columns below them (SPEC §3.4)."""
+    flat_in, offsets, rpi, pool = _later_requests_from_before_flat_in()
+    got = _scatter(device, flat_in, offsets, rpi, pool)
+    want = _model(flat_in, offsets, rpi, pool)
+    assert got.tolist() == want.tolist()
+    assert want[1, :200].tolist() == flat_in[offsets[0]:offsets[0] + 200]
+    assert want[1, 200:].tolist() == flat_in[:56]
+
+
+@requires_gpu
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_cuda_every_form_leaves_the_columns_a_later_request_from_before_flat_in_skips(monkeypatch, form):
+    """The same batch through each form of the CUDA kernel: the earlier request's block must take the
+    later request's columns to start where its ids enter flat_in (column 200), not at column 0, where
+    they start for every request that begins inside flat_in."""
+    _force_form(monkeypatch, form)
+    flat_in, offsets, rpi, pool = _later_requests_from_before_flat_in()
+    assert _scatter("cuda", flat_in, offsets, rpi, pool).tolist() == _model(flat_in, offsets, rpi, pool).tolist()
+
+
 def test_long_rows_form_is_picked_for_rows_of_two_strides_on_average():
     from kvcanary_cupy.ops.backends._cuda.scatter import long_rows
 
