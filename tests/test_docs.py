@@ -93,6 +93,54 @@ def test_the_cpu_figures_of_the_readme_and_the_results_notes_are_the_tables():
     assert f"{runs.distinct_cases:,} distinct cases" in notes
 
 
+def test_a_recorded_run_is_a_row_of_the_table(tmp_path):
+    """``tools/cpu_runs.py --record`` writes, from a finished run's log, a file the table reads back as
+    that run: a fuzz run of two parts, a bounds-checked one, an agreement run; a log of neither, or a
+    name already taken, is refused."""
+    (cpu_runs,) = import_tools("cpu_runs")
+    totals = ("{n} seeds x 40 forwards on cpu in 1.0 s: 0 with false positives, 0 with counter mismatches, "
+              "{n} faults injected (0 found no place), 0 missed, 0 misnamed, 0 crashes\n")
+    fuzz = cpu_runs.record("[1/60 seeds, 1 s] 0 failing\n" + totals.format(n=60) + totals.format(n=40),
+                           commit="0000000", start=500, day="2026-12-06", results=tmp_path)
+    bounds = cpu_runs.record(totals.format(n=10), commit="0000000", start=600, bounds_checked=True,
+                             day="2026-12-06", results=tmp_path)
+    agreement = cpu_runs.record("....\n500 passed, 15 deselected in 3.10s\n", commit="0000000", start=7000,
+                                note="a test", day="2026-12-06", results=tmp_path)
+    runs = cpu_runs.read(tmp_path)
+    assert [(r.first, r.seeds, r.forwards, r.bounds_checked, r.faults) for r in runs.fuzz] == [
+        (500, 100, 40, False, 100), (600, 10, 40, True, 10)]
+    assert [(a.first, a.last, a.passed, a.commit) for a in runs.agreements] == [(7000, 7099, 500, "0000000")]
+    assert {fuzz.name, bounds.name, agreement.name} == {
+        "2026-12-06-cpu-canary-fuzz-40f-0000000.txt", "2026-12-06-cpu-canary-fuzz-boundscheck-0000000.txt",
+        "2026-12-06-cpu-reference-agreement-from7000-0000000.txt"}
+    assert "none drawn by an earlier run" in agreement.read_text()
+    again = cpu_runs.record(totals.format(n=5), commit="0000000", start=700, day="2026-12-06", results=tmp_path)
+    assert again.name == "2026-12-06-cpu-canary-fuzz-40f-from700-0000000.txt"
+    for log, rule in (("no totals here\n", "neither"), ("501 passed in 1.0s\n", "not 5 a seed")):
+        with pytest.raises(ValueError, match=rule):
+            cpu_runs.record(log, commit="0000000", start=1, day="2026-12-06", results=tmp_path)
+    with pytest.raises(ValueError, match="exists"):
+        cpu_runs.record("....\n500 passed in 3.10s\n", commit="0000000", start=7000, day="2026-12-06",
+                        results=tmp_path)
+
+
+@requires_results
+def test_the_cpu_figures_are_carried_into_the_sentences_that_give_them(tmp_path):
+    """``--write`` puts the table's totals back in the README's and the results notes' sentences, line
+    breaks inside them kept, whatever figures they held."""
+    (cpu_runs,) = import_tools("cpu_runs")
+    copies = {path: tmp_path / path.name for path, *_ in cpu_runs.FIGURES}
+    for path, copy in copies.items():
+        copy.write_text(re.sub(r"\d{1,3}(?:,\d{3})+", "1", path.read_text(encoding="utf-8")), encoding="utf-8")
+    figures = tuple((copies[path], *rest) for path, *rest in cpu_runs.FIGURES)
+    assert set(cpu_runs.carry_figures(cpu_runs.read(), figures)) == set(copies.values())
+    runs = cpu_runs.read()
+    for copy, before, after, total in figures:
+        said = " ".join(copy.read_text(encoding="utf-8").split())
+        assert f"{before} {getattr(runs, total):,} {after}" in said
+    assert cpu_runs.carry_figures(runs, figures) == []
+
+
 def test_the_cpu_runs_table_checks_that_a_file_adds_up(tmp_path):
     """A seed range its runs do not cover, or runs of other forwards, is an error, not a row."""
     (cpu_runs,) = import_tools("cpu_runs")

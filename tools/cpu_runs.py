@@ -4,20 +4,32 @@ against the plain-Python model (tests/test_reference_agreement.py,
 tests/results/*-cpu-reference-agreement*.txt).
 
 docs/cpu-runs.md is what ``python tools/cpu_runs.py --write`` writes, and tests/test_docs.py checks
-that it still is, so a new results file needs only this command. A file whose seed ranges do not add
-up to what its runs say they ran is an error, not a row."""
+that it still is; the same command carries the totals into the sentences of README.md and
+docs/results.md that give them. A file whose seed ranges do not add up to what its runs say they ran
+is an error, not a row.
+
+``--record LOG`` writes a finished run's results file from its log (the canary fuzz's output, or the
+agreement test's pytest output), with the header the table reads:
+
+    python tools/cpu_runs.py --record fuzz.log --commit abc1234 --start 2840000 [--bounds-checked]
+    python tools/cpu_runs.py --record agreement.log --commit abc1234 --start 5400000"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import os
 import pathlib
+import platform
 import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tests" / "results"
 DOCUMENT = ROOT / "docs" / "cpu-runs.md"
+README = ROOT / "README.md"
+NOTES = ROOT / "docs" / "results.md"
 
 # the totals line tools/canary_fuzz.py prints at the end of a run (a file of several parts has one a part)
 FUZZ_TOTALS = re.compile(
@@ -28,6 +40,9 @@ FUZZ_TOTALS = re.compile(
 # a range of canary-fuzz seeds as the header names it: "2000000-2009999 with 60 forwards", or
 # "(2050000-2050999, 60 forwards)" in a file that ran the fuzz after other checks
 SEED_RANGE = re.compile(r"(\d+)-(\d+)(?: with |, )(\d+) forwards")
+# the line pytest ends an agreement run with (bordered with "=" unless -q)
+AGREEMENT_RESULT = re.compile(r"^=*\s*((?:(\d+) failed, )?(\d+) passed(?:, [^\n]*?)? in [\d.]+s[^\n]*?)\s*=*$",
+                              re.MULTILINE)
 CASES_A_SEED = 5  # a seed of the agreement test draws a case of each of its five ops
 FINDINGS = ("false_positives", "counter_mismatches", "missed", "misnamed", "crashes")
 
@@ -125,11 +140,11 @@ def agreement_run(path: pathlib.Path) -> AgreementRun:
     text = path.read_text(encoding="utf-8")
     header = _header(text)
     first, last = map(int, re.search(r"\(seeds (\d+)-(\d+)", header["what"]).groups())
-    result = re.search(r"^(?:(\d+) failed, )?(\d+) passed, .* in [\d.]+s", text, re.MULTILINE)
+    result = AGREEMENT_RESULT.search(text)
     if result is None:
         raise ValueError(f"{_relative(path)}: no pytest result line")
     run = AgreementRun(path=_relative(path), commit=header["commit"].split()[0].rstrip(","),
-                       first=first, last=last, passed=int(result.group(2)), failed=int(result.group(1) or 0))
+                       first=first, last=last, passed=int(result.group(3)), failed=int(result.group(2) or 0))
     if run.passed + run.failed != (last - first + 1) * CASES_A_SEED:
         raise ValueError(f"{_relative(path)}: seeds {first}-{last} ran as {run.passed + run.failed} cases")
     return run
@@ -263,13 +278,130 @@ def render(runs: CpuRuns | None = None) -> str:
     return "\n".join(lines)
 
 
+# Where README.md and docs/results.md give the totals: the words around each figure (a line break
+# may fall between any two of them) and the total it is.
+FIGURES = (
+    (README, "On the CPU backend,", "more seeds ran", "distinct_seeds"),
+    (README, "and", "random cases agreed", "distinct_cases"),
+    (NOTES, "On the CPU backend,", "seeds that no GPU run drew", "distinct_seeds"),
+    (NOTES, "forwards each;", "of them with numba's bounds checking on", "distinct_bounds_checked"),
+    (NOTES, "machine:", "faults injected", "faults"),
+    (NOTES, "have all agreed,", "distinct cases", "distinct_cases"),
+)
+
+
+def _words(text: str) -> str:
+    return r"\s+".join(map(re.escape, text.split()))
+
+
+def carry_figures(runs: CpuRuns, figures: tuple = FIGURES) -> list[pathlib.Path]:
+    """Puts ``runs``' totals in the sentences ``figures`` names; the documents it changed."""
+    changed = []
+    for path in dict.fromkeys(path for path, *_ in figures):
+        text = original = path.read_text(encoding="utf-8")
+        for _, before, after, total in (f for f in figures if f[0] == path):
+            pattern = re.compile(rf"({_words(before)}\s+)[\d,]+(\s+{_words(after)})")
+            text, found = pattern.subn(lambda m: f"{m.group(1)}{getattr(runs, total):,}{m.group(2)}", text)
+            if found != 1:
+                raise ValueError(f"{_relative(path)}: '{before} N {after}' found {found} times, not once")
+        if text != original:
+            path.write_text(text, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        model = found.group(1).strip() if found else model
+    import numba
+    import numpy
+
+    return f"{os.cpu_count()} cores ({model}), numba {numba.__version__}, numpy {numpy.__version__}"
+
+
+def _fuzz_record(totals: list, *, start: int, bounds_checked: bool) -> tuple[str, list[str]]:
+    """A canary-fuzz run's file name (past the date) and the header lines past its commit."""
+    seeds, forwards = sum(int(t["seeds"]) for t in totals), int(totals[0]["forwards"])
+    checks = (", numba bounds checking on (NUMBA_BOUNDSCHECK=1, a numba cache of its own so that every build is"
+              " made with it)" if bounds_checked else "")
+    command = (("NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=<empty dir> " if bounds_checked else "")
+               + f"PYTHONPATH=. python tools/canary_fuzz.py --device cpu --seeds {seeds} --start {start} "
+               f"--forwards {forwards} --brief-rows --json part.json.xz")
+    return (f"cpu-canary-fuzz-{'boundscheck' if bounds_checked else f'{forwards}f'}",
+            [f"seeds: {start}-{start + seeds - 1} with {forwards} forwards{checks}", f"cpu: {_machine()}",
+             f"command: {command}"])
+
+
+def _agreement_record(result: re.Match, *, start: int, results: pathlib.Path) -> tuple[str, list[str]]:
+    """An agreement run's file name (past the date) and the header lines past its commit."""
+    cases = int(result.group(2) or 0) + int(result.group(3))
+    if cases % CASES_A_SEED:
+        raise ValueError(f"{cases} cases are not {CASES_A_SEED} a seed")
+    first, last = start, start + cases // CASES_A_SEED - 1
+    fresh = all(b < first or last < a for a, b in (run.span for run in read(results).agreements))
+    command = (f"KVCANARY_AGREEMENT_FIRST_SEED={start} KVCANARY_AGREEMENT_SEEDS={last - first + 1} PYTHONPATH=. "
+               "python -m pytest tests/test_reference_agreement.py -q -p no:cacheprovider -k \"agrees and not large"
+               " and not parallel and not any_non_zero and not past_the and not padding\"")
+    return (f"cpu-reference-agreement-from{start}",
+            [f"cpu: {_machine()}", f"command: {command}",
+             "what: verify, write, plan, scatter and copy_records of the numba CPU backend against the plain-Python"
+             " model (kvcanary_cupy.reference),",
+             f"      {last - first + 1:,} random cases an op (seeds {first}-{last}"
+             f"{', none drawn by an earlier run' if fresh else ''}), garbage included, compared byte for byte",
+             "result:"])
+
+
+def record(log: str, *, commit: str, start: int, bounds_checked: bool = False, note: str = "",
+           day: str | None = None, results: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Writes the results file of one finished run from its log: a canary-fuzz run (its totals lines
+    say how many seeds of how many forwards) or an agreement run (its pytest line, a case of each
+    op a seed). Refuses a log that holds neither, and a name already taken."""
+    day = day or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    totals, result = list(FUZZ_TOTALS.finditer(log)), AGREEMENT_RESULT.search(log)
+    if totals:
+        name, lines = _fuzz_record(totals, start=start, bounds_checked=bounds_checked)
+        body = log
+    elif result:
+        name, lines = _agreement_record(result, start=start, results=results)
+        body = result.group(1) + "\n"
+    else:
+        raise ValueError("the log holds neither a canary-fuzz totals line nor a pytest result line")
+    path = results / f"{day}-{name}-{commit}.txt"
+    if path.exists() and "-from" not in name:  # a second run at one commit
+        path = results / f"{day}-{name}-from{start}-{commit}.txt"
+    if path.exists():
+        raise ValueError(f"{_relative(path)} exists")
+    header = [f"date: {day}", f"commit: {commit}" + (f" ({note})" if note else ""), *lines]
+    path.write_text("\n".join(header) + "\n" + body, encoding="utf-8")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"write {_relative(DOCUMENT)} instead of printing")
+    parser.add_argument("--write", action="store_true",
+                        help=f"write {_relative(DOCUMENT)} instead of printing, and carry its totals into "
+                             f"{_relative(README)} and {_relative(NOTES)}")
+    parser.add_argument("--record", metavar="LOG", help="write the results file of the finished run whose log this is")
+    parser.add_argument("--commit", help="with --record: the commit the run ran")
+    parser.add_argument("--start", type=int, help="with --record: the run's first seed")
+    parser.add_argument("--bounds-checked", action="store_true", help="with --record: a fuzz run with NUMBA_BOUNDSCHECK=1")
+    parser.add_argument("--note", default="", help="with --record: said of the commit, in brackets")
     args = parser.parse_args(argv)
+    if args.record:
+        if not args.commit or args.start is None:
+            parser.error("--record needs --commit and --start")
+        path = record(pathlib.Path(args.record).read_text(encoding="utf-8"), commit=args.commit, start=args.start,
+                      bounds_checked=args.bounds_checked, note=args.note)
+        print(_relative(path))
+        return 0
     text = render()
     if args.write:
         DOCUMENT.write_text(text, encoding="utf-8")
+        for path in carry_figures(read()):
+            print(f"{_relative(path)}: figures carried")
     else:
         sys.stdout.write(text)
     return 0
