@@ -133,8 +133,8 @@ def test_the_cpu_figures_are_carried_into_the_sentences_that_give_them(tmp_path)
     for path, copy in copies.items():
         copy.write_text(re.sub(r"\d{1,3}(?:,\d{3})+", "1", path.read_text(encoding="utf-8")), encoding="utf-8")
     figures = tuple((copies[path], *rest) for path, *rest in cpu_runs.FIGURES)
-    assert set(cpu_runs.carry_figures(cpu_runs.read(), figures)) == set(copies.values())
     runs = cpu_runs.read()
+    assert set(cpu_runs.carry_figures(runs, figures)) == set(copies.values())
     for copy, before, after, total in figures:
         said = " ".join(copy.read_text(encoding="utf-8").split())
         assert f"{before} {getattr(runs, total):,} {after}" in said

@@ -159,12 +159,17 @@ def _fuzz_files(results: pathlib.Path) -> list[tuple[pathlib.Path, str]]:
     return fuzz + bounds
 
 
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether seed ranges ``a`` and ``b`` (``(first, last)``) share a seed."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
 def _check_whole(spans: list[tuple[int, int]]) -> None:
     """``spans`` (``(first, last)`` seed ranges) share seeds only by being the same range: seeds
     shared in part could not be told from the rows."""
     for a in spans:
         for b in spans:
-            if a != b and a[0] <= b[1] and b[0] <= a[1]:
+            if a != b and _overlap(a, b):
                 raise ValueError(f"seeds {a[0]}-{a[1]} and {b[0]}-{b[1]} overlap in part")
 
 
@@ -342,7 +347,7 @@ def _agreement_record(result: re.Match, *, start: int, results: pathlib.Path) ->
     if cases % CASES_A_SEED:
         raise ValueError(f"{cases} cases are not {CASES_A_SEED} a seed")
     first, last = start, start + cases // CASES_A_SEED - 1
-    fresh = all(b < first or last < a for a, b in (run.span for run in read(results).agreements))
+    fresh = not any(_overlap((first, last), run.span) for run in read(results).agreements)
     command = (f"KVCANARY_AGREEMENT_FIRST_SEED={start} KVCANARY_AGREEMENT_SEEDS={last - first + 1} PYTHONPATH=. "
                "python -m pytest tests/test_reference_agreement.py -q -p no:cacheprovider -k \"agrees and not large"
                " and not parallel and not any_non_zero and not past_the and not padding\"")
@@ -398,10 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                       bounds_checked=args.bounds_checked, note=args.note)
         print(_relative(path))
         return 0
-    text = render()
+    runs = read()
+    text = render(runs)
     if args.write:
         DOCUMENT.write_text(text, encoding="utf-8")
-        for path in carry_figures(read()):
+        for path in carry_figures(runs):
             print(f"{_relative(path)}: figures carried")
     else:
         sys.stdout.write(text)
