@@ -56,13 +56,97 @@ def to_numpy(array) -> np.ndarray:
     return array if isinstance(array, np.ndarray) else array.get()
 
 
+SPIN_SOURCE = r'''
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}'''
+
+# Volatile stores: shared memory no later statement of the kernel reads, which a compiler may
+# otherwise drop. No word is zero, and neighbours differ.
+FILL_SHARED_SOURCE = r'''
+extern "C" __global__ void fill_shared(unsigned long long seed, int words) {
+    extern __shared__ unsigned long long shared_words[];
+    volatile unsigned long long* out = shared_words;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        const unsigned long long k = seed + (unsigned long long)blockIdx.x * (unsigned long long)words + i;
+        out[i] = (k * 0x9E3779B97F4A7C15ull) | 1ull;
+    }
+}'''
+
+# The words a block of it reads before storing any, copied out: what a kernel that reads shared
+# memory it never stored would find.
+READ_SHARED_SOURCE = r'''
+extern "C" __global__ void read_shared(unsigned long long* out, int words) {
+    extern __shared__ unsigned long long shared_words[];
+    volatile unsigned long long* in = shared_words;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) out[(long long)blockIdx.x * words + i] = in[i];
+}'''
+
+# name -> source of the kernels the tests and tools build themselves (compiled in CI as the
+# package's own are)
+INLINE_KERNELS = {"spin": SPIN_SOURCE, "fill_shared": FILL_SHARED_SOURCE, "read_shared": READ_SHARED_SOURCE}
+
+
 def spin_kernel():
     """A one-thread CuPy kernel, ``spin((1,), (1,), (cupy.uint64(ns),))``, that keeps its stream busy
     for ``ns`` nanoseconds: work queued behind it runs late."""
-    cupy = cupy_module()
-    return cupy.RawKernel(r'''
-    extern "C" __global__ void spin(unsigned long long ns) {
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    }''', "spin")
+    return cupy_module().RawKernel(SPIN_SOURCE, "spin")
+
+
+class StaleSharedMemory:
+    """Fills the shared memory of every SM of the current device with non-zero words, on a stream:
+    a kernel launched after it on that stream that reads a shared word before storing it finds
+    one of these (CUDA leaves shared memory as the last block there left it) instead of the zero
+    that a card mostly holds where nothing ran before, and so gives a wrong answer a comparison
+    can see. Each fill uses new words."""
+
+    BLOCK = 1024
+
+    def __init__(self):
+        cupy = cupy_module()
+        device = cupy.cuda.Device()
+        attributes = device.attributes
+        self.sms = attributes["MultiProcessorCount"]
+        # the most one block may have: one block a SM, each covering nearly all of its SM's memory
+        self.bytes = attributes["MaxSharedMemoryPerBlockOptin"]
+        self.fill = cupy.RawKernel(FILL_SHARED_SOURCE, "fill_shared")
+        self.read = cupy.RawKernel(READ_SHARED_SOURCE, "read_shared")
+        for kernel in (self.fill, self.read):
+            kernel.max_dynamic_shared_size_bytes = self.bytes
+        self.fills = 0
+
+    @property
+    def words(self) -> int:
+        return self.bytes // 8
+
+    def __call__(self, stream) -> None:
+        cupy = cupy_module()
+        self.fills += 1
+        self.fill((self.sms,), (self.BLOCK,), (cupy.uint64(self.fills << 40), cupy.int32(self.words)),
+                  shared_mem=self.bytes, stream=stream)
+
+    def read_back(self, stream):
+        """What a kernel of one block a SM finds in its shared memory before storing any word
+        (a ``(sms, words)`` uint64 array on the device)."""
+        cupy = cupy_module()
+        out = cupy.zeros((self.sms, self.words), dtype=cupy.uint64)
+        self.read((self.sms,), (self.BLOCK,), (out, cupy.int32(self.words)), shared_mem=self.bytes, stream=stream)
+        return out
+
+
+def stale_shared_memory(set_attribute=setattr) -> StaleSharedMemory:
+    """Every kernel the package launches from here on runs after a :class:`StaleSharedMemory` fill on
+    its stream. ``set_attribute`` as for :func:`force_write_team`."""
+    from kvcanary_cupy.ops.backends._cuda import Launch  # noqa: PLC0415
+
+    stale = StaleSharedMemory()
+    launch = Launch.__call__
+
+    def after_a_fill(self, stream) -> None:
+        stale(stream)
+        launch(self, stream)
+
+    set_attribute(Launch, "__call__", after_a_fill)
+    return stale

@@ -13,7 +13,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.rawkernels import _loader
 import _fuzzcases as F
 from _builders import one_forward
-from _devices import HAS_CUDA
+from _devices import HAS_CUDA, StaleSharedMemory, stale_shared_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")]
 
@@ -29,6 +29,34 @@ def test_differential_against_cpu_oracle(op):
         oracle = F.RUNNERS[op](case, "cpu")
         gpu = F.RUNNERS[op](case, "cuda")
         assert F.compare_overflow_aware(op, case, oracle, gpu) == [], f"{op} case {i}"
+
+
+def test_a_kernel_finds_in_shared_memory_the_words_a_stale_fill_left():
+    """The premise of ``--stale-shared`` (tools/differential_fuzz.py): a kernel's shared memory holds,
+    before it stores any, what the fill before it on its stream stored (odd words; zeros are even)."""
+    stale = StaleSharedMemory()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    found = stale.read_back(stream)
+    stale(stream)
+    found_after_a_fill = stale.read_back(stream)
+    stream.synchronize()
+    odd = float((found_after_a_fill & 1).mean())
+    assert odd > 0.9, f"{odd:.1%} of the shared words a kernel finds after a fill are the fill's"
+    assert bool(cupy.any(found != found_after_a_fill))
+
+
+@pytest.mark.parametrize("op", list(F.MAKERS))
+def test_differential_against_cpu_oracle_over_stale_shared_memory(op, monkeypatch):
+    """Every kernel launched after a fill of each SM's shared memory with non-zero words: none reads a
+    shared word it has not stored (such a kernel may pass over the zeros of a fresh card)."""
+    stale = stale_shared_memory(monkeypatch.setattr)
+    rng = np.random.default_rng([2028, list(F.MAKERS).index(op)])
+    for i in range(60):
+        case = F.MAKERS[op](rng, 100_000 if i % 20 == 19 else 3000)
+        oracle = F.RUNNERS[op](case, "cpu")
+        gpu = F.RUNNERS[op](case, "cuda")
+        assert F.compare_overflow_aware(op, case, oracle, gpu) == [], f"{op} case {i}"
+    assert stale.fills >= 30, "the op's kernels ran after a fill"
 
 
 @pytest.mark.parametrize("tile", _loader.PLAN_TILES)

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc")
 
 from kvcanary_cupy.rawkernels import _loader, _ptxas  # noqa: E402
+from _devices import INLINE_KERNELS  # noqa: E402
 
 ARCHES = ("sm_80", "sm_90")
 SPECS = _loader.compile_specs()
@@ -138,3 +139,14 @@ def test_a_source_that_does_not_compile_is_reported_with_its_file_arch_and_log()
     with pytest.raises(RuntimeError, match="NVRTC_ERROR_INVALID_INPUT"):
         _ptxas._ok((nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_INPUT, None))
     assert _ptxas._ok((nvrtc.nvrtcResult.NVRTC_SUCCESS, 7)) == 7
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("name", sorted(INLINE_KERNELS))
+def test_the_tests_own_kernels_compile_cleanly(name, arch):
+    """The kernels tests and tools build inline (tests/_devices.py), compiled as CuPy's RawKernel
+    would: a mistake in one shows here, not in the next GPU run."""
+    compiled = _ptxas.nvrtc_compile(INLINE_KERNELS[name], f"{name}.cu", (), [f"--gpu-architecture={arch}"])
+    assert compiled.ok, f"{name} [{arch}]: {compiled.error}\n{compiled.log}"
+    assert "warning" not in compiled.log.lower(), compiled.log
+    assert compiled.cubin

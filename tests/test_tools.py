@@ -633,6 +633,10 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
     fuzzes = mutants.Checks(cases=8, memcheck=False, tests=False).commands(write, 3)
     assert [name for _, name, _ in fuzzes] == ["fuzz write", "fuzz write thread", "fuzz write one", "fuzz write two"]
     assert len({argv[argv.index("--seed") + 1] for _, _, argv in fuzzes}) == 4
+    assert not any("--stale-shared" in argv for _, _, argv in fuzzes + every)
+    # asked for, every fuzz (under the sanitizers too) runs over stale shared memory; the tests do not
+    stale = mutants.Checks(cases=8, memcheck=True, tests=True, stale_shared=True).commands(change, 3)
+    assert ["--stale-shared" in argv for _, _, argv in stale] == [True, True, False]
 
 
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):

@@ -18,6 +18,10 @@ and a case whose bands changed is a mismatch: a store past an output's end shows
 an allocation of its exact size: under compute-sanitizer's memcheck a read one element past an
 input shows too (the sanitizer runs use it; it is slower), and each op's run begins with the cases
 only memcheck can judge, which random draws reach too rarely (``_fuzzcases.memcheck_cases``).
+``--stale-shared`` runs every kernel of the package after one that fills each SM's shared memory
+with non-zero words (``_devices.StaleSharedMemory``): a kernel that reads a shared word it has not
+stored then gives a wrong answer, where the zero a fresh card mostly holds might have given the
+right one.
 """
 
 from __future__ import annotations
@@ -50,7 +54,12 @@ def main(argv=None) -> int:
                              "host picks, or forced for every batch")
     parser.add_argument("--exact-allocations", action="store_true",
                         help="no guard bands, and CuPy's memory pool off (for compute-sanitizer)")
+    parser.add_argument("--stale-shared", action="store_true",
+                        help="every CUDA kernel launched after a fill of each SM's shared memory with "
+                             "non-zero words")
     args = parser.parse_args(argv)
+    if args.stale_shared and args.device == "cpu":
+        parser.error("--stale-shared fills a GPU's shared memory: it needs --device cuda")
     F.guard_arrays(not args.exact_allocations)
     if args.exact_allocations:
         F.exact_allocations(args.device)
@@ -58,10 +67,14 @@ def main(argv=None) -> int:
         from _devices import force_write_team  # noqa: PLC0415 (it asks for a CUDA device on import)
 
         force_write_team(args.write_team)
+    if args.stale_shared:
+        from _devices import stale_shared_memory  # noqa: PLC0415
+
+        stale_shared_memory()
 
     try:
         summary = {"device": args.device, "seed": args.seed, "write_team": args.write_team,
-                   "exact_allocations": args.exact_allocations, "ops": {}}
+                   "exact_allocations": args.exact_allocations, "stale_shared": args.stale_shared, "ops": {}}
         failed = False
         for op in args.ops:
             op_index = list(F.MAKERS).index(op)

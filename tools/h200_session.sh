@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op),
+# One GPU session: environment facts, the GPU tests, the differential fuzz (one process per op, and
+# one of every op over stale shared memory),
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck over the differential fuzz with exact allocations,
 # memcheck over a few kc.Canary runs) and the demo on the GPU, the independent parts concurrently.
 # Logs land under $OUT (default ./out) and are packed into $OUT/logs-<stages>.tar.gz;
@@ -33,7 +34,7 @@ summary="$OUT/summary.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: ${KVCANARY_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-  echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START (under memcheck from $((CANARY_START + 900000)))"
+  echo "seeds: differential fuzz $FUZZ_SEED (write forms $((FUZZ_SEED + 6)), stale shared memory $((FUZZ_SEED + 7)), sanitizers $((FUZZ_SEED + 1))), canary fuzz from $CANARY_START (under memcheck from $((CANARY_START + 900000)))"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numba', numba.__version__, 'numpy', numpy.__version__)"
   python3 -c "import sys; sys.path.insert(0, 'tests'); import _conformance as c; n = len(c.load_cases()); print('conformance cases:', f'{n} from {c.CASES_PATH}' if n else 'not present (the GPU tests skip them)')"
@@ -57,6 +58,10 @@ if has fuzz; then
     timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --ops write --write-team "$team" --cases $((FUZZ_CASES / 2)) --seed $((FUZZ_SEED + 6)) \
       --json "$LOGS/fuzz-write-$team.json" > "$LOGS/fuzz-write-$team.log" 2>&1 & started "fuzz-write-$team"
   done
+  # every op, each kernel launched over shared memory a fill left full of non-zero words: a kernel
+  # that reads a shared word before storing it shows, where a fresh card's zeros might hide it
+  timeout "$STAGE_TIMEOUT" python3 tools/differential_fuzz.py --stale-shared --cases $((FUZZ_CASES / 5)) --seed $((FUZZ_SEED + 7)) \
+    --json "$LOGS/fuzz-stale-shared.json" > "$LOGS/fuzz-stale-shared.log" 2>&1 & started fuzz-stale-shared
 fi
 if has sanitize; then
   # Every array an allocation of its exact size (CuPy's pool off), with a gap after each where this
@@ -98,6 +103,8 @@ sanitizer_verdict() {
   [ -n "$verdict" ] || verdict="no summary: $( (grep -m 1 -E 'Error' "$1" || tail -n 1 "$1") | sed 's/^=* *//')"
   echo "$verdict"
 }
+# a differential fuzz log's table of several ops, as "op mismatches/cases ..."
+fuzz_rows() { grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$1" | awk '{printf "%s %s/%s ", $1, $3, $2}'; }
 if has tests; then
   echo "gpu tests: $(tail -n 1 "$LOGS/tests.log")$(cut_short tests)" >> "$summary"
   # each failed test once more, alone on the card now that the other stages are done: one that
@@ -113,12 +120,11 @@ if has canary; then
 fi
 if has fuzz; then
   for op in verify write plan scatter step records write-thread write-one write-two; do echo "fuzz $op: $(tail -n 1 "$LOGS/fuzz-$op.log")$(cut_short "fuzz-$op")" >> "$summary"; done
+  echo "fuzz over stale shared memory: $(fuzz_rows "$LOGS/fuzz-stale-shared.log")$(cut_short fuzz-stale-shared)" >> "$summary"
 fi
 if has sanitize; then
   for tool in $sanitizers; do
-    # the fuzz table's rows, as "op mismatches/cases"
-    fuzzed=$(grep -E '^(verify|write|plan|scatter|step|records) +[0-9]' "$LOGS/sanitize-$tool.log" | awk '{printf "%s %s/%s ", $1, $3, $2}')
-    echo "sanitize $tool: $(sanitizer_verdict "$LOGS/sanitize-$tool.log")$(cut_short "sanitize-$tool"); fuzz mismatches: $fuzzed" >> "$summary"
+    echo "sanitize $tool: $(sanitizer_verdict "$LOGS/sanitize-$tool.log")$(cut_short "sanitize-$tool"); fuzz mismatches: $(fuzz_rows "$LOGS/sanitize-$tool.log")" >> "$summary"
   done
   echo "sanitize memcheck, session fuzz: $(sanitizer_verdict "$LOGS/sanitize-memcheck-session.log"); $(grep -E 'seeds x' "$LOGS/sanitize-memcheck-session.log" | tail -n 1)$(cut_short sanitize-memcheck-session)" >> "$summary"
 fi

@@ -17,7 +17,9 @@ fuzz (``tools/canary_fuzz.py``) and the block-table kernels their GPU tests. A c
 the fuzz then runs, where asked, the fuzz again under compute-sanitizer (``--memcheck``: every array
 an allocation of its own size; ``--racecheck``: shared memory that two warps reach in no fixed
 order; ``--synccheck``: a barrier or warp primitive that names threads which do not reach it), then
-the GPU tests of its ops. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests``
+the GPU tests of its ops. ``--stale-shared`` runs every fuzz with ``tools/differential_fuzz.py
+--stale-shared``: each kernel over shared memory left full of non-zero words, where a change that
+reads a shared word it never stored shows. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests``
 (caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught where the same
 check on the unchanged sources ends within it), ``stillborn`` (NVRTC refused it, or crashed compiling
 it; not counted), ``unfinished`` (cut short by ``--limit``, or its check runs past ``--timeout`` on
@@ -146,6 +148,7 @@ class Checks:
     tests: bool           # the GPU tests of the change's ops
     racecheck: bool = False  # the fuzz again under racecheck: shared-memory accesses of two warps unordered
     synccheck: bool = False  # the fuzz again under synccheck: barriers and warp primitives missing threads
+    stale_shared: bool = False  # every fuzz's kernels over shared memory full of non-zero words
 
     def commands(self, mutant: Mutant, seed: int) -> list:
         """(verdict if it fails, name, argv) for each check of ``mutant``."""
@@ -159,7 +162,8 @@ class Checks:
         stages = []
         if ops:
             def fuzz_seeded(fuzz_seed: int) -> list:
-                return [python, "tools/differential_fuzz.py", "--seed", str(fuzz_seed), "--ops"]
+                stale = ["--stale-shared"] if self.stale_shared else []
+                return [python, "tools/differential_fuzz.py", "--seed", str(fuzz_seed), *stale, "--ops"]
 
             fuzz = fuzz_seeded(seed)
             stages.append(("fuzz", "fuzz " + " ".join(ops), fuzz + [*ops, "--cases", str(self.cases)]))
@@ -474,12 +478,14 @@ def main() -> int:
                         help="after the fuzz, the fuzz again under compute-sanitizer's racecheck")
     parser.add_argument("--synccheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's synccheck")
+    parser.add_argument("--stale-shared", action="store_true",
+                        help="every fuzz runs each kernel after a fill of the SMs' shared memory with non-zero words")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests of the change's ops")
     parser.add_argument("--cubins", action="store_true",
                         help="no checks: whether each change leaves every kernel image as it was (no GPU needed)")
     args = parser.parse_args()
     checks = Checks(cases=args.cases, memcheck=args.memcheck, tests=not args.no_tests, racecheck=args.racecheck,
-                    synccheck=args.synccheck)
+                    synccheck=args.synccheck, stale_shared=args.stale_shared)
 
     if args.replay:
         named = frozenset(name for name in args.files or () if ":" in name)
