@@ -609,7 +609,8 @@ def write_padding_slot(rng: np.random.Generator, out_cache_loc: np.ndarray, seed
 def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     """An engine batch with chained prefixes (some corrupted) and new tokens, decode-shaped more often
     than not; hostile corners as in the plan and write cases. New tokens never write a seed slot and
-    no slot twice (on a GPU those race), but may overwrite another request's prefix slot."""
+    no slot twice (on a GPU those race), but may overwrite another request's prefix slot. A few
+    cases have up to four seeds one past the pool (``seed_past_the_pool``)."""
     bs = int(rng.choice([0, 1, 2, 7, 32, 256, 1024, 1500]))
     target = max(1, _log_uniform(rng, max_entries))
     per_request = max(1, target // max(bs, 1))
@@ -696,7 +697,7 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
     if rng.random() < 0.1:  # after the prefix cells, whose padding may make slot 0 a seed
         write_padding_slot(rng, locs, seed_slots(pool_rows, prefix, req_to_token, lut))
     total = verify_total(pool_rows, prefix, swa)
-    return {
+    case = {
         "op": "step",
         "pool": pool,
         "verify_capacity": verify_capacity_for(rng, total, (0, 0, 5, 1000, -1, -total)),
@@ -718,6 +719,10 @@ def make_step_case(rng: np.random.Generator, max_entries: int) -> dict:
         "expected_input_tokens": np.where(rng.random(n) < 0.03, input_ids + 1, input_ids) if with_assert else None,
         "expected_input_positions": np.where(rng.random(n) < 0.03, positions - 1, positions) if with_assert else None,
     }
+    if rng.random() < 0.03:  # as in memcheck's step case: the seed's words are not to be read
+        cells = seed_cells(case)
+        seed_past_the_pool(case, [cells[i] for i in rng.permutation(len(cells))[:4]])
+    return case
 
 
 STEP_ARRAYS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "full_to_swa_index_mapping",
