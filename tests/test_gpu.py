@@ -13,7 +13,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.rawkernels import _loader
 import _fuzzcases as F
 from _builders import one_forward
-from _devices import HAS_CUDA, StaleSharedMemory, stale_shared_memory
+from _devices import HAS_CUDA, StaleSharedMemory, force_write_team, stale_shared_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CuPy and a CUDA device")]
 
@@ -45,12 +45,15 @@ def test_a_kernel_finds_in_shared_memory_the_words_a_stale_fill_left():
     assert bool(cupy.any(found != found_after_a_fill))
 
 
-@pytest.mark.parametrize("op", list(F.MAKERS))
-def test_differential_against_cpu_oracle_over_stale_shared_memory(op, monkeypatch):
+@pytest.mark.parametrize("op,team", [(op, "auto") for op in F.MAKERS] + [("write", team) for team in ("thread", "one", "two")])
+def test_differential_against_cpu_oracle_over_stale_shared_memory(op, team, monkeypatch):
     """Every kernel launched after a fill of each SM's shared memory with non-zero words: none reads a
-    shared word it has not stored (such a kernel may pass over the zeros of a fresh card)."""
+    shared word it has not stored (such a kernel may pass over the zeros of a fresh card). The
+    write also through each of its forms, whose shared memory differs."""
     stale = stale_shared_memory(monkeypatch.setattr)
-    rng = np.random.default_rng([2028, list(F.MAKERS).index(op)])
+    if team != "auto":
+        force_write_team(team, monkeypatch.setattr)
+    rng = np.random.default_rng([2028, list(F.MAKERS).index(op)])  # the write's forms on the same cases
     for i in range(60):
         case = F.MAKERS[op](rng, 100_000 if i % 20 == 19 else 3000)
         oracle = F.RUNNERS[op](case, "cpu")
