@@ -150,3 +150,12 @@ def test_the_tests_own_kernels_compile_cleanly(name, arch):
     assert compiled.ok, f"{name} [{arch}]: {compiled.error}\n{compiled.log}"
     assert "warning" not in compiled.log.lower(), compiled.log
     assert compiled.cubin
+
+
+def test_the_stale_fill_stores_its_words_and_the_probe_reads_them():
+    """Shared memory no statement of the fill reads back: its stores must survive as volatile ones
+    (else the compiler may drop them, and ``--stale-shared`` would fill nothing), and the probe's
+    loads too."""
+    for name, access in (("fill_shared", "st.volatile.shared"), ("read_shared", "ld.volatile.shared")):
+        compiled = _ptxas.nvrtc_compile(INLINE_KERNELS[name], f"{name}.cu", (), ["--gpu-architecture=sm_90"])
+        assert access in compiled.ptx, (name, compiled.ptx)
