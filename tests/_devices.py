@@ -131,7 +131,7 @@ class StaleSharedMemory:
         """What a kernel of one block a SM finds in its shared memory before storing any word
         (a ``(sms, words)`` uint64 array on the device)."""
         cupy = cupy_module()
-        out = cupy.zeros((self.sms, self.words), dtype=cupy.uint64)
+        out = cupy.empty((self.sms, self.words), dtype=cupy.uint64)  # every word stored by the kernel
         self.read((self.sms,), (self.BLOCK,), (out, cupy.int32(self.words)), shared_mem=self.bytes, stream=stream)
         return out
 
