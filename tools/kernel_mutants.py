@@ -19,9 +19,10 @@ an allocation of its own size; ``--racecheck``: shared memory that two warps rea
 order; ``--synccheck``: a barrier or warp primitive that names threads which do not reach it), then
 the GPU tests of its ops. ``--stale-shared`` runs every fuzz with ``tools/differential_fuzz.py
 --stale-shared``: each kernel over shared memory left full of non-zero words, where a change that
-reads a shared word it never stored shows. Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests``
-(caught by that check), ``hang`` (a check ran past ``--timeout``, counted as caught where the same
-check on the unchanged sources ends within it), ``stillborn`` (NVRTC refused it, or crashed compiling
+reads a shared word it never stored shows.
+Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests`` (caught by that check),
+``hang`` (a check ran past ``--timeout``, counted as caught where the same check on the unchanged
+sources ends within it), ``stillborn`` (NVRTC refused it, or crashed compiling
 it; not counted), ``unfinished`` (cut short by ``--limit``, or its check runs past ``--timeout`` on
 the unchanged sources too, as the GPU tests of a much-included header may on a card that many
 workers share; not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
