@@ -217,7 +217,8 @@ class RowMapper:
         return L.NO_EXPECTED_TOKEN
 
     # --- matching a row to an entry -----------------------------------------------------------------
-    def fits(self, group, launch, v, entry: tuple, loose: Optional[Container] = None) -> bool:
+    def fits(self, group, launch, v, entry: tuple, loose: Optional[Container] = None,
+             index: Optional[int] = None) -> bool:
         """Whether verify entry ``(batch row, position)`` of ``launch`` would record exactly row
         ``v`` (SPEC 3.2), judged from the row's own stored fields: its position, chain and token
         bits and the expected values it carries. The real-KV bit is not judged (the KV bytes are
@@ -226,7 +227,11 @@ class RowMapper:
         may have changed since the launch: a predecessor among those slots (a page freed while in
         use and taken by another request), or in an SWA group a row that found its chain whole or
         did not check it (the predecessor's LUT entry may have moved). With ``_EVERY_SLOT``, the
-        chain is not judged at all."""
+        chain is not judged at all.
+        With ``index``, the launch's place in the group's log: a logged write after it that wrote
+        the row's slot, where the row shows the record the slot holds now, or (judging the chain
+        against the predecessor's record now) wrote the predecessor, gave the slot a record the
+        launch never read, so the row is another launch's."""
         r, position = entry
         bits = int(v.fail_reason)
         reported = self.reported_token(launch, r, position)
@@ -234,6 +239,8 @@ class RowMapper:
             return False
         if not 0 <= v.slot_idx < group.ctx.num_slots:  # recorded with the entry's own position
             return v.position == position
+        if index is not None and self._rewritten_after(group, v.slot_idx, index) and self._recorded_since(group, v):
+            return False
         if bool(bits & _BIT_POSITION) != (v.position != position):
             return False
         if bool(bits & _BIT_TOKEN) != (reported != L.NO_EXPECTED_TOKEN and v.stored_token != reported):
@@ -246,6 +253,8 @@ class RowMapper:
             return prev in loose
         if prev == L.PADDING_SLOT or prev >= group.ctx.num_slots:  # the chain is not checked
             return not bits & _BIT_CHAIN and v.expected_aux == v.stored_chain_hash
+        if index is not None and not self._read_before_rewritten(group, v, index, prev):
+            return False
         expected_chain = self.link(group, prev)
         return v.expected_aux == expected_chain and bool(bits & _BIT_CHAIN) == (v.stored_chain_hash != expected_chain)
 
@@ -319,13 +328,8 @@ class RowMapper:
     def _rewrites(self, group, slots: set) -> dict:
         """For each of ``slots`` in the pool, the logged write launches that wrote it. A slot outside
         the pool has no record to write: its rows read the same before and after such a write."""
-        wanted = np.array(sorted(s for s in slots if 0 <= s < group.ctx.num_slots), np.int64)
-        found: dict = {}
-        for index, launch in enumerate(group.log):
-            if launch.kind == "write" and wanted.size:
-                for slot in np.intersect1d(self._written(launch), wanted).tolist():
-                    found.setdefault(int(slot), []).append(index)
-        return found
+        found = {slot: self._writes_of(group, slot).tolist() for slot in slots if 0 <= slot < group.ctx.num_slots}
+        return {slot: writes for slot, writes in found.items() if writes}
 
     def place_verify_rows(self, group, rows: Sequence, dropped: bool, static_ran: set) -> dict:
         """``{row index: (launch index or None, (phase, step, request, position))}`` for the rows
@@ -363,9 +367,7 @@ class RowMapper:
                     pending = [i for i in pending if i not in older]
                 self._assign(group, rows, key, pending, order, order, dropped, placed)
                 continue
-            stale_kv = not self.kv_changed(group, key[1])
-            after = [i for i in pending if self._shows_record_now(group, rows[i])
-                     and not (stale_kv and int(rows[i].fail_reason) & _BIT_KV)]
+            after = [i for i in pending if self._recorded_since(group, rows[i])]
             before = [i for i in pending if i not in after]
             earlier = [index for index in order if index < writes[-1]]
             self._assign(group, rows, key, after, [index for index in order if index > writes[-1]], order, dropped,
@@ -375,11 +377,18 @@ class RowMapper:
             else:  # written more than once: which content a row shows is not told apart
                 for i in before:
                     names = _distinct((request_name(log[index].batch, r), position) for index in earlier
-                                      for r, position in self._fitting(group, log[index], key, rows[i]))
+                                      for r, position in self._fitting(group, index, key, rows[i]))
                     if len(names) == 1:
                         (name, position), = names
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
         return placed
+
+    def _recorded_since(self, group, v) -> bool:
+        """Whether verify row ``v``, of a slot a logged write wrote, came after that write: it shows
+        the slot's record now, and reports changed KV bytes only where the slot's bytes still
+        differ from its hash (bytes clean now were written since the row found them changed)."""
+        return self._shows_record_now(group, v) and not (int(v.fail_reason) & _BIT_KV
+                                                          and not self.kv_changed(group, v.slot_idx))
 
     def _shows_record_now(self, group, v) -> bool:
         """Whether verify row ``v`` stored the fields its pool slot's record holds now."""
@@ -411,15 +420,50 @@ class RowMapper:
             self._cache[key] = frozenset(slots)
         return self._cache[key]
 
-    def _fitting(self, group, launch, key: tuple, v, loose: Optional[Container] = None) -> list[tuple]:
-        return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose)]
+    def _fitting(self, group, index: int, key: tuple, v, loose: Optional[Container] = None) -> list[tuple]:
+        """The entries of the group's logged launch ``index`` that row ``v`` of ``key`` fits."""
+        launch = group.log[index]
+        return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose, index)]
+
+    def _writes_of(self, group, slot: int) -> np.ndarray:
+        """The log indices of the group's write launches that wrote ``slot``, in log order, each once."""
+        key = ("writes", group.name)
+        if key not in self._cache:
+            written = [(np.unique(self._written(launch)), i) for i, launch in enumerate(group.log)
+                       if launch.kind == "write"]
+            slots = np.concatenate([w for w, _ in written]) if written else np.zeros(0, np.int64)
+            places = np.concatenate([np.full(w.shape[0], i, np.int64) for w, i in written]) if written else slots
+            order = np.argsort(slots, kind="stable")  # by slot, each slot's writes in log order
+            self._cache[key] = (slots[order], places[order])
+        slots, places = self._cache[key]
+        return places[np.searchsorted(slots, slot):np.searchsorted(slots, slot, "right")]
+
+    def _read_before_rewritten(self, group, v, index: int, prev: int) -> bool:
+        """Whether launch ``index`` may have recorded verify row ``v``, as far as its predecessor
+        ``prev`` tells: no logged write wrote ``prev`` after the launch, or the row predates the
+        first that did, as its own slot's last write shows, which it predates
+        (:meth:`_recorded_since`) and which comes no later. (The row's chain, judged against the
+        predecessor's record now, then fits only where the write left the link as it was: a
+        prompt prefilled again into the same slots.) A row recorded after that write, or not
+        known to be before it, is some later launch's: this one read the record before it.""" 
+        writes = self._writes_of(group, prev)
+        later = writes[writes > index]
+        if not later.shape[0]:
+            return True
+        own = self._writes_of(group, v.slot_idx)
+        return bool(own.shape[0]) and int(own[-1]) <= int(later[0]) and not self._recorded_since(group, v)
+
+    def _rewritten_after(self, group, slot: int, index: int) -> bool:
+        """Whether a logged write launch after launch ``index`` wrote ``slot``."""
+        writes = self._writes_of(group, slot)
+        return bool(writes.shape[0]) and int(writes[-1]) > index
 
     def _one_forward(self, group, key: tuple, v, step: int, readers: list) -> bool:
         """Whether every launch of ``readers`` (all those that checked the slot of ``key``) with an
         entry that row ``v`` fits, its chain not judged, is of forward ``step``: only that forward
         can have recorded the row, whatever its predecessor held then."""
         log = group.log
-        return all(log[index].step == step or not self._fitting(group, log[index], key, v, _EVERY_SLOT)
+        return all(log[index].step == step or not self._fitting(group, index, key, v, _EVERY_SLOT)
                    for index in readers)
 
     def _assign(self, group, rows: Sequence, key: tuple, pending: list, order: list, readers: list,
@@ -435,7 +479,7 @@ class RowMapper:
         log = group.log
         if not order or not pending:
             return
-        exact = not dropped or sum(len(self._fitting(group, log[index], key, rows[pending[0]]))
+        exact = not dropped or sum(len(self._fitting(group, index, key, rows[pending[0]]))
                                    for index in order) == len(pending)
         # launches of one forward only: whichever recorded a row, its step is that forward's
         one_step = len({log[index].step for index in order}) == 1
@@ -446,10 +490,10 @@ class RowMapper:
                 while pending:
                     i = pending[0] if dropped else pending[-1]
                     held = used.get(index, set()) | {entry for _, entry, _, _ in taken}
-                    fit = self._fitting(group, launch, key, rows[i])
+                    fit = self._fitting(group, index, key, rows[i])
                     judged = any(e not in held for e in fit)
                     if loose and not judged:
-                        fit = self._fitting(group, launch, key, rows[i], self.written_after(group, index))
+                        fit = self._fitting(group, index, key, rows[i], self.written_after(group, index))
                     entry = next((e for e in fit if e not in held), None)
                     if entry is None:
                         break  # this row, and those before it, came from other launches
@@ -481,20 +525,22 @@ class RowMapper:
         names: list = []
         for index in order:
             launch = group.log[index]
-            fit = self._fitting(group, launch, key, v) or \
-                self._fitting(group, launch, key, v, self.written_after(group, index))
+            fit = self._fitting(group, index, key, v) or \
+                self._fitting(group, index, key, v, self.written_after(group, index))
             names += [(request_name(launch.batch, r), position) for r, position in fit]
         return _the_one(names)
 
     def kv_changed(self, group, slot: int) -> bool:
         """Whether the slot's real-KV bytes now differ from the hash its record holds (False where
         nothing is hashed), recomputed on the host as the kernels fold them."""
-        ctx = group.ctx
-        read = [(_HostRows(source), source.page_size, source.num_bytes_per_token, source.read_length(ctx.hash_mode))
-                for source in ctx.real_kv_sources]
-        if not 0 <= slot < ctx.num_slots or not any(length for *_, length in read):
-            return False
-        return _ref._signed(_ref.real_kv_hash(read, slot)[0]) != self.fields(group, slot)["real_kv_hash"]
+        key = ("kv changed", group.name, slot)
+        if key not in self._cache:
+            ctx = group.ctx
+            read = [(_HostRows(source), source.page_size, source.num_bytes_per_token,
+                     source.read_length(ctx.hash_mode)) for source in ctx.real_kv_sources]
+            self._cache[key] = 0 <= slot < ctx.num_slots and any(length for *_, length in read) and \
+                _ref._signed(_ref.real_kv_hash(read, slot)[0]) != self.fields(group, slot)["real_kv_hash"]
+        return self._cache[key]
 
     def is_write_row(self, group, v) -> bool:
         """Whether only a write records a row of this shape (SPEC 3.1, 4): its write bits, or the

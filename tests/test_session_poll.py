@@ -651,6 +651,42 @@ def test_rows_of_a_slot_written_again_are_not_given_to_its_clean_reader(device, 
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device, every_forward):
+    """x and y share a's four tokens; x reads them clean, then y's next token is written over the
+    shared slot at position 2 (a page freed while in use), and y's TAIL records that slot and the
+    next, whose chain link reads it. y finishes and its pool row goes to w, which a logged forward
+    shows. Polled after each forward, the rows are y's; polled once at the end, y's entries are
+    not judged (its row holds w's cells now), and x's forward, before the write, read neither
+    record the rows show: no row names x (the rows keep their phase alone)."""
+    eng = _Engine(device)
+    found = []
+
+    def forward(extend):
+        eng.forward(extend)
+        if every_forward:
+            found.extend(eng.canary.poll())
+
+    eng.add("a", 1)
+    forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    forward({"x": 1})
+    shared = eng.requests["a"]["slots"]
+    eng.free.insert(0, shared[2])
+    forward({"y": 1})
+    held = set(eng.requests["y"]["slots"])
+    eng.finish("y")
+    eng.free = [slot for slot in eng.free if slot not in held]  # a and x hold them still
+    eng.add("w", 3)
+    forward({"w": 1})
+    found.extend(eng.canary.poll())
+    named = ("tail", 3, "y") if every_forward else ("tail", None, None)
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
+        (*named, *(position if every_forward else None, shared[position])) for position in (2, 3)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_write_rows_are_named_by_their_token_and_position(device):
     """Two entries of one forward write slot 10 (a at position 0, b at position 0) and b's token is
     not the one expected: the row names b, whose token it holds."""

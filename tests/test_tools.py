@@ -149,6 +149,17 @@ def test_canary_fuzz_names_no_later_reader_of_a_slot_whose_record_a_compaction_r
     assert rows[0]["detected"] and not rows[0]["misnamed"]
 
 
+def test_canary_fuzz_names_no_earlier_reader_of_a_slot_a_steal_wrote_after_it(tmp_path, capsys):
+    """Seed 2976979 steals slot 6, which requests 14, 18 and 19 share at position 2: request 14 reads
+    it, is offloaded, and the thief 18 writes its next token there, its TAIL recording slot 6 and
+    slot 9 (whose chain link reads slot 6). Request 18 finishes and its pool row goes to a new
+    request before the poll: the rows of slot 9 are not given to request 14, whose pool row still
+    holds the cells but whose forward read slot 6 before the steal."""
+    _, rows, _ = run_fuzz(tmp_path, capsys, start=2976979, seeds=1, forwards=60)
+    assert rows[0]["fault"] == "slot_steal" and rows[0]["fault_where"] == "request 19 position 2 slot 6"
+    assert rows[0]["detected"] and not rows[0]["misnamed"] and "14" not in rows[0]["named"]
+
+
 def test_canary_fuzz_takes_a_table_alias_whose_slot_was_written_again_with_the_victims_record(tmp_path, capsys):
     """Seed 2620018 points request 5's cell of position 0 at request 0's slot 55. Request 0
     finishes, and a request sharing request 5's first token is loaded back from the host tier into
