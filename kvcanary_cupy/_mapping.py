@@ -429,10 +429,10 @@ class RowMapper:
         """The log indices of the group's write launches that wrote ``slot``, in log order, each once."""
         key = ("writes", group.name)
         if key not in self._cache:
-            written = [(np.unique(self._written(launch)), i) for i, launch in enumerate(group.log)
-                       if launch.kind == "write"]
-            slots = np.concatenate([w for w, _ in written]) if written else np.zeros(0, np.int64)
-            places = np.concatenate([np.full(w.shape[0], i, np.int64) for w, i in written]) if written else slots
+            written = [(np.unique(self._written(launch)).astype(np.int64), i)
+                       for i, launch in enumerate(group.log) if launch.kind == "write"]
+            slots = np.concatenate([np.zeros(0, np.int64)] + [w for w, _ in written])
+            places = np.concatenate([np.zeros(0, np.int64)] + [np.full(w.shape[0], i, np.int64) for w, i in written])
             order = np.argsort(slots, kind="stable")  # by slot, each slot's writes in log order
             self._cache[key] = (slots[order], places[order])
         slots, places = self._cache[key]
@@ -445,7 +445,7 @@ class RowMapper:
         (:meth:`_recorded_since`) and which comes no later. (The row's chain, judged against the
         predecessor's record now, then fits only where the write left the link as it was: a
         prompt prefilled again into the same slots.) A row recorded after that write, or not
-        known to be before it, is some later launch's: this one read the record before it.""" 
+        known to be before it, is some later launch's: this one read the record before it."""
         writes = self._writes_of(group, prev)
         later = writes[writes > index]
         if not later.shape[0]:
@@ -538,7 +538,7 @@ class RowMapper:
             ctx = group.ctx
             read = [(_HostRows(source), source.page_size, source.num_bytes_per_token,
                      source.read_length(ctx.hash_mode)) for source in ctx.real_kv_sources]
-            self._cache[key] = 0 <= slot < ctx.num_slots and any(length for *_, length in read) and \
+            self._cache[key] = bool(0 <= slot < ctx.num_slots and any(length for *_, length in read)) and \
                 _ref._signed(_ref.real_kv_hash(read, slot)[0]) != self.fields(group, slot)["real_kv_hash"]
         return self._cache[key]
 
