@@ -681,9 +681,9 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
     eng.add("w", 3)
     forward({"w": 1})
     found.extend(eng.canary.poll())
-    named = ("tail", 3, "y") if every_forward else ("tail", None, None)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
-        (*named, *(position if every_forward else None, shared[position])) for position in (2, 3)]
+        ("tail", 3, "y", position, shared[position]) if every_forward else ("tail", None, None, None, shared[position])
+        for position in (2, 3)]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
