@@ -520,7 +520,8 @@ def main() -> int:
     if jitted.returncode != 0:
         print("the CPU oracle fails its own fuzz:", jitted.stdout[-600:], jitted.stderr[-600:])
         return 2
-    warm_up = [sys.executable, "tools/differential_fuzz.py", "--cases", "4", *(["--stale-shared"] if checks.stale_shared else [])]
+    warm_up = [sys.executable, "tools/differential_fuzz.py", "--cases", "4",
+               *(["--stale-shared"] if checks.stale_shared else [])]
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(copies)) as executor:
         warmed = list(executor.map(lambda worker: worker.run(warm_up, args.timeout), copies))
     for outcome, tail in warmed:
