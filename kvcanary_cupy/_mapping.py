@@ -229,9 +229,9 @@ class RowMapper:
         did not check it (the predecessor's LUT entry may have moved). With ``_EVERY_SLOT``, the
         chain is not judged at all.
         With ``index``, the launch's place in the group's log: a logged write after it that wrote
-        the row's slot, where the row shows the record the slot holds now, or (judging the chain
-        against the predecessor's record now) wrote the predecessor, gave the slot a record the
-        launch never read, so the row is another launch's."""
+        the predecessor (where the chain is judged against the predecessor's record now) gave it a
+        record the launch never read, so a row whose link was made from that one is another
+        launch's (:meth:`_read_before_rewritten`)."""
         r, position = entry
         bits = int(v.fail_reason)
         reported = self.reported_token(launch, r, position)
@@ -239,8 +239,6 @@ class RowMapper:
             return False
         if not 0 <= v.slot_idx < group.ctx.num_slots:  # recorded with the entry's own position
             return v.position == position
-        if index is not None and self._rewritten_after(group, v.slot_idx, index) and self._recorded_since(group, v):
-            return False
         if bool(bits & _BIT_POSITION) != (v.position != position):
             return False
         if bool(bits & _BIT_TOKEN) != (reported != L.NO_EXPECTED_TOKEN and v.stored_token != reported):
@@ -421,7 +419,13 @@ class RowMapper:
         return self._cache[key]
 
     def _fitting(self, group, index: int, key: tuple, v, loose: Optional[Container] = None) -> list[tuple]:
-        """The entries of the group's logged launch ``index`` that row ``v`` of ``key`` fits."""
+        """The entries of the group's logged launch ``index`` that row ``v`` of ``key`` fits: none where
+        a logged write after the launch wrote the row's slot and the row shows the record the slot
+        holds now (:meth:`_recorded_since`), which the launch never read (a slot outside the pool
+        has no record to show)."""
+        if 0 <= v.slot_idx < group.ctx.num_slots and self._rewritten_after(group, v.slot_idx, index) \
+                and self._recorded_since(group, v):
+            return []
         launch = group.log[index]
         return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose, index)]
 
