@@ -652,8 +652,8 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
 
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
     """``--replay`` of several runs: their survivors and the changes ``--limit`` cut short, a change
-    two runs share judged once, a survivor whose line moved found by its text, and the changes
-    another verdict met left out unless named by their place."""
+    two runs share judged once and by the later run's verdict, a survivor whose line moved found by
+    its text, and the changes another verdict met left out unless named by their place."""
     import json
 
     (mutants,) = import_tools("kernel_mutants")
@@ -679,6 +679,12 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
     named = frozenset({f"{second.filename}:{second.line}"})
     assert [m.ident for m in mutants.replayed([str(runs[0])], named=named)] == [first.ident, second.ident]
     assert [m.ident for m in mutants.replayed([str(runs[0])], only_crashed=True, named=named)] == [second.ident]
+    # the changes left unfinished alone; a change a later run judged goes by that run's verdict
+    assert [m.ident for m in mutants.replayed([str(p) for p in runs], only_unfinished=True)] == [fourth.ident]
+    runs.append(tmp_path / "run2.json")
+    runs[-1].write_text(json.dumps({"summary": {}, "rows": [row(fourth, "fuzz"), row(second, "survived")]}))
+    assert [m.ident for m in mutants.replayed([str(p) for p in runs])] == [first.ident, third.ident, second.ident]
+    assert mutants.replayed([str(p) for p in runs], only_unfinished=True) == []
 
 
 def _checks_running(mutants, probe, check: str):

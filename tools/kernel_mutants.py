@@ -23,9 +23,10 @@ reads a shared word it never stored shows.
 Verdicts: ``fuzz``, ``memcheck``, ``racecheck``, ``synccheck``, ``tests`` (caught by that check),
 ``hang`` (a check ran past ``--timeout``, counted as caught where the same check on the unchanged
 sources ends within it), ``stillborn`` (NVRTC refused it, or crashed compiling
-it; not counted), ``unfinished`` (cut short by ``--limit``, or its check runs past ``--timeout`` on
-the unchanged sources too, as the GPU tests of a much-included header may on a card that many
-workers share; not counted, and ``--replay`` takes it), ``unjudged`` (a check's process crashed, and it crashes on
+it; not counted), ``unfinished`` (cut short by ``--limit``, not started before ``--deadline``, or its
+check runs past ``--timeout`` on the unchanged sources too, as the GPU tests of a much-included
+header may on a card that many workers share; not counted, and ``--replay`` takes it: ``--replay
+--unfinished`` takes these alone), ``unjudged`` (a check's process crashed, and it crashes on
 the unchanged sources too: the check, not the change, is at fault; the change is judged once more a
 little later while the deadline allows, the first try kept in its row as ``first_try``; still so, it
 is not counted, and ``--replay`` takes it again) and ``survived``.
@@ -422,16 +423,26 @@ def crashed(row: dict) -> bool:
          or SANITIZER_CLEAN.search(tail) is not None)
 
 
-def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = frozenset()) -> list[Mutant]:
-    """The changes that survived earlier runs (their ``--json``) or were cut short there by
-    ``--limit``, that a crashed check judged (``crashed``), or that were left unjudged (their check
-    crashed on the unchanged sources too); with ``only_crashed`` the last two alone. The changes at a
-    ``FILE:LINE`` of ``named`` (where the earlier run had them) whatever their verdict: a check found
-    at fault since (a test that failed on its own) judges them again. Each still where it was, each
-    once."""
-    rows = [row for path in paths for row in json.loads(pathlib.Path(path).read_text())["rows"]
-            if crashed(row) or row["verdict"] == "unjudged" or f"{row['filename']}:{row['line']}" in named
-            or (row["verdict"] in ("survived", "unfinished") and not only_crashed)]
+def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = frozenset(),
+             only_unfinished: bool = False) -> list[Mutant]:
+    """The changes that survived earlier runs (their ``--json``) or were cut short or never started
+    there (``unfinished``), that a crashed check judged (``crashed``), or that were left unjudged
+    (their check crashed on the unchanged sources too); with ``only_crashed`` the last two alone,
+    with ``only_unfinished`` the unfinished alone. The changes at a ``FILE:LINE`` of ``named`` (where
+    the earlier run had them) whatever their verdict: a check found at fault since (a test that
+    failed on its own) judges them again. A change several runs judged goes by the last of them
+    (``paths`` in the order run). Each still where it was, each once."""
+    latest: dict = {}
+    for path in paths:
+        for row in json.loads(pathlib.Path(path).read_text())["rows"]:
+            change = (row["filename"], row["line"], row["before"], row["after"])
+            latest.pop(change, None)  # to the end: the order judged
+            latest[change] = row
+    rows = [row for row in latest.values()
+            if f"{row['filename']}:{row['line']}" in named
+            or (row["verdict"] == "unfinished" if only_unfinished else
+                crashed(row) or row["verdict"] == "unjudged"
+                or (row["verdict"] in ("survived", "unfinished") and not only_crashed))]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -442,7 +453,7 @@ def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = fr
             print(f"{row['filename']}:{row['line']} changed since: not replayed")
             continue
         change = (row["filename"], same[0], row["after"])
-        if change not in seen:  # a change two runs drew is judged once
+        if change not in seen:  # a change two runs drew, its line moved between them, is judged once
             seen.add(change)
             mutants.append(Mutant(row["ident"], row["filename"], same[0], row["before"], row["after"],
                                   row["operator"]))
@@ -467,9 +478,12 @@ def main() -> int:
     parser.add_argument("--json", help="write every change's verdict here (rewritten as they come)")
     parser.add_argument("--list", action="store_true", help="print the drawn changes and stop")
     parser.add_argument("--replay", nargs="+", metavar="JSON",
-                        help="judge again the changes that survived these earlier --json runs or that --limit"
-                             " cut short there, that a check whose process crashed judged, or that were"
-                             " left unjudged")
+                        help="judge again the changes that survived these earlier --json runs (in the order"
+                             " run: the last run's verdict of a change counts) or that --limit cut short or"
+                             " --deadline kept from starting there, that a check whose process crashed"
+                             " judged, or that were left unjudged")
+    parser.add_argument("--unfinished", action="store_true",
+                        help="with --replay: only the changes cut short by --limit or not started before --deadline")
     parser.add_argument("--crashed", action="store_true",
                         help="with --replay: only the changes that a check whose process crashed judged or"
                              " left unjudged")
@@ -490,7 +504,7 @@ def main() -> int:
 
     if args.replay:
         named = frozenset(name for name in args.files or () if ":" in name)
-        pool = drawn = [m for m in replayed(args.replay, args.crashed, named)
+        pool = drawn = [m for m in replayed(args.replay, args.crashed, named, args.unfinished)
                         if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
         pool = [m for m in candidates() if not args.files or m.filename in args.files]
@@ -561,11 +575,15 @@ def main() -> int:
         return row
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.workers) as executor:
-        list(executor.map(one, drawn))
+        rows = list(executor.map(one, drawn))
+    # the changes the deadline kept from starting stay in the file, for a later --replay to take
+    results.extend({**dataclasses.asdict(m), "verdict": "unfinished", "by": "not started before --deadline",
+                    "seconds": 0.0, "tail": ""} for m, row in zip(drawn, rows) if row is None)
     counts: dict = {}
     for row in results:
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
-    summary = {"drawn": len(drawn), "judged": len(results), "candidates": len(pool), "seed": args.seed,
+    summary = {"drawn": len(drawn), "judged": sum(row is not None for row in rows), "candidates": len(pool),
+               "seed": args.seed,
                "checks": dataclasses.asdict(checks), "replay": args.replay, "verdicts": counts, "wall_s": round(time.perf_counter() - began, 1)}
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"summary": summary, "rows": results}, indent=1))
