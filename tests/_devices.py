@@ -63,25 +63,28 @@ extern "C" __global__ void spin(unsigned long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }'''
 
-# Volatile stores: shared memory no later statement of the kernel reads, which a compiler may
-# otherwise drop. No word is zero, and neighbours differ.
+# The block's whole shared window from shared address 0: the bytes the driver reserves below a
+# kernel's own shared variables (a kernel that indexes one of its arrays at -1 reads there) and the
+# dynamic shared memory of the launch. Volatile stores: shared memory no later statement of the
+# kernel reads, which a compiler may otherwise drop. No word is zero, and neighbours differ.
 FILL_SHARED_SOURCE = r'''
 extern "C" __global__ void fill_shared(unsigned long long seed, int words) {
-    extern __shared__ unsigned long long shared_words[];
-    volatile unsigned long long* out = shared_words;
     for (int i = threadIdx.x; i < words; i += blockDim.x) {
         const unsigned long long k = seed + (unsigned long long)blockIdx.x * (unsigned long long)words + i;
-        out[i] = (k * 0x9E3779B97F4A7C15ull) | 1ull;
+        const unsigned long long word = (k * 0x9E3779B97F4A7C15ull) | 1ull;
+        asm volatile("st.volatile.shared.u64 [%0], %1;" :: "r"(8u * i), "l"(word) : "memory");
     }
 }'''
 
-# The words a block of it reads before storing any, copied out: what a kernel that reads shared
-# memory it never stored would find.
+# The words a block of it reads (the same window) before storing any, copied out: what a kernel
+# that reads shared memory it never stored would find.
 READ_SHARED_SOURCE = r'''
 extern "C" __global__ void read_shared(unsigned long long* out, int words) {
-    extern __shared__ unsigned long long shared_words[];
-    volatile unsigned long long* in = shared_words;
-    for (int i = threadIdx.x; i < words; i += blockDim.x) out[(long long)blockIdx.x * words + i] = in[i];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        unsigned long long word;
+        asm volatile("ld.volatile.shared.u64 %0, [%1];" : "=l"(word) : "r"(8u * i) : "memory");
+        out[(long long)blockIdx.x * words + i] = word;
+    }
 }'''
 
 # name -> source of the kernels the tests and tools build themselves (compiled in CI as the
@@ -93,6 +96,11 @@ def spin_kernel():
     """A one-thread CuPy kernel, ``spin((1,), (1,), (cupy.uint64(ns),))``, that keeps its stream busy
     for ``ns`` nanoseconds: work queued behind it runs late."""
     return cupy_module().RawKernel(SPIN_SOURCE, "spin")
+
+
+# cudaDevAttrReservedSharedMemoryPerBlock: the bytes at the start of every block's shared window
+# that the driver keeps (1 KiB from sm_80 on)
+RESERVED_SHARED_MEMORY_PER_BLOCK = 111
 
 
 class StaleSharedMemory:
@@ -111,6 +119,7 @@ class StaleSharedMemory:
         self.sms = attributes["MultiProcessorCount"]
         # the most one block may have: one block a SM, each covering nearly all of its SM's memory
         self.bytes = attributes["MaxSharedMemoryPerBlockOptin"]
+        self.reserved = cupy.cuda.runtime.deviceGetAttribute(RESERVED_SHARED_MEMORY_PER_BLOCK, device.id)
         self.fill = cupy.RawKernel(FILL_SHARED_SOURCE, "fill_shared")
         self.read = cupy.RawKernel(READ_SHARED_SOURCE, "read_shared")
         for kernel in (self.fill, self.read):
@@ -119,7 +128,8 @@ class StaleSharedMemory:
 
     @property
     def words(self) -> int:
-        return self.bytes // 8
+        """The words of a block's shared window: the reserved bytes, then the dynamic ones."""
+        return (self.reserved + self.bytes) // 8
 
     def __call__(self, stream) -> None:
         cupy = cupy_module()
@@ -129,7 +139,8 @@ class StaleSharedMemory:
 
     def read_back(self, stream):
         """What a kernel of one block a SM finds in its shared memory before storing any word
-        (a ``(sms, words)`` uint64 array on the device)."""
+        (a ``(sms, words)`` uint64 array on the device; a row's first ``reserved // 8`` words are
+        the reserved ones)."""
         cupy = cupy_module()
         out = cupy.empty((self.sms, self.words), dtype=cupy.uint64)  # every word stored by the kernel
         self.read((self.sms,), (self.BLOCK,), (out, cupy.int32(self.words)), shared_mem=self.bytes, stream=stream)

@@ -33,7 +33,8 @@ def test_differential_against_cpu_oracle(op):
 
 def test_a_kernel_finds_in_shared_memory_the_words_a_stale_fill_left():
     """The premise of ``--stale-shared`` (tools/differential_fuzz.py): a kernel's shared memory holds,
-    before it stores any, what the fill before it on its stream stored (odd words; zeros are even)."""
+    before it stores any, what the fill before it on its stream stored (odd words; zeros are even),
+    the driver's reserved bytes at its start included."""
     stale = StaleSharedMemory()
     stream = cupy.cuda.Stream(non_blocking=True)
     found = stale.read_back(stream)
@@ -42,6 +43,11 @@ def test_a_kernel_finds_in_shared_memory_the_words_a_stale_fill_left():
     stream.synchronize()
     odd = float((found_after_a_fill & 1).mean())
     assert odd > 0.9, f"{odd:.1%} of the shared words a kernel finds after a fill are the fill's"
+    # the bytes the driver reserves at the start of each block's window too: a kernel's array
+    # indexed at -1 reads the last of them
+    reserved = found_after_a_fill[:, : stale.reserved // 8]
+    odd = float((reserved & 1).mean())
+    assert reserved.size and odd > 0.9, f"{odd:.1%} of the reserved words are the fill's"
     assert bool(cupy.any(found != found_after_a_fill))
 
 
