@@ -89,8 +89,10 @@ class RowMapper:
     def _written(self, launch):
         """The slots a write launch wrote: its entries' alone, not those of a padded tail past them
         (a static forward's arrays bound for more tokens than a step has, whose cells the write
-        never reads, may hold any slot, another request's too)."""
+        never reads, may hold any slot, another request's too); a move's destinations."""
         loc = self._write_loc(launch)
+        if launch.kind == "move":
+            return loc
         extend, rows = self._batch(launch, "extend_seq_lens"), self._batch(launch, "req_pool_indices")
         # padding rows write nothing (SPEC 3.3); each request's count clamped, so that the sum cannot wrap
         counted = np.where(rows != 0, np.clip(extend, 0, loc.shape[0]), 0)
@@ -137,7 +139,7 @@ class RowMapper:
         later: dict = {}  # pool row: the names later launches give it
         handed, seen = {}, set()
         for launch in reversed(group.log):
-            ids = launch.batch.req_ids
+            ids = None if launch.kind == "move" else launch.batch.req_ids
             if ids is None or id(launch.batch) in seen:  # a batch's last launch comes first here
                 continue
             seen.add(id(launch.batch))
@@ -430,11 +432,12 @@ class RowMapper:
         return [e for e in self.entries(group, launch, key) if self.fits(group, launch, v, e, loose, index)]
 
     def _writes_of(self, group, slot: int) -> np.ndarray:
-        """The log indices of the group's write launches that wrote ``slot``, in log order, each once."""
+        """The log indices of the group's write launches and moves (``Canary.copy_records``) that
+        gave ``slot`` a record, in log order, each once."""
         key = ("writes", group.name)
         if key not in self._cache:
             written = [(np.unique(self._written(launch)).astype(np.int64), i)
-                       for i, launch in enumerate(group.log) if launch.kind == "write"]
+                       for i, launch in enumerate(group.log) if launch.kind in ("write", "move")]
             slots = np.concatenate([np.zeros(0, np.int64)] + [w for w, _ in written])
             places = np.concatenate([np.zeros(0, np.int64)] + [np.full(w.shape[0], i, np.int64) for w, i in written])
             order = np.argsort(slots, kind="stable")  # by slot, each slot's writes in log order
@@ -458,7 +461,7 @@ class RowMapper:
         return bool(own.shape[0]) and int(own[-1]) <= int(later[0]) and not self._recorded_since(group, v)
 
     def _rewritten_after(self, group, slot: int, index: int) -> bool:
-        """Whether a logged write launch after launch ``index`` wrote ``slot``."""
+        """Whether a logged write launch or move after launch ``index`` gave ``slot`` a record."""
         writes = self._writes_of(group, slot)
         return bool(writes.shape[0]) and int(writes[-1]) > index
 

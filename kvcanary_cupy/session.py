@@ -34,7 +34,8 @@ from .block_tables import forward_batch
 from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, ring_index, tag_name
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
-from .ops.batches import PlanBatch, WriteBatch, launch_tag, owning
+from .ops.batches import PlanBatch, RecordCopy, WriteBatch, launch_tag, owning
+from .ops.copy_records import run_record_copy
 from .sources import RealKvSource, source_list
 
 __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
@@ -265,16 +266,16 @@ class CanaryViolation(RuntimeError):
 # --- internals ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Launch:
-    phase: str  # "head", "tail", "sweep" (verify launches) or "write"
+    phase: str  # "head", "tail", "sweep" (verify launches), "write" or "move" (Canary.copy_records)
     tag: int
     step: int
-    batch: Any  # ForwardBatch or LiveRequests
-    write_loc: Any = None  # the slots the write used (SWA: translated)
+    batch: Any  # ForwardBatch or LiveRequests (None for a move)
+    write_loc: Any = None  # the slots the write used (SWA: translated), or a move's destinations
 
     @property
     def kind(self) -> str:
-        """``"write"`` for the write launch, ``"verify"`` for the others."""
-        return "write" if self.phase == "write" else "verify"
+        """``"write"`` for the write launch, ``"move"`` for records copied in, ``"verify"`` for the others."""
+        return self.phase if self.phase in ("write", "move") else "verify"
 
 
 _PER_REQUEST_READ = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "seq_lens")  # what poll's mapping reads
@@ -1097,6 +1098,24 @@ class Canary:
                 self._log(group, _Launch("sweep", group.sweep_tag, self._numbered, live_requests))
 
     # --- host side --------------------------------------------------------------------------------
+    def copy_records(self, *, src: CanaryContext, dst: CanaryContext, src_slots: Any, dst_slots: Any,
+                     stream: Any = None) -> None:
+        """:func:`kc.copy_records <kvcanary_cupy.copy_records>`, told to the canary. Where ``dst`` is
+        one of its contexts (:attr:`context`, :attr:`swa_context`: a reload from a host tier, a
+        compaction within the pool), the next poll knows that ``dst_slots`` got other records
+        between the forwards around the call: a violation row showing such a record is never named
+        for a request whose forward read the slot before the copy. Records copied into the pool by
+        ``kc.copy_records`` itself leave the poll to guess when they arrived."""
+        move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+        dst_stream = run_record_copy(move, stream)
+        group = next((group for group in self.groups if group.ctx is move.dst), None)
+        if group is None or not self.enabled or move.count == 0:
+            return
+        with on_device(move.dst.device, dst_stream):
+            # the caller's array may be refilled before the poll reads it
+            slots = move.dst_slots.copy()
+        self._log(group, _Launch("move", -1, self._numbered, None, write_loc=slots))
+
     def poll(self) -> CanaryReport:
         """Synchronise, decode every group's ring, map violations to requests, clear the rings.
 
@@ -1223,6 +1242,9 @@ class Canary:
         for group in self.groups:
             kept = []
             for launch in group.log:
+                if launch.kind == "move":  # its own copy of its slots, no batch
+                    kept.append(launch)
+                    continue
                 write, batch = launch.kind == "write", id(launch.batch)
                 if batch not in judged:
                     judged[batch] = _still_as_checked(launch.batch, self._plans_expect_tokens)

@@ -17,7 +17,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import DLPackOnly, Unprintable, one_forward, session_capacities
-from _devices import BACKENDS, int64s_on, to_device
+from _devices import BACKENDS, int64s_on, to_device, to_numpy
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
 
@@ -684,6 +684,87 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
         ("tail", 3, "y", position, shared[position]) if every_forward else ("tail", None, None, None, shared[position])
         for position in (2, 3)]
+
+
+def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corrupt_first: bool = False):
+    """a's four tokens are shared by x and y; x reads them, then z's record at position 2 and its
+    KV are copied over a's slot at position 2 (a compaction the engine got wrong), through
+    ``Canary.copy_records`` when ``told`` (else ``kc.copy_records``), and y reads them. With
+    ``corrupt_first``, a's KV there was already changed when x read it. The events and a's slots."""
+    eng = _Engine(device)
+    found = []
+
+    def forward(extend):
+        eng.forward(extend)
+        if every_forward:
+            found.extend(eng.canary.poll())
+
+    eng.add("a", 1)
+    forward({"a": 4})
+    eng.add("z", 4)
+    forward({"z": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    shared, moved = eng.requests["a"]["slots"], eng.requests["z"]["slots"][2]
+    if corrupt_first:
+        eng.k[shared[2], 0, 0] += 1.0
+    forward({"x": 1})
+    i64 = int64s_on(device)
+    copy = eng.canary.copy_records if told else kc.copy_records
+    copy(src=eng.canary.context, dst=eng.canary.context, src_slots=i64([moved]), dst_slots=i64([shared[2]]))
+    eng.k[shared[2]] = eng.k[moved]
+    forward({"y": 1})
+    return eng, found, shared
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_rows_of_a_record_copied_in_are_not_given_to_a_reader_before_the_copy(device, every_forward):
+    """The copy told to the canary: y's HEAD and TAIL record the slot and the next (whose chain
+    link reads it). y finishes and its pool row goes to w, which a logged forward shows. Polled
+    after each forward, the rows are y's; polled once at the end, y's entries are not judged, and
+    x, which read the slots before the copy, is not named (the rows keep their phase alone), as
+    it would be were the copy made with ``kc.copy_records``, which the canary does not see."""
+    eng, found, shared = _copied_over_a_shared_slot(device, told=True, every_forward=every_forward)
+    held = set(eng.requests["y"]["slots"])
+    eng.finish("y")
+    eng.free = [slot for slot in eng.free if slot not in held]  # a and x hold them still
+    eng.add("w", 3)
+    eng.forward({"w": 1})
+    found.extend(eng.canary.poll())
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
+        (phase, 4, "y", position, shared[position]) if every_forward else (phase, None, None, None, shared[position])
+        for phase in ("head", "tail") for position in (2, 3)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_rows_of_a_record_a_copy_replaced_are_named_for_the_readers_before_it(device):
+    """a's KV at position 2 changed before x read it, then the copy (told to the canary) replaced
+    the slot's record and KV: x's rows, showing the record the slot held before, are x's; y's,
+    showing the copied record, y's. Through ``kc.copy_records`` the poll cannot tell when the
+    record changed, and x's rows keep their phase alone."""
+    for told in (True, False):
+        eng, _, shared = _copied_over_a_shared_slot(device, told=told, every_forward=False, corrupt_first=True)
+        x_rows = [(phase, 3, "x", 2, shared[2]) if told else (phase, None, None, None, shared[2])
+                  for phase in ("head", "tail")]
+        y_rows = [(phase, 4, "y", position, shared[position]) for phase in ("head", "tail") for position in (2, 3)]
+        assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == x_rows + y_rows, told
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_refused_copy_told_to_the_canary_copies_nothing(device):
+    """``Canary.copy_records`` checks its arguments as ``kc.copy_records`` does, before anything."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    slots = eng.requests["a"]["slots"]
+    before = to_numpy(eng.canary.context.canary_buf).copy()
+    with pytest.raises(ValueError, match=r"^kv-canary: dst_slots .*one per pair"):
+        eng.canary.copy_records(src=eng.canary.context, dst=eng.canary.context,
+                                src_slots=int64s_on(device)(slots[:3]), dst_slots=int64s_on(device)(slots[3:]))
+    assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)
+    eng.forward({"a": 1})
+    assert len(eng.canary.poll()) == 0
 
 
 @pytest.mark.parametrize("device", BACKENDS)

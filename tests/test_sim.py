@@ -683,9 +683,7 @@ def test_offloaded_requests_come_back_clean(kwargs):
 def test_reloaded_slots_without_their_records_are_reported(monkeypatch):
     """The control: KV loaded back without its records is reported (the slots hold what their
     previous tenants left), so the clean runs above owe their silence to the records carried."""
-    from kvcanary_cupy.sim import host_tier
-
-    monkeypatch.setattr(host_tier, "copy_records", lambda **kwargs: None)
+    monkeypatch.setattr(kc.Canary, "copy_records", lambda self, **kwargs: None)
     result = run(SimConfig(steps=120, pool_slots=3072, offload_prob=0.3, hash_mode=kc.HashMode.ALL), [])
     assert result.host_tier["reloads"] > 5
     assert len(result.false_positives) > 0

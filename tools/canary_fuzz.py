@@ -117,6 +117,7 @@ class SeedConfig:
     pause_len: int = 0  # forwards run while off (requests admitted too) before the engine drains
     max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
     graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
+    records_told: bool = False  # records copied into a canary's pool go through Canary.copy_records, not kc.copy_records
 
     @property
     def hashes_kv(self) -> bool:
@@ -148,7 +149,8 @@ class SeedConfig:
                 f"draft_static={on[self.draft_static]}",
                 f"copy_stream={'side' if self.records_on_side else 'current'}",
                 f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}",
-                f"graphs_only={on[self.graphs_only]}"]
+                f"graphs_only={on[self.graphs_only]}",
+                f"records_in={'told' if self.records_told else 'kc' if self.host_tier or self.compaction else 'n/a'}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -211,6 +213,8 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
         config = dataclasses.replace(config, max_logged=int(capped.integers(1, 4)))
     if config.static == "graph" and np.random.default_rng([seed, 9]).random() < 0.5:
         config = dataclasses.replace(config, graphs_only=True)
+    if np.random.default_rng([seed, 10]).random() < 0.5 and (config.host_tier or config.compaction):
+        config = dataclasses.replace(config, records_told=True)
     return config
 
 
@@ -576,6 +580,8 @@ class FuzzEngine:
         self.named_at_exactly: set = set()
         self.rows_read: set = set()  # pool rows read by forwards and sweeps since the previous poll
         self.handed_unseen: set = set()  # of those, rows handed on to a request not shown since
+        self.handed_on = False  # a row read since the previous poll handed on to another request
+        self.copied_unseen = False  # records copied into a pool by kc.copy_records since the previous poll
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
         self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
         # forwards and sweeps since the previous poll that decoded (made while the canaries were on,
@@ -786,6 +792,7 @@ class FuzzEngine:
         row = self.free_rows.popleft()
         if row in self.rows_read:
             self.handed_unseen.add(row)
+            self.handed_on = True
         self.expected_host[row] = 0
         self.expected_host[row, :total] = tokens
         self.table_host[row, :k] = shared
@@ -1218,9 +1225,13 @@ class FuzzEngine:
                     and fault.injected_at >= self.span_start:
                 fault.unlogged = True
             self.span_calls, self.span_start = 0, self.index + 1
-        exact = decodes and (self.c.poll_every == 1 or self.c.static == "off" and not self.handed_unseen)
+        # records copied in unseen leave a row of a copied record to an earlier reader of its slot
+        # where the reader of the copy was handed on (README, "tables changed before the poll")
+        exact = decodes and (self.c.poll_every == 1 or self.c.static == "off" and not self.handed_unseen
+                             and not (self.copied_unseen and self.handed_on))
         if decodes:
             self.rows_read, self.handed_unseen = set(), set()
+            self.handed_on = self.copied_unseen = False
         for watch in self.watches:
             try:
                 report = watch.canary.poll()
@@ -1317,7 +1328,9 @@ class FuzzEngine:
         than those two. Polled every few forwards, eager forwards alone, no event names anyone else
         either, where no pool row was handed on since the previous poll to a request that no
         logged forward or sweep showed holding it before the poll (README: the table row may hold
-        the new request's slots of a shared prefix then). An event may name no request or no
+        the new request's slots of a shared prefix then), nor any pool row at all where records
+        entered a pool through ``kc.copy_records`` since (README: a row of a copied record may then
+        name an earlier reader of its slot; ``records_told`` seeds tell the canary instead). An event may name no request or no
         position (a row the tables at the poll no longer explain, such as an SWA slot freed after
         the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
@@ -1373,7 +1386,7 @@ class FuzzEngine:
                 "draft": self.draft and self.draft.context}[group]
 
     def carry(self, group: str, views: list, slots: np.ndarray, host: np.ndarray, *, out: bool) -> None:
-        """KV bytes, then their records (kc.copy_records), between pool ``slots`` and ``host`` slots."""
+        """KV bytes, then their records (:meth:`copy_records`), between pool ``slots`` and ``host`` slots."""
         if not len(slots):
             return
         tier, on_device = self.tier[group], self.dev.i64(slots)
@@ -1384,8 +1397,18 @@ class FuzzEngine:
                 view[on_device] = self.dev.put(np.ascontiguousarray(host_view[host]))
         ends = (self.context_of(group), on_device, tier.context, host)
         src, src_slots, dst, dst_slots = ends if out else ends[2:] + ends[:2]
+        canary = self.draft if group == "draft" else self.canary
         with self.records_stream() as stream:
-            kc.copy_records(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots, stream=stream)
+            self.copy_records(canary, src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots, stream=stream)
+
+    def copy_records(self, canary: kc.Canary, **move) -> None:
+        """Records carried as ``kc.copy_records`` carries them, told to ``canary`` where the seed
+        says (``records_told``): a poll then knows when its pool's slots got them."""
+        if self.c.records_told:
+            canary.copy_records(**move)
+            return
+        kc.copy_records(**move)
+        self.copied_unseen |= any(move["dst"] is ctx for ctx in (canary.context, canary.swa_context))
 
     def tier_out(self, slots: list) -> tuple[np.ndarray, Optional[np.ndarray], tuple]:
         """KV and records of pool ``slots`` (the draft model's and SWA pool's too) into free host
@@ -1500,8 +1523,8 @@ class FuzzEngine:
         if records:
             for canary in [self.canary] + ([self.draft] if self.draft is not None else []):
                 with self.records_stream() as stream:
-                    kc.copy_records(src=canary.context, dst=canary.context, src_slots=on_old, dst_slots=on_new,
-                                    stream=stream)
+                    self.copy_records(canary, src=canary.context, dst=canary.context, src_slots=on_old,
+                                      dst_slots=on_new, stream=stream)
         self.lut_host[new] = self.lut_host[old]
         self.lut_host[old] = 0
         if self.fault is not None:

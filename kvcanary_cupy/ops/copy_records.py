@@ -33,7 +33,12 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
     None between two GPUs. A copy that stages its records (within one buffer, or across devices)
     cannot be captured in a CUDA graph.
     """
-    move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
+    run_record_copy(RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots), stream)
+
+
+def run_record_copy(move: RecordCopy, stream: Any = None) -> Any:
+    """:func:`copy_records` of a validated ``move``; returns the destination's stream (None on the
+    CPU), where the records are stored."""
     for ctx in (move.src, move.dst):  # their forms (RecordCopy checked what the copy writes)
         require_intact(ctx, writes=())
     src_stream, dst_stream = _streams(move.src.device, move.dst.device, stream)
@@ -43,12 +48,12 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
         raise ValueError(f"{check.PREFIX}stream must not be capturing a CUDA graph for a copy that stages its "
                          f"records (across devices, or within one canary's buffer), got a capturing stream")
     if move.count == 0:
-        return
+        return dst_stream
     if direct:
         with on_device(move.src.device, src_stream):
             backend_module(move.src.device, "records").copy(move.src, move.dst, move.src_slots, move.dst_slots,
                                                             stream=src_stream)
-        return
+        return dst_stream
     # across devices, or within one buffer (every record read before any is stored)
     staged = _staging(move.count, move.src.device, src_stream)
     with on_device(move.src.device, src_stream):
@@ -57,6 +62,7 @@ def copy_records(*, src: Any, dst: Any, src_slots: Any, dst_slots: Any, stream: 
         staged = _carried(staged, src_stream, move.dst.device, dst_stream)
     with on_device(move.dst.device, dst_stream):
         backend_module(move.dst.device, "records").scatter(move.dst, move.dst_slots, staged, stream=dst_stream)
+    return dst_stream
 
 
 def _overlapping(a, b) -> bool:

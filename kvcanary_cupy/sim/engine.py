@@ -551,10 +551,10 @@ class Engine:
 
     def _tier_copy(self, action, slots: np.ndarray, host_slots: np.ndarray) -> None:
         action("full", device=self.device, targets=self.targets, context=self.canary.context, slots=slots,
-               host_slots=host_slots)
+               host_slots=host_slots, copy_records=self.canary.copy_records)
         if self.config.swa_window > 0:
             action("swa", device=self.device, targets=self.swa_targets, context=self.canary.swa_context,
-                   slots=self.lut_host[slots], host_slots=host_slots)
+                   slots=self.lut_host[slots], host_slots=host_slots, copy_records=self.canary.copy_records)
 
     def tier_turn(self, protected=frozenset()) -> None:
         """Load back the requests whose wait is over, then, with probability ``offload_prob``, offload

@@ -4,9 +4,10 @@ cache keeps it) until a request with the same prefix loads it back.
 
 The tier keeps KV bytes in host arrays of the engine's layout and, beside them, canary contexts on
 the CPU that hold only slot records. Offloading a request copies its KV bytes and carries its slots'
-records there (``kc.copy_records``); loading it back does both the other way, into whatever slots
-the request is given then. The records still hold the hashes the KV had when it was written, so KV
-that changed while it was away fails the first verify that reads it after the reload.
+records there (``Canary.copy_records``: ``kc.copy_records`` told to the canary); loading it back
+does both the other way, into whatever slots the request is given then. The records still hold
+the hashes the KV had when it was written, so KV that changed while it was away fails the first
+verify that reads it after the reload.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 
 from .._dlpack import from_host, parse_device, settle, to_host
 from ..context import CanaryContext
-from ..ops import copy_records
 
 if TYPE_CHECKING:
     from .engine import SimConfig
@@ -73,26 +73,31 @@ class HostTier:
         self.free.extend(int(s) for s in host_slots)
 
     def store(self, group: str, *, device, targets: list, context: CanaryContext, slots: np.ndarray,
-              host_slots: np.ndarray) -> None:
-        """Copy the KV bytes of pool ``slots`` into ``host_slots`` and carry their records."""
+              host_slots: np.ndarray, copy_records) -> None:
+        """Copy the KV bytes of pool ``slots`` into ``host_slots`` and carry their records with
+        ``copy_records`` (the canary's)."""
         tier = self.groups[group]
         on_device = from_host(slots, device)
         started = time.perf_counter()
         for target, host_target in zip(targets, tier.kv.targets):
             host_target[host_slots] = to_host(target[on_device])
-        self._carry(device, src=context, dst=tier.context, src_slots=on_device, dst_slots=host_slots, started=started)
+        self._carry(device, copy_records, src=context, dst=tier.context, src_slots=on_device, dst_slots=host_slots,
+                    started=started)
 
     def load(self, group: str, *, device, targets: list, context: CanaryContext, slots: np.ndarray,
-             host_slots: np.ndarray) -> None:
-        """Copy the KV bytes of ``host_slots`` back into pool ``slots`` and carry their records."""
+             host_slots: np.ndarray, copy_records) -> None:
+        """Copy the KV bytes of ``host_slots`` back into pool ``slots`` and carry their records with
+        ``copy_records`` (the canary's, so that its polls know when the slots got them)."""
         tier = self.groups[group]
         on_device = from_host(slots, device)
         started = time.perf_counter()
         for target, host_target in zip(targets, tier.kv.targets):
             target[on_device] = from_host(np.ascontiguousarray(host_target[host_slots]), device)
-        self._carry(device, src=tier.context, dst=context, src_slots=host_slots, dst_slots=on_device, started=started)
+        self._carry(device, copy_records, src=tier.context, dst=context, src_slots=host_slots, dst_slots=on_device,
+                    started=started)
 
-    def _carry(self, device, *, src: CanaryContext, dst: CanaryContext, src_slots, dst_slots, started: float) -> None:
+    def _carry(self, device, copy_records, *, src: CanaryContext, dst: CanaryContext, src_slots, dst_slots,
+               started: float) -> None:
         """Carry the records after the KV copy that began at ``started``, timing each part (the
         pool's device settled after each, so a queued copy counts where it belongs)."""
         settle(device)

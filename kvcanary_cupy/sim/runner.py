@@ -187,7 +187,7 @@ class SimResult:
             lines.extend([f"  host tier of {tier['slots']} slots: {_counted(tier['offloads'], 'request')} offloaded, {tier['reloads']} "
                          f"loaded back; {_counted(tier['prefix_stores'], 'evicted prefix', 'evicted prefixes')} kept, {tier['prefix_loads']} loaded back",
                          f"    copies {tier['kv_copy_ms']:.1f} ms of KV bytes, {tier['records_copy_ms']:.1f} ms of their records "
-                         f"(kc.copy_records)"])
+                         f"(canary.copy_records)"])
         if self.speculative is not None:
             spec = self.speculative
             lines.append(f"  speculative decoding, {_counted(spec['drafts'], 'draft')} a decoding request: {spec['accepted']} of "
