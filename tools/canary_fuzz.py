@@ -117,7 +117,7 @@ class SeedConfig:
     pause_len: int = 0  # forwards run while off (requests admitted too) before the engine drains
     max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
     graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
-    records_told: bool = False  # records copied into a canary's pool go through Canary.copy_records, not kc.copy_records
+    records_told: bool = False  # records copied into a canary's pool through Canary.copy_records, not kc.copy_records
 
     @property
     def hashes_kv(self) -> bool:
@@ -1330,9 +1330,9 @@ class FuzzEngine:
         logged forward or sweep showed holding it before the poll (README: the table row may hold
         the new request's slots of a shared prefix then), nor any pool row at all where records
         entered a pool through ``kc.copy_records`` since (README: a row of a copied record may then
-        name an earlier reader of its slot; ``records_told`` seeds tell the canary instead). An event may name no request or no
-        position (a row the tables at the poll no longer explain, such as an SWA slot freed after
-        the forward): that is not judged.
+        name an earlier reader of its slot; ``records_told`` seeds tell the canary instead). An
+        event may name no request or no position (a row the tables at the poll no longer explain,
+        such as an SWA slot freed after the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
         token (a draft model's too) that the write input assert may be the only one to see, in a
         static forward polled after later forwards refilled its arrays (README: "poll after each
