@@ -650,6 +650,28 @@ def test_rows_of_a_slot_written_again_are_not_given_to_its_clean_reader(device, 
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == named
 
 
+def _forwards_polled(eng: _Engine, every_forward: bool):
+    """``(forward, found)``: ``eng.forward``, followed by a poll whose events go to ``found`` when
+    ``every_forward``."""
+    found: list = []
+
+    def forward(extend):
+        eng.forward(extend)
+        if every_forward:
+            found.extend(eng.canary.poll())
+    return forward, found
+
+
+def _row_of_y_to_w(eng: _Engine, forward) -> None:
+    """y finishes (a and x hold its shared slots still), and its pool row goes to w, whose first
+    forward shows it there."""
+    held = set(eng.requests["y"]["slots"])
+    eng.finish("y")
+    eng.free = [slot for slot in eng.free if slot not in held]
+    eng.add("w", 3)
+    forward({"w": 1})
+
+
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("every_forward", [True, False])
 def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device, every_forward):
@@ -660,13 +682,7 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
     not judged (its row holds w's cells now), and x's forward, before the write, read neither
     record the rows show: no row names x (the rows keep their phase alone)."""
     eng = _Engine(device)
-    found = []
-
-    def forward(extend):
-        eng.forward(extend)
-        if every_forward:
-            found.extend(eng.canary.poll())
-
+    forward, found = _forwards_polled(eng, every_forward)
     eng.add("a", 1)
     forward({"a": 4})
     eng.add("x", 2, share="a", shared=4)
@@ -675,11 +691,7 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
     shared = eng.requests["a"]["slots"]
     eng.free.insert(0, shared[2])
     forward({"y": 1})
-    held = set(eng.requests["y"]["slots"])
-    eng.finish("y")
-    eng.free = [slot for slot in eng.free if slot not in held]  # a and x hold them still
-    eng.add("w", 3)
-    forward({"w": 1})
+    _row_of_y_to_w(eng, forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
         ("tail", 3, "y", position, shared[position]) if every_forward else ("tail", None, None, None, shared[position])
@@ -692,13 +704,7 @@ def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corru
     ``Canary.copy_records`` when ``told`` (else ``kc.copy_records``), and y reads them. With
     ``corrupt_first``, a's KV there was already changed when x read it. The events and a's slots."""
     eng = _Engine(device)
-    found = []
-
-    def forward(extend):
-        eng.forward(extend)
-        if every_forward:
-            found.extend(eng.canary.poll())
-
+    forward, found = _forwards_polled(eng, every_forward)
     eng.add("a", 1)
     forward({"a": 4})
     eng.add("z", 4)
@@ -726,11 +732,7 @@ def test_rows_of_a_record_copied_in_are_not_given_to_a_reader_before_the_copy(de
     x, which read the slots before the copy, is not named (the rows keep their phase alone), as
     it would be were the copy made with ``kc.copy_records``, which the canary does not see."""
     eng, found, shared = _copied_over_a_shared_slot(device, told=True, every_forward=every_forward)
-    held = set(eng.requests["y"]["slots"])
-    eng.finish("y")
-    eng.free = [slot for slot in eng.free if slot not in held]  # a and x hold them still
-    eng.add("w", 3)
-    eng.forward({"w": 1})
+    _row_of_y_to_w(eng, eng.forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
         (phase, 4, "y", position, shared[position]) if every_forward else (phase, None, None, None, shared[position])
