@@ -1,6 +1,8 @@
 """A request's KV offloaded to a host-memory tier and loaded back into other slots, its canary
-records carried both ways with kc.copy_records: the reloaded KV verifies clean, and a bit that
-flipped in host memory while the request was away is reported at the next forward that reads it.
+records carried both ways (kc.copy_records out, canary.copy_records back in: the same copy, told
+to the canary, whose polls then know when the slots got their records): the reloaded KV verifies
+clean, and a bit that flipped in host memory while the request was away is reported at the next
+forward that reads it.
 
 Runs on the CPU by default (both tiers in host memory); ``--device cuda`` (with CuPy) keeps the
 serving pool on the GPU, and the records cross between the GPU and the host.
@@ -99,7 +101,8 @@ def load(name: str, host_slots: np.ndarray) -> None:
     for pool, host_pool in ((k_pool, host_k), (v_pool, host_v)):
         rows = host_pool[host_slots // host_page_size, host_slots % host_page_size]
         pool[on_device // page_size, on_device % page_size] = xp.asarray(rows)
-    kc.copy_records(src=host, dst=canary.context, src_slots=host_slots, dst_slots=xp.asarray(slots.astype(np.int64)))
+    canary.copy_records(src=host, dst=canary.context, src_slots=host_slots,
+                        dst_slots=xp.asarray(slots.astype(np.int64)))
     req_to_token[request["row"], :request["cached"]] = xp.asarray(slots.astype(np.int32))
 
 
