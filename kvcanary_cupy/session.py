@@ -1105,11 +1105,12 @@ class Canary:
         compaction within the pool), the next poll knows that ``dst_slots`` got other records
         between the forwards around the call: a violation row showing such a record is never named
         for a request whose forward read the slot before the copy. Records copied into the pool by
-        ``kc.copy_records`` itself leave the poll to guess when they arrived."""
+        ``kc.copy_records`` itself leave the poll to guess when they arrived, as do the replays of
+        this call captured in a CUDA graph (the capture tells the canary nothing)."""
         move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
         dst_stream = run_record_copy(move, stream)
         group = next((group for group in self.groups if group.ctx is move.dst), None)
-        if group is None or not self.enabled or move.count == 0:
+        if group is None or not self.enabled or move.count == 0 or stream_capturing(dst_stream):
             return
         with on_device(move.dst.device, dst_stream):
             # the caller's array may be refilled before the poll reads it

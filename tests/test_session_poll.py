@@ -17,7 +17,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from _builders import DLPackOnly, Unprintable, one_forward, session_capacities
-from _devices import BACKENDS, int64s_on, to_device, to_numpy
+from _devices import BACKENDS, int64s_on, requires_gpu, to_device, to_numpy
 
 SLOTS, ROWS, WIDTH = 128, 8, 64
 
@@ -751,6 +751,41 @@ def test_rows_of_a_record_a_copy_replaced_are_named_for_the_readers_before_it(de
                   for phase in ("head", "tail")]
         y_rows = [(phase, 4, "y", position, shared[position]) for phase in ("head", "tail") for position in (2, 3)]
         assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == x_rows + y_rows, told
+
+
+@requires_gpu
+def test_a_copy_told_to_the_canary_can_be_captured_in_a_cuda_graph():
+    """From another canary's buffer the copy is one launch, which a CUDA graph may capture; the
+    capture tells the canary nothing (it copies no slots while the stream captures), and the
+    graph's replay moves the records: the forward after it reads them clean."""
+    import cupy
+
+    eng, tier = _Engine("cuda"), _Engine("cuda")
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    tier.add("a", 2)
+    tier.forward({"a": 4})  # another row's tokens: other records, each chained to the one before
+    slots = eng.requests["a"]["slots"]
+    tier_slots = tier.requests["a"]["slots"]
+    eng.k[int64s_on("cuda")(slots)] = tier.k[int64s_on("cuda")(tier_slots)]
+    before = to_numpy(eng.canary.context.canary_buf).copy()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        src_slots, dst_slots = cupy.asarray(tier_slots, dtype=cupy.int64), cupy.asarray(slots, dtype=cupy.int64)
+        stream.begin_capture()
+        try:
+            eng.canary.copy_records(src=tier.canary.context, dst=eng.canary.context, src_slots=src_slots,
+                                    dst_slots=dst_slots, stream=stream)
+        finally:
+            graph = stream.end_capture()
+    assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)  # captured, not yet run
+    assert not np.array_equal(before[slots], to_numpy(tier.canary.context.canary_buf)[tier_slots])
+    graph.launch(stream)
+    stream.synchronize()
+    assert np.array_equal(to_numpy(eng.canary.context.canary_buf)[slots],
+                          to_numpy(tier.canary.context.canary_buf)[tier_slots])
+    eng.forward({"a": 1})
+    assert len(eng.canary.poll()) == 0
 
 
 @pytest.mark.parametrize("device", BACKENDS)
