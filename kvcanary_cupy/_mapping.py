@@ -381,7 +381,47 @@ class RowMapper:
                     if len(names) == 1:
                         (name, position), = names
                         placed[i] = (None, (log[earlier[-1]].phase, None, name, position))
+        self._unname_where_hidden_readers_came_after(group, rows, placed, dropped)
         return placed
+
+    def _unname_where_hidden_readers_came_after(self, group, rows: Sequence, placed: dict, dropped: bool) -> None:
+        """Leaves their phase alone to the placed rows that a hidden reader may have recorded
+        (:meth:`_hidden_readers`): one after the launch a row went to (a bad slot stays bad, so
+        the last rows are the last readers'), or any with a full ring (whose kept rows are the
+        first) or where the row went to no one launch."""
+        for i, (index, name) in placed.items():
+            if name[2] is None and name[1] is None:
+                continue
+            hidden = self._hidden_readers(group, rows[i])
+            if hidden and (dropped or index is None or hidden[-1] > index):
+                placed[i] = (index, self.phase_only(group, rows[i]))
+
+    def _hidden_readers(self, group, v) -> list:
+        """The log indices of the verify launches of row ``v``'s tag that may have checked its slot
+        through a pool row handed on since (:meth:`_handed_on`): the table row holds another
+        request's slots now, so which slots the launch checked there is not known, only at which
+        positions (at the row's stored position, unless it reports a position mismatch)."""
+        position = None if int(v.fail_reason) & _BIT_POSITION else int(v.position)
+        return [index for index, spans in self._handed_on_spans(group, int(v.kernel_kind))
+                if position is None or bool(np.any((spans[:, 0] <= position) & (position < spans[:, 1])))]
+
+    def _handed_on_spans(self, group, tag: int) -> list:
+        """``(log index, spans)`` of each verify launch of ``tag`` that ran with pool rows handed on
+        since: ``spans`` holds ``[start, end)`` of the positions it checked through each of them."""
+        key = ("handed spans", group.name, tag)
+        if key not in self._cache:
+            found = []
+            for index, launch in enumerate(group.log):
+                handed_on = self._handed_on(group).get(id(launch.batch), ()) if launch.kind == "verify" else ()
+                if launch.tag != tag or not handed_on or self.overflowed(group, launch):
+                    continue
+                rows, lens = self._batch(launch, "req_pool_indices"), self._lengths(launch)
+                stale = np.flatnonzero(np.isin(rows, list(handed_on)) & (lens > 0))
+                ends = np.minimum(lens[stale], self._table().shape[1])
+                if stale.shape[0]:
+                    found.append((index, np.stack([_window_starts(lens[stale], group.window), ends], axis=1)))
+            self._cache[key] = found
+        return self._cache[key]
 
     def _recorded_since(self, group, v) -> bool:
         """Whether verify row ``v``, of a slot a logged write wrote, came after that write: it shows

@@ -1104,9 +1104,11 @@ class Canary:
         one of its contexts (:attr:`context`, :attr:`swa_context`: a reload from a host tier, a
         compaction within the pool), the next poll knows that ``dst_slots`` got other records
         between the forwards around the call: a violation row showing such a record is never named
-        for a request whose forward read the slot before the copy. Records copied into the pool by
-        ``kc.copy_records`` itself leave the poll to guess when they arrived, as do the replays of
-        this call captured in a CUDA graph (the capture tells the canary nothing)."""
+        for a request whose forward read the slot before the copy, and one showing the record the
+        slot held before is named for the forwards that read it then. Records copied into the pool
+        by ``kc.copy_records`` itself leave the poll to guess when they arrived (such rows keep
+        their phase alone), as do the replays of this call captured in a CUDA graph (the capture
+        tells the canary nothing)."""
         move = RecordCopy(src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
         dst_stream = run_record_copy(move, stream)
         group = next((group for group in self.groups if group.ctx is move.dst), None)

@@ -698,6 +698,32 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
         for position in (2, 3)]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_rows_a_reader_handed_on_may_have_recorded_are_given_to_no_reader_before_it(device, every_forward):
+    """x and y share a's four tokens; x reads them clean, then a's KV at position 2 changes, and y
+    reads it. y finishes and its pool row goes to w, which a logged forward shows. Polled after
+    each forward, the rows are y's; polled once at the end, y's entries are not judged (its row
+    holds w's cells now), and the rows are not x's, which read the slot before it changed: a bad
+    slot's rows go to its last readers, and y's forward, the last, may have read it through the
+    row it handed on (the rows keep their phase alone)."""
+    eng = _Engine(device)
+    forward, found = _forwards_polled(eng, every_forward)
+    eng.add("a", 1)
+    forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    forward({"x": 1})
+    shared = eng.requests["a"]["slots"]
+    eng.k[shared[2], 0, 0] += 1.0
+    forward({"y": 1})
+    _row_of_y_to_w(eng, forward)
+    found.extend(eng.canary.poll())
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in found] == [
+        (phase, 3, "y", 2, shared[2], ("REAL_KV_HASH",)) if every_forward
+        else (phase, None, None, None, shared[2], ("REAL_KV_HASH",)) for phase in ("head", "tail")]
+
+
 def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corrupt_first: bool = False):
     """a's four tokens are shared by x and y; x reads them, then z's record at position 2 and its
     KV are copied over a's slot at position 2 (a compaction the engine got wrong), through
@@ -725,13 +751,14 @@ def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corru
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("every_forward", [True, False])
-def test_rows_of_a_record_copied_in_are_not_given_to_a_reader_before_the_copy(device, every_forward):
-    """The copy told to the canary: y's HEAD and TAIL record the slot and the next (whose chain
-    link reads it). y finishes and its pool row goes to w, which a logged forward shows. Polled
-    after each forward, the rows are y's; polled once at the end, y's entries are not judged, and
-    x, which read the slots before the copy, is not named (the rows keep their phase alone), as
-    it would be were the copy made with ``kc.copy_records``, which the canary does not see."""
-    eng, found, shared = _copied_over_a_shared_slot(device, told=True, every_forward=every_forward)
+@pytest.mark.parametrize("told", [True, False])
+def test_rows_of_a_record_copied_in_are_not_given_to_a_reader_before_the_copy(device, every_forward, told):
+    """y's HEAD and TAIL record the slot and the next (whose chain link reads it). y finishes and
+    its pool row goes to w, which a logged forward shows. Polled after each forward, the rows are
+    y's; polled once at the end, y's entries are not judged, and x, which read the slots before
+    the copy, is not named (the rows keep their phase alone): y's forward, after x's, may have
+    read the slots through its handed-on row, whether or not the canary was told of the copy."""
+    eng, found, shared = _copied_over_a_shared_slot(device, told=told, every_forward=every_forward)
     _row_of_y_to_w(eng, eng.forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [

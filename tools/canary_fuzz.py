@@ -580,8 +580,6 @@ class FuzzEngine:
         self.named_at_exactly: set = set()
         self.rows_read: set = set()  # pool rows read by forwards and sweeps since the previous poll
         self.handed_unseen: set = set()  # of those, rows handed on to a request not shown since
-        self.handed_on = False  # a row read since the previous poll handed on to another request
-        self.copied_unseen = False  # records copied into a pool by kc.copy_records since the previous poll
         self.paused = self.draining = self.resumed = False  # the canaries switched off (SeedConfig.pause_at)
         self.poll_owed = False  # switched off, the canaries' next poll decodes what came before
         # forwards and sweeps since the previous poll that decoded (made while the canaries were on,
@@ -792,7 +790,6 @@ class FuzzEngine:
         row = self.free_rows.popleft()
         if row in self.rows_read:
             self.handed_unseen.add(row)
-            self.handed_on = True
         self.expected_host[row] = 0
         self.expected_host[row, :total] = tokens
         self.table_host[row, :k] = shared
@@ -1225,13 +1222,9 @@ class FuzzEngine:
                     and fault.injected_at >= self.span_start:
                 fault.unlogged = True
             self.span_calls, self.span_start = 0, self.index + 1
-        # records copied in unseen leave a row of a copied record to an earlier reader of its slot
-        # where the reader of the copy was handed on (README, "tables changed before the poll")
-        exact = decodes and (self.c.poll_every == 1 or self.c.static == "off" and not self.handed_unseen
-                             and not (self.copied_unseen and self.handed_on))
+        exact = decodes and (self.c.poll_every == 1 or self.c.static == "off" and not self.handed_unseen)
         if decodes:
             self.rows_read, self.handed_unseen = set(), set()
-            self.handed_on = self.copied_unseen = False
         for watch in self.watches:
             try:
                 report = watch.canary.poll()
@@ -1328,11 +1321,9 @@ class FuzzEngine:
         than those two. Polled every few forwards, eager forwards alone, no event names anyone else
         either, where no pool row was handed on since the previous poll to a request that no
         logged forward or sweep showed holding it before the poll (README: the table row may hold
-        the new request's slots of a shared prefix then), nor any pool row at all where records
-        entered a pool through ``kc.copy_records`` since (README: a row of a copied record may then
-        name an earlier reader of its slot; ``records_told`` seeds tell the canary instead). An
-        event may name no request or no position (a row the tables at the poll no longer explain,
-        such as an SWA slot freed after the forward): that is not judged.
+        the new request's slots of a shared prefix then). An event may name no request or no
+        position (a row the tables at the poll no longer explain, such as an SWA slot freed after
+        the forward): that is not judged.
         Nothing is judged with ring_capacity 0 (the ring keeps no row, only counts), nor for a wrong
         token (a draft model's too) that the write input assert may be the only one to see, in a
         static forward polled after later forwards refilled its arrays (README: "poll after each
@@ -1404,11 +1395,7 @@ class FuzzEngine:
     def copy_records(self, canary: kc.Canary, **move) -> None:
         """Records carried as ``kc.copy_records`` carries them, told to ``canary`` where the seed
         says (``records_told``): a poll then knows when its pool's slots got them."""
-        if self.c.records_told:
-            canary.copy_records(**move)
-            return
-        kc.copy_records(**move)
-        self.copied_unseen |= any(move["dst"] is ctx for ctx in (canary.context, canary.swa_context))
+        (canary.copy_records if self.c.records_told else kc.copy_records)(**move)
 
     def tier_out(self, slots: list) -> tuple[np.ndarray, Optional[np.ndarray], tuple]:
         """KV and records of pool ``slots`` (the draft model's and SWA pool's too) into free host
