@@ -385,7 +385,7 @@ class RowMapper:
         return placed
 
     def _unname_where_hidden_readers_came_after(self, group, rows: Sequence, placed: dict, dropped: bool) -> None:
-        """Leaves their phase alone to the placed rows that a hidden reader may have recorded
+        """Gives their phase alone to the placed rows that a hidden reader may have recorded
         (:meth:`_hidden_readers`): one after the launch a row went to (a bad slot stays bad, so
         the last rows are the last readers'), or any with a full ring (whose kept rows are the
         first) or where the row went to no one launch."""
@@ -400,8 +400,10 @@ class RowMapper:
         """The log indices of the verify launches of row ``v``'s tag that may have checked its slot
         through a pool row handed on since (:meth:`_handed_on`): the table row holds another
         request's slots now, so which slots the launch checked there is not known, only at which
-        positions (at the row's stored position, unless it reports a position mismatch)."""
-        position = None if int(v.fail_reason) & _BIT_POSITION else int(v.position)
+        positions: the row's, which it stores unless it reports a mismatch (a row of a slot outside
+        the pool stores the entry's own)."""
+        inside = 0 <= v.slot_idx < group.ctx.num_slots
+        position = None if inside and int(v.fail_reason) & _BIT_POSITION else int(v.position)
         return [index for index, spans in self._handed_on_spans(group, int(v.kernel_kind))
                 if position is None or bool(np.any((spans[:, 0] <= position) & (position < spans[:, 1])))]
 

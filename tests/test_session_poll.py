@@ -662,6 +662,31 @@ def _forwards_polled(eng: _Engine, every_forward: bool):
     return forward, found
 
 
+def _a_read_by_x_then_y(device, every_forward: bool, *, between, before_x=None):
+    """a writes four tokens and z four of its own; x and y share a's; ``before_x(eng, a's slots)``
+    where given, x reads them, ``between(eng, a's slots)``, y reads them. ``(engine, forward,
+    found, a's slots)``, with :func:`_forwards_polled`'s ``forward`` and ``found``."""
+    eng = _Engine(device)
+    forward, found = _forwards_polled(eng, every_forward)
+    eng.add("a", 1)
+    forward({"a": 4})
+    eng.add("z", 4)
+    forward({"z": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    shared = eng.requests["a"]["slots"]
+    if before_x is not None:
+        before_x(eng, shared)
+    forward({"x": 1})
+    between(eng, shared)
+    forward({"y": 1})
+    return eng, forward, found, shared
+
+
+def _change_kv_at_2(eng: _Engine, shared: list) -> None:
+    eng.k[shared[2], 0, 0] += 1.0
+
+
 def _row_of_y_to_w(eng: _Engine, forward) -> None:
     """y finishes (a and x hold its shared slots still), and its pool row goes to w, whose first
     forward shows it there."""
@@ -681,20 +706,12 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
     shows. Polled after each forward, the rows are y's; polled once at the end, y's entries are
     not judged (its row holds w's cells now), and x's forward, before the write, read neither
     record the rows show: no row names x (the rows keep their phase alone)."""
-    eng = _Engine(device)
-    forward, found = _forwards_polled(eng, every_forward)
-    eng.add("a", 1)
-    forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
-    forward({"x": 1})
-    shared = eng.requests["a"]["slots"]
-    eng.free.insert(0, shared[2])
-    forward({"y": 1})
+    eng, forward, found, shared = _a_read_by_x_then_y(device, every_forward,
+                                                      between=lambda eng, shared: eng.free.insert(0, shared[2]))
     _row_of_y_to_w(eng, forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
-        ("tail", 3, "y", position, shared[position]) if every_forward else ("tail", None, None, None, shared[position])
+        ("tail", 4, "y", position, shared[position]) if every_forward else ("tail", None, None, None, shared[position])
         for position in (2, 3)]
 
 
@@ -707,45 +724,29 @@ def test_rows_a_reader_handed_on_may_have_recorded_are_given_to_no_reader_before
     holds w's cells now), and the rows are not x's, which read the slot before it changed: a bad
     slot's rows go to its last readers, and y's forward, the last, may have read it through the
     row it handed on (the rows keep their phase alone)."""
-    eng = _Engine(device)
-    forward, found = _forwards_polled(eng, every_forward)
-    eng.add("a", 1)
-    forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
-    forward({"x": 1})
-    shared = eng.requests["a"]["slots"]
-    eng.k[shared[2], 0, 0] += 1.0
-    forward({"y": 1})
+    eng, forward, found, shared = _a_read_by_x_then_y(device, every_forward, between=_change_kv_at_2)
     _row_of_y_to_w(eng, forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in found] == [
-        (phase, 3, "y", 2, shared[2], ("REAL_KV_HASH",)) if every_forward
+        (phase, 4, "y", 2, shared[2], ("REAL_KV_HASH",)) if every_forward
         else (phase, None, None, None, shared[2], ("REAL_KV_HASH",)) for phase in ("head", "tail")]
 
 
 def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corrupt_first: bool = False):
-    """a's four tokens are shared by x and y; x reads them, then z's record at position 2 and its
-    KV are copied over a's slot at position 2 (a compaction the engine got wrong), through
-    ``Canary.copy_records`` when ``told`` (else ``kc.copy_records``), and y reads them. With
-    ``corrupt_first``, a's KV there was already changed when x read it. The events and a's slots."""
-    eng = _Engine(device)
-    forward, found = _forwards_polled(eng, every_forward)
-    eng.add("a", 1)
-    forward({"a": 4})
-    eng.add("z", 4)
-    forward({"z": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
-    shared, moved = eng.requests["a"]["slots"], eng.requests["z"]["slots"][2]
-    if corrupt_first:
-        eng.k[shared[2], 0, 0] += 1.0
-    forward({"x": 1})
-    i64 = int64s_on(device)
-    copy = eng.canary.copy_records if told else kc.copy_records
-    copy(src=eng.canary.context, dst=eng.canary.context, src_slots=i64([moved]), dst_slots=i64([shared[2]]))
-    eng.k[shared[2]] = eng.k[moved]
-    forward({"y": 1})
+    """z's record at position 2 and its KV copied over a's slot at position 2 between x's and y's
+    reads (a compaction the engine got wrong), through ``Canary.copy_records`` when ``told`` (else
+    ``kc.copy_records``). With ``corrupt_first``, a's KV there was already changed when x read it.
+    The engine, the events and a's slots."""
+
+    def copy_z_over_2(eng, shared):
+        moved = eng.requests["z"]["slots"][2]
+        i64 = int64s_on(device)
+        copy = eng.canary.copy_records if told else kc.copy_records
+        copy(src=eng.canary.context, dst=eng.canary.context, src_slots=i64([moved]), dst_slots=i64([shared[2]]))
+        eng.k[shared[2]] = eng.k[moved]
+
+    eng, _, found, shared = _a_read_by_x_then_y(device, every_forward, between=copy_z_over_2,
+                                                before_x=_change_kv_at_2 if corrupt_first else None)
     return eng, found, shared
 
 
