@@ -732,6 +732,27 @@ def test_rows_a_reader_handed_on_may_have_recorded_are_given_to_no_reader_before
         else (phase, None, None, None, shared[2], ("REAL_KV_HASH",)) for phase in ("head", "tail")]
 
 
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_reader_handed_on_takes_no_name_from_rows_at_positions_it_did_not_check(device):
+    """x has three tokens of its own after a's four, which y shares alone; the KV of x's own token
+    at position 5 changes, x reads it, then y reads a's, finishes, and its pool row goes to w
+    before the one poll. y checked positions 0-3 through the row it handed on, so x's rows at
+    position 5 are x's still."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    eng.forward({"x": 3})
+    own = eng.requests["x"]["slots"][5]
+    eng.k[own, 0, 0] += 1.0
+    eng.forward({"x": 1})
+    eng.forward({"y": 1})
+    _row_of_y_to_w(eng, eng.forward)
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
+        (phase, 3, "x", 5, own) for phase in ("head", "tail")]
+
+
 def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corrupt_first: bool = False):
     """z's record at position 2 and its KV copied over a's slot at position 2 between x's and y's
     reads (a compaction the engine got wrong), through ``Canary.copy_records`` when ``told`` (else
