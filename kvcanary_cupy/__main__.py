@@ -18,8 +18,9 @@ and on the CPU (numba). Engines that refill their batch arrays in place bind a f
 (kc.Canary.static_forward), whose launches a CUDA graph can capture with the model's forward.
 Engines that drive the kernels themselves call kc.plan, kc.verify and kc.write, or kc.CanaryStep:
 one forward's verify and write, validated once, one or two launches. KV moved to a host-memory
-tier and back keeps its fingerprints through kc.copy_records, so what changed while it was away
-is caught when it is read again. Engines with block tables and cumulative int32 offsets (vLLM-style)
+tier and back keeps its fingerprints through kc.copy_records (kc.Canary.copy_records when the
+canary should know when its slots got them), so what changed while it was away is caught when it
+is read again. Engines with block tables and cumulative int32 offsets (vLLM-style)
 mirror their tables with kc.block_tables.mirror and build each batch with
 kc.ForwardBatch.from_offsets."""
 
