@@ -111,9 +111,9 @@ class RowMapper:
         table = self._table()
         wanted = self._wanted[group.name]
         found: dict = {}
-        handed_on = list(self._handed_on(group).get(id(launch.batch), ()))
         # padding, rows resolving nothing, and rows whose table row may hold another request's slots now
-        live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0) & ~np.isin(rows, handed_on))
+        live = np.flatnonzero((rows > 0) & (rows < table.shape[0]) & (lens > 0)
+                              & ~self._through_handed_on(group, launch))
         width = table.shape[1]
         block = max(1, (1 << 22) // max(width, 1))
         for first in range(0, live.shape[0], block):
@@ -127,6 +127,12 @@ class RowMapper:
                 found.setdefault(int(slots[at, position]), []).append((int(owners[at]), int(position)))
         self._checked[key] = found
         return found
+
+    def _through_handed_on(self, group, launch) -> np.ndarray:
+        """For each request of the launch's batch, whether its pool row was handed on since
+        (:meth:`_handed_on`): the table row may hold another request's slots now."""
+        handed_on = list(self._handed_on(group).get(id(launch.batch), ()))
+        return np.isin(self._batch(launch, "req_pool_indices"), handed_on)
 
     def _handed_on(self, group) -> dict:
         """By batch (``id``): the pool rows that a later launch of the group's log shows holding
@@ -414,11 +420,11 @@ class RowMapper:
         if key not in self._cache:
             found = []
             for index, launch in enumerate(group.log):
-                handed_on = self._handed_on(group).get(id(launch.batch), ()) if launch.kind == "verify" else ()
-                if launch.tag != tag or not handed_on or self.overflowed(group, launch):
+                if launch.kind != "verify" or launch.tag != tag or id(launch.batch) not in self._handed_on(group) \
+                        or self.overflowed(group, launch):
                     continue
-                rows, lens = self._batch(launch, "req_pool_indices"), self._lengths(launch)
-                stale = np.flatnonzero(np.isin(rows, list(handed_on)) & (lens > 0))
+                lens = self._lengths(launch)
+                stale = np.flatnonzero(self._through_handed_on(group, launch) & (lens > 0))
                 ends = np.minimum(lens[stale], self._table().shape[1])
                 if stale.shape[0]:
                     found.append((index, np.stack([_window_starts(lens[stale], group.window), ends], axis=1)))
