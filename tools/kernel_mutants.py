@@ -438,11 +438,16 @@ def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = fr
             change = (row["filename"], row["line"], row["before"], row["after"])
             latest.pop(change, None)  # to the end: the order judged
             latest[change] = row
-    rows = [row for row in latest.values()
-            if f"{row['filename']}:{row['line']}" in named
-            or (row["verdict"] == "unfinished" if only_unfinished else
-                crashed(row) or row["verdict"] == "unjudged"
-                or (row["verdict"] in ("survived", "unfinished") and not only_crashed))]
+
+    def wanted(row: dict) -> bool:
+        if f"{row['filename']}:{row['line']}" in named:
+            return True
+        if only_unfinished:
+            return row["verdict"] == "unfinished"
+        return crashed(row) or row["verdict"] == "unjudged" or \
+            (not only_crashed and row["verdict"] in ("survived", "unfinished"))
+
+    rows = [row for row in latest.values() if wanted(row)]
     mutants, seen = [], set()
     for row in rows:
         source = (REPO / KERNELS / row["filename"]).read_text(encoding="utf-8").splitlines()
@@ -482,11 +487,12 @@ def main() -> int:
                              " run: the last run's verdict of a change counts) or that --limit cut short or"
                              " --deadline kept from starting there, that a check whose process crashed"
                              " judged, or that were left unjudged")
-    parser.add_argument("--unfinished", action="store_true",
-                        help="with --replay: only the changes cut short by --limit or not started before --deadline")
-    parser.add_argument("--crashed", action="store_true",
-                        help="with --replay: only the changes that a check whose process crashed judged or"
-                             " left unjudged")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--unfinished", action="store_true",
+                      help="with --replay: only the changes cut short by --limit or not started before --deadline")
+    only.add_argument("--crashed", action="store_true",
+                      help="with --replay: only the changes that a check whose process crashed judged or"
+                           " left unjudged")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
