@@ -21,14 +21,20 @@ if HAS_CUDA:
     import cupy
 
 
-@pytest.mark.parametrize("op", list(F.MAKERS))
-def test_differential_against_cpu_oracle(op):
-    rng = np.random.default_rng([2026, list(F.MAKERS).index(op)])
-    for i in range(150):
-        case = F.MAKERS[op](rng, 200_000 if i % 50 == 49 else 3000)
+def _agree_with_the_oracle(op: str, rng: np.random.Generator, cases: int, *, large: int, large_every: int) -> None:
+    """``cases`` random cases of ``op``, every ``large_every``-th of ``large`` entries: the GPU's
+    outputs are the CPU oracle's."""
+    for i in range(cases):
+        case = F.MAKERS[op](rng, large if i % large_every == large_every - 1 else 3000)
         oracle = F.RUNNERS[op](case, "cpu")
         gpu = F.RUNNERS[op](case, "cuda")
         assert F.compare_overflow_aware(op, case, oracle, gpu) == [], f"{op} case {i}"
+
+
+@pytest.mark.parametrize("op", list(F.MAKERS))
+def test_differential_against_cpu_oracle(op):
+    _agree_with_the_oracle(op, np.random.default_rng([2026, list(F.MAKERS).index(op)]), 150, large=200_000,
+                           large_every=50)
 
 
 def test_a_kernel_finds_in_shared_memory_the_words_a_stale_fill_left():
@@ -59,12 +65,9 @@ def test_differential_against_cpu_oracle_over_stale_shared_memory(op, team, monk
     stale = stale_shared_memory(monkeypatch.setattr)
     if team != "auto":
         force_write_team(team, monkeypatch.setattr)
-    rng = np.random.default_rng([2028, list(F.MAKERS).index(op)])  # the write's forms on the same cases
-    for i in range(60):
-        case = F.MAKERS[op](rng, 100_000 if i % 20 == 19 else 3000)
-        oracle = F.RUNNERS[op](case, "cpu")
-        gpu = F.RUNNERS[op](case, "cuda")
-        assert F.compare_overflow_aware(op, case, oracle, gpu) == [], f"{op} case {i}"
+    # the write's forms on the same cases
+    _agree_with_the_oracle(op, np.random.default_rng([2028, list(F.MAKERS).index(op)]), 60, large=100_000,
+                           large_every=20)
     assert stale.fills >= 30, "the op's kernels ran after a fill"
 
 
