@@ -89,10 +89,11 @@ class RowMapper:
     def _written(self, launch):
         """The slots a write launch wrote: its entries' alone, not those of a padded tail past them
         (a static forward's arrays bound for more tokens than a step has, whose cells the write
-        never reads, may hold any slot, another request's too); a move's destinations."""
+        never reads, may hold any slot, another request's too); a move's destinations that got a
+        record (a negative one stores none, and marks a pair whose source slot is out of range)."""
         loc = self._write_loc(launch)
         if launch.kind == "move":
-            return loc
+            return loc[loc >= 0]
         extend, rows = self._batch(launch, "extend_seq_lens"), self._batch(launch, "req_pool_indices")
         # padding rows write nothing (SPEC 3.3); each request's count clamped, so that the sum cannot wrap
         counted = np.where(rows != 0, np.clip(extend, 0, loc.shape[0]), 0)

@@ -35,7 +35,7 @@ from .capacities import Capacities
 from .context import CanaryContext, Violation, VerifyPlan, WritePlan, reason_names, ring_index, tag_name
 from .ops._dispatch import backend_module, check_stream_form, on_device, resolve_stream
 from .ops.batches import PlanBatch, RecordCopy, WriteBatch, launch_tag, owning
-from .ops.copy_records import run_record_copy
+from .ops.copy_records import run_record_copy, stored_destinations
 from .sources import RealKvSource, source_list
 
 __all__ = ["Canary", "CanaryEvent", "CanaryReport", "CanaryViolation", "ForwardBatch", "LiveRequests",
@@ -1114,9 +1114,9 @@ class Canary:
         group = next((group for group in self.groups if group.ctx is move.dst), None)
         if group is None or not self.enabled or move.count == 0 or stream_capturing(dst_stream):
             return
-        with on_device(move.dst.device, dst_stream):
-            # the caller's array may be refilled before the poll reads it
-            slots = move.dst_slots.copy()
+        # its own array (the caller's may be refilled before the poll reads it), without the pairs
+        # that store nothing: their destinations keep the records they had
+        slots = stored_destinations(move, dst_stream)
         self._log(group, _Launch("move", -1, self._numbered, None, write_loc=slots))
 
     def poll(self) -> CanaryReport:

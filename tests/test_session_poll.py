@@ -854,6 +854,29 @@ def test_a_refused_copy_told_to_the_canary_copies_nothing(device):
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("source", ["pool", "host tier"])
+def test_pairs_of_a_told_copy_that_store_nothing_leave_every_reader_its_rows(device, source):
+    """a's KV at position 2 changed before x read it. Between x's read and y's, a copy told to the
+    canary (from the pool itself, or from a canary in host memory) has a's slots at positions 2
+    and 3 as the destinations of pairs whose source slots are out of range (past the source's
+    slots, negative): they store nothing, and x's rows of the slot are x's, y's y's (where the
+    poll took every destination for a slot given a record, x's went unnamed)."""
+
+    def copy_from_no_slot(eng, shared):
+        src = eng.canary.context if source == "pool" else kc.CanaryContext.allocate(
+            16, device="cpu", ring_capacity=0, hash_mode=kc.HashMode.ALL,
+            real_kv_sources=kc.layouts.per_layer([np.zeros((16, 2, 8), np.float32)]))
+        before = to_numpy(eng.canary.context.canary_buf).copy()
+        eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1]),
+                                dst_slots=int64s_on(device)(shared[2:4]))
+        assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)
+
+    eng, _, _, shared = _a_read_by_x_then_y(device, False, between=copy_from_no_slot, before_x=_change_kv_at_2)
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
+        (phase, step, request, 2, shared[2]) for step, request in ((3, "x"), (4, "y")) for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_write_rows_are_named_by_their_token_and_position(device):
     """Two entries of one forward write slot 10 (a at position 0, b at position 0) and b's token is
     not the one expected: the row names b, whose token it holds."""

@@ -65,6 +65,18 @@ def run_record_copy(move: RecordCopy, stream: Any = None) -> Any:
     return dst_stream
 
 
+def stored_destinations(move: RecordCopy, dst_stream: Any) -> Any:
+    """A new array, on the destination's device: each pair's destination slot where its source
+    slot is in range, -1 where it is not (such a pair stores nothing). Call it once
+    :func:`run_record_copy` has run the copy: across devices that has waited for the source's
+    slots, read here from the host."""
+    src_slots = move.src_slots if move.src.device == move.dst.device else to_host(move.src_slots)
+    with on_device(move.dst.device, dst_stream):
+        xp = require_cupy("device") if move.dst.device.is_cuda else np
+        src_slots = xp.asarray(src_slots)
+        return xp.where((src_slots >= 0) & (src_slots < move.src.num_slots), move.dst_slots, -1)
+
+
 def _overlapping(a, b) -> bool:
     """Whether two canary buffers share any byte (one canary, or views of one allocation)."""
     start_a, start_b = data_pointer(a), data_pointer(b)
