@@ -653,7 +653,8 @@ def test_kernel_mutants_checks_run_the_sanitizers_asked_for_after_the_fuzz_and_b
 def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path):
     """``--replay`` of several runs: their survivors and the changes ``--limit`` cut short, a change
     two runs share judged once and by the later run's verdict, a survivor whose line moved found by
-    its text, and the changes another verdict met left out unless named by their place."""
+    its text, and the changes another verdict met left out unless named by their place; each subset
+    that ``--crashed``, ``--unfinished`` and ``--survived`` take."""
     import json
 
     (mutants,) = import_tools("kernel_mutants")
@@ -674,17 +675,22 @@ def test_kernel_mutants_replay_takes_each_survivor_of_several_runs_once(tmp_path
     assert [(m.filename, m.line, m.after) for m in again] == [(first.filename, first.line, first.after),
                                                                (third.filename, third.line, third.after),
                                                                (fourth.filename, fourth.line, fourth.after)]
-    assert mutants.replayed([str(p) for p in runs], only_crashed=True) == []
+    assert mutants.replayed([str(p) for p in runs], only="crashed") == []
     # a change another verdict met, named by where that run had it, is judged again
     named = frozenset({f"{second.filename}:{second.line}"})
     assert [m.ident for m in mutants.replayed([str(runs[0])], named=named)] == [first.ident, second.ident]
-    assert [m.ident for m in mutants.replayed([str(runs[0])], only_crashed=True, named=named)] == [second.ident]
+    assert [m.ident for m in mutants.replayed([str(runs[0])], only="crashed", named=named)] == [second.ident]
     # the changes left unfinished alone; a change a later run judged goes by that run's verdict
-    assert [m.ident for m in mutants.replayed([str(p) for p in runs], only_unfinished=True)] == [fourth.ident]
+    assert [m.ident for m in mutants.replayed([str(p) for p in runs], only="unfinished")] == [fourth.ident]
     runs.append(tmp_path / "run2.json")
     runs[-1].write_text(json.dumps({"summary": {}, "rows": [row(fourth, "fuzz"), row(second, "survived")]}))
     assert [m.ident for m in mutants.replayed([str(p) for p in runs])] == [first.ident, third.ident, second.ident]
-    assert mutants.replayed([str(p) for p in runs], only_unfinished=True) == []
+    assert mutants.replayed([str(p) for p in runs], only="unfinished") == []
+    # the survivors alone, but those whose kernel images are the unchanged ones
+    runs.append(tmp_path / "run3.json")
+    runs[-1].write_text(json.dumps({"summary": {}, "rows": [dict(row(first, "survived"), images="same"),
+                                                            dict(row(second, "survived"), images="changed")]}))
+    assert [m.ident for m in mutants.replayed([str(p) for p in runs], only="survived")] == [third.ident, second.ident]
 
 
 def _checks_running(mutants, probe, check: str):
@@ -731,7 +737,7 @@ def test_kernel_mutants_count_a_crashed_check_only_where_the_unchanged_sources_p
             zip(others, ("tests", "tests", "survived", "unjudged"), (listed, "1 failed, 3 passed", "4 passed", ""))]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"rows": rows}))
-    assert [m.ident for m in mutants.replayed([str(run)], only_crashed=True)] == [others[0].ident, others[3].ident]
+    assert [m.ident for m in mutants.replayed([str(run)], only="crashed")] == [others[0].ident, others[3].ident]
     assert [m.ident for m in mutants.replayed([str(run)])] == [others[0].ident, others[2].ident, others[3].ident]
 
 

@@ -38,6 +38,7 @@ says which, change by change. Each survivor's row also says whether its kernel i
 unchanged ones (``images``: ``same``, ``changed``, or ``unknown`` without NVRTC; see ``--cubins``).
 
     python tools/kernel_mutants.py --replay out.json --cubins                    # no GPU needed
+    python tools/kernel_mutants.py --replay out.json --survived --memcheck --no-tests   # survivors, memcheck
 
 ``--cubins`` runs no check: it compiles each change with NVRTC (``cuda-bindings``) for sm_80 and
 sm_90 and says whether every kernel image of the sources that include its file is byte for byte
@@ -64,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = "kvcanary_cupy/rawkernels"
@@ -423,15 +425,18 @@ def crashed(row: dict) -> bool:
          or SANITIZER_CLEAN.search(tail) is not None)
 
 
-def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = frozenset(),
-             only_unfinished: bool = False) -> list[Mutant]:
+REPLAY_ONLY = ("crashed", "unfinished", "survived")  # the subsets of a replay that --replay can be told to take
+
+
+def replayed(paths: list[str], named: frozenset = frozenset(), only: Optional[str] = None) -> list[Mutant]:
     """The changes that survived earlier runs (their ``--json``) or were cut short or never started
     there (``unfinished``), that a crashed check judged (``crashed``), or that were left unjudged
-    (their check crashed on the unchanged sources too); with ``only_crashed`` the last two alone,
-    with ``only_unfinished`` the unfinished alone. The changes at a ``FILE:LINE`` of ``named`` (where
-    the earlier run had them) whatever their verdict: a check found at fault since (a test that
-    failed on its own) judges them again. A change several runs judged goes by the last of them
-    (``paths`` in the order run). Each still where it was, each once."""
+    (their check crashed on the unchanged sources too); ``only``, one of :data:`REPLAY_ONLY`, takes
+    the last two alone (``crashed``), the unfinished alone, or the survivors whose kernel images
+    changed alone (``survived``: those equivalent as compiled stay out). The changes at a
+    ``FILE:LINE`` of ``named`` (where the earlier run had them) whatever their verdict: a check found
+    at fault since (a test that failed on its own) judges them again. A change several runs judged
+    goes by the last of them (``paths`` in the order run). Each still where it was, each once."""
     latest: dict = {}
     for path in paths:
         for row in json.loads(pathlib.Path(path).read_text())["rows"]:
@@ -442,10 +447,12 @@ def replayed(paths: list[str], only_crashed: bool = False, named: frozenset = fr
     def wanted(row: dict) -> bool:
         if f"{row['filename']}:{row['line']}" in named:
             return True
-        if only_unfinished:
+        if only == "unfinished":
             return row["verdict"] == "unfinished"
+        if only == "survived":
+            return row["verdict"] == "survived" and row.get("images") != "same"
         return crashed(row) or row["verdict"] == "unjudged" or \
-            (not only_crashed and row["verdict"] in ("survived", "unfinished"))
+            (only is None and row["verdict"] in ("survived", "unfinished"))
 
     rows = [row for row in latest.values() if wanted(row)]
     mutants, seen = [], set()
@@ -493,6 +500,9 @@ def main() -> int:
     only.add_argument("--crashed", action="store_true",
                       help="with --replay: only the changes that a check whose process crashed judged or"
                            " left unjudged")
+    only.add_argument("--survived", action="store_true",
+                      help="with --replay: only the survivors whose kernel images changed, e.g. to run them all"
+                           " under --memcheck")
     parser.add_argument("--memcheck", action="store_true",
                         help="after the fuzz, the fuzz again under compute-sanitizer's memcheck")
     parser.add_argument("--racecheck", action="store_true",
@@ -510,7 +520,8 @@ def main() -> int:
 
     if args.replay:
         named = frozenset(name for name in args.files or () if ":" in name)
-        pool = drawn = [m for m in replayed(args.replay, args.crashed, named, args.unfinished)
+        subset = next((name for name in REPLAY_ONLY if getattr(args, name)), None)
+        pool = drawn = [m for m in replayed(args.replay, named, subset)
                         if not args.files or {m.filename, f"{m.filename}:{m.line}"} & set(args.files)]
     else:
         pool = [m for m in candidates() if not args.files or m.filename in args.files]
