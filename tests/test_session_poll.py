@@ -865,7 +865,7 @@ def test_pairs_of_a_told_copy_that_store_nothing_leave_every_reader_its_rows(dev
     def copy_from_no_slot(eng, shared):
         src = eng.canary.context if source == "pool" else kc.CanaryContext.allocate(
             16, device="cpu", ring_capacity=0, hash_mode=kc.HashMode.ALL,
-            real_kv_sources=kc.layouts.per_layer([np.zeros((16, 2, 8), np.float32)]))
+            real_kv_sources=kc.layouts.per_layer([eng.rng.standard_normal((16, 2, 8)).astype(np.float32)]))
         before = to_numpy(eng.canary.context.canary_buf).copy()
         eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1]),
                                 dst_slots=int64s_on(device)(shared[2:4]))
