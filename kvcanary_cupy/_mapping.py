@@ -90,7 +90,7 @@ class RowMapper:
         """The slots a write launch wrote: its entries' alone, not those of a padded tail past them
         (a static forward's arrays bound for more tokens than a step has, whose cells the write
         never reads, may hold any slot, another request's too); a move's destinations that got a
-        record (a negative one stores none, and marks a pair whose source slot is out of range)."""
+        record (-1 marks a pair that stored none: a slot of it out of range)."""
         loc = self._write_loc(launch)
         if launch.kind == "move":
             return loc[loc >= 0]

@@ -1115,7 +1115,7 @@ class Canary:
         if group is None or not self.enabled or move.count == 0 or stream_capturing(dst_stream):
             return
         # its own array (the caller's may be refilled before the poll reads it), without the pairs
-        # that store nothing: their destinations keep the records they had
+        # that store nothing (a slot out of range): their destinations keep the records they had
         slots = stored_destinations(move, dst_stream)
         self._log(group, _Launch("move", -1, self._numbered, None, write_loc=slots))
 

@@ -138,6 +138,21 @@ def test_pairs_out_of_range_store_nothing(device, tier):
 
 
 @pytest.mark.parametrize("device, tier", TIERS)
+def test_the_destinations_a_copy_stored_are_those_of_its_pairs_in_range(device, tier):
+    """What ``Canary.copy_records`` tells its poll: each pair's destination where both slots are in
+    range, -1 for the pairs that stored nothing, on the destination's device."""
+    from kvcanary_cupy.ops.batches import RecordCopy
+    from kvcanary_cupy.ops.copy_records import run_record_copy, stored_destinations
+
+    src, dst = _random_records(device, 40, 4), _random_records(tier, 24, 5)
+    move = RecordCopy(src=src, dst=dst, src_slots=_i64([3, -1, 40, 2**40, 7, 0, 39, 12], device),
+                      dst_slots=_i64([5, 6, 7, 8, -1, 24, 23, 2**62], tier))
+    stored = stored_destinations(move, run_record_copy(move))
+    assert type(stored) is type(move.dst_slots) and stored is not move.dst_slots
+    assert to_numpy(stored).tolist() == [5, -1, -1, -1, -1, -1, 23, -1]
+
+
+@pytest.mark.parametrize("device, tier", TIERS)
 def test_the_padding_slot_is_copied_like_any_other(device, tier):
     """Slot 0 lies in range (SPEC §4 bounds slots by ``[0, num_slots)``): a pair naming it as its
     source or its destination copies the record as any other pair does."""

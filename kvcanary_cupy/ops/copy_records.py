@@ -66,15 +66,17 @@ def run_record_copy(move: RecordCopy, stream: Any = None) -> Any:
 
 
 def stored_destinations(move: RecordCopy, dst_stream: Any) -> Any:
-    """A new array, on the destination's device: each pair's destination slot where its source
-    slot is in range, -1 where it is not (such a pair stores nothing). Call it once
+    """A new array, on the destination's device: each pair's destination slot where both its slots
+    are in range, -1 where either is not (such a pair stores nothing). Call it once
     :func:`run_record_copy` has run the copy: across devices that has waited for the source's
     slots, read here from the host."""
     src_slots = move.src_slots if move.src.device == move.dst.device else to_host(move.src_slots)
     with on_device(move.dst.device, dst_stream):
         xp = require_cupy("device") if move.dst.device.is_cuda else np
-        src_slots = xp.asarray(src_slots)
-        return xp.where((src_slots >= 0) & (src_slots < move.src.num_slots), move.dst_slots, -1)
+        src_slots, dst_slots = xp.asarray(src_slots), move.dst_slots
+        stores = (src_slots >= 0) & (src_slots < move.src.num_slots) & (dst_slots >= 0) & \
+            (dst_slots < move.dst.num_slots)
+        return xp.where(stores, dst_slots, -1)
 
 
 def _overlapping(a, b) -> bool:
