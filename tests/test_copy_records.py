@@ -145,11 +145,11 @@ def test_the_destinations_a_copy_stored_are_those_of_its_pairs_in_range(device, 
     from kvcanary_cupy.ops.copy_records import run_record_copy, stored_destinations
 
     src, dst = _random_records(device, 40, 4), _random_records(tier, 24, 5)
-    move = RecordCopy(src=src, dst=dst, src_slots=_i64([3, -1, 40, 2**40, 7, 0, 39, 12], device),
-                      dst_slots=_i64([5, 6, 7, 8, -1, 24, 23, 2**62], tier))
+    move = RecordCopy(src=src, dst=dst, src_slots=_i64([3, -1, 40, 2**40, 7, 0, 39, 12, 0, 9], device),
+                      dst_slots=_i64([5, 6, 7, 8, -1, 24, 23, 2**62, 9, 0], tier))
     stored = stored_destinations(move, run_record_copy(move))
     assert type(stored) is type(move.dst_slots) and stored is not move.dst_slots
-    assert to_numpy(stored).tolist() == [5, -1, -1, -1, -1, -1, 23, -1]
+    assert to_numpy(stored).tolist() == [5, -1, -1, -1, -1, -1, 23, -1, 9, 0]  # the padding slot like any other
 
 
 @pytest.mark.parametrize("device, tier", TIERS)

@@ -717,40 +717,113 @@ def test_rows_recorded_after_a_write_are_not_given_to_a_reader_before_it(device,
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("every_forward", [True, False])
-def test_rows_a_reader_handed_on_may_have_recorded_are_given_to_no_reader_before_it(device, every_forward):
-    """x and y share a's four tokens; x reads them clean, then a's KV at position 2 changes, and y
-    reads it. y finishes and its pool row goes to w, which a logged forward shows. Polled after
-    each forward, the rows are y's; polled once at the end, y's entries are not judged (its row
-    holds w's cells now), and the rows are not x's, which read the slot before it changed: a bad
-    slot's rows go to its last readers, and y's forward, the last, may have read it through the
-    row it handed on (the rows keep their phase alone)."""
-    eng, forward, found, shared = _a_read_by_x_then_y(device, every_forward, between=_change_kv_at_2)
+@pytest.mark.parametrize("position", [0, 2])
+def test_rows_a_reader_handed_on_may_have_recorded_are_given_to_no_reader_before_it(device, every_forward, position):
+    """x and y share a's four tokens; x reads them clean, then a's KV at ``position`` changes (the
+    first of the positions y checks, or one inside them), and y reads it. y finishes and its pool
+    row goes to w, which a logged forward shows. Polled after each forward, the rows are y's;
+    polled once at the end, y's entries are not judged (its row holds w's cells now), and the rows
+    are not x's, which read the slot before it changed: a bad slot's rows go to its last readers,
+    and y's forward, the last, may have read it through the row it handed on (the rows keep their
+    phase alone)."""
+
+    def change_kv(eng, shared):
+        eng.k[shared[position], 0, 0] += 1.0
+
+    eng, forward, found, shared = _a_read_by_x_then_y(device, every_forward, between=change_kv)
     _row_of_y_to_w(eng, forward)
     found.extend(eng.canary.poll())
     assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in found] == [
-        (phase, 4, "y", 2, shared[2], ("REAL_KV_HASH",)) if every_forward
-        else (phase, None, None, None, shared[2], ("REAL_KV_HASH",)) for phase in ("head", "tail")]
+        (phase, 4, "y", position, shared[position], ("REAL_KV_HASH",)) if every_forward
+        else (phase, None, None, None, shared[position], ("REAL_KV_HASH",)) for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_the_rows_a_full_ring_keeps_are_given_to_no_reader_after_a_hidden_one(device):
+    """a's KV at position 2 changes; y reads it, then x, and the ring, of two rows, keeps y's HEAD
+    and TAIL rows and drops x's. y finishes and its pool row goes to w before the one poll: a full
+    ring keeps the first rows, which y may have recorded through the row it handed on, so they
+    name no one, not x, the one reader whose entries are judged."""
+    eng = _Engine(device, ring=2)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    _change_kv_at_2(eng, eng.requests["a"]["slots"])
+    eng.forward({"y": 1})
+    eng.forward({"x": 1})
+    _row_of_y_to_w(eng, eng.forward)
+    report = eng.canary.poll()
+    assert report.dropped == 2
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        ("head", None, None, None), ("tail", None, None, None)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_reader_handed_on_whose_launch_overflowed_takes_no_name_from_the_rows(device):
+    """x and y share a's four tokens, y has four of its own; a's KV at position 2 changes, x reads
+    it, then y's forward, eight entries past a verify capacity of six, checks nothing. y finishes
+    and its pool row goes to w before the one poll: y's launch could have recorded no row, so the
+    rows are x's still."""
+    eng = _Engine(device, verify_capacity=6)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    eng.forward({"y": 4})
+    _change_kv_at_2(eng, eng.requests["a"]["slots"])
+    eng.forward({"x": 1})
+    eng.forward({"y": 1})
+    _row_of_y_to_w(eng, eng.forward)
+    report = eng.canary.poll()
+    assert report.capacity_overflows == 2  # y's HEAD and TAIL
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [(phase, 3, "x", 2) for phase in ("head", "tail")]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_reader_handed_on_with_nothing_cached_takes_no_name_from_the_rows(device):
+    """z's next token is written over a's slot at position 2, which x shares; x reads it (a
+    position and chain mismatch there, whose row reports the position stored, not the one x
+    checked, and a chain mismatch at position 3). Then y prefills with nothing cached, finishes,
+    and its pool row goes to w before the one poll: y's forward checked no position through the
+    row it handed on, so it cannot have recorded a row, and the rows are x's."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("z", 4)
+    eng.forward({"z": 4})
+    eng.add("x", 2, share="a", shared=4)
+    shared = eng.requests["a"]["slots"]
+    eng.free.insert(0, shared[2])
+    eng.forward({"z": 1})
+    eng.forward({"x": 1})
+    eng.add("y", 3)
+    eng.forward({"y": 2})
+    _row_of_y_to_w(eng, eng.forward)
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in eng.canary.poll()] == [
+        (phase, 4, "x", position, shared[position], reasons) for phase in ("head", "tail")
+        for position, reasons in ((2, ("CHAIN_HASH", "POSITION")), (3, ("CHAIN_HASH",)))]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 def test_a_reader_handed_on_takes_no_name_from_rows_at_positions_it_did_not_check(device):
     """x has three tokens of its own after a's four, which y shares alone; the KV of x's own token
-    at position 5 changes, x reads it, then y reads a's, finishes, and its pool row goes to w
+    at position 4 changes, x reads it, then y reads a's, finishes, and its pool row goes to w
     before the one poll. y checked positions 0-3 through the row it handed on, so x's rows at
-    position 5 are x's still."""
+    position 4 are x's still."""
     eng = _Engine(device)
     eng.add("a", 1)
     eng.forward({"a": 4})
     eng.add("x", 2, share="a", shared=4)
     eng.add("y", 3, share="a", shared=4)
     eng.forward({"x": 3})
-    own = eng.requests["x"]["slots"][5]
+    own = eng.requests["x"]["slots"][4]
     eng.k[own, 0, 0] += 1.0
     eng.forward({"x": 1})
     eng.forward({"y": 1})
     _row_of_y_to_w(eng, eng.forward)
     assert [(e.phase, e.step, e.request, e.position, e.slot) for e in eng.canary.poll()] == [
-        (phase, 3, "x", 5, own) for phase in ("head", "tail")]
+        (phase, 3, "x", 4, own) for phase in ("head", "tail")]
 
 
 def _copied_over_a_shared_slot(device, *, told: bool, every_forward: bool, corrupt_first: bool = False):
@@ -818,6 +891,7 @@ def test_a_copy_told_to_the_canary_can_be_captured_in_a_cuda_graph():
     tier_slots = tier.requests["a"]["slots"]
     eng.k[int64s_on("cuda")(slots)] = tier.k[int64s_on("cuda")(tier_slots)]
     before = to_numpy(eng.canary.context.canary_buf).copy()
+    logged = [len(group.log) for group in eng.canary.groups]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         src_slots, dst_slots = cupy.asarray(tier_slots, dtype=cupy.int64), cupy.asarray(slots, dtype=cupy.int64)
@@ -828,6 +902,7 @@ def test_a_copy_told_to_the_canary_can_be_captured_in_a_cuda_graph():
         finally:
             graph = stream.end_capture()
     assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)  # captured, not yet run
+    assert [len(group.log) for group in eng.canary.groups] == logged
     assert not np.array_equal(before[slots], to_numpy(tier.canary.context.canary_buf)[tier_slots])
     graph.launch(stream)
     stream.synchronize()
@@ -835,6 +910,25 @@ def test_a_copy_told_to_the_canary_can_be_captured_in_a_cuda_graph():
                           to_numpy(tier.canary.context.canary_buf)[tier_slots])
     eng.forward({"a": 1})
     assert len(eng.canary.poll()) == 0
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_copy_told_to_a_canary_that_is_off_copies_and_logs_nothing(device):
+    """While the canary is off its polls return at once, so none would empty its log: a copy told
+    to it moves the records and leaves the log as it was."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("z", 4)
+    eng.forward({"z": 4})
+    assert len(eng.canary.poll()) == 0
+    eng.canary.mode = "off"
+    context, i64 = eng.canary.context, int64s_on(device)
+    a, z = eng.requests["a"]["slots"], eng.requests["z"]["slots"]
+    eng.canary.copy_records(src=context, dst=context, src_slots=i64(z), dst_slots=i64(a))
+    records = to_numpy(context.canary_buf)
+    assert np.array_equal(records[a], records[z])
+    assert all(not group.log for group in eng.canary.groups)
 
 
 @pytest.mark.parametrize("device", BACKENDS)
