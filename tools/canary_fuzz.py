@@ -118,6 +118,7 @@ class SeedConfig:
     max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
     graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
     records_told: bool = False  # records copied into a canary's pool through Canary.copy_records, not kc.copy_records
+    padded_pairs: bool = False  # each record copy's slot arrays padded with pairs that store nothing (a slot -1 or past the end)
 
     @property
     def hashes_kv(self) -> bool:
@@ -150,7 +151,8 @@ class SeedConfig:
                 f"copy_stream={'side' if self.records_on_side else 'current'}",
                 f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}",
                 f"graphs_only={on[self.graphs_only]}",
-                f"records_in={'told' if self.records_told else 'kc' if self.host_tier or self.compaction else 'n/a'}"]
+                f"records_in={'told' if self.records_told else 'kc' if self.host_tier or self.compaction else 'n/a'}",
+                f"padded_pairs={on[self.padded_pairs]}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -215,6 +217,8 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
         config = dataclasses.replace(config, graphs_only=True)
     if np.random.default_rng([seed, 10]).random() < 0.5 and (config.host_tier or config.compaction):
         config = dataclasses.replace(config, records_told=True)
+    if np.random.default_rng([seed, 11]).random() < 0.5 and (config.host_tier or config.compaction):
+        config = dataclasses.replace(config, padded_pairs=True)
     return config
 
 
@@ -522,6 +526,7 @@ class FuzzEngine:
     def __init__(self, c: SeedConfig, dev: Device, fault: Optional[Fault] = None):
         self.c, self.dev, self.fault = c, dev, fault
         self.rng = np.random.default_rng([c.seed, 2])  # the workload
+        self.pad_rng = np.random.default_rng([c.seed, 12])  # the record copies' padding pairs
         self.kv_rng = np.random.default_rng([c.seed, 3])  # the bytes the model writes
         self.nodes_per_decode = 1 + (4 * c.drafts if c.speculative == "tree" else c.drafts)
         # room for every request's tokens, its in-flight drafts and their moves, a compaction's, and
@@ -1386,16 +1391,40 @@ class FuzzEngine:
                 host_view[host] = self.dev.get(view[on_device])
             else:
                 view[on_device] = self.dev.put(np.ascontiguousarray(host_view[host]))
-        ends = (self.context_of(group), on_device, tier.context, host)
+        ends = (self.context_of(group), np.asarray(slots, np.int64), tier.context, host)
         src, src_slots, dst, dst_slots = ends if out else ends[2:] + ends[:2]
         canary = self.draft if group == "draft" else self.canary
-        with self.records_stream() as stream:
-            self.copy_records(canary, src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots, stream=stream)
+        self.copy_records(canary, src=src, dst=dst, src_slots=src_slots, dst_slots=dst_slots)
 
-    def copy_records(self, canary: kc.Canary, **move) -> None:
+    def copy_records(self, canary: kc.Canary, *, src: kc.CanaryContext, dst: kc.CanaryContext,
+                     src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         """Records carried as ``kc.copy_records`` carries them, told to ``canary`` where the seed
-        says (``records_told``): a poll then knows when its pool's slots got them."""
-        (canary.copy_records if self.c.records_told else kc.copy_records)(**move)
+        says (``records_told``): a poll then knows when its pool's slots got them. Where the seed
+        pads them (``padded_pairs``), as an engine pads its index arrays to a size it keeps, a few
+        pairs that store nothing go with them: a source slot of -1 or past the source's end, with
+        a destination the copy does not otherwise name (a slot in use, -1, or past the end)."""
+        if self.c.padded_pairs:
+            src_slots, dst_slots = self.padded(src, dst, src_slots, dst_slots)
+        on = [self.dev.i64(values) if ctx.device.is_cuda else np.asarray(values, np.int64)
+              for ctx, values in ((src, src_slots), (dst, dst_slots))]
+        with self.records_stream() as stream:
+            (canary.copy_records if self.c.records_told else kc.copy_records)(
+                src=src, dst=dst, src_slots=on[0], dst_slots=on[1], stream=stream)
+
+    def padded(self, src: kc.CanaryContext, dst: kc.CanaryContext, src_slots: np.ndarray,
+               dst_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs with one to three padding pairs put among them (:meth:`copy_records`)."""
+        rng, count = self.pad_rng, len(src_slots)
+        unnamed = np.setdiff1d(np.arange(1, dst.num_slots), dst_slots)
+        pads = []
+        for _ in range(int(rng.integers(1, 4))):
+            source = int(rng.choice([-1, src.num_slots, src.num_slots + int(rng.integers(1, 1 << 40))]))
+            target = rng.choice([-1, dst.num_slots, int(rng.choice(unnamed)) if len(unnamed) else -1])
+            pads.append((source, int(target)))
+        at = np.sort(rng.integers(0, count + 1, len(pads)))
+        pairs = np.asarray([src_slots, dst_slots], np.int64).T.reshape(-1, 2)
+        pairs = np.insert(pairs, at, np.asarray(pads, np.int64), axis=0)
+        return pairs[:, 0].copy(), pairs[:, 1].copy()
 
     def tier_out(self, slots: list) -> tuple[np.ndarray, Optional[np.ndarray], tuple]:
         """KV and records of pool ``slots`` (the draft model's and SWA pool's too) into free host
@@ -1509,9 +1538,8 @@ class FuzzEngine:
             view[on_new] = view[on_old]
         if records:
             for canary in [self.canary] + ([self.draft] if self.draft is not None else []):
-                with self.records_stream() as stream:
-                    self.copy_records(canary, src=canary.context, dst=canary.context, src_slots=on_old,
-                                      dst_slots=on_new, stream=stream)
+                self.copy_records(canary, src=canary.context, dst=canary.context, src_slots=np.asarray(old, np.int64),
+                                  dst_slots=np.asarray(new, np.int64))
         self.lut_host[new] = self.lut_host[old]
         self.lut_host[old] = 0
         if self.fault is not None:
