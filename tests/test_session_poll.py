@@ -777,7 +777,8 @@ def test_a_reader_handed_on_whose_launch_overflowed_takes_no_name_from_the_rows(
     _row_of_y_to_w(eng, eng.forward)
     report = eng.canary.poll()
     assert report.capacity_overflows == 2  # y's HEAD and TAIL
-    assert [(e.phase, e.step, e.request, e.position) for e in report] == [(phase, 3, "x", 2) for phase in ("head", "tail")]
+    assert [(e.phase, e.step, e.request, e.position) for e in report] == [
+        (phase, 3, "x", 2) for phase in ("head", "tail")]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
@@ -961,7 +962,8 @@ def test_pairs_of_a_told_copy_that_store_nothing_leave_every_reader_its_rows(dev
             16, device="cpu", ring_capacity=0, hash_mode=kc.HashMode.ALL,
             real_kv_sources=kc.layouts.per_layer([eng.rng.standard_normal((16, 2, 8)).astype(np.float32)]))
         before = to_numpy(eng.canary.context.canary_buf).copy()
-        eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1]),
+        past_the_end = int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1])
+        eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=past_the_end,
                                 dst_slots=int64s_on(device)(shared[2:4]))
         assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)
 

@@ -118,7 +118,7 @@ class SeedConfig:
     max_logged: int = 1024  # the canaries' max_logged_forwards: a few, so that polls every few forwards pass it
     graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
     records_told: bool = False  # records copied into a canary's pool through Canary.copy_records, not kc.copy_records
-    padded_pairs: bool = False  # each record copy's slot arrays padded with pairs that store nothing (a slot -1 or past the end)
+    padded_pairs: bool = False  # record copies padded with pairs that store nothing (a slot -1 or past the end)
 
     @property
     def hashes_kv(self) -> bool:
@@ -1538,8 +1538,8 @@ class FuzzEngine:
             view[on_new] = view[on_old]
         if records:
             for canary in [self.canary] + ([self.draft] if self.draft is not None else []):
-                self.copy_records(canary, src=canary.context, dst=canary.context, src_slots=np.asarray(old, np.int64),
-                                  dst_slots=np.asarray(new, np.int64))
+                self.copy_records(canary, src=canary.context, dst=canary.context,
+                                  src_slots=np.asarray(old, np.int64), dst_slots=np.asarray(new, np.int64))
         self.lut_host[new] = self.lut_host[old]
         self.lut_host[old] = 0
         if self.fault is not None:
