@@ -599,7 +599,8 @@ def main() -> int:
     counts: dict = {}
     for row in results:
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
-    summary = {"drawn": len(drawn), "judged": sum(row is not None for row in rows), "candidates": len(pool),
+    # a change --limit cut short is no more judged than one the deadline kept from starting
+    summary = {"drawn": len(drawn), "judged": len(results) - counts.get("unfinished", 0), "candidates": len(pool),
                "seed": args.seed,
                "checks": dataclasses.asdict(checks), "replay": args.replay, "verdicts": counts, "wall_s": round(time.perf_counter() - began, 1)}
     if args.json:
