@@ -10,6 +10,8 @@ import pytest
 import kvcanary_cupy as kc
 from _builders import snapshot
 from kvcanary_cupy._dlpack import cuda_device_count, from_host, parse_device
+from kvcanary_cupy.ops.batches import RecordCopy
+from kvcanary_cupy.ops.copy_records import run_record_copy, stored_destinations
 from _devices import HAS_CUDA, requires_gpu, to_device, to_numpy
 
 ALL = kc.HashMode.ALL
@@ -141,9 +143,6 @@ def test_pairs_out_of_range_store_nothing(device, tier):
 def test_the_destinations_a_copy_stored_are_those_of_its_pairs_in_range(device, tier):
     """What ``Canary.copy_records`` tells its poll: each pair's destination where both slots are in
     range, -1 for the pairs that stored nothing, on the destination's device."""
-    from kvcanary_cupy.ops.batches import RecordCopy
-    from kvcanary_cupy.ops.copy_records import run_record_copy, stored_destinations
-
     src, dst = _random_records(device, 40, 4), _random_records(tier, 24, 5)
     move = RecordCopy(src=src, dst=dst, src_slots=_i64([3, -1, 40, 2**40, 7, 0, 39, 12, 0, 9], device),
                       dst_slots=_i64([5, 6, 7, 8, -1, 24, 23, 2**62, 9, 0], tier))
