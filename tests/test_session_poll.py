@@ -760,6 +760,51 @@ def test_the_rows_a_full_ring_keeps_are_given_to_no_reader_after_a_hidden_one(de
 
 
 @pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("hidden_reader", [False, True])
+def test_rows_a_full_ring_keeps_named_without_a_step_are_given_to_no_reader_after_a_hidden_one(device, hidden_reader):
+    """a's KV at position 2 changes; x reads it in two forwards, and the ring, of two rows, keeps
+    the first HEAD and TAIL rows: x's, from one of its forwards, which the ring does not tell, so
+    they go to no one launch and name x without a step. Where y then reads the slot and its pool
+    row goes to w before the one poll, a row that went to no one launch is not known to come
+    before y's hidden read, and names no one."""
+    eng = _Engine(device, ring=2)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    _change_kv_at_2(eng, eng.requests["a"]["slots"])
+    eng.forward({"x": 1})
+    eng.forward({"x": 1})
+    if hidden_reader:
+        eng.forward({"y": 1})
+        _row_of_y_to_w(eng, eng.forward)
+    report = eng.canary.poll()
+    named = None if hidden_reader else "x"
+    assert [(e.phase, e.step, e.request) for e in report] == [("head", None, named), ("tail", None, named)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("hidden_reader", [False, True])
+def test_a_row_a_full_ring_keeps_with_a_step_and_no_request_keeps_no_step_after_a_hidden_reader(device, hidden_reader):
+    """a's KV at position 2 changes; x and z read it in one forward, and the ring, of one row,
+    keeps the first HEAD row, which either may have recorded: it tells the step and no request.
+    Where y then reads the slot and its pool row goes to w before the one poll, a full ring's
+    kept row may be y's, and tells its phase alone."""
+    eng = _Engine(device, ring=1)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    for name, row in (("x", 2), ("z", 4), ("y", 3)):
+        eng.add(name, row, share="a", shared=4)
+    _change_kv_at_2(eng, eng.requests["a"]["slots"])
+    eng.forward({"x": 1, "z": 1})
+    if hidden_reader:
+        eng.forward({"y": 1})
+        _row_of_y_to_w(eng, eng.forward)
+    report = eng.canary.poll()
+    assert [(e.phase, e.step, e.request) for e in report] == [("head", None if hidden_reader else 2, None)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
 def test_a_reader_handed_on_whose_launch_overflowed_takes_no_name_from_the_rows(device):
     """x and y share a's four tokens, y has four of its own; a's KV at position 2 changes, x reads
     it, then y's forward, eight entries past a verify capacity of six, checks nothing. y finishes
