@@ -683,6 +683,16 @@ def _a_read_by_x_then_y(device, every_forward: bool, *, between, before_x=None):
     return eng, forward, found, shared
 
 
+def _x_and_y_sharing_a(device, **engine) -> _Engine:
+    """a writes four tokens in pool row 1; x (row 2) and y (row 3) share them."""
+    eng = _Engine(device, **engine)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    eng.add("x", 2, share="a", shared=4)
+    eng.add("y", 3, share="a", shared=4)
+    return eng
+
+
 def _change_kv_at_2(eng: _Engine, shared: list) -> None:
     eng.k[shared[2], 0, 0] += 1.0
 
@@ -744,11 +754,7 @@ def test_the_rows_a_full_ring_keeps_are_given_to_no_reader_after_a_hidden_one(de
     and TAIL rows and drops x's. y finishes and its pool row goes to w before the one poll: a full
     ring keeps the first rows, which y may have recorded through the row it handed on, so they
     name no one, not x, the one reader whose entries are judged."""
-    eng = _Engine(device, ring=2)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
+    eng = _x_and_y_sharing_a(device, ring=2)
     _change_kv_at_2(eng, eng.requests["a"]["slots"])
     eng.forward({"y": 1})
     eng.forward({"x": 1})
@@ -767,11 +773,7 @@ def test_rows_a_full_ring_keeps_named_without_a_step_are_given_to_no_reader_afte
     they go to no one launch and name x without a step. Where y then reads the slot and its pool
     row goes to w before the one poll, a row that went to no one launch is not known to come
     before y's hidden read, and names no one."""
-    eng = _Engine(device, ring=2)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
+    eng = _x_and_y_sharing_a(device, ring=2)
     _change_kv_at_2(eng, eng.requests["a"]["slots"])
     eng.forward({"x": 1})
     eng.forward({"x": 1})
@@ -790,11 +792,8 @@ def test_a_row_a_full_ring_keeps_with_a_step_and_no_request_keeps_no_step_after_
     keeps the first HEAD row, which either may have recorded: it tells the step and no request.
     Where y then reads the slot and its pool row goes to w before the one poll, a full ring's
     kept row may be y's, and tells its phase alone."""
-    eng = _Engine(device, ring=1)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    for name, row in (("x", 2), ("z", 4), ("y", 3)):
-        eng.add(name, row, share="a", shared=4)
+    eng = _x_and_y_sharing_a(device, ring=1)
+    eng.add("z", 4, share="a", shared=4)
     _change_kv_at_2(eng, eng.requests["a"]["slots"])
     eng.forward({"x": 1, "z": 1})
     if hidden_reader:
@@ -810,11 +809,7 @@ def test_a_reader_handed_on_whose_launch_overflowed_takes_no_name_from_the_rows(
     it, then y's forward, eight entries past a verify capacity of six, checks nothing. y finishes
     and its pool row goes to w before the one poll: y's launch could have recorded no row, so the
     rows are x's still."""
-    eng = _Engine(device, verify_capacity=6)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
+    eng = _x_and_y_sharing_a(device, verify_capacity=6)
     eng.forward({"y": 4})
     _change_kv_at_2(eng, eng.requests["a"]["slots"])
     eng.forward({"x": 1})
@@ -857,11 +852,7 @@ def test_a_reader_handed_on_takes_no_name_from_rows_at_positions_it_did_not_chec
     at position 4 changes, x reads it, then y reads a's, finishes, and its pool row goes to w
     before the one poll. y checked positions 0-3 through the row it handed on, so x's rows at
     position 4 are x's still."""
-    eng = _Engine(device)
-    eng.add("a", 1)
-    eng.forward({"a": 4})
-    eng.add("x", 2, share="a", shared=4)
-    eng.add("y", 3, share="a", shared=4)
+    eng = _x_and_y_sharing_a(device)
     eng.forward({"x": 3})
     own = eng.requests["x"]["slots"][4]
     eng.k[own, 0, 0] += 1.0
