@@ -425,6 +425,8 @@ def test_sim_config_refuses_what_cannot_run():
                                                      r"1 <= low <= high, got \(0, 4\)$"),
                            (dict(output_len=(9, 3)), r"output_len must be a pair .* got \(9, 3\)$"),
                            (dict(output_len=[4, 2.5]), r"output_len must be a pair .* got \[4, 2.5\]$"),
+                           (dict(output_len=(2, 4, 8)), r"output_len must be a pair .* got \(2, 4, 8\)$"),
+                           (dict(prompt_len=16), r"prompt_len must be a pair .* got 16$"),
                            (dict(max_len=65), r"max_len must be >= template_len \+ 2 = 66 where requests share "
                                               r"templates, got 65 \(templates=0 shares none\)$")]:
         with pytest.raises(ValueError, match="^kv-canary: " + words):
