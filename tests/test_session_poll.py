@@ -998,8 +998,8 @@ def test_pairs_of_a_told_copy_that_store_nothing_leave_every_reader_its_rows(dev
             16, device="cpu", ring_capacity=0, hash_mode=kc.HashMode.ALL,
             real_kv_sources=kc.layouts.per_layer([eng.rng.standard_normal((16, 2, 8)).astype(np.float32)]))
         before = to_numpy(eng.canary.context.canary_buf).copy()
-        past_the_end = int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1])
-        eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=past_the_end,
+        out_of_range = int64s_on("cpu" if source == "host tier" else device)([src.num_slots, -1])
+        eng.canary.copy_records(src=src, dst=eng.canary.context, src_slots=out_of_range,
                                 dst_slots=int64s_on(device)(shared[2:4]))
         assert np.array_equal(to_numpy(eng.canary.context.canary_buf), before)
 
