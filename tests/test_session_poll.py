@@ -95,7 +95,9 @@ class _Engine:
                                 req_ids=list(extend) + [f"pad{i}" for i in range(padding_rows)])
         self.canary.before_forward(batch)
         n = len(slots)
-        self.k[i64(slots)] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32), self.device)
+        pooled = [slot for slot in slots if slot < SLOTS]  # a slot past the pool has no KV bytes
+        self.k[i64(pooled)] = to_device(self.rng.standard_normal((len(pooled), 2, 8)).astype(np.float32),
+                                        self.device)
         if hasattr(self, "lut"):
             self.swa_k[i64(self.lut[slots])] = to_device(self.rng.standard_normal((n, 2, 8)).astype(np.float32),
                                                           self.device)
@@ -112,6 +114,11 @@ class _Engine:
             self.table[request["row"], request["len"]] = slot
         self.sync()
         return slots
+
+    def hand_out_first(self, slots) -> None:
+        """The next slots handed out are ``slots``, in order, then the other free ones (``slots``
+        need not be free: a page freed while in use)."""
+        self.free = list(slots) + [slot for slot in self.free if slot not in slots]
 
     def finish(self, rid):
         """The request ends: its pool row cleared, its slots free again (handed out first, in
@@ -648,6 +655,46 @@ def test_rows_of_a_slot_written_again_are_not_given_to_its_clean_reader(device, 
     named = [("head", None, None, None), ("tail", None, None, None)] if clear_row else [
         ("head", 2, "a", 3), ("tail", 2, "a", 3)]
     assert [(e.phase, e.step, e.request, e.position) for e in eng.canary.poll()] == named
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_a_row_recorded_between_rewrites_of_its_slots_predecessor_and_the_slot_is_not_its_clean_readers(
+        device, every_forward):
+    """a (prompt 7000) writes seven tokens and reads them clean; d shares them; a finishes, its pool
+    row left as it was. c, the same prompt, prefills into a's freed slots in two chunks, the first
+    ending at position 2: the predecessor of position 3's slot is written again (the same record),
+    then that slot's KV changes, d reads it bad and finishes (its pool row cleared), then c's second
+    chunk writes the slot again, clean. Polled after each forward, the rows are d's; polled once at
+    the end, no launch whose entries are judged recorded them, and they are not a's: a row that does
+    not show its slot's record now came before the slot's last write, which is after the
+    predecessor's, so it may have been recorded after the predecessor was written again, and a's
+    launch read the predecessor's earlier record (the rows keep their phase alone)."""
+    eng = _Engine(device)
+    forward, found = _forwards_polled(eng, every_forward)
+    eng.add("a", 1, prompt=7000)
+    forward({"a": 6})
+    forward({"a": 1})
+    slots = list(eng.requests["a"]["slots"])
+    eng.add("d", 4, share="a", shared=7)
+    row = eng.table[1].copy()
+    eng.finish("a")
+    eng.table[1] = row
+    eng.hand_out_first(slots[:3])
+    eng.add("c", 3, prompt=7000)
+    forward({"c": 3})
+    eng.k[slots[3], 0, 0] += 1.0
+    eng.hand_out_first([s for s in eng.free if s not in slots][:1])
+    forward({"d": 1})
+    eng.finish("d")
+    eng.free = [slot for slot in eng.free if slot not in slots[:3]]  # c holds them
+    eng.hand_out_first(slots[3:])
+    forward({"c": 4})
+    forward({"c": 1})
+    found.extend(eng.canary.poll())
+    assert [(e.phase, e.step, e.request, e.position, e.slot) for e in found] == [
+        (phase, 4, "d", 3, slots[3]) if every_forward else (phase, None, None, None, slots[3])
+        for phase in ("head", "tail")]
 
 
 def _forwards_polled(eng: _Engine, every_forward: bool):
@@ -1400,7 +1447,7 @@ def _stale_row_events(device, every_forward: bool, twice: bool) -> list:
     eng.sync()
     eng.requests["b"]["row"] = 1
     taken = [4, 5, 6] + [13] * twice + [14, 3]  # c's prefill, b's decodes, then c's decode takes slot 3
-    eng.free = taken + [slot for slot in eng.free if slot not in taken]
+    eng.hand_out_first(taken)
     eng.add("c", 3)
     forwards = [{"c": 3}] + [{"b": 1}] * twice + [{"b": 1, "c": 1}]
     for extend in forwards:
@@ -1615,6 +1662,25 @@ def test_a_predecessor_cell_holding_the_pool_size_is_out_of_range_and_named(devi
     oor = ("OUT_OF_RANGE",)
     assert events == [("head", 2, "a", 2, SLOTS, oor), ("head", 2, "a", 3, after, oor),
                       ("tail", 2, "a", 2, SLOTS, oor), ("tail", 2, "a", 3, after, oor)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_a_slot_past_the_pool_that_a_later_write_is_handed_keeps_its_readers_rows(device):
+    """a's cell at position 2 holds the pool size and a forward reads it; then b's one token is
+    handed that slot. A write stores nothing outside the pool (SPEC §4), so the slot has no record
+    for the write to have given it since: a's rows are a's still, and b's write row b's."""
+    eng = _Engine(device)
+    eng.add("a", 1)
+    eng.forward({"a": 4})
+    after = eng.requests["a"]["slots"][3]
+    eng.table[1, 2] = SLOTS
+    eng.forward({"a": 1})
+    eng.add("b", 2)
+    eng.hand_out_first([SLOTS])
+    eng.forward({"b": 1})
+    assert [(e.phase, e.step, e.request, e.position, e.slot, e.reasons) for e in eng.canary.poll()] == [
+        (phase, 2, "a", position, slot, ("OUT_OF_RANGE",)) for phase in ("head", "tail")
+        for position, slot in ((2, SLOTS), (3, after))] + [("write", 3, "b", 0, SLOTS, ("OUT_OF_RANGE",))]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
