@@ -684,7 +684,7 @@ def test_a_row_recorded_between_rewrites_of_its_slots_predecessor_and_the_slot_i
     eng.add("c", 3, prompt=7000)
     forward({"c": 3})
     eng.k[slots[3], 0, 0] += 1.0
-    eng.hand_out_first([s for s in eng.free if s not in slots][:1])
+    eng.hand_out_first([s for s in eng.free if s not in slots][:1])  # d's next token not in a's slots
     forward({"d": 1})
     eng.finish("d")
     eng.free = [slot for slot in eng.free if slot not in slots[:3]]  # c holds them
