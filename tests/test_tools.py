@@ -106,6 +106,17 @@ def test_canary_fuzz_on_the_cpu_switches_the_canary_off_and_on_again(tmp_path, c
         assert row["injected"] and row["detected"] and row["fault_at"] >= work["resumed_at"]
 
 
+def test_canary_fuzz_on_the_cpu_sends_finished_prompts_again_into_the_slots_they_left(tmp_path, capsys):
+    """Seeds that share no prefix send a finished request's tokens again, handed its freed slots
+    first: tokens written into a slot that held the very same record (only the KV bytes new) are
+    no corruption, and a fault among them is still reported and named."""
+    # seeds 300-329 hold five such seeds, three of which write records alike
+    printed, rows, total = run_fuzz(tmp_path, capsys, start=300, seeds=30, forwards=30)
+    assert "repeated_prompts=on" in printed and total["injected"] >= 25
+    alike = [row["work"].get("records_alike", 0) for row in rows if row["config"]["repeated_prompts"]]
+    assert len(alike) == 5 and sum(count > 0 for count in alike) == 3 and sum(alike) >= 10
+
+
 def test_canary_fuzz_on_the_cpu_loads_back_a_tier_prefix_whose_tokens_another_kept_prefix_shares(tmp_path, capsys):
     """Seed 12369 keeps two prefixes with the same tokens in the host tier and loads one back: the
     fuzz takes that very one out of the tier, not one equal to it (a comparison of their arrays

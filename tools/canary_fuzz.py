@@ -7,11 +7,12 @@ Each seed draws an engine (the real-KV layout or none, hash mode, an SWA group, 
 speculative chains or trees, static forwards, CUDA graphs on a GPU (half of them, once captured,
 kept by the engine as graphs alone), a host tier, compaction, a verify capacity small enough to
 overflow, poll and sweep periods, prefix sharing between requests and from a cache of finished
-requests' prefixes, evicted prefixes kept in the host tier and loaded back for a later sharer, an
-EAGLE draft model with a canary of its own, eager or through static forwards, the canary off
-throughout, or switched off for a few forwards and on again once every request live while it was off
-has finished (no admissions meanwhile, the prefixes kept from those requests dropped, its graphs
-captured anew; a fault comes after), a launch log of a few forwards (``max_logged_forwards``) that
+requests' prefixes, evicted prefixes kept in the host tier and loaded back for a later sharer, a
+finished request's tokens sent again where no prefix is shared, into the slots it left (the records
+they held written again as they were), an EAGLE draft model with a canary of its own, eager
+or through static forwards, the canary off throughout, or switched off for a few forwards and on
+again once every request live while it was off has finished (no admissions meanwhile, the prefixes
+kept from those requests dropped, its graphs captured anew; a fault comes after), a launch log of a few forwards (``max_logged_forwards``) that
 polls every few forwards pass, and on a GPU torch tensors as batch and static forwards' arrays and a
 stream of the canary's own, for its record copies too) and a workload of chunked prefills, decodes,
 finishing requests and reused slots and rows, and runs it twice. In the clean run any violation is a
@@ -119,6 +120,10 @@ class SeedConfig:
     graphs_only: bool = False  # GPU: once captured, the engine keeps a static forward's graphs, not the forward
     records_told: bool = False  # records copied into a canary's pool through Canary.copy_records, not kc.copy_records
     padded_pairs: bool = False  # record copies padded with pairs that store nothing (a slot -1 or past the end)
+    # with no prefix sharing, a new request may send a finished request's tokens again, prefilled
+    # anew into that request's slots where they came free (an allocator that hands freed slots out
+    # again first, in order): records alike to those the slots held, only the KV bytes new
+    repeated_prompts: bool = False
 
     @property
     def hashes_kv(self) -> bool:
@@ -152,7 +157,7 @@ class SeedConfig:
                 f"pause={on[self.pause_at > 0]}", f"log_cap={'few' if self.max_logged < 1024 else 'default'}",
                 f"graphs_only={on[self.graphs_only]}",
                 f"records_in={'told' if self.records_told else 'kc' if self.host_tier or self.compaction else 'n/a'}",
-                f"padded_pairs={on[self.padded_pairs]}"]
+                f"padded_pairs={on[self.padded_pairs]}", f"repeated_prompts={on[self.repeated_prompts]}"]
 
 
 def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
@@ -219,6 +224,11 @@ def draw_config(seed: int, device: str, torch_ok: bool = False) -> SeedConfig:
         config = dataclasses.replace(config, records_told=True)
     if np.random.default_rng([seed, 11]).random() < 0.5 and (config.host_tier or config.compaction):
         config = dataclasses.replace(config, padded_pairs=True)
+    # with prefixes shared, a prompt sent again would share its cached slots: only an engine that
+    # shares none prefills it anew (a generator of its own, keyed so that the seeds
+    # tests/test_tools.py pins for other features keep the workloads they were pinned for)
+    if not config.prefix_sharing and np.random.default_rng([seed, 44]).random() < 0.5:
+        config = dataclasses.replace(config, repeated_prompts=True)
     return config
 
 
@@ -568,6 +578,8 @@ class FuzzEngine:
             self.tier_free = collections.deque(range(1, tier_slots))
         self.requests: list[Request] = []
         self.cache: list[CachedPrefix] = []
+        self.finished_tokens: Optional[np.ndarray] = None  # the last finished request's, with repeated_prompts
+        self.freed_from: dict = {}  # with repeated_prompts: slot -> (request, position) it held before it came free
         self.statics: dict = {}  # the target canary's static forwards by padded shape
         self.draft_statics: dict = {}  # the draft canary's
         self.tally = collections.Counter()
@@ -791,6 +803,9 @@ class FuzzEngine:
         k, rng = len(shared), self.rng
         total = int(rng.integers(k + 2, self.c.max_len + 1))
         tokens = rng.integers(1, VOCAB, total)
+        if self.c.repeated_prompts and self.finished_tokens is not None and rng.random() < 0.5:
+            again = min(total, len(self.finished_tokens))
+            tokens[:again] = self.finished_tokens[:again]
         tokens[:len(prefix_tokens)] = prefix_tokens
         row = self.free_rows.popleft()
         if row in self.rows_read:
@@ -825,6 +840,9 @@ class FuzzEngine:
         elif self.free:
             slot = self.free.popleft()
             self.refs[slot] = 1
+            before = self.freed_from.pop(slot, None)
+            if kept and before is not None and same_history(owner, position, *before):
+                self.tally["records_alike"] += 1  # a repeated prompt's record where the slot held it
         else:
             raise RuntimeError("fuzz engine: the pool ran out of slots (the fuzz sized it wrong)")
         if with_swa and self.c.swa_window:
@@ -853,6 +871,13 @@ class FuzzEngine:
                 self.keep_prefix(request)
             for slot in request.slots:
                 self.release_slot(slot)
+            if self.c.repeated_prompts:  # its freed slots handed out next, in its order
+                free = set(self.free)
+                freed = [slot for slot in request.slots if slot in free]
+                self.free = collections.deque(freed + [slot for slot in self.free if slot not in set(freed)])
+                self.finished_tokens = request.tokens
+                self.freed_from.update((slot, (request, position)) for position, slot in enumerate(request.slots)
+                                       if slot in free)
             self.free_rows.append(request.row)
             self.requests.remove(request)
             self.tally["finished"] += 1
