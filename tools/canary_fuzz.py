@@ -9,29 +9,29 @@ kept by the engine as graphs alone), a host tier, compaction, a verify capacity 
 overflow, poll and sweep periods, prefix sharing between requests and from a cache of finished
 requests' prefixes, evicted prefixes kept in the host tier and loaded back for a later sharer, a
 finished request's tokens sent again where no prefix is shared, into the slots it left (the records
-they held written again as they were), an EAGLE draft model with a canary of its own, eager
-or through static forwards, the canary off throughout, or switched off for a few forwards and on
-again once every request live while it was off has finished (no admissions meanwhile, the prefixes
-kept from those requests dropped, its graphs captured anew; a fault comes after), a launch log of a few forwards (``max_logged_forwards``) that
-polls every few forwards pass, and on a GPU torch tensors as batch and static forwards' arrays and a
-stream of the canary's own, for its record copies too) and a workload of chunked prefills, decodes,
-finishing requests and reused slots and rows, and runs it twice. In the clean run any violation is a
-false positive, and the counters the canary exposes (forwards, skipped verify launches, each group's
-kernel and slot run counters) must equal what the engine asked of it while it was on; with
-``mode="off"`` throughout they must all read zero and no record may be written. In the second run
-(none for mode "off") one corruption the configuration is documented to catch is injected (a KV byte
-flipped on the device, in the host tier, in a cached prefix no request holds, on the device or in
-the host tier, or in the draft model's KV, a live slot written by another request, a
-``req_to_token`` cell pointed at another request's slot, a dropped write, a wrong token id, a draft
-model's KV written for the wrong token), now and then on a slot that several requests share, and
-must be reported, and the reports must name the request it harms and the position it harms
-(:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A row of ``--json`` is one
-seed: its configuration, the clean run's findings and counter mismatches, the fault and whether it
-was reported and named; the table sums the rows by feature. With ``--brief-rows`` a seed that ran
-clean keeps only its outcome and its work (``BRIEF_FIELDS``): the configuration is the seed's, and
-``--start SEED --seeds 1`` draws it again; a failing seed's row stays whole. A ``--json`` path that
-ends in ``.xz`` is written compressed. The exit status is 1 when any seed had a false positive, a
-counter mismatch, a missed or misnamed fault or a crash.
+they held written again as they were), an EAGLE draft model with a canary of its own, eager or
+through static forwards, the canary off throughout, or switched off for a few forwards and on again
+once every request live while it was off has finished (no admissions meanwhile, the prefixes kept
+from those requests dropped, its graphs captured anew; a fault comes after), a launch log of a few
+forwards (``max_logged_forwards``) that polls every few forwards pass, and on a GPU torch tensors as
+batch and static forwards' arrays and a stream of the canary's own, for its record copies too) and a
+workload of chunked prefills, decodes, finishing requests and reused slots and rows, and runs it
+twice. In the clean run any violation is a false positive, and the counters the canary exposes
+(forwards, skipped verify launches, each group's kernel and slot run counters) must equal what the
+engine asked of it while it was on; with ``mode="off"`` throughout they must all read zero and no
+record may be written. In the second run (none for mode "off") one corruption the configuration is
+documented to catch is injected (a KV byte flipped on the device, in the host tier, in a cached
+prefix no request holds, on the device or in the host tier, or in the draft model's KV, a live slot
+written by another request, a ``req_to_token`` cell pointed at another request's slot, a dropped
+write, a wrong token id, a draft model's KV written for the wrong token), now and then on a slot
+that several requests share, and must be reported, and the reports must name the request it harms
+and the position it harms (:meth:`FuzzEngine.misnamed`). An exception in either run is a crash. A
+row of ``--json`` is one seed: its configuration, the clean run's findings and counter mismatches,
+the fault and whether it was reported and named; the table sums the rows by feature. With
+``--brief-rows`` a seed that ran clean keeps only its outcome and its work (``BRIEF_FIELDS``): the
+configuration is the seed's, and ``--start SEED --seeds 1`` draws it again; a failing seed's row
+stays whole. A ``--json`` path that ends in ``.xz`` is written compressed. The exit status is 1 when
+any seed had a false positive, a counter mismatch, a missed or misnamed fault or a crash.
 """
 
 from __future__ import annotations
@@ -873,11 +873,10 @@ class FuzzEngine:
                 self.release_slot(slot)
             if self.c.repeated_prompts:  # its freed slots handed out next, in its order
                 free = set(self.free)
-                freed = [slot for slot in request.slots if slot in free]
-                self.free = collections.deque(freed + [slot for slot in self.free if slot not in set(freed)])
+                freed = {slot: (request, position) for position, slot in enumerate(request.slots) if slot in free}
+                self.free = collections.deque(list(freed) + [slot for slot in self.free if slot not in freed])
                 self.finished_tokens = request.tokens
-                self.freed_from.update((slot, (request, position)) for position, slot in enumerate(request.slots)
-                                       if slot in free)
+                self.freed_from.update(freed)
             self.free_rows.append(request.row)
             self.requests.remove(request)
             self.tally["finished"] += 1
